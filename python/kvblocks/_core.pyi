@@ -1,0 +1,271 @@
+"""Type stubs for ``kvblocks._core``, the compiled Rust block manager.
+
+This file is the contract of the Python API. ``tests/core/test_stubs.py`` checks it
+against the compiled module with ``mypy.stubtest``; keep the two in sync.
+
+Conventions shared by every method:
+
+* Sequence ids are Python ints in ``[0, 2**63)``; batch methods take them as a 1-D
+  integer array (any NumPy integer dtype or a list).
+* Token ids are ints in ``[0, 2**32)``; they may be passed as a list or a 1-D NumPy
+  integer array.
+* Arrays are returned as NumPy arrays built in Rust: block ids ``int32``, cache slots
+  and swap/copy mappings ``int64``.
+* Block id ``0`` is the *null block* (:attr:`KVCacheManager.null_block`): it is never
+  allocated, so every entry of a block table, padding included, indexes valid cache
+  memory. A pool of ``num_blocks`` therefore has ``num_blocks - 1`` usable blocks.
+* Every error is a :class:`kvblocks.KVBlocksError` subclass, and a call that raises
+  (or returns ``None`` for lack of blocks) leaves the manager exactly as it was,
+  free-queue order included.
+* The object is safe to share between threads; long calls release the GIL.
+"""
+
+from collections.abc import Sequence
+from typing import ClassVar, Literal, Optional, Union, final
+
+import numpy as np
+import numpy.typing as npt
+
+_TokenIds = Union[Sequence[int], npt.NDArray[np.integer]]
+_SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
+_IntOrArray = Union[int, Sequence[int], npt.NDArray[np.integer]]
+
+__version__: str
+
+@final
+class AllocStatus:
+    """Answer of :meth:`KVCacheManager.can_allocate`."""
+
+    OK: ClassVar["AllocStatus"]
+    """Enough free blocks now, with the watermark kept free."""
+    LATER: ClassVar["AllocStatus"]
+    """Not enough free blocks now; may fit once others finish."""
+    NEVER: ClassVar["AllocStatus"]
+    """Can never fit: the sequence needs more blocks than the pool minus the watermark."""
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __int__(self) -> int: ...
+    def __hash__(self) -> int: ...
+
+@final
+class BlockStored:
+    """KV cache event: full blocks entered the prefix cache (one event per block run)."""
+
+    @property
+    def block_hashes(self) -> list[bytes]: ...
+    @property
+    def parent_block_hash(self) -> Optional[bytes]: ...
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens of all stored blocks, concatenated (``block_size`` per block)."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def lora_id(self) -> Optional[int]: ...
+
+@final
+class BlockRemoved:
+    """KV cache event: blocks left the prefix cache (evicted or reset)."""
+
+    @property
+    def block_hashes(self) -> list[bytes]: ...
+
+@final
+class AllBlocksCleared:
+    """KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``."""
+
+@final
+class KVCacheManager:
+    """Paged KV-cache block manager: block pools, prefix cache, block tables, CoW, swap.
+
+    Args:
+        num_blocks: GPU blocks in the pool, the null block included (so ``>= 2``).
+        block_size: tokens per block (``>= 1``).
+        num_cpu_blocks: blocks in the CPU pool used by ``swap_out``/``swap_in``.
+        enable_prefix_caching: share full blocks between sequences by content hash.
+        hash_algo: ``"blake3"`` (cryptographic, the default) or ``"xxh3_128"`` (faster,
+            for single-tenant deployments).
+        watermark: fraction of GPU blocks kept free at admission (``can_allocate`` and
+            ``can_swap_in``) so running sequences can keep growing; in ``[0, 1)``.
+        sliding_window: if set, blocks wholly outside the attention window of every
+            future query are released at ``commit`` and replaced by the null block.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        hash_algo: Literal["blake3", "xxh3_128"] = "blake3",
+        watermark: float = 0.01,
+        sliding_window: Optional[int] = None,
+    ) -> None: ...
+
+    # -- configuration ---------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def hash_algo(self) -> str: ...
+    @property
+    def watermark(self) -> float: ...
+    @property
+    def sliding_window(self) -> Optional[int]: ...
+    @property
+    def null_block(self) -> int:
+        """The reserved block id (0) used for padding and released window blocks."""
+
+    # -- pool state ------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        """Free GPU blocks, cached-but-unreferenced ones included (at most ``num_blocks - 1``)."""
+    def num_free_cpu_blocks(self) -> int: ...
+    def usage(self) -> float:
+        """Fraction of usable GPU blocks referenced by some sequence."""
+    def __len__(self) -> int:
+        """Number of sequences held (running and swapped)."""
+    def __contains__(self, seq_id: int) -> bool: ...
+    def seq_ids(self) -> npt.NDArray[np.int64]: ...
+
+    # -- sequences -------------------------------------------------------------------
+    def add_sequence(
+        self,
+        seq_id: int,
+        token_ids: _TokenIds,
+        *,
+        cache_salt: Union[str, bytes, None] = None,
+        lora_id: Optional[int] = None,
+    ) -> int:
+        """Register a sequence and its prompt; return how many leading tokens are cached.
+
+        Hashes the prompt's full blocks once (released GIL) and probes the prefix cache
+        without claiming anything. The hit is whole blocks and never the whole prompt:
+        at most ``floor((len(token_ids) - 1) / block_size)`` blocks, so the last prompt
+        token is always computed.
+        """
+    def has_sequence(self, seq_id: int) -> bool: ...
+    def num_tokens(self, seq_id: int) -> int:
+        """Known tokens of the sequence: prompt plus committed sampled tokens."""
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """Tokens whose KV is in the cache.
+
+        Before the first ``allocate_slots`` this is the cached prefix the sequence would
+        claim now (it can shrink through eviction, never grow past what ``add_sequence``
+        returned); afterwards the committed count.
+        """
+    def num_cached_tokens(self, seq_id: int) -> int:
+        """Prompt tokens served from the prefix cache (claimed, or the probe before the claim)."""
+    def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]: ...
+    def is_swapped(self, seq_id: int) -> bool: ...
+    def probe_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Batch form of ``num_computed_tokens`` for ordering waiting sequences (lpm)."""
+
+    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
+        """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
+
+        Blocks of its cached prefix that other sequences already use cost nothing; cached
+        blocks sitting in the free queue count as taken. ``NEVER`` when the sequence needs
+        more blocks than ``num_blocks - 1 - watermark_blocks``.
+        """
+
+    def allocate_slots(
+        self, seq_id: int, num_new_tokens: int, *, num_lookahead_tokens: int = 0
+    ) -> Optional[npt.NDArray[np.int32]]:
+        """Reserve KV slots for ``computed + num_new_tokens + num_lookahead_tokens`` tokens.
+
+        The first call claims the cached prefix. ``computed + num_new_tokens`` must not
+        exceed ``num_tokens`` (speculative drafts go through ``num_lookahead_tokens``).
+        If the next write would land in a block that is shared (forked) the block is
+        copied first and the ``(src, dst)`` pair queued for ``take_copy_on_writes``.
+
+        Returns the block ids this call took from the free pool (CoW replacements, then
+        appended blocks, in table order), possibly empty; or ``None`` with the state
+        unchanged when the pool is short. The watermark does not apply here.
+        """
+    def allocate_slots_batch(
+        self, seq_ids: _SeqIds, num_new_tokens: _IntOrArray, *, num_lookahead_tokens: int = 0
+    ) -> int:
+        """``allocate_slots`` for many sequences in one call; returns how many succeeded.
+
+        Sequences are served in order and the call stops at the first one the pool cannot
+        serve: the first ``k`` (the return value) have their slots, the rest are untouched,
+        so a scheduler can preempt and retry from ``k``. Arguments are validated for the
+        whole batch before anything changes.
+        """
+    def commit(self, seq_id: int, num_new_computed_tokens: int, new_token_ids: _TokenIds = ()) -> None:
+        """The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens.
+
+        ``num_new_computed_tokens`` is a delta; the computed count may not exceed the
+        reserved slots nor the tokens known before this call. Blocks that became full enter
+        the prefix cache; with a sliding window, blocks now wholly outside it are released.
+        Ends the allocate/commit round (uncommitted lookahead reservations are dropped).
+        """
+    def commit_batch(
+        self,
+        seq_ids: _SeqIds,
+        num_new_computed_tokens: _IntOrArray,
+        new_token_ids: Optional[_IntOrArray] = None,
+    ) -> None:
+        """``commit`` for many sequences: at most one new token each (``< 0`` means none).
+
+        All-or-nothing: every entry is validated before any sequence changes.
+        """
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` share every block and token of ``parent_id`` (refcounts + 1).
+
+        Commit the parent's KV first; forking a sequence between ``allocate_slots`` and
+        ``commit`` raises :class:`SequenceStateError`.
+        """
+    def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
+        """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``."""
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks (last block first) and forget it.
+
+        Unhashed blocks go to the front of the free queue (reused first); cached blocks to
+        the back, so a prompt's tail is evicted before its head. Works on swapped sequences.
+        """
+
+    # -- swap ------------------------------------------------------------------------
+    def can_swap_out(self, seq_ids: _SeqIds) -> bool: ...
+    def can_swap_in(self, seq_ids: _SeqIds) -> bool:
+        """Enough free GPU blocks for the sequences' distinct blocks, keeping the watermark."""
+    def swap_out(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Move the sequences' blocks to the CPU pool; return ``(gpu, cpu)`` rows ``[n, 2]``.
+
+        A GPU block shared by several of the given sequences maps to one CPU block.
+        Raises :class:`OutOfBlocksError` (state unchanged) if the CPU pool is short.
+        """
+    def swap_in(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Move swapped sequences back; return ``(cpu, gpu)`` rows ``[n, 2]``, sharing kept."""
+
+    # -- step inputs -------------------------------------------------------------------
+    def block_table(self, seq_id: int) -> npt.NDArray[np.int32]: ...
+    def block_tables(
+        self, seq_ids: _SeqIds, *, max_blocks: Optional[int] = None
+    ) -> npt.NDArray[np.int32]:
+        """2-D block tables, padded with the null block to the longest (or ``max_blocks``)."""
+    def slot_mapping(
+        self, seq_ids: _SeqIds, num_tokens: Optional[_IntOrArray] = None
+    ) -> npt.NDArray[np.int64]:
+        """Cache slots (``block * block_size + offset``) of the tokens computed this step.
+
+        For each sequence the tokens ``[computed, computed + n)`` where ``n`` is its entry of
+        ``num_tokens`` (default: every known but uncomputed token), concatenated.
+        """
+
+    # -- prefix cache, events, stats -------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only when no block is in use. Returns success."""
+    def take_events(self) -> list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
+        """Drain the KV cache events recorded since the last call (empty without caching)."""
+    def stats(self) -> dict[str, Union[int, float]]:
+        """Counters: usage, free blocks, prefix-cache queries/hits (tokens), evictions,
+        copy-on-write copies, blocks swapped out/in, sequences."""
+    def check_invariants(self) -> None:
+        """Verify every structural invariant; raise :class:`InvariantViolationError` if one fails."""
