@@ -1,0 +1,124 @@
+"""Per-request generation parameters (:class:`SamplingParams`).
+
+One frozen record per request, validated on construction so that the scheduler and
+the engine can trust every field. The scheduler reads the stop conditions and the
+number of sequences; the engine's sampler reads the sampling fields, which the
+scheduler forwards per sampling row in :class:`kvblocks.scheduler.SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvblocks.errors import InvalidArgumentError
+
+__all__ = ["SamplingParams"]
+
+_MAX_TOKEN_ID = 2**32
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate the completion(s) of one request.
+
+    Attributes:
+        max_tokens: most tokens generated per sequence (``>= 1``).
+        temperature: softmax temperature; ``0`` means greedy (argmax).
+        top_p: nucleus sampling mass in ``(0, 1]``; ``1`` disables it.
+        top_k: keep the ``k`` most likely tokens; ``0`` disables it.
+        seed: seed of the request's own random generator (reproducible sampling);
+            ``None`` uses the engine's global generator.
+        n: completions returned. With sampling, ``n`` sequences are sampled from the
+            prompt (parallel sampling through fork + copy-on-write). With beam search,
+            the ``n`` best of the ``beam_width`` final beams are returned (``n <=
+            beam_width``).
+        beam_width: ``> 1`` turns on beam search with that many beams; the sampling
+            fields (temperature, top_p, top_k, seed) are then ignored.
+        length_penalty: beam score is ``cumulative_logprob / len ** length_penalty``.
+        stop_token_ids: sampling one of these finishes the sequence (reason ``"stop"``);
+            the stop token is kept in the output.
+        ignore_eos: keep generating after the request's EOS token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("top_k", self.top_k, 0)
+        _check_int("n", self.n, 1)
+        _check_int("beam_width", self.beam_width, 1)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        temperature = _as_float("temperature", self.temperature)
+        if not temperature >= 0.0:
+            raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
+        length_penalty = _as_float("length_penalty", self.length_penalty)
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise InvalidArgumentError(
+                f"n ({self.n}) must be <= beam_width ({self.beam_width}) with beam search"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        stop = _as_token_tuple(self.stop_token_ids)
+        # Frozen dataclass: normalised values are written through object.__setattr__.
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "length_penalty", length_penalty)
+        object.__setattr__(self, "stop_token_ids", stop)
+
+    @property
+    def use_beam_search(self) -> bool:
+        """True when ``beam_width > 1``."""
+        return self.beam_width > 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the request runs at once: ``beam_width`` with beam search, else ``n``."""
+        return self.beam_width if self.beam_width > 1 else self.n
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+    result = float(value)
+    if result != result or result in (float("inf"), float("-inf")):
+        raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+def _as_token_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(v) for v in values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"stop_token_ids must be an iterable of ints, got {values!r}"
+        ) from exc
+    for token in tokens:
+        if not 0 <= token < _MAX_TOKEN_ID:
+            raise InvalidArgumentError(f"stop token id {token} is outside [0, 2**32)")
+    return tokens

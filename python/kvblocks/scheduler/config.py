@@ -1,0 +1,67 @@
+"""Scheduler limits and policies (:class:`SchedulerConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvblocks.errors import InvalidArgumentError
+
+__all__ = ["POLICIES", "PREEMPTION_MODES", "SchedulerConfig"]
+
+POLICIES = ("fcfs", "priority", "lpm")
+"""Admission orders of the waiting queue."""
+
+PREEMPTION_MODES = ("recompute", "swap")
+"""How a running request gives its blocks back when the pool runs short."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduling step and the scheduler's policies.
+
+    Attributes:
+        max_num_batched_tokens: most tokens computed in one step (decodes count 1 each).
+        max_num_seqs: most sequences computed in one step (each sequence of an ``n > 1``
+            or beam request counts).
+        policy: order in which waiting requests are admitted:
+            ``"fcfs"`` (arrival time), ``"priority"`` (``Request.priority``, smaller first,
+            then arrival) or ``"lpm"`` (longest cached prefix first, then arrival; a
+            cache-aware order as in SGLang).
+        preemption_mode: ``None`` (auto: recompute single-sequence requests, swap
+            multi-sequence ones), ``"recompute"`` or ``"swap"``. Multi-sequence requests
+            always swap (recompute would lose the forked sequences); see
+            docs/scheduler-engine-interface.md for what happens when the CPU pool is short.
+        enable_chunked_prefill: split prompts longer than the remaining token budget
+            across steps. Off: a prompt is scheduled whole or waits (and a prompt longer
+            than ``max_num_batched_tokens`` is rejected at ``add_request``).
+        num_lookahead_tokens: extra slots reserved per decode step (speculative decoding).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    policy: str = "fcfs"
+    preemption_mode: str | None = None
+    enable_chunked_prefill: bool = True
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("max_num_batched_tokens", 1),
+            ("max_num_seqs", 1),
+            ("num_lookahead_tokens", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.policy not in POLICIES:
+            raise InvalidArgumentError(
+                f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
+            )
+        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidArgumentError(
+                f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise InvalidArgumentError(
+                f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
+            )

@@ -1,0 +1,165 @@
+"""The two records exchanged every step between the scheduler and the engine.
+
+:class:`SchedulerOutput` is what ``Scheduler.schedule()`` returns: flat NumPy arrays
+describing one forward pass over a mixed batch (decodes first, then prefill chunks).
+:class:`ModelStepResult` is what the engine hands back to ``Scheduler.update()``.
+
+Shapes use ``S`` = sequences computed this step, ``T`` = tokens computed this step,
+``B`` = block-table width, ``R`` = sampling rows (sequences whose last computed token
+produces logits this step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ModelStepResult", "SchedulerOutput"]
+
+
+def _empty_pairs() -> npt.NDArray[np.int64]:
+    return np.zeros((0, 2), dtype=np.int64)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch.
+
+    The engine applies ``blocks_to_swap_out``, then ``blocks_to_swap_in``, then
+    ``blocks_to_copy``, then runs the forward pass over the batch, then computes logits
+    only at ``logits_indices`` and samples/ranks them row by row.
+
+    Attributes:
+        seq_ids: int64 [S] sequence ids, batch order: decodes first, then prefill chunks.
+        num_scheduled_tokens: int32 [S] tokens computed for each sequence this step.
+        input_token_ids: int64 [T] the tokens fed to the model, sequence after sequence.
+        positions: int64 [T] absolute position of each token in its sequence.
+        slot_mapping: int64 [T] cache slot (``block * block_size + offset``) where each
+            token's K/V is written.
+        query_start_loc: int32 [S+1] prefix sums of ``num_scheduled_tokens``; sequence
+            ``i``'s tokens are ``[query_start_loc[i], query_start_loc[i+1])``.
+        seq_lens: int32 [S] context length of each sequence after this step (cached +
+            previously computed + scheduled).
+        block_tables: int32 [S, B] block tables, padded with the null block (0).
+        logits_indices: int64 [R] index into the ``T`` tokens of the last token of each
+            sequence that samples this step (a prefill chunk that does not finish its
+            prompt does not sample). Rows are in batch order.
+        sample_seq_ids: int64 [R] the sequence id of each row.
+        sample_request_ids: list[str] [R] the request id of each row (for per-request
+            generator state such as seeded sampling).
+        sample_counts: int32 [R] tokens to draw from each row: ``n`` for the prompt row of
+            an ``n > 1`` sampling request, ``0`` for beam-search rows (they are ranked
+            through ``topk_*`` instead), else ``1``.
+        temperature: float32 [R] (0 = greedy).
+        top_p: float32 [R].
+        top_k: int32 [R] (0 = off).
+        seeds: int64 [R] the request's seed, ``-1`` for none. Seeded rows should draw
+            from a generator owned by the request (keyed by ``sample_request_ids``),
+            created from the seed the first time the request is seen, and dropped when
+            it appears in ``finished_request_ids``.
+        beam_topk: 0, or ``K`` = 2 * the largest beam width among the rows: the engine
+            then also returns the top-``K`` log-probs (log-softmax of the raw logits,
+            temperature ignored) of every row.
+        blocks_to_swap_out: int64 [n, 2] ``(gpu_block, cpu_block)`` copies.
+        blocks_to_swap_in: int64 [n, 2] ``(cpu_block, gpu_block)`` copies.
+        blocks_to_copy: int64 [n, 2] ``(src_gpu_block, dst_gpu_block)`` copy-on-write copies.
+        num_prefill_tokens: tokens of prefill chunks in this step.
+        num_decode_tokens: tokens of decode sequences in this step.
+        num_decode_seqs: the first ``num_decode_seqs`` entries of ``seq_ids`` are decodes
+            (one token each, past the prompt); the rest are prefill chunks.
+        finished_request_ids: requests finished or aborted since the previous step; the
+            engine may drop any per-request state it keeps for them.
+    """
+
+    seq_ids: npt.NDArray[np.int64]
+    num_scheduled_tokens: npt.NDArray[np.int32]
+    input_token_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    block_tables: npt.NDArray[np.int32]
+    logits_indices: npt.NDArray[np.int64]
+    sample_seq_ids: npt.NDArray[np.int64]
+    sample_request_ids: list[str]
+    sample_counts: npt.NDArray[np.int32]
+    temperature: npt.NDArray[np.float32]
+    top_p: npt.NDArray[np.float32]
+    top_k: npt.NDArray[np.int32]
+    seeds: npt.NDArray[np.int64]
+    beam_topk: int = 0
+    blocks_to_swap_out: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
+    blocks_to_swap_in: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
+    blocks_to_copy: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_decode_seqs: int = 0
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        """``S``: sequences computed this step."""
+        return int(self.seq_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``: tokens computed this step."""
+        return int(self.input_token_ids.shape[0])
+
+    @property
+    def num_sample_rows(self) -> int:
+        """``R``: rows that produce logits this step."""
+        return int(self.logits_indices.shape[0])
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute (there may still be swap/copy work)."""
+        return self.num_seqs == 0
+
+    @classmethod
+    def empty(cls, num_block_columns: int = 1) -> SchedulerOutput:
+        """A step with no sequences (used when nothing can be scheduled)."""
+        i32 = np.zeros(0, dtype=np.int32)
+        i64 = np.zeros(0, dtype=np.int64)
+        return cls(
+            seq_ids=i64,
+            num_scheduled_tokens=i32,
+            input_token_ids=i64,
+            positions=i64,
+            slot_mapping=i64,
+            query_start_loc=np.zeros(1, dtype=np.int32),
+            seq_lens=i32,
+            block_tables=np.zeros((0, num_block_columns), dtype=np.int32),
+            logits_indices=i64,
+            sample_seq_ids=i64,
+            sample_request_ids=[],
+            sample_counts=i32,
+            temperature=np.zeros(0, dtype=np.float32),
+            top_p=np.zeros(0, dtype=np.float32),
+            top_k=i32,
+            seeds=i64,
+        )
+
+
+@dataclass
+class ModelStepResult:
+    """What the engine computed for a :class:`SchedulerOutput`.
+
+    Attributes:
+        sampled_token_ids: int64 [sum(sample_counts)] drawn tokens, row after row (row
+            ``r`` contributes ``sample_counts[r]`` tokens).
+        sampled_logprobs: float32 [sum(sample_counts)] log-prob of each drawn token
+            (under the distribution it was drawn from, or the raw log-softmax; the
+            scheduler only accumulates it into ``cumulative_logprob``).
+        topk_token_ids: int64 [R, K] the ``K = beam_topk`` most likely tokens of every
+            row, best first; ``None`` when ``beam_topk == 0``.
+        topk_logprobs: float32 [R, K] their log-probs (log-softmax of the raw logits);
+            ``None`` when ``beam_topk == 0``.
+    """
+
+    sampled_token_ids: npt.NDArray[np.int64]
+    sampled_logprobs: npt.NDArray[np.float32] | None = None
+    topk_token_ids: npt.NDArray[np.int64] | None = None
+    topk_logprobs: npt.NDArray[np.float32] | None = None
