@@ -1,0 +1,184 @@
+//! Content hashes of full blocks: the prefix-cache key.
+//!
+//! A block's hash chains, each field tagged and length-prefixed so that no two
+//! different field sequences can feed the same bytes to the hash function:
+//!
+//! ```text
+//! H( "kvblocks/block/v1",
+//!    parent:    0x00                      (first block of a sequence)
+//!             | 0x01 len:u8 parent-digest (otherwise),
+//!    namespace: len:u8 namespace-digest,
+//!    tokens:    count:u32le token:u32le* )
+//! ```
+//!
+//! The namespace digest covers the extra keys, hashed once per sequence:
+//!
+//! ```text
+//! H( "kvblocks/namespace/v1",
+//!    salt: 0x00 | 0x01 len:u64le bytes,    (None and b"" differ)
+//!    lora: 0x00 | 0x01 id:u64le )          (None and Some(0) differ)
+//! ```
+//!
+//! So blocks of different salts or LoRA ids never share a hash.
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+
+use crate::config::HashAlgo;
+
+const BLOCK_TAG: &[u8] = b"kvblocks/block/v1";
+const NAMESPACE_TAG: &[u8] = b"kvblocks/namespace/v1";
+
+/// A digest (32 bytes for BLAKE3, 16 for xxh3-128), stored inline.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BlockHash {
+    bytes: [u8; 32],
+    len: u8,
+}
+
+impl BlockHash {
+    /// The digest bytes (16 or 32 of them).
+    #[inline]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    fn from_slice(digest: &[u8]) -> Self {
+        let mut bytes = [0u8; 32];
+        bytes[..digest.len()].copy_from_slice(digest);
+        BlockHash {
+            bytes,
+            len: digest.len() as u8,
+        }
+    }
+}
+
+impl Hash for BlockHash {
+    #[inline]
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // The digest is already uniformly distributed: its first 8 bytes are a
+        // perfectly good hash-map key, no need to feed all 32 bytes to the hasher.
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&self.bytes[..8]);
+        state.write_u64(u64::from_le_bytes(head));
+    }
+}
+
+impl fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Computes block and namespace hashes with one algorithm, reusing a scratch buffer.
+#[derive(Debug, Clone)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    buf: Vec<u8>,
+}
+
+impl PartialEq for BlockHasher {
+    fn eq(&self, other: &Self) -> bool {
+        // The scratch buffer is not state.
+        self.algo == other.algo
+    }
+}
+
+impl BlockHasher {
+    /// A hasher for `algo`.
+    pub fn new(algo: HashAlgo) -> Self {
+        BlockHasher {
+            algo,
+            buf: Vec::with_capacity(256),
+        }
+    }
+
+    /// The algorithm in use.
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    fn digest_buf(&self) -> BlockHash {
+        match self.algo {
+            HashAlgo::Blake3 => BlockHash::from_slice(blake3::hash(&self.buf).as_bytes()),
+            HashAlgo::Xxh3_128 => {
+                BlockHash::from_slice(&xxhash_rust::xxh3::xxh3_128(&self.buf).to_le_bytes())
+            }
+        }
+    }
+
+    /// Digest of a sequence's extra keys (cache salt and LoRA id).
+    pub fn namespace(&mut self, cache_salt: Option<&[u8]>, lora_id: Option<u64>) -> BlockHash {
+        self.buf.clear();
+        self.buf.extend_from_slice(NAMESPACE_TAG);
+        match cache_salt {
+            None => self.buf.push(0),
+            Some(salt) => {
+                self.buf.push(1);
+                self.buf
+                    .extend_from_slice(&(salt.len() as u64).to_le_bytes());
+                self.buf.extend_from_slice(salt);
+            }
+        }
+        match lora_id {
+            None => self.buf.push(0),
+            Some(id) => {
+                self.buf.push(1);
+                self.buf.extend_from_slice(&id.to_le_bytes());
+            }
+        }
+        self.digest_buf()
+    }
+
+    /// Hash of one full block given its parent's hash (None for the first block).
+    pub fn block(
+        &mut self,
+        parent: Option<&BlockHash>,
+        namespace: &BlockHash,
+        tokens: &[u32],
+    ) -> BlockHash {
+        self.buf.clear();
+        self.buf.extend_from_slice(BLOCK_TAG);
+        match parent {
+            None => self.buf.push(0),
+            Some(p) => {
+                self.buf.push(1);
+                self.buf.push(p.len);
+                self.buf.extend_from_slice(p.as_bytes());
+            }
+        }
+        self.buf.push(namespace.len);
+        self.buf.extend_from_slice(namespace.as_bytes());
+        self.buf
+            .extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        self.buf.reserve(tokens.len() * 4);
+        for t in tokens {
+            self.buf.extend_from_slice(&t.to_le_bytes());
+        }
+        self.digest_buf()
+    }
+
+    /// Append the hashes of the full blocks of `tokens` past those already in `hashes`.
+    pub fn extend_chain(
+        &mut self,
+        hashes: &mut Vec<BlockHash>,
+        namespace: &BlockHash,
+        tokens: &[u32],
+        block_size: usize,
+    ) {
+        let full = tokens.len() / block_size;
+        hashes.reserve(full.saturating_sub(hashes.len()));
+        for i in hashes.len()..full {
+            let parent = if i == 0 { None } else { Some(hashes[i - 1]) };
+            let h = self.block(
+                parent.as_ref(),
+                namespace,
+                &tokens[i * block_size..(i + 1) * block_size],
+            );
+            hashes.push(h);
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Construction parameters of a manager and the hash algorithm choice.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::KvError;
+
+/// Content hash used for the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HashAlgo {
+    /// BLAKE3, full 32-byte digest (cryptographic; safe for multi-tenant caches).
+    #[default]
+    Blake3,
+    /// xxh3-128, 16-byte digest (faster, not collision resistant against adversaries).
+    Xxh3_128,
+}
+
+impl HashAlgo {
+    /// The name used by the Python API (`"blake3"` / `"xxh3_128"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HashAlgo::Blake3 => "blake3",
+            HashAlgo::Xxh3_128 => "xxh3_128",
+        }
+    }
+
+    /// Digest length in bytes.
+    pub fn digest_len(self) -> usize {
+        match self {
+            HashAlgo::Blake3 => 32,
+            HashAlgo::Xxh3_128 => 16,
+        }
+    }
+}
+
+impl fmt::Display for HashAlgo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for HashAlgo {
+    type Err = KvError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "blake3" => Ok(HashAlgo::Blake3),
+            "xxh3_128" => Ok(HashAlgo::Xxh3_128),
+            other => Err(KvError::InvalidArgument(format!(
+                "hash_algo must be \"blake3\" or \"xxh3_128\", got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Parameters of [`crate::KVCacheManager::new`]; mirrors the Python constructor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ManagerConfig {
+    /// GPU blocks in the pool, the null block included (so `>= 2`).
+    pub num_blocks: usize,
+    /// Tokens per block (`>= 1`).
+    pub block_size: usize,
+    /// Blocks of the CPU pool used by swap_out/swap_in (no null block there).
+    pub num_cpu_blocks: usize,
+    /// Share full blocks between sequences by content hash.
+    pub enable_prefix_caching: bool,
+    /// Hash algorithm of the prefix cache.
+    pub hash_algo: HashAlgo,
+    /// Fraction of GPU blocks kept free at admission, in `[0, 1)`.
+    pub watermark: f64,
+    /// Attention window in tokens (`>= 1`), if any.
+    pub sliding_window: Option<usize>,
+}
+
+impl ManagerConfig {
+    /// A config with the Python defaults for everything but the pool shape.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        ManagerConfig {
+            num_blocks,
+            block_size,
+            num_cpu_blocks: 0,
+            enable_prefix_caching: true,
+            hash_algo: HashAlgo::Blake3,
+            watermark: 0.01,
+            sliding_window: None,
+        }
+    }
+
+    /// Check every field; the manager is built only from a valid config.
+    pub fn validate(&self) -> Result<(), KvError> {
+        if self.num_blocks < 2 {
+            return Err(KvError::InvalidArgument(format!(
+                "num_blocks must be >= 2 (block 0 is the reserved null block), got {}",
+                self.num_blocks
+            )));
+        }
+        if self.num_blocks > i32::MAX as usize || self.num_cpu_blocks > i32::MAX as usize {
+            return Err(KvError::InvalidArgument(format!(
+                "num_blocks and num_cpu_blocks must be <= {} (block ids are int32), got {} and {}",
+                i32::MAX,
+                self.num_blocks,
+                self.num_cpu_blocks
+            )));
+        }
+        if self.block_size == 0 || self.block_size > (1 << 20) {
+            return Err(KvError::InvalidArgument(format!(
+                "block_size must be in [1, 2**20], got {}",
+                self.block_size
+            )));
+        }
+        if (self.num_blocks as u128) * (self.block_size as u128) > i64::MAX as u128 {
+            return Err(KvError::InvalidArgument(
+                "num_blocks * block_size must fit in int64 cache slots".to_string(),
+            ));
+        }
+        if !(self.watermark >= 0.0 && self.watermark < 1.0) {
+            return Err(KvError::InvalidArgument(format!(
+                "watermark must be in [0, 1), got {}",
+                self.watermark
+            )));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(KvError::InvalidArgument(
+                "sliding_window must be >= 1 tokens or None, got 0".to_string(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,57 @@
+//! # kvblocks-core
+//!
+//! A paged KV-cache block manager with vLLM's block-manager semantics, in plain Rust:
+//! block pools with reference counts and an eviction-ordered free queue, a content-hash
+//! prefix cache (BLAKE3 or xxh3-128) with namespaces for cache salts and LoRA ids,
+//! copy-on-write for forked sequences, block tables and slot mappings for the model
+//! step, CPU swap, a sliding window, KV cache events and an invariant checker.
+//!
+//! The API is a 1:1 mirror of the Python contract `python/kvblocks/_core.pyi` (the
+//! `kvblocks-py` crate wraps [`KVCacheManager`] in a mutex). Key conventions:
+//!
+//! * **Null block.** GPU block id 0 ([`NULL_BLOCK`]) is reserved and never allocated, so a
+//!   pool of `num_blocks` has `num_blocks - 1` usable blocks and `num_free_blocks()`
+//!   starts at `num_blocks - 1`. Block tables are padded with it and sliding-window
+//!   releases replace table entries by it. The CPU pool has no null block.
+//! * **Transactions.** A call that returns an error (or `None` for lack of blocks) leaves
+//!   the manager exactly as it was, free-queue order included.
+//! * **Free order.** Freed blocks are processed last block first: unhashed blocks go to
+//!   the front of the free queue (reused first), cached blocks to the back (evicted last,
+//!   a prompt's tail before its head).
+//!
+//! Rust-side details the `.pyi` leaves open:
+//!
+//! * Batch integer arguments are [`BatchArg`] (`i64` scalar or slice), so NumPy `int64`
+//!   arrays pass through without conversion; negative counts are `InvalidArgument`.
+//! * `allocate_slots` copies a shared block (copy-on-write) only when the call reserves at
+//!   least one slot (`num_new_tokens + num_lookahead_tokens > 0`): with nothing to write,
+//!   nothing needs a private copy.
+//! * `block_table(s)` and `slot_mapping` raise `SequenceState` for swapped sequences
+//!   (their tables hold CPU ids, which must not reach the model step).
+//! * Batch methods reject a sequence id listed twice (`InvalidArgument`).
+//! * `seq_ids()` is sorted ascending.
+
+mod alloc_status;
+mod batch_arg;
+mod block_hash;
+mod block_pool;
+mod config;
+mod error;
+mod events;
+mod free_queue;
+mod manager;
+mod prefix_cache;
+mod sequence;
+mod stats;
+
+pub use alloc_status::AllocStatus;
+pub use batch_arg::BatchArg;
+pub use block_hash::{BlockHash, BlockHasher};
+pub use config::{HashAlgo, ManagerConfig};
+pub use error::{KvError, Result};
+pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
+pub use manager::{BlockTables, KVCacheManager};
+pub use stats::Stats;
+
+/// The reserved GPU block id used for padding and released sliding-window blocks.
+pub const NULL_BLOCK: u32 = 0;

@@ -1,0 +1,36 @@
+//! Per-sequence state held by the manager.
+
+use crate::block_hash::BlockHash;
+
+/// One sequence: its tokens, computed count, block table and prefix-cache bookkeeping.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sequence {
+    /// Known tokens: prompt plus committed sampled tokens.
+    pub tokens: Vec<u32>,
+    /// Prompt length at `add_sequence` (prefix-cache queries are counted in these).
+    pub prompt_len: usize,
+    /// Tokens whose KV is in the cache (valid once `allocated`).
+    pub num_computed: usize,
+    /// Block ids, in the GPU pool, or in the CPU pool while `swapped`; 0 = null block.
+    pub table: Vec<u32>,
+    /// Slots reserved by the last `allocate_slots` (computed + new + lookahead), until commit.
+    pub reserved: Option<usize>,
+    /// Whether the first `allocate_slots` (which claims the cached prefix) happened.
+    pub allocated: bool,
+    /// Digest of the extra keys (salt, LoRA id).
+    pub namespace: BlockHash,
+    /// LoRA id, reported in `BlockStored` events.
+    pub lora_id: Option<u64>,
+    /// Hashes of the leading full blocks (the prompt's at add, extended as blocks fill).
+    pub hashes: Vec<BlockHash>,
+    /// Cached-prefix blocks found at `add_sequence`: the claim never exceeds this.
+    pub probe_cap_blocks: usize,
+    /// Prompt tokens served from the prefix cache at the claim.
+    pub num_cached_tokens: usize,
+    /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate).
+    pub num_registered_blocks: usize,
+    /// Leading table entries released by the sliding window (all null).
+    pub num_released_blocks: usize,
+    /// Whether the blocks live in the CPU pool.
+    pub swapped: bool,
+}
