@@ -1,0 +1,361 @@
+"""KV-cache ops: paged attention and cache maintenance on the paged KV cache.
+
+Each op validates its arguments, then runs the CUDA kernel (``cuda/*.cu`` compiled at
+run time through CuPy/NVRTC) when the tensors live on a CUDA device, or the torch
+reference (:mod:`kvblocks.ops.reference`) otherwise. Importing this module needs torch
+but neither CuPy nor a GPU: CuPy is imported on the first CUDA call.
+
+Cache layout (per layer, for K and V): ``[num_blocks, num_kv_heads, block_size,
+head_size]``, so every (block, head) tile is one contiguous range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops import reference
+from kvblocks.ops.checks import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_SIZES,
+    MappingLike,
+    as_block_mapping,
+    check_block_ids,
+    check_block_size,
+    check_cache_pair,
+    check_dtype,
+    check_head_size,
+    check_index_tensor,
+    check_optional_positive,
+)
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = [
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "allocate_kv_cache",
+    "copy_blocks",
+    "paged_attention",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+    "swap_blocks",
+]
+
+
+def _cuda_backend() -> ModuleType:
+    # Imported lazily so that CPU-only installs never import CuPy.
+    from kvblocks.ops import cuda_backend
+
+    return cuda_backend
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate a zeroed paged KV cache for ``num_layers`` layers.
+
+    All layers live in one contiguous tensor ``[num_layers, 2, num_blocks, num_kv_heads,
+    block_size, head_size]``; the result is a list of per-layer ``(key_cache,
+    value_cache)`` views of it, so :func:`copy_blocks` can reach every layer from one base
+    pointer in a single launch.
+    """
+    for name, value in (
+        ("num_layers", num_layers),
+        ("num_blocks", num_blocks),
+        ("num_kv_heads", num_kv_heads),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+    check_block_size(block_size)
+    check_head_size(head_size)
+    check_dtype(dtype, "the KV cache")
+    storage = torch.zeros(
+        (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size),
+        dtype=dtype,
+        device=torch.device(device),
+    )
+    return [(storage[layer, 0], storage[layer, 1]) for layer in range(num_layers)]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its cache slot, in place.
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_size]`` (last dim contiguous);
+    ``slot_mapping``: int64 ``[num_tokens]`` with ``slot = block * block_size + offset``,
+    ``-1`` skipping the token (padding).
+    """
+    _, num_kv_heads, _, head_size = check_cache_pair(key_cache, value_cache)
+    for name, tensor in (("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise InvalidArgumentError(f"{name} must be a 3-D tensor [num_tokens, heads, dim]")
+        if tuple(tensor.shape[1:]) != (num_kv_heads, head_size):
+            raise InvalidArgumentError(
+                f"{name} has shape {list(tensor.shape)}, expected [num_tokens, "
+                f"{num_kv_heads}, {head_size}] to match the cache"
+            )
+        if tensor.dtype != key_cache.dtype:
+            raise InvalidArgumentError(
+                f"{name} dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}"
+            )
+        if tensor.device != key_cache.device:
+            raise InvalidArgumentError(
+                f"{name} is on {tensor.device}, the cache on {key_cache.device}"
+            )
+        if tensor.stride(-1) != 1:
+            raise InvalidArgumentError(f"{name} must be contiguous in its last dimension")
+    if key.shape[0] != value.shape[0]:
+        raise InvalidArgumentError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
+    check_index_tensor(
+        slot_mapping, "slot_mapping", (torch.int64,), (key.shape[0],), key_cache.device
+    )
+    if key_cache.is_cuda:
+        _cuda_backend().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_seqs: int,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> None:
+    _, num_kv_heads, _, head_size = check_cache_pair(key_cache, value_cache)
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise InvalidArgumentError("query must be a 3-D tensor [tokens, num_heads, head_size]")
+    if query.shape[2] != head_size:
+        raise InvalidArgumentError(
+            f"query head size {query.shape[2]} differs from the cache head size {head_size}"
+        )
+    if query.shape[1] < 1 or query.shape[1] % num_kv_heads:
+        raise InvalidArgumentError(
+            f"num_heads {query.shape[1]} must be a positive multiple of num_kv_heads "
+            f"{num_kv_heads} (GQA/MQA)"
+        )
+    if query.dtype != key_cache.dtype:
+        raise InvalidArgumentError(
+            f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}"
+        )
+    if query.device != key_cache.device:
+        raise InvalidArgumentError(f"query is on {query.device}, the cache on {key_cache.device}")
+    if not query.is_contiguous():
+        raise InvalidArgumentError("query must be contiguous")
+    check_index_tensor(
+        block_tables, "block_tables", (torch.int32,), (num_seqs, None), key_cache.device
+    )
+    check_index_tensor(seq_lens, "seq_lens", (torch.int32,), (num_seqs,), key_cache.device)
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise InvalidArgumentError(f"scale must be a finite positive float, got {scale}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise InvalidArgumentError(
+            f"sliding_window must be a positive int or None, got {sliding_window!r}"
+        )
+    check_optional_positive(soft_cap, "soft_cap")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; returns ``[num_seqs, num_heads, head_size]``.
+
+    ``query``: ``[num_seqs, num_heads, head_size]``, one token per sequence at position
+    ``seq_len - 1`` (its K/V already in the cache). ``block_tables``: int32
+    ``[num_seqs, max_blocks]`` (padding = null block 0); ``seq_lens``: int32 ``[num_seqs]``.
+    ``scale`` defaults to ``1/sqrt(head_size)``; key ``j`` is visible to position ``p``
+    iff ``p - sliding_window < j <= p``; ``soft_cap`` applies ``cap * tanh(s / cap)``
+    after scaling. A sequence with ``seq_len == 0`` (batch padding) yields zeros.
+    ``max_seq_len`` (optional, CUDA only) is ``max(seq_lens)`` known on the host; giving
+    it saves a device sync when planning the split-K launch.
+    """
+    _check_attention_args(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query.shape[0] if isinstance(query, torch.Tensor) else 0,
+        scale,
+        sliding_window,
+        soft_cap,
+    )
+    if key_cache.is_cuda:
+        return _cuda_backend().paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            max_seq_len=max_seq_len,
+        )
+    return reference.paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal prefill/extend attention; returns ``[num_tokens, num_heads, head_size]``.
+
+    ``query`` concatenates every sequence's chunk; ``query_start_loc`` (int32
+    ``[num_seqs+1]``) delimits them and ``seq_lens`` (int32) is each sequence's context
+    length after the chunk. Query ``i`` of a chunk of length ``q_len`` sits at position
+    ``seq_len - q_len + i`` and attends causally (and within ``sliding_window``).
+    Chunks of length 1 (decode) and 0 (idle sequence) are allowed. ``max_query_len``
+    (optional, CUDA only) saves a device sync when planning the launch.
+    """
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
+    _check_attention_args(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        num_seqs,
+        scale,
+        sliding_window,
+        soft_cap,
+    )
+    check_index_tensor(
+        query_start_loc, "query_start_loc", (torch.int32,), (num_seqs + 1,), key_cache.device
+    )
+    if not key_cache.is_cuda or max_query_len is None:
+        starts = query_start_loc.cpu()
+        if (
+            int(starts[0]) != 0
+            or int(starts[-1]) != query.shape[0]
+            or bool((starts[1:] < starts[:-1]).any())
+        ):
+            raise InvalidArgumentError(
+                "query_start_loc must be non-decreasing, start at 0 and end at num_tokens "
+                f"{query.shape[0]}, got {starts.tolist()}"
+            )
+        max_query_len = int((starts[1:] - starts[:-1]).max()) if num_seqs else 0
+    if key_cache.is_cuda:
+        return _cuda_backend().paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            max_query_len=max_query_len,
+        )
+    return reference.paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: MappingLike
+) -> None:
+    """Copy block ``src`` to block ``dst`` for every ``(src, dst)`` row, in every layer.
+
+    ``kv_caches`` as returned by :func:`allocate_kv_cache`; ``block_mapping`` int64
+    ``[n, 2]`` (torch tensor, NumPy array or nested lists). On CUDA this is one launch
+    covering all layers, K and V. Block ids are validated on the host.
+    """
+    if not kv_caches:
+        raise InvalidArgumentError("kv_caches must hold at least one (key, value) layer")
+    shape = check_cache_pair(*kv_caches[0])
+    for layer, (key_cache, value_cache) in enumerate(kv_caches):
+        if check_cache_pair(key_cache, value_cache) != shape or (
+            key_cache.dtype != kv_caches[0][0].dtype or key_cache.device != kv_caches[0][0].device
+        ):
+            raise InvalidArgumentError(
+                f"layer {layer} caches differ in shape, dtype or device from layer 0"
+            )
+    mapping = as_block_mapping(block_mapping)
+    check_block_ids(mapping, shape[0], shape[0], "block_mapping")
+    if mapping.shape[0] == 0:
+        return
+    if kv_caches[0][0].is_cuda:
+        _cuda_backend().copy_blocks(kv_caches, mapping)
+    else:
+        reference.copy_blocks(kv_caches, mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: MappingLike) -> None:
+    """Copy blocks ``src[s] -> dst[d]`` for each ``(s, d)`` row, between any two devices.
+
+    ``src``/``dst``: caches ``[num_blocks, ...]`` with equal per-block shape and dtype
+    (typically GPU <-> pinned CPU). Contiguous runs of the mapping are merged into single
+    copies, asynchronous on the current stream when one side is pinned host memory.
+    """
+    for name, tensor in (("src", src), ("dst", dst)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
+            raise InvalidArgumentError(f"{name} must be a cache tensor [num_blocks, ...]")
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous")
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise InvalidArgumentError(
+            f"src {list(src.shape)} {src.dtype} and dst {list(dst.shape)} {dst.dtype} must "
+            "have the same per-block shape and dtype"
+        )
+    mapping = as_block_mapping(block_mapping)
+    check_block_ids(mapping, src.shape[0], dst.shape[0], "block_mapping")
+    reference.swap_blocks(src, dst, mapping)

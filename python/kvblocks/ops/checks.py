@@ -1,0 +1,172 @@
+"""Argument validation shared by the CUDA path and the torch reference.
+
+Every public op checks shapes, dtypes, devices and contiguity here *before* touching
+memory, so a bad call raises :class:`~kvblocks.errors.InvalidArgumentError` with a
+message naming what was expected, and no kernel is ever launched on a bad layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Union
+
+import numpy as np
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+
+__all__ = [
+    "SUPPORTED_BLOCK_SIZES",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_SIZES",
+    "as_block_mapping",
+    "check_block_ids",
+    "check_block_size",
+    "check_cache_pair",
+    "check_dtype",
+    "check_head_size",
+    "check_index_tensor",
+    "check_optional_positive",
+]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+"""Element types of queries and caches (accumulation is always fp32)."""
+SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
+"""Head sizes the kernels are instantiated for."""
+SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
+"""Tokens per KV block."""
+
+MappingLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    """Raise unless ``dtype`` is one of :data:`SUPPORTED_DTYPES`."""
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise InvalidArgumentError(f"{what} has dtype {dtype}; supported dtypes are {names}")
+
+
+def check_head_size(head_size: int) -> None:
+    """Raise unless ``head_size`` is one of :data:`SUPPORTED_HEAD_SIZES`."""
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise InvalidArgumentError(
+            f"head_size {head_size} is not supported; supported head sizes are "
+            f"{list(SUPPORTED_HEAD_SIZES)}"
+        )
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise unless ``block_size`` is one of :data:`SUPPORTED_BLOCK_SIZES`."""
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise InvalidArgumentError(
+            f"block_size {block_size} is not supported; supported block sizes are "
+            f"{list(SUPPORTED_BLOCK_SIZES)}"
+        )
+
+
+def check_optional_positive(value: float | int | None, what: str) -> None:
+    """Raise if ``value`` is given and not strictly positive."""
+    if value is not None and not value > 0:
+        raise InvalidArgumentError(f"{what} must be > 0 or None, got {value}")
+
+
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """Validate one layer's caches and return ``(num_blocks, num_kv_heads, block_size, head)``.
+
+    Both must be 4-D ``[num_blocks, num_kv_heads, block_size, head_size]``, same shape,
+    dtype and device, with a contiguous (block, head) tile so each tile is one range.
+    """
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4:
+            raise InvalidArgumentError(
+                f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_size], "
+                f"got shape {tuple(cache.shape)}"
+            )
+        if not cache.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous (HND block layout)")
+    if key_cache.shape != value_cache.shape:
+        raise InvalidArgumentError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache "
+            f"{tuple(value_cache.shape)} must have the same shape"
+        )
+    if key_cache.dtype != value_cache.dtype:
+        raise InvalidArgumentError(
+            f"key_cache ({key_cache.dtype}) and value_cache ({value_cache.dtype}) "
+            "must have the same dtype"
+        )
+    if key_cache.device != value_cache.device:
+        raise InvalidArgumentError("key_cache and value_cache must be on the same device")
+    check_dtype(key_cache.dtype, "key_cache")
+    num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
+    check_block_size(block_size)
+    check_head_size(head_size)
+    if num_blocks < 1 or num_kv_heads < 1:
+        raise InvalidArgumentError(
+            f"caches need at least one block and one KV head, got shape {tuple(key_cache.shape)}"
+        )
+    return tuple(key_cache.shape)
+
+
+def check_index_tensor(
+    tensor: torch.Tensor,
+    name: str,
+    dtypes: tuple[torch.dtype, ...],
+    shape: tuple[int | None, ...],
+    device: torch.device,
+) -> None:
+    """Check an integer index tensor's dtype, rank/shape (``None`` = any) and device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise InvalidArgumentError(f"{name} must have dtype {allowed}, got {tensor.dtype}")
+    if tensor.dim() != len(shape) or any(
+        want is not None and got != want for got, want in zip(tensor.shape, shape)
+    ):
+        want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise InvalidArgumentError(f"{name} must have shape {want_s}, got {list(tensor.shape)}")
+    if tensor.device != device:
+        raise InvalidArgumentError(f"{name} is on {tensor.device}, expected {device}")
+    if not tensor.is_contiguous():
+        raise InvalidArgumentError(f"{name} must be contiguous")
+
+
+def as_block_mapping(block_mapping: MappingLike, name: str = "block_mapping") -> torch.Tensor:
+    """Return ``block_mapping`` as a CPU int64 tensor of shape ``[n, 2]``.
+
+    Accepts a torch tensor (any device; a CUDA tensor is copied to the host because
+    block ids are validated there), a NumPy array or nested sequences.
+    """
+    if isinstance(block_mapping, torch.Tensor):
+        mapping = block_mapping.detach().to("cpu")
+    else:
+        try:
+            mapping = torch.from_numpy(np.ascontiguousarray(np.asarray(block_mapping)))
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"{name} must be an integer array [n, 2]: {exc}") from exc
+    if mapping.numel() == 0:
+        return torch.empty((0, 2), dtype=torch.int64)
+    if mapping.dtype.is_floating_point or mapping.dtype.is_complex or mapping.dtype == torch.bool:
+        raise InvalidArgumentError(f"{name} must hold integers, got dtype {mapping.dtype}")
+    if mapping.dim() != 2 or mapping.shape[1] != 2:
+        raise InvalidArgumentError(
+            f"{name} must have shape [n, 2] (src, dst), got {list(mapping.shape)}"
+        )
+    return mapping.to(torch.int64).contiguous()
+
+
+def check_block_ids(mapping: torch.Tensor, num_src: int, num_dst: int, name: str) -> None:
+    """Raise unless every src id is in ``[0, num_src)`` and every dst id in ``[0, num_dst)``."""
+    if mapping.numel() == 0:
+        return
+    src, dst = mapping[:, 0], mapping[:, 1]
+    if int(src.min()) < 0 or int(src.max()) >= num_src:
+        raise InvalidArgumentError(
+            f"{name} source block ids must be in [0, {num_src}), got range "
+            f"[{int(src.min())}, {int(src.max())}]"
+        )
+    if int(dst.min()) < 0 or int(dst.max()) >= num_dst:
+        raise InvalidArgumentError(
+            f"{name} destination block ids must be in [0, {num_dst}), got range "
+            f"[{int(dst.min())}, {int(dst.max())}]"
+        )

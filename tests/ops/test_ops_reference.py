@@ -1,0 +1,194 @@
+"""The torch reference ops against dense attention on the gathered K/V."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from ops_cases import make_case
+
+import kvblocks.ops as ops
+from kvblocks.errors import InvalidArgumentError
+
+
+def dense_attention(
+    case, scale=None, sliding_window=None, soft_cap=None, use_sdpa=True
+) -> torch.Tensor:
+    """Per-sequence dense attention (SDPA where it can express the op)."""
+    q_all = case.query.float()
+    out = torch.zeros_like(q_all)
+    starts = case.query_start_loc.tolist()
+    head_size = q_all.shape[-1]
+    scale = 1.0 / math.sqrt(head_size) if scale is None else scale
+    for s, n in enumerate(case.seq_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        q = q_all[lo:hi].transpose(0, 1)  # [H, q, D]
+        group = q.shape[0] // case.dense_keys[s].shape[0]
+        k = case.dense_keys[s].repeat_interleave(group, 0)
+        v = case.dense_values[s].repeat_interleave(group, 0)
+        pos = n - (hi - lo) + torch.arange(hi - lo).unsqueeze(1)
+        j = torch.arange(n).unsqueeze(0)
+        mask = j <= pos
+        if sliding_window is not None:
+            mask &= j > pos - sliding_window
+        if use_sdpa and soft_cap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            logits = (q @ k.transpose(1, 2)) * scale
+            if soft_cap is not None:
+                logits = soft_cap * torch.tanh(logits / soft_cap)
+            o = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [([1, 16, 17, 40], [1, 16, 5, 1]), ([15, 33, 64], [3, 33, 0]), ([100], [100])],
+)
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_matches_dense(block_size, seq_lens, q_lens, group):
+    case = make_case(1, seq_lens, q_lens, block_size=block_size, group=group)
+    got = ops.paged_prefill_attention(
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+    )
+    torch.testing.assert_close(got, dense_attention(case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 7, 32])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_window_and_soft_cap_match_dense(sliding_window, soft_cap):
+    case = make_case(2, [9, 48, 70], [9, 20, 1], block_size=16, group=2)
+    got = ops.paged_prefill_attention(
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        scale=0.3,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    want = dense_attention(case, 0.3, sliding_window, soft_cap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_is_prefill_with_one_query_and_pads_zero():
+    case = make_case(3, [1, 17, 0, 64], [1, 1, 0, 1], group=4)
+    query = torch.zeros((4, *case.query.shape[1:]))
+    query[[0, 1, 3]] = case.query
+    got = ops.paged_attention(
+        query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.seq_lens,
+        sliding_window=20,
+    )
+    want = dense_attention(case, sliding_window=20)
+    torch.testing.assert_close(got[[0, 1, 3]], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_keep_dtype(dtype):
+    case = make_case(4, [33], [1], dtype=dtype, head_size=128)
+    got = ops.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    )
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), dense_attention(case), rtol=2e-2, atol=2e-2)
+
+
+def test_reshape_and_cache_scatters_and_skips_padding():
+    ((kc, vc),) = ops.allocate_kv_cache(1, 4, 8, 2, 64, torch.float32, "cpu")
+    key = torch.randn(3, 2, 64)
+    value = torch.randn(3, 2, 64)
+    ops.reshape_and_cache(key, value, kc, vc, torch.tensor([9, -1, 31]))
+    torch.testing.assert_close(kc[1, :, 1], key[0])
+    torch.testing.assert_close(vc[3, :, 7], value[2])
+    assert int((kc != 0).sum()) == 2 * 2 * 64
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 32\)"):
+        ops.reshape_and_cache(key, value, kc, vc, torch.tensor([0, 1, 32]))
+
+
+def test_allocate_layers_share_one_base():
+    caches = ops.allocate_kv_cache(3, 5, 16, 2, 64, torch.float16, "cpu")
+    base = caches[0][0].data_ptr()
+    step = caches[0][0].numel() * 2
+    for layer, (k, v) in enumerate(caches):
+        assert k.shape == (5, 2, 16, 64) and k.dtype == torch.float16
+        assert k.data_ptr() == base + 2 * layer * step
+        assert v.data_ptr() == base + (2 * layer + 1) * step
+        assert not k.any()
+
+
+def test_copy_blocks_all_layers():
+    caches = ops.allocate_kv_cache(2, 6, 8, 1, 64, torch.float32, "cpu")
+    for k, v in caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    ops.copy_blocks(caches, np.array([[1, 4], [2, 5]], dtype=np.int64))
+    for (k, v), (k0, v0) in zip(caches, before):
+        assert torch.equal(k[4], k0[1]) and torch.equal(v[5], v0[2])
+        assert torch.equal(k[:4], k0[:4])
+    with pytest.raises(InvalidArgumentError, match="destination"):
+        ops.copy_blocks(caches, [[1, 6]])
+
+
+def test_swap_blocks_merges_runs_and_copies():
+    src = torch.randn(8, 2, 8, 64)
+    dst = torch.zeros(5, 2, 8, 64)
+    mapping = torch.tensor([[2, 0], [3, 1], [4, 2], [7, 4]])
+    ops.swap_blocks(src, dst, mapping)
+    assert torch.equal(dst[:3], src[2:5]) and torch.equal(dst[4], src[7])
+    assert not dst[3].any()
+    from kvblocks.ops.block_runs import merge_block_runs
+
+    assert merge_block_runs(mapping.numpy()) == [(2, 0, 3), (7, 4, 1)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"head_size": 72}, "supported head sizes are"),
+        ({"block_size": 12}, "supported block sizes are"),
+        ({"dtype": torch.float64}, "supported dtypes are"),
+    ],
+)
+def test_unsupported_shapes_name_supported_values(kwargs, match):
+    args = {"head_size": 64, "block_size": 16, "dtype": torch.float32} | kwargs
+    with pytest.raises(InvalidArgumentError, match=match):
+        ops.allocate_kv_cache(1, 4, args["block_size"], 1, args["head_size"], args["dtype"], "cpu")
+
+
+def test_attention_argument_errors():
+    case = make_case(5, [20], [1], group=2)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        ops.paged_attention(*args[:3], case.block_tables.long(), case.seq_lens)
+    with pytest.raises(InvalidArgumentError, match="multiple of num_kv_heads"):
+        ops.paged_attention(case.query[:, :3], *args[1:])
+    with pytest.raises(InvalidArgumentError, match="block ids"):
+        ops.paged_attention(*args[:3], case.block_tables + 100, case.seq_lens)
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        ops.paged_attention(*args[:4], case.seq_lens + 100)
+    with pytest.raises(InvalidArgumentError, match="sliding_window"):
+        ops.paged_attention(*args, sliding_window=0)
+    with pytest.raises(InvalidArgumentError, match="query_start_loc"):
+        ops.paged_prefill_attention(
+            *args[:4], torch.tensor([0, 2], dtype=torch.int32), case.seq_lens
+        )
