@@ -1,0 +1,252 @@
+//! Conversion of Python arguments (ints, lists, 1-D NumPy integer arrays) to Rust values.
+//!
+//! Every conversion failure is an `InvalidArgumentError` that names the argument and
+//! says what was expected, so bad input never surfaces as a bare `TypeError` or
+//! `OverflowError` from PyO3.
+
+use numpy::{
+    Element, PyArray1, PyArrayMethods, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString};
+
+use crate::errors::invalid_argument;
+
+/// Largest sequence id plus one: ids are non-negative `int64` values.
+pub(crate) const SEQ_ID_END: i128 = 1 << 63;
+/// Largest token id plus one: tokens are `uint32` values.
+pub(crate) const TOKEN_ID_END: i128 = 1 << 32;
+/// Bound for counts (tokens, blocks): anything that fits an `int64`.
+pub(crate) const COUNT_END: i128 = 1 << 63;
+
+/// One Python int in `[lo, hi)`; bools and non-ints are rejected.
+pub(crate) fn int_in(obj: &Bound<'_, PyAny>, name: &str, lo: i128, hi: i128) -> PyResult<i128> {
+    let value = scalar_int(obj, name)?;
+    check_range(value, name, lo, hi)?;
+    Ok(value)
+}
+
+/// A sequence id (`[0, 2**63)`).
+pub(crate) fn seq_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    Ok(int_in(obj, name, 0, SEQ_ID_END)? as u64)
+}
+
+/// A non-negative count that fits `usize`.
+pub(crate) fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let value = int_in(obj, name, 0, COUNT_END)?;
+    usize::try_from(value)
+        .map_err(|_| invalid_argument(format!("{name} = {value} does not fit this platform")))
+}
+
+fn scalar_int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
+    if obj.is_instance_of::<PyBool>() {
+        return Err(invalid_argument(format!("{name} must be an int, got a bool")));
+    }
+    if let Ok(v) = obj.extract::<i64>() {
+        return Ok(i128::from(v));
+    }
+    if let Ok(v) = obj.extract::<u64>() {
+        return Ok(i128::from(v));
+    }
+    // NumPy integer scalars are not `int` subclasses but support `__index__`.
+    if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? {
+        let text = obj.str().map(|s| s.to_string()).unwrap_or_default();
+        return Err(invalid_argument(format!(
+            "{name} = {text} is out of range (expected a 64-bit integer)"
+        )));
+    }
+    Err(invalid_argument(format!(
+        "{name} must be an int, got {}",
+        type_name(obj)
+    )))
+}
+
+fn check_range(value: i128, name: &str, lo: i128, hi: i128) -> PyResult<()> {
+    if value < lo || value >= hi {
+        return Err(invalid_argument(format!(
+            "{name} must be in [{lo}, {hi}), got {value}"
+        )));
+    }
+    Ok(())
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".to_string())
+}
+
+/// Target element types of [`int_vec`]: converted from any NumPy integer type with a range check.
+pub(crate) trait IntTarget: Copy {
+    /// The value as this type; the caller checked the range.
+    fn from_i128(v: i128) -> Self;
+}
+
+macro_rules! int_target {
+    ($($t:ty),*) => {$(
+        impl IntTarget for $t {
+            #[inline]
+            fn from_i128(v: i128) -> Self {
+                v as $t
+            }
+        }
+    )*};
+}
+int_target!(u32, u64, i64);
+
+/// Copy a NumPy array of element type `S` into `out`, checking every value's range.
+fn copy_array<S, T>(
+    arr: &Bound<'_, PyUntypedArray>,
+    name: &str,
+    lo: i128,
+    hi: i128,
+    out: &mut Vec<T>,
+) -> PyResult<bool>
+where
+    S: Element + Copy + Into<i128>,
+    T: IntTarget,
+{
+    let Ok(typed) = arr.cast::<PyArray1<S>>() else {
+        return Ok(false);
+    };
+    let view = typed.readonly();
+    let mut push = |x: S| -> PyResult<()> {
+        let v: i128 = x.into();
+        if v < lo || v >= hi {
+            return Err(invalid_argument(format!(
+                "every entry of {name} must be in [{lo}, {hi}), got {v}"
+            )));
+        }
+        out.push(T::from_i128(v));
+        Ok(())
+    };
+    match view.as_slice() {
+        Ok(slice) => slice.iter().try_for_each(|&x| push(x))?,
+        Err(_) => view.as_array().iter().try_for_each(|&x| push(x))?,
+    }
+    Ok(true)
+}
+
+/// A 1-D integer array (any NumPy integer dtype) or a sequence of ints as a `Vec<T>`
+/// with every value in `[lo, hi)`.
+pub(crate) fn int_vec<T: IntTarget>(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+    lo: i128,
+    hi: i128,
+) -> PyResult<Vec<T>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        if arr.ndim() != 1 {
+            return Err(invalid_argument(format!(
+                "{name} must be a 1-D array, got {} dimensions",
+                arr.ndim()
+            )));
+        }
+        let mut out = Vec::with_capacity(arr.len());
+        if arr.is_empty() {
+            // `np.array([])` is float64; an empty array of any dtype is an empty list.
+            return Ok(out);
+        }
+        let done = copy_array::<i64, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<i32, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<u32, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<u64, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<i16, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<u16, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<i8, T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<u8, T>(arr, name, lo, hi, &mut out)?;
+        if !done {
+            return Err(invalid_argument(format!(
+                "{name} must have an integer dtype, got {}",
+                arr.dtype()
+                    .str()
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            )));
+        }
+        return Ok(out);
+    }
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+    {
+        return Err(invalid_argument(format!(
+            "{name} must be a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    }
+    let Ok(iter) = obj.try_iter() else {
+        return Err(invalid_argument(format!(
+            "{name} must be a 1-D integer array or a sequence of ints, got {}",
+            type_name(obj)
+        )));
+    };
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in iter {
+        let v = scalar_int(&item?, name)?;
+        if v < lo || v >= hi {
+            return Err(invalid_argument(format!(
+                "every entry of {name} must be in [{lo}, {hi}), got {v}"
+            )));
+        }
+        out.push(T::from_i128(v));
+    }
+    Ok(out)
+}
+
+/// Sequence ids of a batch call.
+pub(crate) fn seq_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
+    int_vec(obj, name, 0, SEQ_ID_END)
+}
+
+/// Token ids (`uint32`).
+pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    int_vec(obj, name, 0, TOKEN_ID_END)
+}
+
+/// A per-sequence integer argument: an int for every sequence, or one value each.
+pub(crate) enum PerSeq {
+    /// The same value for every sequence.
+    Scalar(i64),
+    /// One value per sequence (length checked by the core).
+    Each(Vec<i64>),
+}
+
+impl PerSeq {
+    /// Parse an int or a 1-D integer array/sequence with values in `[lo, hi)`.
+    pub(crate) fn extract(obj: &Bound<'_, PyAny>, name: &str, lo: i128, hi: i128) -> PyResult<Self> {
+        if obj.is_instance_of::<PyInt>() || (obj.hasattr("__index__")? && !obj.hasattr("__len__")?)
+        {
+            return Ok(PerSeq::Scalar(int_in(obj, name, lo, hi)? as i64));
+        }
+        Ok(PerSeq::Each(int_vec(obj, name, lo, hi)?))
+    }
+
+    /// The core's view of this argument.
+    pub(crate) fn as_batch_arg(&self) -> kvblocks_core::BatchArg<'_> {
+        match self {
+            PerSeq::Scalar(v) => kvblocks_core::BatchArg::Scalar(*v),
+            PerSeq::Each(v) => kvblocks_core::BatchArg::Each(v),
+        }
+    }
+}
+
+/// A cache salt: `str` (UTF-8 encoded), `bytes` or `None`.
+pub(crate) fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+    let Some(obj) = obj else { return Ok(None) };
+    if obj.is_none() {
+        return Ok(None);
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(Some(s.to_cow()?.as_bytes().to_vec()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(Some(b.as_bytes().to_vec()));
+    }
+    Err(invalid_argument(format!(
+        "cache_salt must be str, bytes or None, got {}",
+        type_name(obj)
+    )))
+}

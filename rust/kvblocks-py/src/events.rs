@@ -1,0 +1,107 @@
+//! KV cache events as frozen Python classes (drained by `take_events`).
+
+use kvblocks_core::{BlockHash, KvCacheEvent};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+fn hashes_to_py<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Vec<Bound<'py, PyBytes>> {
+    hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect()
+}
+
+fn hex(hashes: &[BlockHash]) -> String {
+    hashes
+        .iter()
+        .map(|h| h.as_bytes().iter().take(4).map(|b| format!("{b:02x}")).collect::<String>())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// KV cache event: full blocks entered the prefix cache (one event per block run).
+#[pyclass(frozen, module = "kvblocks._core")]
+pub(crate) struct BlockStored {
+    inner: kvblocks_core::BlockStored,
+}
+
+#[pymethods]
+impl BlockStored {
+    /// Hashes of the stored blocks, in chain order.
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        hashes_to_py(py, &self.inner.block_hashes)
+    }
+
+    /// Hash of the block before the first stored one; ``None`` for a prompt's first block.
+    #[getter]
+    fn parent_block_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.inner
+            .parent_block_hash
+            .as_ref()
+            .map(|h| PyBytes::new(py, h.as_bytes()))
+    }
+
+    /// Tokens of all stored blocks, concatenated (``block_size`` per block).
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        self.inner.token_ids.clone()
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+
+    /// LoRA adapter of the sequence that stored the blocks.
+    #[getter]
+    fn lora_id(&self) -> Option<u64> {
+        self.inner.lora_id
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockStored(blocks={}, hashes=[{}], lora_id={:?})",
+            self.inner.block_hashes.len(),
+            hex(&self.inner.block_hashes),
+            self.inner.lora_id
+        )
+    }
+}
+
+/// KV cache event: blocks left the prefix cache (evicted or reset).
+#[pyclass(frozen, module = "kvblocks._core")]
+pub(crate) struct BlockRemoved {
+    inner: kvblocks_core::BlockRemoved,
+}
+
+#[pymethods]
+impl BlockRemoved {
+    /// Hashes of the removed blocks.
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        hashes_to_py(py, &self.inner.block_hashes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("BlockRemoved(hashes=[{}])", hex(&self.inner.block_hashes))
+    }
+}
+
+/// KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``.
+#[pyclass(frozen, module = "kvblocks._core")]
+pub(crate) struct AllBlocksCleared;
+
+#[pymethods]
+impl AllBlocksCleared {
+    fn __repr__(&self) -> &'static str {
+        "AllBlocksCleared()"
+    }
+}
+
+/// Wrap one core event in its Python class.
+pub(crate) fn event_to_py(py: Python<'_>, event: KvCacheEvent) -> PyResult<Bound<'_, PyAny>> {
+    Ok(match event {
+        KvCacheEvent::BlockStored(inner) => Bound::new(py, BlockStored { inner })?.into_any(),
+        KvCacheEvent::BlockRemoved(inner) => Bound::new(py, BlockRemoved { inner })?.into_any(),
+        KvCacheEvent::AllBlocksCleared => Bound::new(py, AllBlocksCleared)?.into_any(),
+    })
+}

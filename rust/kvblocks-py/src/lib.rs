@@ -1,0 +1,25 @@
+//! `kvblocks._core`: the Python extension module over the `kvblocks-core` crate.
+//!
+//! A thin layer: argument conversion ([`args`]), the one error mapping ([`errors`]),
+//! the manager behind a mutex ([`manager`]), events and `AllocStatus` as frozen classes.
+//! The Python contract is `python/kvblocks/_core.pyi` (checked by `mypy.stubtest`).
+
+mod alloc_status;
+mod args;
+mod errors;
+mod events;
+mod manager;
+
+use pyo3::prelude::*;
+
+/// The compiled block manager of kvblocks (see ``kvblocks/_core.pyi`` for the API).
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<alloc_status::AllocStatus>()?;
+    m.add_class::<events::BlockStored>()?;
+    m.add_class::<events::BlockRemoved>()?;
+    m.add_class::<events::AllBlocksCleared>()?;
+    m.add_class::<manager::KVCacheManager>()?;
+    Ok(())
+}

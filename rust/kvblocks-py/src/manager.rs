@@ -1,0 +1,551 @@
+//! `KVCacheManager`: the core manager behind a mutex, with NumPy arrays in and out.
+//!
+//! Locking rule: a thread never blocks on the mutex while it holds the GIL (that would
+//! deadlock against a thread that holds the mutex in a GIL-free section and waits to
+//! re-attach). Short calls take the lock with `try_lock` and fall back to waiting with
+//! the GIL released; long calls (hashing prompts, batch calls) always run detached.
+
+use kvblocks_core as core;
+use numpy::ndarray::Array2;
+use numpy::{IntoPyArray, PyArray1, PyArray2};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::alloc_status::AllocStatus;
+use crate::args::{self, PerSeq, COUNT_END, SEQ_ID_END, TOKEN_ID_END};
+use crate::errors::{invalid_argument, IntoPyResult};
+use crate::events::event_to_py;
+
+/// Paged KV-cache block manager: block pools, prefix cache, block tables, CoW, swap.
+#[pyclass(frozen, module = "kvblocks._core")]
+pub(crate) struct KVCacheManager {
+    inner: Mutex<core::KVCacheManager>,
+}
+
+/// Whether a call runs long enough (or over enough data) to release the GIL.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Work {
+    /// O(1) or O(sequence) bookkeeping: keep the GIL unless the lock is contended.
+    Short,
+    /// Hashing or batch work: always release the GIL.
+    Long,
+}
+
+impl KVCacheManager {
+    /// Run `f` on the core under the lock (see the module docs for the locking rule).
+    fn run<R, F>(&self, py: Python<'_>, work: Work, f: F) -> R
+    where
+        F: FnOnce(&mut core::KVCacheManager) -> R + Send,
+        R: Send,
+    {
+        if work == Work::Short {
+            if let Some(mut guard) = self.inner.try_lock() {
+                return f(&mut guard);
+            }
+        }
+        py.detach(|| f(&mut self.inner.lock()))
+    }
+
+    /// Read-only access (same locking rule).
+    fn read<R, F>(&self, py: Python<'_>, f: F) -> R
+    where
+        F: FnOnce(&core::KVCacheManager) -> R + Send,
+        R: Send,
+    {
+        self.run(py, Work::Short, |m| f(m))
+    }
+}
+
+fn pairs_to_py(py: Python<'_>, pairs: Vec<[i64; 2]>) -> Bound<'_, PyArray2<i64>> {
+    let n = pairs.len();
+    let flat: Vec<i64> = pairs.into_iter().flatten().collect();
+    // The shape always matches the data: n rows of 2.
+    Array2::from_shape_vec((n, 2), flat)
+        .map(|a| a.into_pyarray(py))
+        .unwrap_or_else(|_| PyArray2::zeros(py, [0, 2], false))
+}
+
+#[pymethods]
+impl KVCacheManager {
+    #[new]
+    #[pyo3(signature = (
+        num_blocks,
+        block_size,
+        *,
+        num_cpu_blocks = None,
+        enable_prefix_caching = true,
+        hash_algo = "blake3",
+        watermark = 0.01,
+        sliding_window = None,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        num_cpu_blocks: Option<&Bound<'_, PyAny>>,
+        enable_prefix_caching: bool,
+        hash_algo: &str,
+        watermark: f64,
+        sliding_window: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut config = core::ManagerConfig::new(
+            args::count(num_blocks, "num_blocks")?,
+            args::count(block_size, "block_size")?,
+        );
+        if let Some(n) = num_cpu_blocks {
+            config.num_cpu_blocks = args::count(n, "num_cpu_blocks")?;
+        }
+        config.enable_prefix_caching = enable_prefix_caching;
+        config.hash_algo = hash_algo.parse().py_err()?;
+        config.watermark = watermark;
+        config.sliding_window = match sliding_window {
+            Some(w) if !w.is_none() => Some(args::count(w, "sliding_window")?),
+            _ => None,
+        };
+        Ok(KVCacheManager {
+            inner: Mutex::new(core::KVCacheManager::new(config).py_err()?),
+        })
+    }
+
+    // -- configuration -------------------------------------------------------------
+
+    /// GPU blocks in the pool, the null block included.
+    #[getter]
+    fn num_blocks(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.num_blocks())
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.block_size())
+    }
+
+    /// Blocks in the CPU pool used by ``swap_out``/``swap_in``.
+    #[getter]
+    fn num_cpu_blocks(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.num_cpu_blocks())
+    }
+
+    /// Whether full blocks are shared between sequences by content hash.
+    #[getter]
+    fn enable_prefix_caching(&self, py: Python<'_>) -> bool {
+        self.read(py, |m| m.enable_prefix_caching())
+    }
+
+    /// ``"blake3"`` or ``"xxh3_128"``.
+    #[getter]
+    fn hash_algo(&self, py: Python<'_>) -> &'static str {
+        self.read(py, |m| m.hash_algo().as_str())
+    }
+
+    /// Fraction of GPU blocks kept free at admission.
+    #[getter]
+    fn watermark(&self, py: Python<'_>) -> f64 {
+        self.read(py, |m| m.watermark())
+    }
+
+    /// Attention window in tokens, or ``None``.
+    #[getter]
+    fn sliding_window(&self, py: Python<'_>) -> Option<usize> {
+        self.read(py, |m| m.sliding_window())
+    }
+
+    /// The reserved block id (0) used for padding and released window blocks.
+    #[getter]
+    fn null_block(&self) -> u32 {
+        core::NULL_BLOCK
+    }
+
+    // -- pool state ----------------------------------------------------------------
+
+    /// Free GPU blocks, cached-but-unreferenced ones included (at most ``num_blocks - 1``).
+    fn num_free_blocks(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.num_free_blocks())
+    }
+
+    /// Free CPU blocks.
+    fn num_free_cpu_blocks(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.num_free_cpu_blocks())
+    }
+
+    /// Fraction of usable GPU blocks referenced by some sequence.
+    fn usage(&self, py: Python<'_>) -> f64 {
+        self.read(py, |m| m.usage())
+    }
+
+    /// Number of sequences held (running and swapped).
+    fn __len__(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.len())
+    }
+
+    fn __contains__(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> bool {
+        match args::seq_id(seq_id, "seq_id") {
+            Ok(id) => self.read(py, |m| m.has_sequence(id)),
+            Err(_) => false,
+        }
+    }
+
+    /// Ids of the sequences held, ascending.
+    fn seq_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
+        let ids: Vec<i64> = self.read(py, |m| m.seq_ids().into_iter().map(|i| i as i64).collect());
+        ids.into_pyarray(py)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.read(py, |m| {
+            format!(
+                "KVCacheManager(num_blocks={}, block_size={}, num_cpu_blocks={}, \
+                 enable_prefix_caching={}, hash_algo={:?}, free_blocks={}, sequences={})",
+                m.num_blocks(),
+                m.block_size(),
+                m.num_cpu_blocks(),
+                if m.enable_prefix_caching() { "True" } else { "False" },
+                m.hash_algo().as_str(),
+                m.num_free_blocks(),
+                m.len()
+            )
+        })
+    }
+
+    // -- sequences -----------------------------------------------------------------
+
+    /// Register a sequence and its prompt; return how many leading tokens are cached.
+    #[pyo3(signature = (seq_id, token_ids, *, cache_salt = None, lora_id = None))]
+    fn add_sequence(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        lora_id: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let tokens = args::token_ids(token_ids, "token_ids")?;
+        let salt = args::cache_salt(cache_salt)?;
+        let lora = match lora_id {
+            Some(l) if !l.is_none() => Some(args::int_in(l, "lora_id", 0, 1 << 64)? as u64),
+            _ => None,
+        };
+        self.run(py, Work::Long, |m| {
+            m.add_sequence(id, &tokens, salt.as_deref(), lora)
+        })
+        .py_err()
+    }
+
+    /// Whether the manager holds ``seq_id``.
+    fn has_sequence(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        Ok(self.read(py, |m| m.has_sequence(id)))
+    }
+
+    /// Known tokens of the sequence: prompt plus committed sampled tokens.
+    fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.read(py, |m| m.num_tokens(id)).py_err()
+    }
+
+    /// Tokens whose KV is in the cache (the current prefix probe before the first allocation).
+    fn num_computed_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.read(py, |m| m.num_computed_tokens(id)).py_err()
+    }
+
+    /// Prompt tokens served from the prefix cache (claimed, or the probe before the claim).
+    fn num_cached_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.read(py, |m| m.num_cached_tokens(id)).py_err()
+    }
+
+    /// The sequence's known tokens.
+    fn token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<u32>>> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let tokens = self.read(py, |m| m.token_ids(id).map(|t| t.to_vec())).py_err()?;
+        Ok(tokens.into_pyarray(py))
+    }
+
+    /// Whether the sequence's blocks are in the CPU pool.
+    fn is_swapped(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.read(py, |m| m.is_swapped(id)).py_err()
+    }
+
+    /// Batch form of ``num_computed_tokens`` for ordering waiting sequences.
+    fn probe_prefixes<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let out = self.run(py, Work::Long, |m| m.probe_prefixes(&ids)).py_err()?;
+        Ok(out.into_pyarray(py))
+    }
+
+    /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
+    #[pyo3(signature = (seq_id, *, num_lookahead_tokens = None))]
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<AllocStatus> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let status = self.read(py, |m| m.can_allocate(id, lookahead)).py_err()?;
+        Ok(status.into())
+    }
+
+    /// Reserve KV slots for ``computed + num_new_tokens + num_lookahead_tokens`` tokens.
+    #[pyo3(signature = (seq_id, num_new_tokens, *, num_lookahead_tokens = None))]
+    fn allocate_slots<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let new = args::count(num_new_tokens, "num_new_tokens")?;
+        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let taken = self
+            .run(py, Work::Short, |m| m.allocate_slots(id, new, lookahead))
+            .py_err()?;
+        Ok(taken.map(|blocks| blocks.into_pyarray(py)))
+    }
+
+    /// ``allocate_slots`` for many sequences in one call; returns how many succeeded.
+    #[pyo3(signature = (seq_ids, num_new_tokens, *, num_lookahead_tokens = None))]
+    fn allocate_slots_batch(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<usize> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let new = PerSeq::extract(num_new_tokens, "num_new_tokens", 0, COUNT_END)?;
+        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        self.run(py, Work::Long, |m| {
+            m.allocate_slots_batch(&ids, new.as_batch_arg(), lookahead)
+        })
+        .py_err()
+    }
+
+    /// The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens.
+    #[pyo3(signature = (seq_id, num_new_computed_tokens, new_token_ids = None))]
+    fn commit(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_new_computed_tokens: &Bound<'_, PyAny>,
+        new_token_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let n = args::count(num_new_computed_tokens, "num_new_computed_tokens")?;
+        let tokens = match new_token_ids {
+            Some(t) => args::token_ids(t, "new_token_ids")?,
+            None => Vec::new(),
+        };
+        // Committing a long prefill chunk hashes its blocks: worth releasing the GIL.
+        let work = if n >= 4096 { Work::Long } else { Work::Short };
+        self.run(py, work, |m| m.commit(id, n, &tokens)).py_err()
+    }
+
+    /// ``commit`` for many sequences: at most one new token each (``< 0`` means none).
+    #[pyo3(signature = (seq_ids, num_new_computed_tokens, new_token_ids = None))]
+    fn commit_batch(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        num_new_computed_tokens: &Bound<'_, PyAny>,
+        new_token_ids: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let n = PerSeq::extract(num_new_computed_tokens, "num_new_computed_tokens", 0, COUNT_END)?;
+        let tokens = match new_token_ids {
+            Some(t) if !t.is_none() => Some(PerSeq::extract(
+                t,
+                "new_token_ids",
+                -(1 << 63),
+                TOKEN_ID_END,
+            )?),
+            _ => None,
+        };
+        self.run(py, Work::Long, |m| {
+            m.commit_batch(&ids, n.as_batch_arg(), tokens.as_ref().map(|t| t.as_batch_arg()))
+        })
+        .py_err()
+    }
+
+    /// Make ``child_id`` share every block and token of ``parent_id`` (refcounts + 1).
+    fn fork(
+        &self,
+        py: Python<'_>,
+        parent_id: &Bound<'_, PyAny>,
+        child_id: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let parent = args::seq_id(parent_id, "parent_id")?;
+        let child = args::seq_id(child_id, "child_id")?;
+        self.run(py, Work::Short, |m| m.fork(parent, child)).py_err()
+    }
+
+    /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
+    fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+        let pairs = self.run(py, Work::Short, |m| m.take_copy_on_writes());
+        pairs_to_py(py, pairs)
+    }
+
+    /// Release the sequence's blocks (last block first) and forget it.
+    fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.run(py, Work::Short, |m| m.free(id)).py_err()
+    }
+
+    // -- swap ----------------------------------------------------------------------
+
+    /// Enough free CPU blocks for the sequences' distinct blocks.
+    fn can_swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        self.read(py, |m| m.can_swap_out(&ids)).py_err()
+    }
+
+    /// Enough free GPU blocks for the sequences' distinct blocks, keeping the watermark.
+    fn can_swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        self.read(py, |m| m.can_swap_in(&ids)).py_err()
+    }
+
+    /// Move the sequences' blocks to the CPU pool; return ``(gpu, cpu)`` rows ``[n, 2]``.
+    fn swap_out<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let pairs = self.run(py, Work::Long, |m| m.swap_out(&ids)).py_err()?;
+        Ok(pairs_to_py(py, pairs))
+    }
+
+    /// Move swapped sequences back; return ``(cpu, gpu)`` rows ``[n, 2]``, sharing kept.
+    fn swap_in<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let pairs = self.run(py, Work::Long, |m| m.swap_in(&ids)).py_err()?;
+        Ok(pairs_to_py(py, pairs))
+    }
+
+    // -- step inputs ---------------------------------------------------------------
+
+    /// The sequence's block table.
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        let table = self.read(py, |m| m.block_table(id)).py_err()?;
+        Ok(table.into_pyarray(py))
+    }
+
+    /// 2-D block tables, padded with the null block to the longest (or ``max_blocks``).
+    #[pyo3(signature = (seq_ids, *, max_blocks = None))]
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+        max_blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let max_blocks = match max_blocks {
+            Some(b) if !b.is_none() => Some(args::count(b, "max_blocks")?),
+            _ => None,
+        };
+        let tables = self
+            .run(py, Work::Long, |m| m.block_tables(&ids, max_blocks))
+            .py_err()?;
+        let shape = (tables.num_rows, tables.num_cols);
+        let array = Array2::from_shape_vec(shape, tables.data)
+            .map_err(|e| invalid_argument(format!("block table shape mismatch: {e}")))?;
+        Ok(array.into_pyarray(py))
+    }
+
+    /// Cache slots (``block * block_size + offset``) of the tokens computed this step.
+    #[pyo3(signature = (seq_ids, num_tokens = None))]
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+        num_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let counts = match num_tokens {
+            Some(n) if !n.is_none() => Some(PerSeq::extract(n, "num_tokens", 0, COUNT_END)?),
+            _ => None,
+        };
+        let slots = self
+            .run(py, Work::Long, |m| {
+                m.slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()))
+            })
+            .py_err()?;
+        Ok(slots.into_pyarray(py))
+    }
+
+    // -- prefix cache, events, stats -----------------------------------------------
+
+    /// Forget every cached hash; only when no block is in use. Returns success.
+    fn reset_prefix_cache(&self, py: Python<'_>) -> bool {
+        self.run(py, Work::Long, |m| m.reset_prefix_cache())
+    }
+
+    /// Drain the KV cache events recorded since the last call.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let events = self.run(py, Work::Short, |m| m.take_events());
+        events.into_iter().map(|e| event_to_py(py, e)).collect()
+    }
+
+    /// Counters: usage, free blocks, prefix-cache queries/hits, evictions, CoW, swaps.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.read(py, |m| m.stats());
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", s.num_blocks)?;
+        d.set_item("num_free_blocks", s.num_free_blocks)?;
+        d.set_item("num_used_blocks", s.num_used_blocks)?;
+        d.set_item("usage", s.usage)?;
+        d.set_item("num_cpu_blocks", s.num_cpu_blocks)?;
+        d.set_item("num_free_cpu_blocks", s.num_free_cpu_blocks)?;
+        d.set_item("num_sequences", s.num_sequences)?;
+        d.set_item("num_swapped_sequences", s.num_swapped_sequences)?;
+        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
+        d.set_item("prefix_cache_hit_rate", s.prefix_cache_hit_rate)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("cow_copies", s.cow_copies)?;
+        d.set_item("blocks_swapped_out", s.blocks_swapped_out)?;
+        d.set_item("blocks_swapped_in", s.blocks_swapped_in)?;
+        Ok(d)
+    }
+
+    /// Verify every structural invariant; raise ``InvariantViolationError`` if one fails.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, Work::Long, |m| m.check_invariants()).py_err()
+    }
+}
+
+fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<usize> {
+    match obj {
+        Some(o) => args::count(o, name),
+        None => Ok(0),
+    }
+}
+
+#[allow(dead_code)]
+const _: i128 = SEQ_ID_END;
