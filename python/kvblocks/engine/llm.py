@@ -1,0 +1,350 @@
+"""``LLM``: offline batch generation with the paged engine.
+
+Wires the pieces together: a model (the built-in tiny one, a checkpoint directory or a
+model object), the Rust :class:`kvblocks.KVCacheManager`, the continuous-batching
+:class:`kvblocks.scheduler.Scheduler` and the :class:`~kvblocks.engine.runner.ModelRunner`,
+then loops schedule -> execute -> update until every prompt has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from kvblocks import KVCacheManager
+from kvblocks.engine.loader import load_checkpoint
+from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.outputs import Completion, GenerationOutput
+from kvblocks.engine.runner import ModelRunner, kv_block_bytes
+from kvblocks.engine.tiny import build_tiny_model
+from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
+from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
+from kvblocks.sampling_params import SamplingParams
+from kvblocks.scheduler import Request, RequestOutput, Scheduler, SchedulerConfig
+
+__all__ = ["LLM", "Prompt"]
+
+Prompt = Union[str, Sequence[int], np.ndarray]
+"""A text prompt (needs a tokenizer) or a prompt of token ids."""
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+"""Block sizes the attention kernels are compiled for."""
+
+_CPU_DEFAULT_CACHE_BYTES = 256 << 20
+_CPU_DEFAULT_MAX_BLOCKS = 4096
+_DEFAULT_SWAP_BYTES = 4 << 30
+_GPU_CACHE_FRACTION = 0.85
+# Steps in a row that compute nothing and move nothing before generate() gives up.
+_MAX_IDLE_STEPS = 64
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None:
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _default_dtype(model_dtype: str | None, device: torch.device) -> torch.dtype:
+    if device.type == "cpu":
+        return torch.float32
+    if model_dtype in ("float16", "bfloat16"):
+        return getattr(torch, model_dtype)
+    return torch.bfloat16
+
+
+class LLM:
+    """A paged-attention engine for Llama, Mistral and Qwen2 models.
+
+    Args:
+        model: ``None`` for the built-in tiny model, a Hugging Face checkpoint directory,
+            or an already built :class:`~kvblocks.engine.model.LlamaForCausalLM`.
+        tokenizer: overrides the tokenizer found with the model (``tokenizer.json`` in the
+            directory; bytes for the tiny model).
+        num_blocks: device KV-cache blocks, the null block included. Default: 85% of the
+            free GPU memory on CUDA; up to 256 MiB of cache (at most 4096 blocks) on CPU.
+        block_size: tokens per block: 8, 16 or 32.
+        num_cpu_blocks: CPU swap-space blocks for swap preemption. Default: as many
+            as ``num_blocks`` but at most 4 GiB.
+        enable_prefix_caching: share cached prompt prefixes between requests.
+        max_num_batched_tokens, max_num_seqs: per-step limits of the scheduler.
+        preemption_mode: ``None`` (recompute single-sequence requests, swap
+            multi-sequence ones), ``"recompute"`` or ``"swap"``.
+        policy: ``"fcfs"``, ``"priority"`` or ``"lpm"``.
+        enable_chunked_prefill: split long prompts across steps.
+        device: default CUDA when torch sees a GPU and CuPy is installed, else CPU.
+        dtype: default float32 on CPU; the checkpoint's float16/bfloat16 (else
+            bfloat16) on CUDA.
+        seed: seed of the engine's sampling generator (and of the tiny model's weights).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | LlamaForCausalLM | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        num_cpu_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        preemption_mode: str | None = None,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+    ) -> None:
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise InvalidArgumentError(
+                f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
+            )
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            policy=policy,
+            preemption_mode=preemption_mode,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        dev = torch.device(device) if device is not None else _default_device()
+        self.model = self._build_model(model, dev, dtype, seed)
+        param = next(self.model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.tokenizer: Tokenizer | None = tokenizer
+        if tokenizer is None and not isinstance(model, LlamaForCausalLM):
+            self.tokenizer = load_tokenizer(model)
+        config = self.model.config
+        self.eos_token_ids = config.eos_token_ids
+        block_bytes = kv_block_bytes(self.model, block_size, self.dtype)
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(block_bytes)
+        if num_cpu_blocks is None:
+            num_cpu_blocks = min(num_blocks, max(1, _DEFAULT_SWAP_BYTES // block_bytes))
+        if num_blocks < 2:
+            raise InvalidArgumentError(
+                f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}"
+            )
+        if num_cpu_blocks < 0:
+            raise InvalidArgumentError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        self.manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=config.uniform_sliding_window(),
+        )
+        self.scheduler = Scheduler(self.manager, scheduler_config)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            seed=seed,
+        )
+        self._next_request = 0
+        self.run_stats: dict[str, float] = {}
+
+    @staticmethod
+    def _build_model(
+        model: str | Path | LlamaForCausalLM | None,
+        device: torch.device,
+        dtype: torch.dtype | None,
+        seed: int,
+    ) -> LlamaForCausalLM:
+        if isinstance(model, LlamaForCausalLM):
+            if dtype is not None or device != next(model.parameters()).device:
+                model = model.to(device=device, dtype=dtype)
+            return model.eval()
+        if model is None:
+            return build_tiny_model(
+                seed=seed, device=device, dtype=dtype or _default_dtype(None, device)
+            )
+        from kvblocks.engine.config import ModelConfig
+
+        if dtype is None:
+            dtype = _default_dtype(ModelConfig.from_file(model).torch_dtype, device)
+        return load_checkpoint(model, device=device, dtype=dtype)
+
+    def _default_num_blocks(self, block_bytes: int) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            return max(2, int(free * _GPU_CACHE_FRACTION) // block_bytes)
+        return max(2, min(_CPU_DEFAULT_MAX_BLOCKS, _CPU_DEFAULT_CACHE_BYTES // block_bytes))
+
+    # -- prompts -------------------------------------------------------------------------
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, np.ndarray):
+            return [prompts] if prompts.ndim == 1 else list(prompts)
+        items = list(prompts)
+        if items and all(isinstance(t, (int, np.integer)) for t in items):
+            return [items]
+        return items
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidArgumentError(
+                    "text prompts need a tokenizer (tokenizer.json in the model directory); "
+                    "pass token ids instead"
+                )
+            ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"a prompt must be a str or a sequence of token ids, got {prompt!r}"
+                ) from None
+            text = None
+        if not ids:
+            raise InvalidArgumentError("a prompt must have at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        return text, ids
+
+    def _request_params(self, params: SamplingParams) -> tuple[SamplingParams, int | None]:
+        """The EOS token of a request; extra EOS ids of the model become stop tokens."""
+        if not self.eos_token_ids or params.ignore_eos:
+            return params, None
+        extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
+        if extra:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        return params, self.eos_token_ids[0]
+
+    # -- generation ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate completions for every prompt; results come back in prompt order.
+
+        Args:
+            prompts: one prompt or a list (text and token-id prompts can be mixed).
+            sampling_params: one for all prompts, or one per prompt; default
+                ``SamplingParams()``.
+
+        Raises:
+            InvalidArgumentError: a bad prompt or parameter (nothing is queued then).
+            OutOfBlocksError: the engine stopped making progress (a pool too small for
+                what was asked, e.g. no CPU blocks for a beam search that must swap).
+        """
+        items = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise InvalidArgumentError(
+                    f"got {len(params_list)} SamplingParams for {len(items)} prompts"
+                )
+        encoded = [self._encode(p) for p in items]
+        requests = []
+        for (_text, ids), params in zip(encoded, params_list):
+            req_params, eos = self._request_params(params)
+            requests.append(
+                Request(
+                    request_id=str(self._next_request + len(requests)),
+                    prompt_token_ids=ids,
+                    sampling_params=req_params,
+                    eos_token_id=eos,
+                )
+            )
+        self._next_request += len(requests)
+        added: list[str] = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except Exception:
+            for rid in added:
+                self.scheduler.abort_request(rid)
+            raise
+        start = time.perf_counter()
+        finished, steps, computed = self._run_until_done({r.request_id for r in requests})
+        elapsed = time.perf_counter() - start
+        outputs = [
+            self._to_output(finished[req.request_id], text)
+            for req, (text, _ids) in zip(requests, encoded)
+        ]
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        self.run_stats = {
+            "steps": float(steps),
+            "computed_tokens": float(computed),
+            "generated_tokens": float(generated),
+            "elapsed_s": elapsed,
+            "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+        }
+        return outputs
+
+    def _run_until_done(self, request_ids: set[str]) -> tuple[dict[str, RequestOutput], int, int]:
+        """Step until the scheduler is empty; return the outputs, steps and computed tokens."""
+        finished: dict[str, RequestOutput] = {}
+        idle = steps = computed = 0
+        while self.scheduler.has_unfinished_requests():
+            out = self.scheduler.schedule()
+            result = self.runner.execute(out)
+            moved = (
+                len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in) + len(out.blocks_to_copy)
+            )
+            steps += 1
+            computed += out.num_tokens
+            for done in self.scheduler.update(out, result):
+                finished[done.request_id] = done
+            idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
+            if idle >= _MAX_IDLE_STEPS:
+                for rid in request_ids - finished.keys():
+                    self.scheduler.abort_request(rid)
+                raise OutOfBlocksError(
+                    f"the engine made no progress in {_MAX_IDLE_STEPS} steps: the KV cache "
+                    f"({self.manager.num_blocks} blocks, {self.manager.num_cpu_blocks} CPU "
+                    "blocks) cannot hold what the waiting requests need"
+                )
+        missing = request_ids - finished.keys()
+        if missing:
+            raise OutOfBlocksError(f"requests {sorted(missing)} never finished")
+        return finished, steps, computed
+
+    def _to_output(self, result: RequestOutput, prompt: str | None) -> GenerationOutput:
+        completions = [
+            Completion(
+                index=c.index,
+                token_ids=list(c.token_ids),
+                text=self.tokenizer.decode(c.token_ids) if self.tokenizer is not None else None,
+                cumulative_logprob=float(c.cumulative_logprob),
+                finish_reason=c.finish_reason,
+            )
+            for c in sorted(result.outputs, key=lambda c: c.index)
+        ]
+        return GenerationOutput(
+            request_id=result.request_id,
+            prompt=prompt,
+            prompt_token_ids=list(result.prompt_token_ids),
+            outputs=completions,
+            num_cached_tokens=int(result.num_cached_tokens),
+        )
+
+    # -- statistics ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters."""
+        return {
+            "engine": dict(self.run_stats),
+            "scheduler": dict(self.scheduler.stats()),
+            "cache": dict(self.manager.stats()),
+        }

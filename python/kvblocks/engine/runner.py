@@ -1,0 +1,208 @@
+"""The model runner: executes one :class:`~kvblocks.scheduler.SchedulerOutput` on the paged cache.
+
+Per step it applies the scheduler's memory operations in the agreed order (swap out,
+swap in, copy-on-write copies), runs the decoder over the flattened batch with every
+layer's attention going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the
+torch reference on the CPU), computes logits only at the sampling rows and samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from kvblocks import ops
+from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.sampler import Sampler
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
+
+__all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
+
+KVCaches = list[tuple[Tensor, Tensor]]
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    c = model.config
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
+
+
+class PagedAttention:
+    """Attention backend over the paged KV cache for one step's batch.
+
+    Writes the new tokens' K/V into their slots, then attends each query to its
+    sequence's cached context through the block tables. A batch of decodes only uses
+    the decode kernel; anything with a prefill chunk uses the varlen prefill kernel,
+    which also serves the decodes in the same launch.
+    """
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        *,
+        slot_mapping: Tensor,
+        block_tables: Tensor,
+        query_start_loc: Tensor,
+        seq_lens: Tensor,
+        decode_only: bool,
+        sliding_windows: Sequence[int | None],
+        scale: float,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.slot_mapping = slot_mapping
+        self.block_tables = block_tables
+        self.query_start_loc = query_start_loc
+        self.seq_lens = seq_lens
+        self.decode_only = decode_only
+        self.sliding_windows = list(sliding_windows)
+        self.scale = scale
+
+    def __call__(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Cache the new K/V and attend (see :class:`~kvblocks.engine.model.AttentionBackend`)."""
+        key_cache, value_cache = self.kv_caches[layer_idx]
+        ops.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
+        window = self.sliding_windows[layer_idx]
+        if self.decode_only:
+            return ops.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                self.block_tables,
+                self.seq_lens,
+                scale=self.scale,
+                sliding_window=window,
+            )
+        return ops.paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            self.block_tables,
+            self.query_start_loc,
+            self.seq_lens,
+            scale=self.scale,
+            sliding_window=window,
+        )
+
+
+class ModelRunner:
+    """Owns the KV caches (device and CPU swap space) and runs steps of a model.
+
+    Args:
+        model: the decoder (its parameters' device and dtype are used for the caches).
+        num_blocks: device cache blocks (block 0 is the manager's null block).
+        block_size: tokens per block (8, 16 or 32: the kernels' sizes).
+        num_cpu_blocks: CPU swap-space blocks (pinned memory when the model is on CUDA).
+        seed: seed of the sampler's shared generator.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        seed: int = 0,
+    ) -> None:
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.dtype = param.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        c = model.config
+        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches: KVCaches = ops.allocate_kv_cache(*shape, self.dtype, self.device)
+        self.cpu_caches: KVCaches = self._allocate_cpu_caches(num_cpu_blocks)
+        self.sliding_windows = c.layer_sliding_windows()
+        self.scale = c.default_scale
+        self.sampler = Sampler(self.device, seed)
+
+    def _allocate_cpu_caches(self, num_cpu_blocks: int) -> KVCaches:
+        if num_cpu_blocks <= 0:
+            return []
+        c = self.model.config
+        if self.device.type == "cpu":
+            return ops.allocate_kv_cache(
+                c.num_hidden_layers,
+                num_cpu_blocks,
+                self.block_size,
+                c.num_key_value_heads,
+                c.head_dim,
+                self.dtype,
+                torch.device("cpu"),
+            )
+        # Pinned host memory makes device<->host block copies asynchronous DMA.
+        base = torch.zeros(
+            (
+                c.num_hidden_layers,
+                2,
+                num_cpu_blocks,
+                c.num_key_value_heads,
+                self.block_size,
+                c.head_dim,
+            ),
+            dtype=self.dtype,
+            pin_memory=True,
+        )
+        return [(base[i, 0], base[i, 1]) for i in range(c.num_hidden_layers)]
+
+    def _apply_memory_ops(self, out: SchedulerOutput) -> None:
+        swap_out = np.asarray(out.blocks_to_swap_out, dtype=np.int64).reshape(-1, 2)
+        swap_in = np.asarray(out.blocks_to_swap_in, dtype=np.int64).reshape(-1, 2)
+        if (swap_out.size or swap_in.size) and not self.cpu_caches:
+            raise InvalidArgumentError(
+                "the scheduler asked for a swap but the runner has no CPU blocks"
+            )
+        if swap_out.size:
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                ops.swap_blocks(k, ck, swap_out)
+                ops.swap_blocks(v, cv, swap_out)
+        if swap_in.size:
+            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+                ops.swap_blocks(ck, k, swap_in)
+                ops.swap_blocks(cv, v, swap_in)
+        copies = np.asarray(out.blocks_to_copy, dtype=np.int64).reshape(-1, 2)
+        if copies.size:
+            ops.copy_blocks(self.kv_caches, copies)
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelStepResult:
+        """Run one step: memory operations, forward, logits at the sampling rows, sampling."""
+        self.sampler.forget(out.finished_request_ids)
+        self._apply_memory_ops(out)
+        if out.num_tokens == 0:
+            return ModelStepResult(
+                sampled_token_ids=np.zeros(0, dtype=np.int64),
+                sampled_logprobs=np.zeros(0, dtype=np.float32),
+            )
+        input_ids = self._to_device(out.input_token_ids, torch.long)
+        positions = self._to_device(out.positions, torch.long)
+        attention = PagedAttention(
+            self.kv_caches,
+            slot_mapping=self._to_device(out.slot_mapping, torch.long),
+            block_tables=self._to_device(out.block_tables, torch.int32),
+            query_start_loc=self._to_device(out.query_start_loc, torch.int32),
+            seq_lens=self._to_device(out.seq_lens, torch.int32),
+            decode_only=out.num_decode_seqs == out.num_seqs,
+            sliding_windows=self.sliding_windows,
+            scale=self.scale,
+        )
+        hidden = self.model(input_ids, positions, attention)
+        if out.num_sample_rows == 0:
+            return ModelStepResult(
+                sampled_token_ids=np.zeros(0, dtype=np.int64),
+                sampled_logprobs=np.zeros(0, dtype=np.float32),
+            )
+        rows = hidden[self._to_device(out.logits_indices, torch.long)]
+        logits = self.model.compute_logits(rows)
+        return self.sampler.sample(logits, out)

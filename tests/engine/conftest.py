@@ -1,0 +1,28 @@
+"""Fixtures of the engine tests: tiny models of each family and a scratch checkpoint dir."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvblocks.engine.model import LlamaForCausalLM  # noqa: E402
+from kvblocks.engine.tiny import build_tiny_model, tiny_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LlamaForCausalLM:
+    """The built-in tiny Llama (float32, CPU)."""
+    return build_tiny_model(tiny_config("llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral() -> LlamaForCausalLM:
+    """Tiny Mistral with a 24-token sliding window."""
+    return build_tiny_model(tiny_config("mistral"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> LlamaForCausalLM:
+    """Tiny Qwen2 (q/k/v biases)."""
+    return build_tiny_model(tiny_config("qwen2"))

@@ -1,0 +1,121 @@
+"""ModelConfig: parsing HF config.json for the three families, and rejecting the rest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvblocks.engine.config import ModelConfig, RopeScaling
+from kvblocks.errors import InvalidArgumentError
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "max_position_embeddings": 131072,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_llama3_config_fields() -> None:
+    c = ModelConfig.from_hf_dict(LLAMA3_8B)
+    assert c.head_dim == 128
+    assert c.num_key_value_heads == 8
+    assert c.eos_token_ids == (128001, 128008, 128009)
+    assert c.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert not c.attention_bias
+    assert c.layer_sliding_windows() == [None] * 32
+    assert c.architecture == "LlamaForCausalLM"
+
+
+def test_mistral_window_applies_to_every_layer() -> None:
+    raw = {**LLAMA3_8B, "model_type": "mistral", "sliding_window": 4096, "rope_scaling": None}
+    c = ModelConfig.from_hf_dict(raw)
+    assert c.layer_sliding_windows() == [4096] * 32
+    assert c.uniform_sliding_window() == 4096
+
+
+def test_qwen2_biases_and_window_layers() -> None:
+    raw = {
+        **LLAMA3_8B,
+        "model_type": "qwen2",
+        "rope_scaling": None,
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+    }
+    c = ModelConfig.from_hf_dict(raw)
+    assert c.attention_bias
+    assert c.sliding_window is None  # use_sliding_window is off
+    c = ModelConfig.from_hf_dict({**raw, "use_sliding_window": True})
+    windows = c.layer_sliding_windows()
+    assert windows[:28] == [None] * 28 and windows[28:] == [4096] * 4
+    assert c.uniform_sliding_window() is None  # mixed layers: the manager keeps every block
+
+
+def test_explicit_head_dim_and_missing_kv_heads() -> None:
+    raw = {**LLAMA3_8B, "head_dim": 64, "rope_scaling": None}
+    del raw["num_key_value_heads"]
+    c = ModelConfig.from_hf_dict(raw)
+    assert c.head_dim == 64
+    assert c.num_key_value_heads == c.num_attention_heads
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_hf_dict_round_trip(model_type: str, tmp_path) -> None:
+    window = 128 if model_type != "llama" else None
+    c = ModelConfig(model_type=model_type, sliding_window=window, eos_token_ids=(3, 4))
+    (tmp_path / "config.json").write_text(json.dumps(c.to_hf_dict()))
+    assert ModelConfig.from_file(tmp_path) == ModelConfig(
+        model_type=model_type,
+        sliding_window=window,
+        eos_token_ids=(3, 4),
+        attention_bias=model_type == "qwen2",
+        torch_dtype="float32",
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        ({"num_key_value_heads": 5}, "multiple of num_key_value_heads"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({"hidden_size": "big"}, "malformed field"),
+    ],
+)
+def test_bad_configs_raise(change: dict, message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        ModelConfig.from_hf_dict({**LLAMA3_8B, **change})
+
+
+def test_missing_field_and_missing_file(tmp_path) -> None:
+    raw = dict(LLAMA3_8B)
+    del raw["vocab_size"]
+    with pytest.raises(InvalidArgumentError, match="'vocab_size'"):
+        ModelConfig.from_hf_dict(raw)
+    with pytest.raises(InvalidArgumentError, match=r"no config\.json"):
+        ModelConfig.from_file(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(InvalidArgumentError, match="not valid JSON"):
+        ModelConfig.from_file(tmp_path)
