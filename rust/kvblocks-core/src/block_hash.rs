@@ -30,7 +30,7 @@ const BLOCK_TAG: &[u8] = b"kvblocks/block/v1";
 const NAMESPACE_TAG: &[u8] = b"kvblocks/namespace/v1";
 
 /// A digest (32 bytes for BLAKE3, 16 for xxh3-128), stored inline.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct BlockHash {
     bytes: [u8; 32],
     len: u8,

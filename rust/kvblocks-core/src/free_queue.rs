@@ -40,12 +40,6 @@ impl FreeQueue {
         self.len
     }
 
-    /// True when no block is queued.
-    #[inline]
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Whether `id` is queued.
     #[inline]
     pub fn contains(&self, id: u32) -> bool {

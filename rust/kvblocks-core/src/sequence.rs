@@ -5,6 +5,8 @@ use crate::block_hash::BlockHash;
 /// One sequence: its tokens, computed count, block table and prefix-cache bookkeeping.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sequence {
+    /// The sequence id.
+    pub id: u64,
     /// Known tokens: prompt plus committed sampled tokens.
     pub tokens: Vec<u32>,
     /// Prompt length at `add_sequence` (prefix-cache queries are counted in these).

@@ -3,15 +3,56 @@
 use super::KVCacheManager;
 use crate::alloc_status::AllocStatus;
 use crate::batch_arg::BatchArg;
-use crate::error::Result;
+use crate::error::{KvError, Result};
+use crate::NULL_BLOCK;
+
+/// What serving one `allocate_slots` request takes, computed before anything changes.
+#[derive(Debug, Clone, Copy)]
+struct AllocPlan {
+    /// Cached-prefix blocks to claim (first call only).
+    claim: usize,
+    /// Whether the block at the next write position must be copied first.
+    cow: bool,
+    /// Blocks to append to the table.
+    append: usize,
+    /// Slots reserved once served.
+    reserved: usize,
+}
 
 impl KVCacheManager {
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
     ///
     /// Only for sequences not yet allocated and not swapped (else `SequenceState`).
     pub fn can_allocate(&self, seq_id: u64, num_lookahead_tokens: usize) -> Result<AllocStatus> {
-        let _ = (seq_id, num_lookahead_tokens);
-        todo!()
+        let seq = self.seq(seq_id)?;
+        Self::require_resident(seq, "can_allocate")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "can_allocate: sequence {seq_id} already has slots; it is an admission check \
+                 for sequences not yet allocated"
+            )));
+        }
+        let bs = self.config.block_size;
+        let total = seq
+            .tokens
+            .len()
+            .checked_add(num_lookahead_tokens)
+            .ok_or_else(|| {
+                KvError::InvalidArgument("num_lookahead_tokens is too large".to_string())
+            })?;
+        let required = total.div_ceil(bs);
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        let shared = hit - self.pools.probe_free(&seq.hashes, hit);
+        let needed = required - shared;
+        let usable = self.config.num_blocks - 1;
+        if required > usable.saturating_sub(self.watermark_blocks) {
+            return Ok(AllocStatus::Never);
+        }
+        let free = self.pools.gpu.num_free() as i128;
+        if free - (needed as i128) < self.watermark_blocks as i128 {
+            return Ok(AllocStatus::Later);
+        }
+        Ok(AllocStatus::Ok)
     }
 
     /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens.
@@ -26,8 +67,14 @@ impl KVCacheManager {
         num_new_tokens: usize,
         num_lookahead_tokens: usize,
     ) -> Result<Option<Vec<i32>>> {
-        let _ = (seq_id, num_new_tokens, num_lookahead_tokens);
-        todo!()
+        let slot = self.slot_of(seq_id)?;
+        self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
+        let mut taken = Vec::new();
+        if self.serve_allocation(slot, num_new_tokens, num_lookahead_tokens, Some(&mut taken)) {
+            Ok(Some(taken))
+        } else {
+            Ok(None)
+        }
     }
 
     /// `allocate_slots` for many sequences; returns how many (a prefix) were served.
@@ -40,12 +87,151 @@ impl KVCacheManager {
         num_new_tokens: BatchArg<'_>,
         num_lookahead_tokens: usize,
     ) -> Result<usize> {
-        let _ = (seq_ids, num_new_tokens, num_lookahead_tokens);
-        todo!()
+        num_new_tokens.check_len(seq_ids.len(), "num_new_tokens")?;
+        let slots = self.batch_slots(seq_ids)?;
+        for (i, &slot) in slots.iter().enumerate() {
+            let new = Self::count_arg(num_new_tokens.get(i), "num_new_tokens")?;
+            self.validate_allocation(slot as usize, new, num_lookahead_tokens)?;
+        }
+        for (i, &slot) in slots.iter().enumerate() {
+            // Validated above; a negative count cannot reach here.
+            let new = num_new_tokens.get(i) as usize;
+            if !self.serve_allocation(slot as usize, new, num_lookahead_tokens, None) {
+                return Ok(i);
+            }
+        }
+        Ok(slots.len())
     }
 
     /// Drain the queued copy-on-write `(src, dst)` block pairs.
     pub fn take_copy_on_writes(&mut self) -> Vec<[i64; 2]> {
         std::mem::take(&mut self.cow_queue)
+    }
+
+    /// A non-negative count from a batch argument.
+    #[inline]
+    pub(super) fn count_arg(value: i64, what: &str) -> Result<usize> {
+        usize::try_from(value)
+            .map_err(|_| KvError::InvalidArgument(format!("{what} must be >= 0, got {value}")))
+    }
+
+    /// Check an allocation request without changing anything.
+    fn validate_allocation(&self, slot: usize, new: usize, lookahead: usize) -> Result<()> {
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "allocate_slots")?;
+        let computed = self.computed_of(seq);
+        let known = seq.tokens.len();
+        let upto = computed.checked_add(new);
+        if upto.is_none_or(|u| u > known) {
+            return Err(KvError::InvalidArgument(format!(
+                "allocate_slots: sequence {} has {computed} computed of {known} known tokens, \
+                 so num_new_tokens must be <= {}, got {new} (speculative tokens go through \
+                 num_lookahead_tokens)",
+                seq.id,
+                known - computed
+            )));
+        }
+        if upto.and_then(|u| u.checked_add(lookahead)).is_none() {
+            return Err(KvError::InvalidArgument(format!(
+                "allocate_slots: num_lookahead_tokens {lookahead} is too large"
+            )));
+        }
+        Ok(())
+    }
+
+    /// What serving the (validated) request needs, given the pool as it is now.
+    fn plan_allocation(&self, slot: usize, new: usize, lookahead: usize) -> (AllocPlan, usize) {
+        let seq = &self.slots[slot];
+        let bs = self.config.block_size;
+        let (claim, claim_from_free, computed, table_len) = if seq.allocated {
+            (0, 0, seq.num_computed, seq.table.len())
+        } else {
+            let claim = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+            let from_free = self.pools.probe_free(&seq.hashes, claim);
+            (claim, from_free, claim * bs, claim)
+        };
+        let reserved = computed + new + lookahead;
+        let append = reserved.div_ceil(bs).saturating_sub(table_len);
+        let pos_block = computed / bs;
+        let cow = new + lookahead > 0
+            && seq.allocated
+            && pos_block < table_len
+            && seq.table[pos_block] != NULL_BLOCK
+            && self.pools.gpu.ref_count(seq.table[pos_block]) > 1;
+        let plan = AllocPlan {
+            claim,
+            cow,
+            append,
+            reserved,
+        };
+        (plan, append + cow as usize + claim_from_free)
+    }
+
+    /// Serve a validated request if the pool can; false (nothing changed) if it cannot.
+    fn serve_allocation(
+        &mut self,
+        slot: usize,
+        new: usize,
+        lookahead: usize,
+        mut taken: Option<&mut Vec<i32>>,
+    ) -> bool {
+        let (plan, need) = self.plan_allocation(slot, new, lookahead);
+        if need > self.pools.gpu.num_free() {
+            return false;
+        }
+        let bs = self.config.block_size;
+        let pools = &mut self.pools;
+        let seq = &mut self.slots[slot];
+        if !seq.allocated {
+            // Claim the cached prefix: take free cached blocks out of the queue (they
+            // must not be evicted by the pops below) and share referenced ones.
+            seq.table.reserve(plan.claim + plan.append);
+            for h in &seq.hashes[..plan.claim] {
+                let Some(b) = pools.cache.lookup(h) else {
+                    debug_assert!(false, "planned claim of an uncached block");
+                    break;
+                };
+                if pools.gpu.ref_count(b) == 0 {
+                    pools.gpu.take_free(b);
+                } else {
+                    pools.gpu.incref(b);
+                }
+                seq.table.push(b);
+            }
+            seq.allocated = true;
+            seq.num_computed = plan.claim * bs;
+            seq.num_cached_tokens = plan.claim * bs;
+            seq.num_registered_blocks = plan.claim;
+            if pools.caching {
+                pools.counters.prefix_cache_queries += seq.prompt_len as u64;
+                pools.counters.prefix_cache_hits += (plan.claim * bs) as u64;
+            }
+        }
+        if plan.cow {
+            let i = seq.num_computed / bs;
+            let src = seq.table[i];
+            // The plan counted this block as available.
+            let Some(dst) = pools.pop_gpu() else {
+                return false;
+            };
+            pools.gpu.decref(src);
+            seq.table[i] = dst;
+            self.cow_queue.push([src as i64, dst as i64]);
+            pools.counters.cow_copies += 1;
+            if let Some(t) = taken.as_deref_mut() {
+                t.push(dst as i32);
+            }
+        }
+        for _ in 0..plan.append {
+            let Some(b) = pools.pop_gpu() else {
+                return false;
+            };
+            seq.table.push(b);
+            if let Some(t) = taken.as_deref_mut() {
+                t.push(b as i32);
+            }
+        }
+        seq.reserved = Some(plan.reserved);
+        true
     }
 }

@@ -2,6 +2,7 @@
 
 use super::KVCacheManager;
 use crate::error::Result;
+use crate::events::KvCacheEvent;
 
 impl KVCacheManager {
     /// Release the sequence's blocks (last block first) and forget it.
@@ -9,12 +10,38 @@ impl KVCacheManager {
     /// Unhashed blocks go to the front of the free queue, cached blocks to the back.
     /// Works on swapped sequences (their CPU blocks go to the CPU queue's front).
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
-        let _ = seq_id;
-        todo!()
+        let slot = self.slot_of(seq_id)?;
+        self.index.remove(&seq_id);
+        let seq = self.slots.swap_remove(slot);
+        if let Some(moved) = self.slots.get(slot) {
+            self.index.insert(moved.id, slot as u32);
+        }
+        // Released window entries (a leading run) are null in both pools' tables; CPU
+        // id 0 is a real block, so they are skipped by position, not by value.
+        for &b in seq.table[seq.num_released_blocks..].iter().rev() {
+            if seq.swapped {
+                self.pools.release_cpu(b);
+            } else {
+                self.pools.release_gpu(b);
+            }
+        }
+        if seq.swapped {
+            self.num_swapped -= 1;
+        }
+        Ok(())
     }
 
     /// Forget every cached hash; only when no GPU block is referenced. Returns success.
+    ///
+    /// Free-queue order is kept. With prefix caching off this is a no-op returning true.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        todo!()
+        if self.pools.gpu.num_free() != self.pools.gpu.num_usable() {
+            return false;
+        }
+        if self.pools.caching {
+            self.pools.cache.clear();
+            self.pools.events.push(KvCacheEvent::AllBlocksCleared);
+        }
+        true
     }
 }

@@ -1,11 +1,176 @@
 //! The structural invariant checker.
 
 use super::KVCacheManager;
-use crate::error::Result;
+use crate::block_pool::BlockPool;
+use crate::error::{KvError, Result};
+use crate::NULL_BLOCK;
+
+fn violation(msg: String) -> KvError {
+    KvError::InvariantViolation(msg)
+}
+
+/// Reference counts equal the counted table references; free iff unreferenced.
+fn check_pool(pool: &BlockPool, refs: &[u32], name: &str) -> Result<()> {
+    pool.free_queue()
+        .check()
+        .map_err(|e| violation(format!("{name} pool: {e}")))?;
+    for id in 0..pool.num_blocks() as u32 {
+        let rc = pool.ref_count(id);
+        if rc != refs[id as usize] {
+            return Err(violation(format!(
+                "{name} block {id} has refcount {rc} but {} table references",
+                refs[id as usize]
+            )));
+        }
+        let queued = pool.free_queue().contains(id);
+        if id < pool.first() {
+            if queued || rc != 0 {
+                return Err(violation(format!(
+                    "{name} reserved block {id} is in use (refcount {rc}, queued {queued})"
+                )));
+            }
+        } else if queued != (rc == 0) {
+            return Err(violation(format!(
+                "{name} block {id} has refcount {rc} but queued = {queued}; expected a block \
+                 to be free iff unreferenced"
+            )));
+        }
+    }
+    let used = pool.ref_counts().iter().filter(|&&rc| rc > 0).count();
+    if used + pool.num_free() != pool.num_usable() {
+        return Err(violation(format!(
+            "{name} pool: {used} used + {} free != {} usable blocks",
+            pool.num_free(),
+            pool.num_usable()
+        )));
+    }
+    Ok(())
+}
 
 impl KVCacheManager {
     /// Verify every structural invariant; `InvariantViolation` names the first that fails.
     pub fn check_invariants(&self) -> Result<()> {
-        todo!()
+        let bs = self.config.block_size;
+        let mut gpu_refs = vec![0u32; self.pools.gpu.num_blocks()];
+        let mut cpu_refs = vec![0u32; self.pools.cpu.num_blocks()];
+        let mut swapped = 0;
+        if self.index.len() != self.slots.len() {
+            return Err(violation("sequence index and slots differ in size".into()));
+        }
+        for (slot, seq) in self.slots.iter().enumerate() {
+            let id = seq.id;
+            if self.index.get(&id) != Some(&(slot as u32)) {
+                return Err(violation(format!(
+                    "sequence {id} is not indexed at its slot"
+                )));
+            }
+            if seq.num_computed > seq.tokens.len() {
+                return Err(violation(format!(
+                    "sequence {id}: {} computed > {} known tokens",
+                    seq.num_computed,
+                    seq.tokens.len()
+                )));
+            }
+            if !seq.allocated && (!seq.table.is_empty() || seq.num_computed != 0) {
+                return Err(violation(format!(
+                    "sequence {id} is not allocated but has blocks or computed tokens"
+                )));
+            }
+            if seq.num_computed > seq.table.len() * bs {
+                return Err(violation(format!(
+                    "sequence {id}: {} computed tokens exceed its {} table slots",
+                    seq.num_computed,
+                    seq.table.len() * bs
+                )));
+            }
+            if let Some(r) = seq.reserved {
+                if r < seq.num_computed || r > seq.table.len() * bs {
+                    return Err(violation(format!(
+                        "sequence {id}: reservation {r} outside [computed, table slots]"
+                    )));
+                }
+            }
+            if seq.num_released_blocks > seq.table.len() {
+                return Err(violation(format!(
+                    "sequence {id}: released more blocks than held"
+                )));
+            }
+            swapped += seq.swapped as usize;
+            let (refs, pool) = if seq.swapped {
+                (&mut cpu_refs, &self.pools.cpu)
+            } else {
+                (&mut gpu_refs, &self.pools.gpu)
+            };
+            for (i, &b) in seq.table.iter().enumerate() {
+                if i < seq.num_released_blocks {
+                    if b != NULL_BLOCK {
+                        return Err(violation(format!(
+                            "sequence {id}: released entry {i} holds block {b}, not the null block"
+                        )));
+                    }
+                    continue;
+                }
+                if b < pool.first() || b as usize >= pool.num_blocks() {
+                    return Err(violation(format!(
+                        "sequence {id}: entry {i} holds invalid block {b}"
+                    )));
+                }
+                refs[b as usize] += 1;
+            }
+        }
+        if swapped != self.num_swapped {
+            return Err(violation(format!(
+                "{swapped} swapped sequences but the counter says {}",
+                self.num_swapped
+            )));
+        }
+        check_pool(&self.pools.gpu, &gpu_refs, "GPU")?;
+        check_pool(&self.pools.cpu, &cpu_refs, "CPU")?;
+        self.check_cache()
+    }
+
+    /// Map and per-block entries agree, and every entry hashes to its key.
+    fn check_cache(&self) -> Result<()> {
+        let cache = &self.pools.cache;
+        if !self.pools.caching {
+            if !cache.is_empty() {
+                return Err(violation(
+                    "prefix cache holds entries while disabled".into(),
+                ));
+            }
+            return Ok(());
+        }
+        let mut hasher = self.hasher.clone();
+        for (hash, b) in cache.iter() {
+            if b == NULL_BLOCK {
+                return Err(violation("the null block is in the prefix cache".into()));
+            }
+            let Some(entry) = cache.entry(b) else {
+                return Err(violation(format!(
+                    "cache maps {hash:?} to block {b}, which carries no hash"
+                )));
+            };
+            if entry.hash != *hash {
+                return Err(violation(format!(
+                    "cache maps {hash:?} to block {b}, which carries {:?}",
+                    entry.hash
+                )));
+            }
+            let recomputed = hasher.block(entry.parent.as_ref(), &entry.namespace, cache.tokens(b));
+            if recomputed != *hash {
+                return Err(violation(format!(
+                    "block {b}: stored content hashes to {recomputed:?}, not its key {hash:?}"
+                )));
+            }
+        }
+        for (b, entry) in cache.entries() {
+            if cache.lookup(&entry.hash) != Some(b) {
+                return Err(violation(format!(
+                    "block {b} carries {:?} but the cache does not map it there",
+                    entry.hash
+                )));
+            }
+        }
+        Ok(())
     }
 }

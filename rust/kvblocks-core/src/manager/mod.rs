@@ -5,10 +5,12 @@ use rustc_hash::FxHashMap;
 use crate::block_hash::BlockHasher;
 use crate::block_pool::BlockPool;
 use crate::config::{HashAlgo, ManagerConfig};
-use crate::error::Result;
-use crate::events::KvCacheEvent;
+use crate::error::{KvError, Result};
 use crate::prefix_cache::PrefixCache;
 use crate::sequence::Sequence;
+
+use self::batch_scratch::BatchScratch;
+use self::pools::{Counters, Pools};
 
 /// A 2-D block-table matrix, row-major, padded with the null block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,34 +23,22 @@ pub struct BlockTables {
     pub num_cols: usize,
 }
 
-/// Running counters (see [`Stats`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Counters {
-    prefix_cache_queries: u64,
-    prefix_cache_hits: u64,
-    evictions: u64,
-    cow_copies: u64,
-    blocks_swapped_out: u64,
-    blocks_swapped_in: u64,
-}
-
 /// Paged KV-cache block manager (see the crate docs for the conventions).
 ///
 /// `Clone` + `PartialEq` give tests a cheap way to check that a failing call left the
-/// state unchanged: clone before, compare after.
+/// state unchanged: clone before, compare after (scratch buffers are not compared).
 #[derive(Debug, Clone, PartialEq)]
 pub struct KVCacheManager {
     config: ManagerConfig,
-    gpu: BlockPool,
-    cpu: BlockPool,
-    cache: PrefixCache,
+    pools: Pools,
     hasher: BlockHasher,
-    seqs: FxHashMap<u64, Sequence>,
+    /// Sequence id -> position in `slots` (dense; `free` swap-removes).
+    index: FxHashMap<u64, u32>,
+    slots: Vec<Sequence>,
     num_swapped: usize,
-    events: Vec<KvCacheEvent>,
     cow_queue: Vec<[i64; 2]>,
-    counters: Counters,
     watermark_blocks: usize,
+    scratch: BatchScratch,
 }
 
 impl KVCacheManager {
@@ -56,24 +46,26 @@ impl KVCacheManager {
     pub fn new(config: ManagerConfig) -> Result<Self> {
         config.validate()?;
         let watermark_blocks = (config.watermark * config.num_blocks as f64).floor() as usize;
+        let caching = config.enable_prefix_caching;
         Ok(KVCacheManager {
-            gpu: BlockPool::new(config.num_blocks, 1),
-            cpu: BlockPool::new(config.num_cpu_blocks, 0),
-            cache: PrefixCache::new(
-                if config.enable_prefix_caching {
-                    config.num_blocks
-                } else {
-                    0
-                },
-                config.block_size,
-            ),
+            pools: Pools {
+                gpu: BlockPool::new(config.num_blocks, 1),
+                cpu: BlockPool::new(config.num_cpu_blocks, 0),
+                cache: PrefixCache::new(
+                    if caching { config.num_blocks } else { 0 },
+                    config.block_size,
+                ),
+                caching,
+                events: Vec::new(),
+                counters: Counters::default(),
+            },
             hasher: BlockHasher::new(config.hash_algo),
-            seqs: FxHashMap::default(),
+            index: FxHashMap::default(),
+            slots: Vec::new(),
             num_swapped: 0,
-            events: Vec::new(),
             cow_queue: Vec::new(),
-            counters: Counters::default(),
             watermark_blocks,
+            scratch: BatchScratch::default(),
             config,
         })
     }
@@ -120,13 +112,69 @@ impl KVCacheManager {
     pub fn null_block(&self) -> u32 {
         crate::NULL_BLOCK
     }
+
+    // -- lookups shared by the operations ----------------------------------------
+
+    /// Slot of a held sequence.
+    #[inline]
+    fn slot_of(&self, seq_id: u64) -> Result<usize> {
+        self.index
+            .get(&seq_id)
+            .map(|&i| i as usize)
+            .ok_or(KvError::UnknownSequence(seq_id))
+    }
+
+    /// A held sequence.
+    #[inline]
+    fn seq(&self, seq_id: u64) -> Result<&Sequence> {
+        Ok(&self.slots[self.slot_of(seq_id)?])
+    }
+
+    /// Fail with `SequenceState` if the sequence is swapped out.
+    #[inline]
+    fn require_resident(seq: &Sequence, op: &str) -> Result<()> {
+        if seq.swapped {
+            return Err(KvError::SequenceState(format!(
+                "{op}: sequence {} is swapped out; swap it in first",
+                seq.id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Computed tokens as `num_computed_tokens` reports them (the probe before the claim).
+    #[inline]
+    fn computed_of(&self, seq: &Sequence) -> usize {
+        if seq.allocated {
+            seq.num_computed
+        } else {
+            self.pools.probe(&seq.hashes, seq.probe_cap_blocks) * self.config.block_size
+        }
+    }
+
+    /// Slots of `seq_ids` in order; `InvalidArgument` if an id is listed twice.
+    fn batch_slots(&mut self, seq_ids: &[u64]) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(seq_ids.len());
+        let epoch = self.scratch.next_epoch(self.slots.len());
+        for &id in seq_ids {
+            let slot = *self.index.get(&id).ok_or(KvError::UnknownSequence(id))?;
+            if !self.scratch.mark(slot, epoch) {
+                return Err(KvError::InvalidArgument(format!(
+                    "sequence id {id} is listed twice; expected distinct ids"
+                )));
+            }
+            out.push(slot);
+        }
+        Ok(out)
+    }
 }
 
-// The operations live in submodules, one concern each, as further `impl` blocks.
 mod allocate;
+mod batch_scratch;
 mod commit;
 mod free;
 mod invariants;
+mod pools;
 mod queries;
 mod sequences;
 mod step_inputs;

@@ -7,33 +7,34 @@ use crate::stats::Stats;
 impl KVCacheManager {
     /// Free GPU blocks, cached-but-unreferenced included (at most `num_blocks - 1`).
     pub fn num_free_blocks(&self) -> usize {
-        self.gpu.num_free()
+        self.pools.gpu.num_free()
     }
 
     /// Free CPU blocks.
     pub fn num_free_cpu_blocks(&self) -> usize {
-        self.cpu.num_free()
+        self.pools.cpu.num_free()
     }
 
     /// Fraction of usable GPU blocks referenced by some sequence.
     pub fn usage(&self) -> f64 {
-        let usable = self.gpu.num_usable();
-        (usable - self.gpu.num_free()) as f64 / usable as f64
+        let usable = self.pools.gpu.num_usable();
+        (usable - self.pools.gpu.num_free()) as f64 / usable as f64
     }
 
     /// GPU free-queue order, front (reused first) to back.
     pub fn free_block_ids(&self) -> Vec<u32> {
-        self.gpu.free_queue().iter().collect()
+        self.pools.gpu.free_queue().iter().collect()
     }
 
     /// CPU free-queue order, front to back.
     pub fn free_cpu_block_ids(&self) -> Vec<u32> {
-        self.cpu.free_queue().iter().collect()
+        self.pools.cpu.free_queue().iter().collect()
     }
 
     /// Reference count of a GPU block (0 for an out-of-range id).
     pub fn block_ref_count(&self, block_id: u32) -> u32 {
-        self.gpu
+        self.pools
+            .gpu
             .ref_counts()
             .get(block_id as usize)
             .copied()
@@ -42,11 +43,34 @@ impl KVCacheManager {
 
     /// Drain the KV cache events recorded since the last call.
     pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
-        std::mem::take(&mut self.events)
+        std::mem::take(&mut self.pools.events)
     }
 
     /// Counters.
     pub fn stats(&self) -> Stats {
-        todo!()
+        let c = &self.pools.counters;
+        let num_free_blocks = self.pools.gpu.num_free();
+        Stats {
+            num_blocks: self.config.num_blocks,
+            num_free_blocks,
+            num_used_blocks: self.pools.gpu.num_usable() - num_free_blocks,
+            usage: self.usage(),
+            num_cpu_blocks: self.config.num_cpu_blocks,
+            num_free_cpu_blocks: self.pools.cpu.num_free(),
+            num_sequences: self.slots.len(),
+            num_swapped_sequences: self.num_swapped,
+            num_cached_blocks: self.pools.cache.len(),
+            prefix_cache_queries: c.prefix_cache_queries,
+            prefix_cache_hits: c.prefix_cache_hits,
+            prefix_cache_hit_rate: if c.prefix_cache_queries == 0 {
+                0.0
+            } else {
+                c.prefix_cache_hits as f64 / c.prefix_cache_queries as f64
+            },
+            evictions: c.evictions,
+            cow_copies: c.cow_copies,
+            blocks_swapped_out: c.blocks_swapped_out,
+            blocks_swapped_in: c.blocks_swapped_in,
+        }
     }
 }

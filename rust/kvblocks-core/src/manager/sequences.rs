@@ -1,7 +1,8 @@
 //! Adding, forking and reading sequences.
 
 use super::KVCacheManager;
-use crate::error::Result;
+use crate::error::{KvError, Result};
+use crate::sequence::Sequence;
 
 impl KVCacheManager {
     /// Register a sequence and its prompt; return how many leading tokens are cached.
@@ -16,8 +17,48 @@ impl KVCacheManager {
         cache_salt: Option<&[u8]>,
         lora_id: Option<u64>,
     ) -> Result<usize> {
-        let _ = (seq_id, token_ids, cache_salt, lora_id);
-        todo!()
+        if self.index.contains_key(&seq_id) {
+            return Err(KvError::DuplicateSequence(seq_id));
+        }
+        if self.slots.len() >= u32::MAX as usize {
+            return Err(KvError::InvalidArgument(format!(
+                "too many sequences (at most {} can be held)",
+                u32::MAX
+            )));
+        }
+        let bs = self.config.block_size;
+        let mut hashes = Vec::new();
+        let namespace;
+        let mut cap = 0;
+        if self.pools.caching {
+            namespace = self.hasher.namespace(cache_salt, lora_id);
+            self.hasher
+                .extend_chain(&mut hashes, &namespace, token_ids, bs);
+            let max_hit = token_ids.len().saturating_sub(1) / bs;
+            cap = self.pools.probe(&hashes, max_hit);
+        } else {
+            namespace = Default::default();
+        }
+        let seq = Sequence {
+            id: seq_id,
+            tokens: token_ids.to_vec(),
+            prompt_len: token_ids.len(),
+            num_computed: 0,
+            table: Vec::new(),
+            reserved: None,
+            allocated: false,
+            namespace,
+            lora_id,
+            hashes,
+            probe_cap_blocks: cap,
+            num_cached_tokens: 0,
+            num_registered_blocks: 0,
+            num_released_blocks: 0,
+            swapped: false,
+        };
+        self.index.insert(seq_id, self.slots.len() as u32);
+        self.slots.push(seq);
+        Ok(cap * bs)
     }
 
     /// Make `child_id` share every block and token of `parent_id` (refcounts + 1).
@@ -25,64 +66,88 @@ impl KVCacheManager {
     /// Errors: `UnknownSequence(parent)`, `DuplicateSequence(child)`, `SequenceState` if
     /// the parent is swapped or has an allocated-but-uncommitted reservation.
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> Result<()> {
-        let _ = (parent_id, child_id);
-        todo!()
+        let parent = self.seq(parent_id)?;
+        if self.index.contains_key(&child_id) {
+            return Err(KvError::DuplicateSequence(child_id));
+        }
+        Self::require_resident(parent, "fork")?;
+        if parent.reserved.is_some() {
+            return Err(KvError::SequenceState(format!(
+                "fork: sequence {parent_id} has allocated but uncommitted slots; \
+                 commit its KV before forking"
+            )));
+        }
+        let mut child = parent.clone();
+        child.id = child_id;
+        for &b in &child.table {
+            if b != crate::NULL_BLOCK {
+                self.pools.gpu.incref(b);
+            }
+        }
+        self.index.insert(child_id, self.slots.len() as u32);
+        self.slots.push(child);
+        Ok(())
     }
 
     /// Whether the sequence is held.
     pub fn has_sequence(&self, seq_id: u64) -> bool {
-        self.seqs.contains_key(&seq_id)
+        self.index.contains_key(&seq_id)
     }
 
     /// Known tokens: prompt plus committed sampled tokens.
     pub fn num_tokens(&self, seq_id: u64) -> Result<usize> {
-        let _ = seq_id;
-        todo!()
+        Ok(self.seq(seq_id)?.tokens.len())
     }
 
     /// Tokens whose KV is in the cache; before the first `allocate_slots`, the cached
     /// prefix the sequence would claim now (can shrink through eviction, never grow).
     pub fn num_computed_tokens(&self, seq_id: u64) -> Result<usize> {
-        let _ = seq_id;
-        todo!()
+        let seq = self.seq(seq_id)?;
+        Ok(self.computed_of(seq))
     }
 
     /// Prompt tokens served from the prefix cache (claimed, or the probe before the claim).
     pub fn num_cached_tokens(&self, seq_id: u64) -> Result<usize> {
-        let _ = seq_id;
-        todo!()
+        let seq = self.seq(seq_id)?;
+        Ok(if seq.allocated {
+            seq.num_cached_tokens
+        } else {
+            self.computed_of(seq)
+        })
     }
 
     /// The known tokens.
     pub fn token_ids(&self, seq_id: u64) -> Result<&[u32]> {
-        let _ = seq_id;
-        todo!()
+        Ok(&self.seq(seq_id)?.tokens)
     }
 
     /// Whether the sequence's blocks are in the CPU pool.
     pub fn is_swapped(&self, seq_id: u64) -> Result<bool> {
-        let _ = seq_id;
-        todo!()
+        Ok(self.seq(seq_id)?.swapped)
     }
 
     /// `num_computed_tokens` for many sequences (for longest-prefix-match ordering).
     pub fn probe_prefixes(&self, seq_ids: &[u64]) -> Result<Vec<i64>> {
-        let _ = seq_ids;
-        todo!()
+        seq_ids
+            .iter()
+            .map(|&id| self.num_computed_tokens(id).map(|n| n as i64))
+            .collect()
     }
 
     /// Ids of every held sequence (running and swapped), ascending.
     pub fn seq_ids(&self) -> Vec<u64> {
-        todo!()
+        let mut ids: Vec<u64> = self.slots.iter().map(|s| s.id).collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Number of sequences held.
     pub fn len(&self) -> usize {
-        self.seqs.len()
+        self.slots.len()
     }
 
     /// True when no sequence is held.
     pub fn is_empty(&self) -> bool {
-        self.seqs.is_empty()
+        self.slots.is_empty()
     }
 }

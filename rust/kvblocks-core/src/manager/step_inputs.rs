@@ -2,21 +2,60 @@
 
 use super::{BlockTables, KVCacheManager};
 use crate::batch_arg::BatchArg;
-use crate::error::Result;
+use crate::error::{KvError, Result};
+use crate::sequence::Sequence;
 
 impl KVCacheManager {
+    /// A resident sequence (tables of swapped ones hold CPU ids: never a step input).
+    #[inline]
+    fn resident(&self, seq_id: u64, op: &str) -> Result<&Sequence> {
+        let seq = self.seq(seq_id)?;
+        Self::require_resident(seq, op)?;
+        Ok(seq)
+    }
+
     /// The sequence's block table (null entries are released window blocks).
     pub fn block_table(&self, seq_id: u64) -> Result<Vec<i32>> {
-        let _ = seq_id;
-        todo!()
+        let seq = self.resident(seq_id, "block_table")?;
+        Ok(seq.table.iter().map(|&b| b as i32).collect())
     }
 
     /// 2-D block tables padded with the null block to the longest (or `max_blocks`).
     ///
     /// `InvalidArgument` if a table is longer than `max_blocks`.
     pub fn block_tables(&self, seq_ids: &[u64], max_blocks: Option<usize>) -> Result<BlockTables> {
-        let _ = (seq_ids, max_blocks);
-        todo!()
+        let mut longest = 0;
+        for &id in seq_ids {
+            longest = longest.max(self.resident(id, "block_tables")?.table.len());
+        }
+        let cols = match max_blocks {
+            None => longest,
+            Some(m) if m >= longest => m,
+            Some(m) => {
+                return Err(KvError::InvalidArgument(format!(
+                    "max_blocks is {m} but a block table has {longest} blocks; expected \
+                     max_blocks >= the longest table"
+                )))
+            }
+        };
+        let rows = seq_ids.len();
+        let len = rows.checked_mul(cols).ok_or_else(|| {
+            KvError::InvalidArgument(format!("block tables of {rows} x {cols} are too large"))
+        })?;
+        let mut data = vec![crate::NULL_BLOCK as i32; len];
+        for (r, &id) in seq_ids.iter().enumerate() {
+            // Existence and residency checked in the first pass.
+            let table = &self.seq(id)?.table;
+            let row = &mut data[r * cols..r * cols + table.len()];
+            for (dst, &b) in row.iter_mut().zip(table) {
+                *dst = b as i32;
+            }
+        }
+        Ok(BlockTables {
+            data,
+            num_rows: rows,
+            num_cols: cols,
+        })
     }
 
     /// Cache slots (`block * block_size + offset`) of tokens `[computed, computed + n)`
@@ -28,7 +67,50 @@ impl KVCacheManager {
         seq_ids: &[u64],
         num_tokens: Option<BatchArg<'_>>,
     ) -> Result<Vec<i64>> {
-        let _ = (seq_ids, num_tokens);
-        todo!()
+        if let Some(n) = &num_tokens {
+            n.check_len(seq_ids.len(), "num_tokens")?;
+        }
+        let bs = self.config.block_size;
+        let mut total = 0usize;
+        for (i, &id) in seq_ids.iter().enumerate() {
+            let seq = self.resident(id, "slot_mapping")?;
+            let n = match &num_tokens {
+                Some(arg) => Self::count_arg(arg.get(i), "num_tokens")?,
+                None => seq.tokens.len() - seq.num_computed,
+            };
+            let capacity = seq.table.len() * bs;
+            if seq
+                .num_computed
+                .checked_add(n)
+                .is_none_or(|end| end > capacity)
+            {
+                return Err(KvError::InvalidArgument(format!(
+                    "slot_mapping: sequence {id} has {} computed tokens and slots for {capacity}, \
+                     so at most {} tokens can be mapped, got {n}; call allocate_slots first",
+                    seq.num_computed,
+                    capacity - seq.num_computed.min(capacity)
+                )));
+            }
+            total += n;
+        }
+        let mut out = Vec::with_capacity(total);
+        for (i, &id) in seq_ids.iter().enumerate() {
+            let seq = self.seq(id)?;
+            let n = match &num_tokens {
+                Some(arg) => arg.get(i) as usize,
+                None => seq.tokens.len() - seq.num_computed,
+            };
+            let (start, end) = (seq.num_computed, seq.num_computed + n);
+            let mut pos = start;
+            while pos < end {
+                let block = seq.table[pos / bs] as i64;
+                let off = pos % bs;
+                let run = (bs - off).min(end - pos);
+                let base = block * bs as i64 + off as i64;
+                out.extend((0..run as i64).map(|k| base + k));
+                pos += run;
+            }
+        }
+        Ok(out)
     }
 }
