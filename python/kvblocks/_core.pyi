@@ -21,14 +21,23 @@ Conventions shared by every method:
 """
 
 from collections.abc import Sequence
-from typing import ClassVar, Literal, Optional, Union, final
+from typing import ClassVar, Literal, final
 
 import numpy as np
 import numpy.typing as npt
 
-_TokenIds = Union[Sequence[int], npt.NDArray[np.integer]]
-_SeqIds = Union[Sequence[int], npt.NDArray[np.integer]]
-_IntOrArray = Union[int, Sequence[int], npt.NDArray[np.integer]]
+_TokenIds = Sequence[int] | npt.NDArray[np.integer]
+_SeqIds = Sequence[int] | npt.NDArray[np.integer]
+_IntOrArray = int | Sequence[int] | npt.NDArray[np.integer]
+
+__all__ = [
+    "AllBlocksCleared",
+    "AllocStatus",
+    "BlockRemoved",
+    "BlockStored",
+    "KVCacheManager",
+    "__version__",
+]
 
 __version__: str
 
@@ -36,14 +45,14 @@ __version__: str
 class AllocStatus:
     """Answer of :meth:`KVCacheManager.can_allocate`."""
 
-    OK: ClassVar["AllocStatus"]
+    OK: ClassVar[AllocStatus]
     """Enough free blocks now, with the watermark kept free."""
-    LATER: ClassVar["AllocStatus"]
+    LATER: ClassVar[AllocStatus]
     """Not enough free blocks now; may fit once others finish."""
-    NEVER: ClassVar["AllocStatus"]
+    NEVER: ClassVar[AllocStatus]
     """Can never fit: the sequence needs more blocks than the pool minus the watermark."""
-    def __eq__(self, other: object) -> bool: ...
-    def __ne__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
     def __int__(self) -> int: ...
     def __hash__(self) -> int: ...
 
@@ -54,14 +63,14 @@ class BlockStored:
     @property
     def block_hashes(self) -> list[bytes]: ...
     @property
-    def parent_block_hash(self) -> Optional[bytes]: ...
+    def parent_block_hash(self) -> bytes | None: ...
     @property
     def token_ids(self) -> list[int]:
         """Tokens of all stored blocks, concatenated (``block_size`` per block)."""
     @property
     def block_size(self) -> int: ...
     @property
-    def lora_id(self) -> Optional[int]: ...
+    def lora_id(self) -> int | None: ...
 
 @final
 class BlockRemoved:
@@ -91,8 +100,8 @@ class KVCacheManager:
             future query are released at ``commit`` and replaced by the null block.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: int,
         *,
@@ -100,8 +109,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: Literal["blake3", "xxh3_128"] = "blake3",
         watermark: float = 0.01,
-        sliding_window: Optional[int] = None,
-    ) -> None: ...
+        sliding_window: int | None = None,
+    ) -> KVCacheManager: ...
 
     # -- configuration ---------------------------------------------------------------
     @property
@@ -117,7 +126,7 @@ class KVCacheManager:
     @property
     def watermark(self) -> float: ...
     @property
-    def sliding_window(self) -> Optional[int]: ...
+    def sliding_window(self) -> int | None: ...
     @property
     def null_block(self) -> int:
         """The reserved block id (0) used for padding and released window blocks."""
@@ -130,7 +139,8 @@ class KVCacheManager:
         """Fraction of usable GPU blocks referenced by some sequence."""
     def __len__(self) -> int:
         """Number of sequences held (running and swapped)."""
-    def __contains__(self, seq_id: int) -> bool: ...
+    def __contains__(self, seq_id: object, /) -> bool:
+        """Whether ``seq_id`` is held (``False`` for anything that is not a valid id)."""
     def seq_ids(self) -> npt.NDArray[np.int64]: ...
 
     # -- sequences -------------------------------------------------------------------
@@ -139,8 +149,8 @@ class KVCacheManager:
         seq_id: int,
         token_ids: _TokenIds,
         *,
-        cache_salt: Union[str, bytes, None] = None,
-        lora_id: Optional[int] = None,
+        cache_salt: str | bytes | None = None,
+        lora_id: int | None = None,
     ) -> int:
         """Register a sequence and its prompt; return how many leading tokens are cached.
 
@@ -176,7 +186,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self, seq_id: int, num_new_tokens: int, *, num_lookahead_tokens: int = 0
-    ) -> Optional[npt.NDArray[np.int32]]:
+    ) -> npt.NDArray[np.int32] | None:
         """Reserve KV slots for ``computed + num_new_tokens + num_lookahead_tokens`` tokens.
 
         The first call claims the cached prefix. ``computed + num_new_tokens`` must not
@@ -198,7 +208,9 @@ class KVCacheManager:
         so a scheduler can preempt and retry from ``k``. Arguments are validated for the
         whole batch before anything changes.
         """
-    def commit(self, seq_id: int, num_new_computed_tokens: int, new_token_ids: _TokenIds = ()) -> None:
+    def commit(
+        self, seq_id: int, num_new_computed_tokens: int, new_token_ids: _TokenIds = ()
+    ) -> None:
         """The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens.
 
         ``num_new_computed_tokens`` is a delta; the computed count may not exceed the
@@ -210,7 +222,7 @@ class KVCacheManager:
         self,
         seq_ids: _SeqIds,
         num_new_computed_tokens: _IntOrArray,
-        new_token_ids: Optional[_IntOrArray] = None,
+        new_token_ids: _IntOrArray | None = None,
     ) -> None:
         """``commit`` for many sequences: at most one new token each (``< 0`` means none).
 
@@ -247,11 +259,11 @@ class KVCacheManager:
     # -- step inputs -------------------------------------------------------------------
     def block_table(self, seq_id: int) -> npt.NDArray[np.int32]: ...
     def block_tables(
-        self, seq_ids: _SeqIds, *, max_blocks: Optional[int] = None
+        self, seq_ids: _SeqIds, *, max_blocks: int | None = None
     ) -> npt.NDArray[np.int32]:
         """2-D block tables, padded with the null block to the longest (or ``max_blocks``)."""
     def slot_mapping(
-        self, seq_ids: _SeqIds, num_tokens: Optional[_IntOrArray] = None
+        self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
     ) -> npt.NDArray[np.int64]:
         """Cache slots (``block * block_size + offset``) of the tokens computed this step.
 
@@ -262,10 +274,10 @@ class KVCacheManager:
     # -- prefix cache, events, stats -------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no block is in use. Returns success."""
-    def take_events(self) -> list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]:
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Drain the KV cache events recorded since the last call (empty without caching)."""
-    def stats(self) -> dict[str, Union[int, float]]:
+    def stats(self) -> dict[str, int | float]:
         """Counters: usage, free blocks, prefix-cache queries/hits (tokens), evictions,
         copy-on-write copies, blocks swapped out/in, sequences."""
     def check_invariants(self) -> None:
-        """Verify every structural invariant; raise :class:`InvariantViolationError` if one fails."""
+        """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""
