@@ -18,7 +18,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from kvblocks import KVCacheManager
+from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import Completion, GenerationOutput
@@ -33,9 +33,6 @@ __all__ = ["LLM", "Prompt"]
 
 Prompt = Union[str, Sequence[int], np.ndarray]
 """A text prompt (needs a tokenizer) or a prompt of token ids."""
-
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-"""Block sizes the attention kernels are compiled for."""
 
 _CPU_DEFAULT_CACHE_BYTES = 256 << 20
 _CPU_DEFAULT_MAX_BLOCKS = 4096
@@ -102,9 +99,9 @@ class LLM:
         dtype: torch.dtype | None = None,
         seed: int = 0,
     ) -> None:
-        if block_size not in SUPPORTED_BLOCK_SIZES:
+        if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
-                f"block_size must be one of {SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
+                f"block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
             )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

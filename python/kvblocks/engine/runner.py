@@ -50,6 +50,8 @@ class PagedAttention:
         query_start_loc: Tensor,
         seq_lens: Tensor,
         decode_only: bool,
+        max_seq_len: int,
+        max_query_len: int,
         sliding_windows: Sequence[int | None],
         scale: float,
     ) -> None:
@@ -59,6 +61,9 @@ class PagedAttention:
         self.query_start_loc = query_start_loc
         self.seq_lens = seq_lens
         self.decode_only = decode_only
+        # Host-side maxima spare the CUDA path a device sync per layer when planning launches.
+        self.max_seq_len = max_seq_len
+        self.max_query_len = max_query_len
         self.sliding_windows = list(sliding_windows)
         self.scale = scale
 
@@ -76,6 +81,7 @@ class PagedAttention:
                 self.seq_lens,
                 scale=self.scale,
                 sliding_window=window,
+                max_seq_len=self.max_seq_len,
             )
         return ops.paged_prefill_attention(
             query,
@@ -86,6 +92,7 @@ class PagedAttention:
             self.seq_lens,
             scale=self.scale,
             sliding_window=window,
+            max_query_len=self.max_query_len,
         )
 
 
@@ -118,6 +125,10 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
         shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        if block_size not in ops.SUPPORTED_BLOCK_SIZES:
+            raise InvalidArgumentError(
+                f"block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
+            )
         self.kv_caches: KVCaches = ops.allocate_kv_cache(*shape, self.dtype, self.device)
         self.cpu_caches: KVCaches = self._allocate_cpu_caches(num_cpu_blocks)
         self.sliding_windows = c.layer_sliding_windows()
@@ -153,7 +164,8 @@ class ModelRunner:
         )
         return [(base[i, 0], base[i, 1]) for i in range(c.num_hidden_layers)]
 
-    def _apply_memory_ops(self, out: SchedulerOutput) -> None:
+    def apply_memory_ops(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy-on-write copies, as the scheduler ordered."""
         swap_out = np.asarray(out.blocks_to_swap_out, dtype=np.int64).reshape(-1, 2)
         swap_in = np.asarray(out.blocks_to_swap_in, dtype=np.int64).reshape(-1, 2)
         if (swap_out.size or swap_in.size) and not self.cpu_caches:
@@ -179,12 +191,25 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelStepResult:
         """Run one step: memory operations, forward, logits at the sampling rows, sampling."""
         self.sampler.forget(out.finished_request_ids)
-        self._apply_memory_ops(out)
-        if out.num_tokens == 0:
+        self.apply_memory_ops(out)
+        logits = self.forward_logits(out)
+        if logits is None:
             return ModelStepResult(
                 sampled_token_ids=np.zeros(0, dtype=np.int64),
                 sampled_logprobs=np.zeros(0, dtype=np.float32),
             )
+        return self.sampler.sample(logits, out)
+
+    @torch.inference_mode()
+    def forward_logits(self, out: SchedulerOutput) -> Tensor | None:
+        """The forward pass of a step (memory operations already applied).
+
+        Writes the step's K/V into the cache and returns float32 logits
+        ``[num_sample_rows, vocab]``, or ``None`` when the step samples nothing (its
+        chunks still fill the cache).
+        """
+        if out.num_tokens == 0:
+            return None
         input_ids = self._to_device(out.input_token_ids, torch.long)
         positions = self._to_device(out.positions, torch.long)
         attention = PagedAttention(
@@ -194,15 +219,13 @@ class ModelRunner:
             query_start_loc=self._to_device(out.query_start_loc, torch.int32),
             seq_lens=self._to_device(out.seq_lens, torch.int32),
             decode_only=out.num_decode_seqs == out.num_seqs,
+            max_seq_len=int(np.max(out.seq_lens)),
+            max_query_len=int(np.max(out.num_scheduled_tokens)),
             sliding_windows=self.sliding_windows,
             scale=self.scale,
         )
         hidden = self.model(input_ids, positions, attention)
         if out.num_sample_rows == 0:
-            return ModelStepResult(
-                sampled_token_ids=np.zeros(0, dtype=np.int64),
-                sampled_logprobs=np.zeros(0, dtype=np.float32),
-            )
+            return None
         rows = hidden[self._to_device(out.logits_indices, torch.long)]
-        logits = self.model.compute_logits(rows)
-        return self.sampler.sample(logits, out)
+        return self.model.compute_logits(rows)
