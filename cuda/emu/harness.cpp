@@ -1,0 +1,96 @@
+// Emulation harness: the kernel sources compiled by g++ against cuda_emu.h, exported
+// to Python (ctypes) as one entry point that launches a kernel by its name expression,
+// with arguments packed like cuLaunchKernel's. Python plans the launch exactly as for
+// CuPy (python/kvblocks/ops/launch_plan.py), so the planner is tested too.
+#include "cuda_emu.h"
+
+#include <string>
+
+#include "../cache_ops.cu"
+#include "../paged_attention.cu"
+
+namespace {
+
+using Launcher = void (*)(dim3, dim3, size_t, void**);
+
+struct Entry {
+  const char* name;
+  Launcher launch;
+  int smem_bytes;  // the kernel's own shared-memory requirement (0: none / not static)
+};
+
+#define KVB_ENTRY(SMEM, ...)                                                        \
+  Entry {                                                                           \
+    #__VA_ARGS__, [](dim3 g, dim3 b, size_t s, void** a) {                          \
+      emu::launch_packed(__VA_ARGS__, g, b, s, a);                                  \
+    },                                                                              \
+        SMEM                                                                        \
+  }
+
+#define KVB_ATTN(T, D)                                                                     \
+  KVB_ENTRY((kvb::AttentionShape<T, D, 8>::kSmemBytes), paged_attention_kernel<T, D, 8>),  \
+      KVB_ENTRY((kvb::AttentionShape<T, D, 16>::kSmemBytes),                               \
+                paged_attention_kernel<T, D, 16>),                                         \
+      KVB_ENTRY(0, merge_splits_kernel<T, D>)
+
+#define KVB_ATTN_ALL_D(T) \
+  KVB_ATTN(T, 64), KVB_ATTN(T, 80), KVB_ATTN(T, 96), KVB_ATTN(T, 112), KVB_ATTN(T, 128), \
+      KVB_ATTN(T, 256)
+
+const Entry kEntries[] = {
+    KVB_ENTRY(0, reshape_and_cache_kernel),
+    KVB_ENTRY(0, copy_blocks_kernel),
+    KVB_ATTN_ALL_D(float),
+    KVB_ATTN_ALL_D(__half),
+    KVB_ATTN_ALL_D(__nv_bfloat16),
+};
+
+std::string squeeze(const char* s) {
+  std::string out;
+  for (; *s; ++s) {
+    if (*s != ' ') out.push_back(*s);
+  }
+  return out;
+}
+
+const Entry* find(const char* name) {
+  const std::string want = squeeze(name);
+  for (const Entry& e : kEntries) {
+    if (squeeze(e.name) == want) return &e;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Launch `name` (a name expression such as "paged_attention_kernel<__half, 128, 8>").
+// Returns 0, or -1 if the kernel is unknown.
+int kvb_emu_launch(const char* name, const unsigned int* grid, const unsigned int* block,
+                   unsigned long long smem_bytes, void** args) {
+  const Entry* e = find(name);
+  if (e == nullptr) return -1;
+  e->launch(dim3(grid[0], grid[1], grid[2]), dim3(block[0], block[1], block[2]), smem_bytes,
+            args);
+  return 0;
+}
+
+// The kernel's compile-time shared-memory need, to check the host planner's formula.
+int kvb_emu_smem_bytes(const char* name) {
+  const Entry* e = find(name);
+  return e == nullptr ? -1 : e->smem_bytes;
+}
+
+// Round trips through the emulated half/bfloat16 conversions (for their own tests).
+void kvb_emu_to_half(const float* in, unsigned short* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = __float2half_rn(in[i]).x;
+}
+void kvb_emu_from_half(const unsigned short* in, float* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = __half2float(__half{in[i]});
+}
+void kvb_emu_to_bf16(const float* in, unsigned short* out, long long n) {
+  for (long long i = 0; i < n; ++i) out[i] = __float2bfloat16_rn(in[i]).x;
+}
+
+}  // extern "C"

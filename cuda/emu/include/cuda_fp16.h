@@ -1,0 +1,3 @@
+#pragma once
+// Emulation stand-in for the CUDA header: the types live in cuda_emu.h.
+#include "../cuda_emu.h"

@@ -1,0 +1,113 @@
+"""Where the CUDA sources live and which kernel instantiations the ops launch.
+
+The ``.cu`` files are read at run time and compiled by NVRTC (through CuPy, or
+directly in the compile tests). From a repository checkout they are in ``cuda/`` at
+the root; an installed wheel carries them as ``kvblocks/_cuda``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
+
+__all__ = [
+    "ATTENTION_SOURCE",
+    "CACHE_OPS_SOURCE",
+    "CTYPE_NAMES",
+    "DECODE_ROWS",
+    "PREFILL_ROWS",
+    "attention_kernel_name",
+    "cuda_dir",
+    "cuda_include_dirs",
+    "kernel_names",
+    "merge_kernel_name",
+    "nvrtc_options",
+    "read_source",
+]
+
+ATTENTION_SOURCE = "paged_attention.cu"
+CACHE_OPS_SOURCE = "cache_ops.cu"
+DECODE_ROWS = 8
+"""Query rows per CTA of the decode instantiation (heads of one KV group)."""
+PREFILL_ROWS = 16
+"""Query rows per CTA of the prefill instantiation (queries x heads)."""
+
+CTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float",
+    torch.float16: "__half",
+    torch.bfloat16: "__nv_bfloat16",
+}
+"""The CUDA C type of each supported torch dtype."""
+
+
+@functools.cache
+def cuda_dir() -> Path:
+    """The directory holding the ``.cu`` sources (checkout first, then the wheel copy)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parents[2] / "cuda", here.parent / "_cuda"):
+        if (candidate / ATTENTION_SOURCE).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"kvblocks CUDA sources not found in {here.parents[2] / 'cuda'} or "
+        f"{here.parent / '_cuda'}; reinstall kvblocks"
+    )
+
+
+def read_source(name: str) -> str:
+    """The text of one ``.cu`` file from :func:`cuda_dir`."""
+    return (cuda_dir() / name).read_text()
+
+
+def cuda_include_dirs() -> list[Path]:
+    """Include dirs with ``cuda_fp16.h`` from installed NVIDIA wheels (may be empty).
+
+    Found through the installed packages (``nvidia.cu13``, ``nvidia.cuda_runtime``,
+    ``nvidia.cuda_nvrtc``), never hard-coded paths. The sources' own dir comes first.
+    """
+    dirs = [cuda_dir()]
+    spec = importlib.util.find_spec("nvidia")
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    for root in roots:
+        for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include",
+                    "cu12/include"):
+            if (root / sub / "cuda_fp16.h").is_file():
+                dirs.append(root / sub)
+    return dirs
+
+
+def nvrtc_options(arch: str | None = None) -> list[str]:
+    """NVRTC options shared by CuPy and the compile tests (``arch`` like ``sm_90``)."""
+    opts = ["-std=c++17", "--use_fast_math", *[f"-I{d}" for d in cuda_include_dirs()]]
+    if arch is not None:
+        opts.append(f"-arch={arch}")
+    return opts
+
+
+def attention_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
+    """Name expression of the attention kernel instantiation."""
+    return f"paged_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
+
+
+def merge_kernel_name(dtype: torch.dtype, head_size: int) -> str:
+    """Name expression of the split-merge kernel instantiation."""
+    return f"merge_splits_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
+
+
+def kernel_names(source: str) -> list[str]:
+    """Every kernel (name expression) the front-ends can launch from ``source``."""
+    if source == CACHE_OPS_SOURCE:
+        return ["reshape_and_cache_kernel", "copy_blocks_kernel"]
+    if source == ATTENTION_SOURCE:
+        names = []
+        for dtype in CTYPE_NAMES:
+            for head_size in SUPPORTED_HEAD_SIZES:
+                names.append(attention_kernel_name(dtype, head_size, DECODE_ROWS))
+                names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
+                names.append(merge_kernel_name(dtype, head_size))
+        return names
+    raise ValueError(f"unknown CUDA source {source!r}")

@@ -1,0 +1,103 @@
+"""Compile the kernel sources with NVRTC (no GPU needed) and read ptxas' resource report.
+
+Used by the compile tests and ``benches/ops/ptxas_report.py``. Needs the
+``cuda-bindings`` package and an NVRTC library (e.g. the ``nvidia-cuda-nvrtc`` wheel).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvblocks.ops.cuda_sources import nvrtc_options, read_source
+
+__all__ = ["CompileResult", "KernelResources", "NvrtcCompileError", "compile_source"]
+
+
+class NvrtcCompileError(RuntimeError):
+    """NVRTC rejected a source; the message holds the compile log."""
+
+
+@dataclass
+class KernelResources:
+    """ptxas' report for one kernel instantiation."""
+
+    name: str
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+    stack_bytes: int = 0
+    static_smem_bytes: int = 0
+
+
+@dataclass
+class CompileResult:
+    """A compiled program: log, cubin size and per-kernel resources (by name expression)."""
+
+    log: str
+    cubin_bytes: int
+    kernels: dict[str, KernelResources] = field(default_factory=dict)
+
+
+def _check(result: tuple, what: str, log: str = "") -> tuple:
+    from cuda.bindings import nvrtc
+
+    err = result[0]
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise NvrtcCompileError(f"{what} failed: {err}\n{log}")
+    return result[1:]
+
+
+def compile_source(source: str, arch: str, name_expressions: list[str]) -> CompileResult:
+    """Compile ``source`` (a file in ``cuda/``) to a cubin for ``arch`` (``sm_80``...).
+
+    Every name expression is instantiated; raises :class:`NvrtcCompileError` with the
+    log on any error.
+    """
+    from cuda.bindings import nvrtc
+
+    (prog,) = _check(
+        nvrtc.nvrtcCreateProgram(read_source(source).encode(), source.encode(), 0, [], []),
+        "nvrtcCreateProgram",
+    )
+    try:
+        for expr in name_expressions:
+            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), f"add {expr}")
+        opts = [o.encode() for o in (*nvrtc_options(arch), "--ptxas-options=-v")]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
+        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        _check(compiled, f"compiling {source} for {arch}", log)
+        (cubin_bytes,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+        lowered = {}
+        for expr in name_expressions:
+            (name,) = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), f"lower {expr}")
+            lowered[name.decode() if isinstance(name, bytes) else name] = expr
+        return CompileResult(log, cubin_bytes, _parse_ptxas(log, lowered))
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def _parse_ptxas(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
+    kernels: dict[str, KernelResources] = {}
+    current: KernelResources | None = None
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            mangled = m.group(1)
+            current = KernelResources(lowered.get(mangled, mangled))
+            kernels[current.name] = current
+        elif current is not None and (m := _PROPS.search(line)):
+            current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
+        elif current is not None and (m := _USED.search(line)):
+            current.registers = int(m.group(1))
+            if s := _SMEM.search(line):
+                current.static_smem_bytes = int(s.group(1))
+    return kernels
