@@ -1,0 +1,225 @@
+"""``kvblocks generate``: run the paged engine on a model and print what it generates.
+
+Wired into the ``kvblocks`` command by :mod:`kvblocks.cli` through :func:`add_parser`
+and :func:`run`; torch and the engine are imported only when the subcommand runs, so
+``kvblocks --help`` and the other subcommands stay fast and work without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+DEFAULT_TEXT_PROMPT = "Paged attention keeps the KV cache in blocks"
+"""Prompt used when none is given and the model has a tokenizer."""
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}"
+        ) from None
+    if not ids or any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(
+            f"expected one or more non-negative token ids such as 1,2,3, got {text!r}"
+        )
+    return ids
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``generate`` subcommand on an ``argparse`` subparsers object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "generate",
+        help="generate text with the paged-attention engine (tiny built-in model by default)",
+        description=(
+            "Run the kvblocks engine (scheduler + block manager + paged attention) on the "
+            "built-in tiny model or a Hugging Face checkpoint directory (Llama, Mistral, "
+            "Qwen2; config.json + *.safetensors) and print the generated tokens and the "
+            "cache statistics."
+        ),
+    )
+    src = p.add_argument_group("model and prompts")
+    src.add_argument(
+        "--model",
+        metavar="PATH",
+        help="HF checkpoint directory (default: the built-in tiny model, byte tokenizer)",
+    )
+    src.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a text prompt (needs a tokenizer); repeat for a batch",
+    )
+    src.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=[],
+        type=_token_ids,
+        metavar="IDS",
+        help="a prompt as comma-separated token ids, e.g. 1,2,3; repeat for a batch",
+    )
+    samp = p.add_argument_group("sampling")
+    samp.add_argument("--max-tokens", type=_positive_int, default=16, help="default: 16")
+    samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    samp.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1)")
+    samp.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off (default)")
+    samp.add_argument("--seed", type=_non_negative_int, default=None, help="per-request seed")
+    samp.add_argument("--n", type=_positive_int, default=1, help="completions per prompt")
+    samp.add_argument(
+        "--beam-width", type=_positive_int, default=1, help="> 1 turns on beam search"
+    )
+    samp.add_argument(
+        "--stop-token-ids", type=_token_ids, default=[], metavar="IDS", help="e.g. 2,13"
+    )
+    samp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--num-blocks", type=_positive_int, default=None, help="KV cache blocks")
+    eng.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16)
+    eng.add_argument("--num-cpu-blocks", type=_non_negative_int, default=None)
+    eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    eng.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
+    eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
+    eng.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    eng.add_argument(
+        "--engine-seed", type=_non_negative_int, default=0, help="engine generator seed"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.set_defaults(run=run)
+    return p
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
+    import torch
+
+    from kvblocks.engine import LLM
+    from kvblocks.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        n=args.n,
+        beam_width=args.beam_width,
+        stop_token_ids=tuple(args.stop_token_ids),
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(
+        args.model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        num_cpu_blocks=args.num_cpu_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        preemption_mode=args.preemption_mode,
+        device=args.device,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
+        seed=args.engine_seed,
+    )
+    prompts: list[Any] = list(args.prompt) + list(args.prompt_ids)
+    if not prompts:
+        prompts = [DEFAULT_TEXT_PROMPT] if llm.tokenizer is not None else [[1, 2, 3, 4]]
+    return llm, prompts, params
+
+
+def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
+    stats = llm.stats()
+    if as_json:
+        doc = {
+            "outputs": [
+                {
+                    "prompt": o.prompt,
+                    "prompt_token_ids": o.prompt_token_ids,
+                    "num_cached_tokens": o.num_cached_tokens,
+                    "completions": [
+                        {
+                            "index": c.index,
+                            "token_ids": c.token_ids,
+                            "text": c.text,
+                            "cumulative_logprob": c.cumulative_logprob,
+                            "finish_reason": str(c.finish_reason),
+                        }
+                        for c in o.outputs
+                    ],
+                }
+                for o in outputs
+            ],
+            "stats": stats,
+        }
+        print(json.dumps(doc, indent=2, default=float))
+        return
+    for i, o in enumerate(outputs):
+        shown = repr(o.prompt) if o.prompt is not None else o.prompt_token_ids
+        print(
+            f"prompt {i}: {shown} ({len(o.prompt_token_ids)} tokens, "
+            f"{o.num_cached_tokens} from the prefix cache)"
+        )
+        for c in o.outputs:
+            print(
+                f"  [{c.index}] finish={c.finish_reason} logprob={c.cumulative_logprob:.3f} "
+                f"tokens={c.token_ids}"
+            )
+            if c.text is not None:
+                print(f"      text={c.text!r}")
+    eng = stats["engine"]
+    print(
+        f"engine: {int(eng['steps'])} steps, {int(eng['computed_tokens'])} tokens computed, "
+        f"{int(eng['generated_tokens'])} generated in {eng['elapsed_s']:.3f} s "
+        f"({eng['generated_tokens_per_s']:.1f} tokens/s) on {llm.device} {llm.dtype}"
+    )
+    for section in ("scheduler", "cache"):
+        items = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(stats[section].items()))
+        print(f"{section}: {items}")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float) and not value.is_integer():
+        return f"{value:.4g}"
+    if isinstance(value, float):
+        return str(int(value))
+    return str(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``kvblocks generate``; return the process exit status."""
+    from kvblocks.errors import KVBlocksError
+
+    try:
+        llm, prompts, params = _build(args)
+        outputs = llm.generate(prompts, params)
+    except KVBlocksError as exc:
+        print(f"kvblocks generate: error: {exc}", file=sys.stderr)
+        return 2
+    _report(llm, outputs, args.json)
+    return 0

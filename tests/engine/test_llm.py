@@ -1,0 +1,205 @@
+"""End to end: LLM.generate on the paged engine equals the dense, cache-free reference.
+
+The engine runs the real scheduler, the Rust block manager and the paged ops (torch
+reference on the CPU); the reference recomputes every sequence from scratch each step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine.dense import dense_greedy_generate
+from kvblocks.engine.loader import save_checkpoint
+from kvblocks.engine.tiny import build_tiny_model, tiny_config
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.sampling_params import SamplingParams
+
+from .test_tokenizer import write_word_tokenizer
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SYSTEM = _prompt(40, 100)
+# Shared 40-token prefix (two and a half 16-token blocks) plus distinct tails.
+PROMPTS = [SYSTEM + _prompt(n, i) for i, n in enumerate([5, 17, 1, 30])] + [_prompt(9, 9)]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: LlamaForCausalLM) -> list[list[int]]:
+    return dense_greedy_generate(tiny_llama, PROMPTS, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_equals_dense(
+    tiny_llama: LlamaForCausalLM, expected: list[list[int]], prefix_caching: bool
+) -> None:
+    llm = LLM(tiny_llama, num_blocks=128, enable_prefix_caching=prefix_caching, device="cpu")
+    first = llm.generate(PROMPTS, GREEDY)
+    assert _tokens(first) == expected
+    assert all(o.finish_reason == "length" for o in first)
+    # Run again: with caching the shared system prompt (and each repeated prompt) hits.
+    second = llm.generate(PROMPTS, GREEDY)
+    assert _tokens(second) == expected
+    cached = [o.num_cached_tokens for o in second]
+    if prefix_caching:
+        assert cached[0] >= 32 and all(c % 16 == 0 for c in cached)
+    else:
+        assert cached == [0] * len(PROMPTS)
+
+
+def test_chunked_prefill_equals_dense(
+    tiny_llama: LlamaForCausalLM, expected: list[list[int]]
+) -> None:
+    llm = LLM(tiny_llama, num_blocks=128, max_num_batched_tokens=16, device="cpu")
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert _tokens(outputs) == expected
+    # Prompts of up to 70 tokens through a 16-token budget: prefill took many steps.
+    assert llm.stats()["engine"]["steps"] > sum(len(p) for p in PROMPTS) / 16
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_greedy_equal_to_dense(tiny_llama: LlamaForCausalLM, mode: str) -> None:
+    prompts = [_prompt(20 + 3 * i, 50 + i) for i in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    expected = dense_greedy_generate(tiny_llama, prompts, params.max_tokens)
+    # 6 sequences growing to ~95 tokens (6 blocks each) in 16 usable blocks.
+    llm = LLM(tiny_llama, num_blocks=17, num_cpu_blocks=64, preemption_mode=mode, device="cpu")
+    outputs = llm.generate(prompts, params)
+    assert _tokens(outputs) == expected
+    sched = llm.stats()["scheduler"]
+    assert sched[f"num_preemptions_{mode}"] > 0, sched
+    other = "swap" if mode == "recompute" else "recompute"
+    assert sched[f"num_preemptions_{other}"] == 0, sched
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(tiny_config("mistral"), id="mistral-window24"),
+        pytest.param(tiny_config("qwen2"), id="qwen2-bias"),
+        pytest.param(tiny_config("llama", tie_word_embeddings=True), id="llama-tied"),
+    ],
+)
+def test_loaded_checkpoint_greedy_equals_dense(config, tmp_path: Path) -> None:
+    model = build_tiny_model(config, seed=3)
+    save_checkpoint(model, tmp_path, max_shard_bytes=100_000)
+    prompts = [_prompt(30, 1), _prompt(7, 2), _prompt(51, 3)]
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    expected = dense_greedy_generate(model, prompts, params.max_tokens)
+    llm = LLM(str(tmp_path), num_blocks=64, block_size=8, device="cpu")
+    assert llm.model.config == model.config
+    assert _tokens(llm.generate(prompts, params)) == expected
+    if config.sliding_window is not None:
+        # The manager released blocks that slid out of the window: tables hold null blocks.
+        assert llm.manager.sliding_window == config.sliding_window
+
+
+def _beam_and_n(llm: LLM) -> list[list[list[int]]]:
+    prompts = [_prompt(25, 70 + i) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=24, beam_width=3, n=2),
+        SamplingParams(max_tokens=24, n=3, temperature=0.8, seed=11),
+        SamplingParams(max_tokens=24, beam_width=2),
+        SamplingParams(max_tokens=24, n=2, temperature=1.0, top_k=20, seed=5),
+    ]
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+def test_beam_search_and_parallel_sampling_are_stable_under_memory_pressure(
+    tiny_llama: LlamaForCausalLM,
+) -> None:
+    roomy = LLM(tiny_llama, num_blocks=256, device="cpu")
+    relaxed = _beam_and_n(roomy)
+    assert [len(x) for x in relaxed] == [2, 3, 1, 2]
+    tight = LLM(tiny_llama, num_blocks=24, num_cpu_blocks=128, device="cpu")
+    assert _beam_and_n(tight) == relaxed
+    sched = tight.stats()["scheduler"]
+    assert sched["num_preemptions_swap"] > 0, sched
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama: LlamaForCausalLM) -> None:
+    params = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234)
+    prompt = _prompt(10, 4)
+    alone = LLM(tiny_llama, num_blocks=64, device="cpu", seed=1).generate([prompt], params)
+    others = [_prompt(10 + i, 20 + i) for i in range(3)]
+    mixed = LLM(tiny_llama, num_blocks=64, device="cpu", seed=2).generate(
+        [*others, prompt], [SamplingParams(max_tokens=20, temperature=1.0)] * 3 + [params]
+    )
+    assert mixed[-1].token_ids == alone[0].token_ids
+    unseeded = SamplingParams(max_tokens=20, temperature=1.0)
+    a = LLM(tiny_llama, num_blocks=64, device="cpu", seed=7).generate([prompt] * 2, unseeded)
+    b = LLM(tiny_llama, num_blocks=64, device="cpu", seed=7).generate([prompt] * 2, unseeded)
+    assert _tokens(a) == _tokens(b)  # the engine seed makes a whole run reproducible
+    assert a[0].token_ids != a[1].token_ids  # ...and unseeded requests differ from each other
+
+
+def test_stop_tokens_and_eos(tiny_llama: LlamaForCausalLM, expected: list[list[int]]) -> None:
+    llm = LLM(tiny_llama, num_blocks=64, device="cpu")
+    stop = expected[0][4]
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    )
+    cut = expected[0].index(stop) + 1
+    assert out[0].token_ids == expected[0][:cut]
+    assert out[0].finish_reason == "stop"
+
+    config = tiny_config("llama", eos_token_ids=(expected[1][3], 250))
+    model = build_tiny_model(config)
+    eos_llm = LLM(model, num_blocks=64, device="cpu")
+    out = eos_llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0))
+    assert out[0].token_ids == expected[1][: expected[1].index(expected[1][3]) + 1]
+    assert out[0].finish_reason == "eos"
+    ignored = eos_llm.generate(
+        PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )
+    assert ignored[0].token_ids == expected[1]
+
+
+def test_text_prompts_through_tokenizer_json(tmp_path: Path) -> None:
+    words = [f"w{i}" for i in range(255)]
+    save_checkpoint(build_tiny_model(), tmp_path)
+    write_word_tokenizer(tmp_path, words)
+    llm = LLM(str(tmp_path), num_blocks=64, device="cpu")
+    out = llm.generate(["w1 w2 w3", [4, 5]], SamplingParams(max_tokens=5, temperature=0.0))
+    assert out[0].prompt == "w1 w2 w3" and out[0].prompt_token_ids == [2, 3, 4]
+    assert llm.tokenizer is not None
+    assert out[0].text == llm.tokenizer.decode(out[0].token_ids)
+    assert out[1].prompt is None and isinstance(out[1].text, str)
+
+
+def test_tiny_model_default_speaks_bytes() -> None:
+    llm = LLM(num_blocks=32, device="cpu")
+    out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.0))
+    assert out[0].prompt_token_ids == [104, 105]
+    assert out[0].text == bytes(out[0].token_ids).decode("utf-8", errors="replace")
+
+
+def test_bad_requests_raise_and_leave_the_engine_usable(tiny_llama: LlamaForCausalLM) -> None:
+    llm = LLM(tiny_llama, num_blocks=32, device="cpu")
+    with pytest.raises(InvalidArgumentError, match=r"token ids must be in \[0, 256\)"):
+        llm.generate([[1, 2, 300]])
+    with pytest.raises(InvalidArgumentError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([[1, 2]], [GREEDY, GREEDY])
+    with pytest.raises(InvalidArgumentError, match="at least one token"):
+        llm.generate([[]])
+    no_tok = LLM(tiny_llama, tokenizer=None, num_blocks=32, device="cpu")
+    no_tok.tokenizer = None
+    with pytest.raises(InvalidArgumentError, match="text prompts need a tokenizer"):
+        no_tok.generate("hello")
+    with pytest.raises(InvalidArgumentError, match="block_size must be one of"):
+        LLM(tiny_llama, block_size=12, device="cpu")
+    assert _tokens(llm.generate([[1, 2, 3]], GREEDY)) == dense_greedy_generate(
+        tiny_llama, [[1, 2, 3]], GREEDY.max_tokens
+    )
