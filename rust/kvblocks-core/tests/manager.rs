@@ -1,0 +1,890 @@
+//! Unit tests of every manager operation and error path.
+
+mod common;
+
+use common::*;
+use kvblocks_core::{
+    AllocStatus, BatchArg, HashAlgo, KVCacheManager, KvCacheEvent, KvError, ManagerConfig,
+    NULL_BLOCK,
+};
+
+fn is_invalid(e: &KvError) -> bool {
+    matches!(e, KvError::InvalidArgument(_))
+}
+fn is_state(e: &KvError) -> bool {
+    matches!(e, KvError::SequenceState(_))
+}
+fn is_unknown(e: &KvError) -> bool {
+    matches!(e, KvError::UnknownSequence(_))
+}
+fn is_oob(e: &KvError) -> bool {
+    matches!(e, KvError::OutOfBlocks(_))
+}
+
+// -- construction -----------------------------------------------------------------
+
+#[test]
+fn new_reserves_the_null_block() {
+    let m = manager(8, 4);
+    assert_eq!(m.num_free_blocks(), 7);
+    assert_eq!(m.null_block(), NULL_BLOCK);
+    assert_eq!(m.free_block_ids(), vec![1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(m.usage(), 0.0);
+    let s = m.stats();
+    assert_eq!(
+        (s.num_blocks, s.num_free_blocks, s.num_used_blocks),
+        (8, 7, 0)
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn new_rejects_bad_configs() {
+    let bad: Vec<Box<dyn Fn(&mut ManagerConfig)>> = vec![
+        Box::new(|c| c.num_blocks = 1),
+        Box::new(|c| c.block_size = 0),
+        Box::new(|c| c.watermark = 1.0),
+        Box::new(|c| c.watermark = -0.1),
+        Box::new(|c| c.watermark = f64::NAN),
+        Box::new(|c| c.sliding_window = Some(0)),
+    ];
+    for f in bad {
+        let mut c = ManagerConfig::new(8, 4);
+        f(&mut c);
+        assert!(matches!(
+            KVCacheManager::new(c),
+            Err(KvError::InvalidArgument(_))
+        ));
+    }
+}
+
+#[test]
+fn hash_algo_parses_its_names() {
+    assert_eq!("blake3".parse::<HashAlgo>().unwrap(), HashAlgo::Blake3);
+    assert_eq!("xxh3_128".parse::<HashAlgo>().unwrap(), HashAlgo::Xxh3_128);
+    assert!("md5".parse::<HashAlgo>().is_err());
+    assert_eq!(HashAlgo::Xxh3_128.to_string(), "xxh3_128");
+}
+
+#[test]
+fn watermark_blocks_is_floored() {
+    let m = manager_with(100, 4, |c| c.watermark = 0.05);
+    assert_eq!(m.watermark_blocks(), 5);
+    let m = manager_with(10, 4, |c| c.watermark = 0.05);
+    assert_eq!(m.watermark_blocks(), 0);
+}
+
+// -- sequences --------------------------------------------------------------------
+
+#[test]
+fn add_sequence_and_queries() {
+    let mut m = manager(8, 4);
+    assert_eq!(m.add_sequence(7, &toks(0, 10), None, None).unwrap(), 0);
+    assert!(m.has_sequence(7));
+    assert_eq!(m.len(), 1);
+    assert_eq!(m.num_tokens(7).unwrap(), 10);
+    assert_eq!(m.num_computed_tokens(7).unwrap(), 0);
+    assert_eq!(m.token_ids(7).unwrap(), &toks(0, 10)[..]);
+    assert!(!m.is_swapped(7).unwrap());
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.add_sequence(7, &[1], None, None),
+        |e| matches!(e, KvError::DuplicateSequence(7)),
+    );
+    assert!(matches!(m.num_tokens(8), Err(KvError::UnknownSequence(8))));
+    assert!(m.num_computed_tokens(8).is_err());
+    assert!(m.probe_prefixes(&[7, 8]).is_err());
+    m.add_sequence(3, &[], None, None).unwrap();
+    assert_eq!(m.seq_ids(), vec![3, 7]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn allocation_pops_free_queue_front_in_table_order() {
+    let mut m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 10), None, None).unwrap();
+    assert_eq!(m.allocate_slots(1, 10, 0).unwrap(), Some(vec![1, 2, 3]));
+    assert_eq!(m.block_table(1).unwrap(), vec![1, 2, 3]);
+    assert_eq!(m.num_free_blocks(), 4);
+    assert_eq!(m.block_ref_count(2), 1);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn allocate_grows_only_as_needed_and_returns_empty() {
+    let mut m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 3), None, None).unwrap();
+    assert_eq!(m.allocate_slots(1, 3, 0).unwrap(), Some(vec![1]));
+    m.commit(1, 3, &[99]).unwrap();
+    // position 3 still in block 1: nothing to take
+    assert_eq!(m.allocate_slots(1, 1, 0).unwrap(), Some(vec![]));
+    m.commit(1, 1, &[100]).unwrap();
+    assert_eq!(m.allocate_slots(1, 1, 0).unwrap(), Some(vec![2]));
+    // lookahead reserves extra slots
+    m.commit(1, 1, &[101]).unwrap();
+    assert_eq!(m.allocate_slots(1, 1, 8).unwrap(), Some(vec![3, 4]));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn allocate_errors_leave_state_unchanged() {
+    let mut m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 10), None, None).unwrap();
+    assert_fails_unchanged(&mut m, |m| m.allocate_slots(1, 11, 0), is_invalid);
+    assert_fails_unchanged(&mut m, |m| m.allocate_slots(2, 1, 0), is_unknown);
+    assert_fails_unchanged(&mut m, |m| m.allocate_slots(1, 1, usize::MAX), is_invalid);
+}
+
+#[test]
+fn allocate_short_pool_returns_none_unchanged() {
+    let mut m = manager(4, 4);
+    m.add_sequence(1, &toks(0, 13), None, None).unwrap();
+    let before = m.clone();
+    assert_eq!(m.allocate_slots(1, 13, 0).unwrap(), None);
+    assert!(m == before);
+    assert_eq!(m.allocate_slots(1, 12, 0).unwrap(), Some(vec![1, 2, 3]));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn commit_checks_reservation_and_known_tokens() {
+    let mut m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 6), None, None).unwrap();
+    // no reservation yet: nothing may be computed, tokens may be appended
+    assert_fails_unchanged(&mut m, |m| m.commit(1, 1, &[]), is_invalid);
+    m.allocate_slots(1, 4, 0).unwrap().unwrap();
+    assert_fails_unchanged(&mut m, |m| m.commit(1, 5, &[]), is_invalid);
+    assert_fails_unchanged(&mut m, |m| m.commit(9, 0, &[]), is_unknown);
+    m.commit(1, 4, &[]).unwrap();
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 4);
+    // lookahead slots beyond the known tokens cannot be committed
+    m.allocate_slots(1, 2, 4).unwrap().unwrap();
+    assert_fails_unchanged(&mut m, |m| m.commit(1, 3, &[50]), is_invalid);
+    m.commit(1, 2, &[50]).unwrap();
+    assert_eq!(m.num_tokens(1).unwrap(), 7);
+    // the reservation is cleared by commit
+    assert_fails_unchanged(&mut m, |m| m.commit(1, 1, &[]), is_invalid);
+    m.check_invariants().unwrap();
+}
+
+// -- prefix cache -----------------------------------------------------------------
+
+#[test]
+fn full_blocks_enter_the_cache_with_one_event_per_run() {
+    for algo in ALGOS {
+        let mut m = manager_with(8, 4, |c| c.hash_algo = algo);
+        prefill(&mut m, 1, &toks(0, 10));
+        let ev = m.take_events();
+        assert_eq!(ev.len(), 1);
+        let KvCacheEvent::BlockStored(s) = &ev[0] else {
+            panic!("expected BlockStored, got {ev:?}")
+        };
+        assert_eq!(s.block_hashes.len(), 2);
+        assert_eq!(s.parent_block_hash, None);
+        assert_eq!(s.token_ids, toks(0, 8));
+        assert_eq!(s.block_size, 4);
+        assert_eq!(s.lora_id, None);
+        assert_eq!(s.block_hashes[0].as_bytes().len(), algo.digest_len());
+        assert_eq!(m.stats().num_cached_blocks, 2);
+        assert!(m.take_events().is_empty());
+        // the next block fills during decode: a new event chained on the last hash
+        m.allocate_slots(1, 0, 0).unwrap().unwrap();
+        m.commit(1, 0, &[10, 11]).unwrap();
+        m.allocate_slots(1, 2, 0).unwrap().unwrap();
+        m.commit(1, 2, &[]).unwrap();
+        let ev = m.take_events();
+        let KvCacheEvent::BlockStored(s2) = &ev[0] else {
+            panic!()
+        };
+        assert_eq!(s2.parent_block_hash, Some(s.block_hashes[1]));
+        assert_eq!(s2.token_ids, toks(8, 4));
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn free_order_unhashed_to_front_last_first() {
+    let mut m = manager_with(8, 4, |c| c.enable_prefix_caching = false);
+    m.add_sequence(1, &toks(0, 2), None, None).unwrap();
+    m.allocate_slots(1, 2, 0).unwrap().unwrap(); // [1]
+    m.add_sequence(2, &toks(0, 12), None, None).unwrap();
+    assert_eq!(m.allocate_slots(2, 12, 0).unwrap(), Some(vec![2, 3, 4]));
+    m.commit(2, 12, &[]).unwrap();
+    m.free(2).unwrap();
+    assert_eq!(m.free_block_ids(), vec![2, 3, 4, 5, 6, 7]);
+    assert!(m.take_events().is_empty());
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn free_order_hashed_to_back_last_first() {
+    let mut m = manager(8, 4);
+    m.add_sequence(2, &toks(0, 12), None, None).unwrap();
+    assert_eq!(m.allocate_slots(2, 12, 0).unwrap(), Some(vec![1, 2, 3]));
+    m.commit(2, 12, &[]).unwrap();
+    m.free(2).unwrap();
+    assert_eq!(m.free_block_ids(), vec![4, 5, 6, 7, 3, 2, 1]);
+    // mixed: a partial last block is unhashed and goes to the front
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 10)); // [1,2 hashed, 3 partial]
+    m.free(1).unwrap();
+    assert_eq!(m.free_block_ids(), vec![3, 4, 5, 6, 7, 2, 1]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn prefix_hit_claims_cached_blocks_at_first_allocation() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 9));
+    m.free(1).unwrap();
+    assert_eq!(m.add_sequence(2, &toks(0, 9), None, None).unwrap(), 8);
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
+    assert_eq!(m.num_cached_tokens(2).unwrap(), 8);
+    assert_eq!(m.probe_prefixes(&[2]).unwrap(), vec![8]);
+    let free_before = m.num_free_blocks();
+    // the claim takes blocks 1,2 out of the queue; one new block for the last token
+    let got = m.allocate_slots(2, 1, 0).unwrap().unwrap();
+    assert_eq!(got, vec![3]);
+    assert_eq!(m.block_table(2).unwrap(), vec![1, 2, 3]);
+    assert_eq!(m.num_free_blocks(), free_before - 3);
+    let s = m.stats();
+    assert_eq!((s.prefix_cache_queries, s.prefix_cache_hits), (18, 8));
+    assert!((s.prefix_cache_hit_rate - 8.0 / 18.0).abs() < 1e-12);
+    m.commit(2, 1, &[]).unwrap();
+    assert_eq!(m.num_cached_tokens(2).unwrap(), 8);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn shared_prefix_between_running_sequences() {
+    let mut m = manager(16, 4);
+    prefill(&mut m, 1, &toks(0, 9));
+    assert_eq!(m.add_sequence(2, &toks(0, 12), None, None).unwrap(), 8);
+    m.allocate_slots(2, 4, 0).unwrap().unwrap();
+    assert_eq!(m.block_ref_count(1), 2);
+    assert_eq!(m.block_ref_count(2), 2);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn hit_never_covers_the_whole_prompt() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 8));
+    assert_eq!(m.add_sequence(2, &toks(0, 8), None, None).unwrap(), 4);
+    assert_eq!(m.add_sequence(3, &toks(0, 9), None, None).unwrap(), 8);
+    assert_eq!(m.add_sequence(4, &toks(0, 1), None, None).unwrap(), 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn salts_and_lora_ids_are_separate_namespaces() {
+    let mut m = manager(32, 4);
+    let p = toks(0, 9);
+    m.add_sequence(1, &p, None, None).unwrap();
+    m.allocate_slots(1, 9, 0).unwrap().unwrap();
+    m.commit(1, 9, &[]).unwrap();
+    let variants: [(Option<&[u8]>, Option<u64>); 5] = [
+        (Some(b""), None),
+        (Some(b"a"), None),
+        (None, Some(0)),
+        (Some(b""), Some(0)),
+        (Some(b"a"), Some(1)),
+    ];
+    for (i, (salt, lora)) in variants.iter().enumerate() {
+        let id = 10 + i as u64;
+        assert_eq!(
+            m.add_sequence(id, &p, *salt, *lora).unwrap(),
+            0,
+            "{salt:?} {lora:?}"
+        );
+        m.allocate_slots(id, 9, 0).unwrap().unwrap();
+        m.commit(id, 9, &[]).unwrap();
+        // same namespace again: a hit
+        assert_eq!(m.add_sequence(100 + id, &p, *salt, *lora).unwrap(), 8);
+    }
+    assert_eq!(m.add_sequence(99, &p, None, None).unwrap(), 8);
+    assert_eq!(m.stats().num_cached_blocks, 12);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn lora_id_is_reported_in_events() {
+    let mut m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 4), None, Some(7)).unwrap();
+    m.allocate_slots(1, 4, 0).unwrap().unwrap();
+    m.commit(1, 4, &[]).unwrap();
+    let ev = m.take_events();
+    assert!(matches!(&ev[..], [KvCacheEvent::BlockStored(s)] if s.lora_id == Some(7)));
+}
+
+#[test]
+fn eviction_under_pressure_shrinks_the_probe() {
+    let mut m = manager(5, 4); // 4 usable
+    prefill(&mut m, 1, &toks(0, 12)); // blocks 1,2,3 all cached
+    m.free(1).unwrap();
+    m.take_events();
+    assert_eq!(m.free_block_ids(), vec![4, 3, 2, 1]);
+    assert_eq!(m.add_sequence(2, &toks(0, 13), None, None).unwrap(), 12);
+    // another sequence takes 2 blocks: 4 (plain) and 3 (evicted, the prompt's tail)
+    m.add_sequence(3, &toks(100, 8), None, None).unwrap();
+    assert_eq!(m.allocate_slots(3, 8, 0).unwrap(), Some(vec![4, 3]));
+    let ev = m.take_events();
+    assert_eq!(ev.len(), 1);
+    assert!(matches!(&ev[0], KvCacheEvent::BlockRemoved(r) if r.block_hashes.len() == 1));
+    assert_eq!(m.stats().evictions, 1);
+    // the probe of the waiting sequence shrank from 3 blocks to 2
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
+    assert_eq!(m.can_allocate(2, 0).unwrap(), AllocStatus::Later);
+    // the claim takes 1 and 2 and needs 2 more blocks: pool short -> None, unchanged
+    let before = m.clone();
+    assert_eq!(m.allocate_slots(2, 5, 0).unwrap(), None);
+    assert!(m == before);
+    m.free(3).unwrap();
+    assert_eq!(m.allocate_slots(2, 5, 0).unwrap().unwrap().len(), 2);
+    assert_eq!(m.num_cached_tokens(2).unwrap(), 8);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn claim_never_grows_past_the_add_time_probe() {
+    let mut m = manager(16, 4);
+    m.add_sequence(2, &toks(0, 9), None, None).unwrap(); // nothing cached yet
+    prefill(&mut m, 1, &toks(0, 9));
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 0);
+    assert_eq!(m.allocate_slots(2, 9, 0).unwrap().unwrap().len(), 3);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn duplicate_content_keeps_the_existing_cache_entry() {
+    let mut m = manager(16, 4);
+    m.add_sequence(1, &toks(0, 8), None, None).unwrap();
+    m.add_sequence(2, &toks(0, 8), None, None).unwrap();
+    m.allocate_slots(1, 8, 0).unwrap().unwrap(); // 1,2
+    m.allocate_slots(2, 8, 0).unwrap().unwrap(); // 3,4
+    m.commit(1, 8, &[]).unwrap();
+    assert_eq!(m.take_events().len(), 1);
+    m.commit(2, 8, &[]).unwrap();
+    assert!(m.take_events().is_empty());
+    assert_eq!(m.stats().num_cached_blocks, 2);
+    // seq 2's blocks are uncached: freed to the front
+    m.free(2).unwrap();
+    assert_eq!(&m.free_block_ids()[..2], &[3, 4]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn reset_prefix_cache_only_when_nothing_is_used() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 9));
+    m.take_events();
+    let before = m.clone();
+    assert!(!m.reset_prefix_cache());
+    assert!(m == before);
+    m.free(1).unwrap();
+    let order = m.free_block_ids();
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.take_events(), vec![KvCacheEvent::AllBlocksCleared]);
+    assert_eq!(m.free_block_ids(), order);
+    assert_eq!(m.stats().num_cached_blocks, 0);
+    assert_eq!(m.add_sequence(2, &toks(0, 9), None, None).unwrap(), 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn caching_disabled_means_no_hits_no_events() {
+    let mut m = manager_with(8, 4, |c| c.enable_prefix_caching = false);
+    prefill(&mut m, 1, &toks(0, 9));
+    assert_eq!(m.add_sequence(2, &toks(0, 9), None, None).unwrap(), 0);
+    assert!(m.take_events().is_empty());
+    let s = m.stats();
+    assert_eq!((s.num_cached_blocks, s.prefix_cache_queries), (0, 0));
+    m.free(1).unwrap();
+    assert!(m.reset_prefix_cache());
+    assert!(m.take_events().is_empty());
+    m.check_invariants().unwrap();
+}
+
+// -- fork and copy-on-write -------------------------------------------------------
+
+#[test]
+fn fork_shares_blocks_and_cow_copies_the_written_block() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 6)); // [1, 2(partial)]
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.block_ref_count(1), 2);
+    assert_eq!(m.block_ref_count(2), 2);
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 6);
+    m.check_invariants().unwrap();
+    m.commit(2, 0, &[77]).unwrap();
+    m.commit(1, 0, &[66]).unwrap();
+    assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
+    assert_eq!(m.block_table(2).unwrap(), vec![1, 3]);
+    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
+    assert!(m.take_copy_on_writes().is_empty());
+    // the parent is now the only owner of block 2: written in place
+    assert_eq!(m.allocate_slots(1, 1, 0).unwrap(), Some(vec![]));
+    assert_eq!(m.stats().cow_copies, 1);
+    m.commit(1, 1, &[]).unwrap();
+    m.commit(2, 1, &[]).unwrap();
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn cow_replacement_comes_before_appended_blocks() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 6));
+    m.fork(1, 2).unwrap();
+    m.commit(2, 0, &[1, 2, 3]).unwrap();
+    assert_eq!(m.allocate_slots(2, 3, 0).unwrap(), Some(vec![3, 4]));
+    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn no_cow_when_nothing_is_written_or_at_block_boundary() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 6));
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.allocate_slots(2, 0, 0).unwrap(), Some(vec![]));
+    assert!(m.take_copy_on_writes().is_empty());
+    m.commit(2, 0, &[]).unwrap();
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 8));
+    m.fork(1, 2).unwrap();
+    m.commit(2, 0, &[5]).unwrap();
+    assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
+    assert!(m.take_copy_on_writes().is_empty());
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn cow_short_pool_returns_none_unchanged() {
+    let mut m = manager(3, 4); // 2 usable
+    prefill(&mut m, 1, &toks(0, 6)); // takes both
+    m.fork(1, 2).unwrap();
+    m.commit(2, 0, &[9]).unwrap();
+    let before = m.clone();
+    assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), None);
+    assert!(m == before);
+}
+
+#[test]
+fn fork_errors() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 6));
+    m.add_sequence(3, &[1], None, None).unwrap();
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.fork(9, 2),
+        |e| matches!(e, KvError::UnknownSequence(9)),
+    );
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.fork(1, 3),
+        |e| matches!(e, KvError::DuplicateSequence(3)),
+    );
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.fork(1, 1),
+        |e| matches!(e, KvError::DuplicateSequence(1)),
+    );
+    m.commit(1, 0, &[5]).unwrap();
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    assert_fails_unchanged(&mut m, |m| m.fork(1, 2), is_state);
+    m.commit(1, 1, &[]).unwrap();
+    m.fork(1, 2).unwrap();
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn fork_of_unallocated_sequence_claims_later() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 9));
+    m.add_sequence(2, &toks(0, 9), None, None).unwrap();
+    m.fork(2, 3).unwrap();
+    assert_eq!(m.num_computed_tokens(3).unwrap(), 8);
+    assert_eq!(m.allocate_slots(3, 1, 0).unwrap().unwrap().len(), 1);
+    m.check_invariants().unwrap();
+}
+
+// -- free -------------------------------------------------------------------------
+
+#[test]
+fn free_unknown_is_an_error() {
+    let mut m = manager(8, 4);
+    assert_fails_unchanged(&mut m, |m| m.free(5), is_unknown);
+    prefill(&mut m, 5, &toks(0, 3));
+    m.free(5).unwrap();
+    assert_fails_unchanged(&mut m, |m| m.free(5), is_unknown);
+    assert_eq!(m.num_free_blocks(), 7);
+}
+
+#[test]
+fn free_of_forked_blocks_keeps_shared_ones() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 6));
+    m.fork(1, 2).unwrap();
+    m.free(1).unwrap();
+    assert_eq!(m.block_table(2).unwrap(), vec![1, 2]);
+    assert_eq!(m.num_free_blocks(), 5);
+    m.free(2).unwrap();
+    assert_eq!(m.num_free_blocks(), 7);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn free_keeps_slot_index_consistent() {
+    let mut m = manager(64, 4);
+    for id in 0..10 {
+        prefill(&mut m, id, &toks(id as u32 * 100, 5));
+    }
+    for id in [3, 0, 9, 5] {
+        m.free(id).unwrap();
+        m.check_invariants().unwrap();
+    }
+    assert_eq!(m.seq_ids(), vec![1, 2, 4, 6, 7, 8]);
+    assert_eq!(m.token_ids(8).unwrap(), &toks(800, 5)[..]);
+}
+
+// -- batches ----------------------------------------------------------------------
+
+#[test]
+fn allocate_batch_serves_a_prefix() {
+    let mut m = manager(6, 4); // 5 usable
+    for id in 0..4 {
+        m.add_sequence(id, &toks(id as u32 * 100, 6), None, None)
+            .unwrap();
+    }
+    let ids = [0, 1, 2, 3];
+    let n = m
+        .allocate_slots_batch(&ids, BatchArg::Scalar(6), 0)
+        .unwrap();
+    assert_eq!(n, 2);
+    assert_eq!(m.block_table(2).unwrap(), Vec::<i32>::new());
+    assert_eq!(m.num_free_blocks(), 1);
+    let per: Vec<i64> = vec![4, 4];
+    assert_eq!(
+        m.allocate_slots_batch(&[2, 3], BatchArg::Each(&per), 0)
+            .unwrap(),
+        1
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn allocate_batch_validates_everything_first() {
+    let mut m = manager(16, 4);
+    for id in 0..3 {
+        m.add_sequence(id, &toks(0, 6), None, None).unwrap();
+    }
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_slots_batch(&[0, 1, 9], 1.into(), 0),
+        is_unknown,
+    );
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_slots_batch(&[0, 1, 0], 1.into(), 0),
+        is_invalid,
+    );
+    let bad: &[i64] = &[1, 7, 1];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_slots_batch(&[0, 1, 2], bad.into(), 0),
+        is_invalid,
+    );
+    let neg: &[i64] = &[1, -1, 1];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_slots_batch(&[0, 1, 2], neg.into(), 0),
+        is_invalid,
+    );
+    let short: &[i64] = &[1, 1];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_slots_batch(&[0, 1, 2], short.into(), 0),
+        is_invalid,
+    );
+    assert_eq!(m.allocate_slots_batch(&[], 1.into(), 0).unwrap(), 0);
+}
+
+#[test]
+fn commit_batch_appends_one_token_each_all_or_nothing() {
+    let mut m = manager(16, 4);
+    for id in 0..3 {
+        prefill(&mut m, id, &toks(0, 5));
+    }
+    let toks_in: &[i64] = &[10, -1, 12];
+    m.commit_batch(&[0, 1, 2], 0.into(), Some(toks_in.into()))
+        .unwrap();
+    assert_eq!(m.num_tokens(0).unwrap(), 6);
+    assert_eq!(m.num_tokens(1).unwrap(), 5);
+    assert_eq!(m.token_ids(2).unwrap()[5], 12);
+    assert_eq!(m.allocate_slots_batch(&[0, 2], 1.into(), 0).unwrap(), 2);
+    let counts: &[i64] = &[1, 2];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.commit_batch(&[0, 2], counts.into(), None),
+        is_invalid,
+    );
+    let big: &[i64] = &[1, 1 << 33];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.commit_batch(&[0, 2], 1.into(), Some(big.into())),
+        is_invalid,
+    );
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.commit_batch(&[0, 0], 1.into(), None),
+        is_invalid,
+    );
+    m.commit_batch(&[0, 2], 1.into(), Some(BatchArg::Scalar(5)))
+        .unwrap();
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 6);
+    assert_eq!(m.num_tokens(2).unwrap(), 7);
+    m.check_invariants().unwrap();
+}
+
+// -- can_allocate -----------------------------------------------------------------
+
+#[test]
+fn can_allocate_with_watermark() {
+    let mut m = manager_with(11, 4, |c| c.watermark = 0.2); // 10 usable, 2 kept
+    m.add_sequence(1, &toks(0, 33), None, None).unwrap(); // 9 blocks > 10 - 2
+    assert_eq!(m.can_allocate(1, 0).unwrap(), AllocStatus::Never);
+    m.add_sequence(2, &toks(0, 32), None, None).unwrap(); // 8 blocks
+    assert_eq!(m.can_allocate(2, 0).unwrap(), AllocStatus::Ok);
+    assert_eq!(m.can_allocate(2, 1).unwrap(), AllocStatus::Never);
+    m.add_sequence(3, &toks(500, 4), None, None).unwrap();
+    m.allocate_slots(3, 4, 0).unwrap().unwrap();
+    assert_eq!(m.can_allocate(2, 0).unwrap(), AllocStatus::Later);
+    assert_fails_unchanged(&mut m, |m| m.can_allocate(3, 0), is_state);
+    assert_fails_unchanged(&mut m, |m| m.can_allocate(4, 0), is_unknown);
+}
+
+#[test]
+fn can_allocate_counts_shared_cached_blocks_free() {
+    let mut m = manager(6, 4); // 5 usable
+    prefill(&mut m, 1, &toks(0, 9)); // 3 blocks, 2 cached and in use
+    m.add_sequence(2, &toks(0, 16), None, None).unwrap(); // 4 blocks, 2 shared
+    assert_eq!(m.can_allocate(2, 0).unwrap(), AllocStatus::Ok);
+    assert_eq!(m.can_allocate(2, 1).unwrap(), AllocStatus::Later);
+    // once the holder is freed, the cached blocks sit in the free queue: they count
+    m.free(1).unwrap();
+    assert_eq!(m.can_allocate(2, 4).unwrap(), AllocStatus::Ok);
+    assert_eq!(m.can_allocate(2, 5).unwrap(), AllocStatus::Never);
+}
+
+// -- sliding window ---------------------------------------------------------------
+
+#[test]
+fn sliding_window_releases_blocks_outside_the_window() {
+    let mut m = manager_with(16, 2, |c| c.sliding_window = Some(4));
+    m.add_sequence(1, &toks(0, 8), None, None).unwrap();
+    m.allocate_slots(1, 8, 0).unwrap().unwrap(); // [1,2,3,4]
+    m.commit(1, 8, &[50]).unwrap();
+    // computed 8, window 4: block i released iff (i+1)*2 <= 5 -> blocks 0,1
+    assert_eq!(m.block_table(1).unwrap(), vec![0, 0, 3, 4]);
+    // cached blocks go to the back of the queue, last first
+    assert_eq!(&m.free_block_ids()[m.num_free_blocks() - 2..], &[2, 1]);
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    m.commit(1, 1, &[51]).unwrap();
+    // computed 9: (i+1)*2 <= 6 -> blocks 0..=2
+    assert_eq!(m.block_table(1).unwrap(), vec![0, 0, 0, 4, 5]);
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    m.commit(1, 1, &[52]).unwrap();
+    assert_eq!(m.block_table(1).unwrap(), vec![0, 0, 0, 4, 5]);
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    m.commit(1, 1, &[]).unwrap();
+    assert_eq!(m.block_table(1).unwrap(), vec![0, 0, 0, 0, 5, 6]);
+    let bt = m.block_tables(&[1], Some(7)).unwrap();
+    assert_eq!(bt.data, vec![0, 0, 0, 0, 5, 6, 0]);
+    assert_eq!(m.slot_mapping(&[1], None).unwrap(), Vec::<i64>::new());
+    m.check_invariants().unwrap();
+    m.free(1).unwrap();
+    assert_eq!(m.num_free_blocks(), 15);
+    m.check_invariants().unwrap();
+}
+
+// -- swap -------------------------------------------------------------------------
+
+#[test]
+fn swap_out_and_in_preserve_sharing() {
+    let mut m = manager_with(10, 4, |c| c.num_cpu_blocks = 6);
+    prefill(&mut m, 1, &toks(0, 6)); // [1,2]
+    m.fork(1, 2).unwrap();
+    prefill(&mut m, 3, &toks(100, 3)); // [3]
+    assert!(m.can_swap_out(&[1, 2]).unwrap());
+    let rows = m.swap_out(&[2, 1]).unwrap();
+    assert_eq!(rows, vec![[1, 0], [2, 1]]);
+    assert!(m.is_swapped(1).unwrap() && m.is_swapped(2).unwrap());
+    assert_eq!(m.num_free_cpu_blocks(), 4);
+    assert_eq!(m.stats().num_swapped_sequences, 2);
+    assert_eq!(m.stats().blocks_swapped_out, 2);
+    m.check_invariants().unwrap();
+    // block 1 is cached (back of the queue), block 2 (partial) is not (front)
+    assert_eq!(m.free_block_ids()[0], 2);
+    assert_eq!(*m.free_block_ids().last().unwrap(), 1);
+    // operations on swapped sequences are state errors
+    assert_fails_unchanged(&mut m, |m| m.allocate_slots(1, 0, 0), is_state);
+    assert_fails_unchanged(&mut m, |m| m.commit(1, 0, &[]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.fork(1, 9), is_state);
+    assert_fails_unchanged(&mut m, |m| m.block_tables(&[1], None), is_state);
+    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[1], None), is_state);
+    assert_fails_unchanged(&mut m, |m| m.swap_out(&[1]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.can_swap_out(&[1]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.swap_in(&[3]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.swap_in(&[1, 1]), is_invalid);
+    assert_eq!(m.num_tokens(1).unwrap(), 6);
+    assert!(m.can_swap_in(&[1, 2]).unwrap());
+    let rows = m.swap_in(&[1, 2]).unwrap();
+    assert_eq!(rows, vec![[0, 2], [1, 4]]);
+    assert_eq!(m.block_table(1).unwrap(), vec![2, 4]);
+    assert_eq!(m.block_table(2).unwrap(), vec![2, 4]);
+    assert_eq!(m.block_ref_count(2), 2);
+    assert_eq!(m.num_free_cpu_blocks(), 6);
+    assert_eq!(m.free_cpu_block_ids(), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(m.stats().blocks_swapped_in, 2);
+    m.check_invariants().unwrap();
+    // block 1 was popped for the swap-in... no: block 2 was front, then 4
+    m.commit(1, 0, &[7]).unwrap();
+    assert_eq!(m.allocate_slots(1, 1, 0).unwrap().unwrap().len(), 1); // CoW
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn swap_shortage_is_out_of_blocks_unchanged() {
+    let mut m = manager_with(10, 4, |c| c.num_cpu_blocks = 1);
+    prefill(&mut m, 1, &toks(0, 6));
+    assert!(!m.can_swap_out(&[1]).unwrap());
+    assert_fails_unchanged(&mut m, |m| m.swap_out(&[1]), is_oob);
+    let mut m = manager_with(4, 4, |c| c.num_cpu_blocks = 4);
+    prefill(&mut m, 1, &toks(0, 8));
+    m.swap_out(&[1]).unwrap();
+    prefill(&mut m, 2, &toks(100, 8));
+    assert!(!m.can_swap_in(&[1]).unwrap());
+    assert_fails_unchanged(&mut m, |m| m.swap_in(&[1]), is_oob);
+    // free works on swapped sequences; CPU blocks go back to the front, last first
+    m.free(1).unwrap();
+    assert_eq!(m.free_cpu_block_ids(), vec![0, 1, 2, 3]);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn swap_out_rejects_pending_reservation() {
+    let mut m = manager_with(10, 4, |c| c.num_cpu_blocks = 4);
+    m.add_sequence(1, &toks(0, 6), None, None).unwrap();
+    m.allocate_slots(1, 6, 0).unwrap().unwrap();
+    assert_fails_unchanged(&mut m, |m| m.swap_out(&[1]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.swap_out(&[7]), is_unknown);
+}
+
+#[test]
+fn can_swap_in_keeps_the_watermark() {
+    let mut m = manager_with(11, 4, |c| {
+        c.num_cpu_blocks = 8;
+        c.watermark = 0.2; // 2 blocks
+    });
+    prefill(&mut m, 1, &toks(0, 8)); // 2 blocks
+    m.swap_out(&[1]).unwrap();
+    prefill(&mut m, 2, &toks(100, 24)); // 6 blocks -> 4 free
+    assert!(m.can_swap_in(&[1]).unwrap());
+    m.add_sequence(3, &toks(200, 1), None, None).unwrap();
+    m.allocate_slots(3, 1, 0).unwrap().unwrap(); // 3 free
+    assert!(!m.can_swap_in(&[1]).unwrap());
+    assert_eq!(m.swap_in(&[1]).unwrap().len(), 2);
+}
+
+#[test]
+fn swap_with_sliding_window_keeps_null_entries() {
+    let mut m = manager_with(16, 2, |c| {
+        c.sliding_window = Some(2);
+        c.num_cpu_blocks = 8;
+    });
+    prefill(&mut m, 1, &toks(0, 8)); // table [0,0,0,4]
+    assert_eq!(m.block_table(1).unwrap(), vec![0, 0, 0, 4]);
+    assert_eq!(m.swap_out(&[1]).unwrap(), vec![[4, 0]]);
+    m.check_invariants().unwrap();
+    assert_eq!(m.swap_in(&[1]).unwrap().len(), 1);
+    assert_eq!(&m.block_table(1).unwrap()[..3], &[0, 0, 0]);
+    m.swap_out(&[1]).unwrap();
+    m.free(1).unwrap();
+    assert_eq!(m.num_free_cpu_blocks(), 8);
+    m.check_invariants().unwrap();
+}
+
+// -- step inputs ------------------------------------------------------------------
+
+#[test]
+fn block_tables_are_padded_with_the_null_block() {
+    let mut m = manager(16, 4);
+    prefill(&mut m, 1, &toks(0, 9)); // 3 blocks
+    prefill(&mut m, 2, &toks(100, 2)); // 1 block
+    let bt = m.block_tables(&[2, 1], None).unwrap();
+    assert_eq!((bt.num_rows, bt.num_cols), (2, 3));
+    assert_eq!(bt.data, vec![4, 0, 0, 1, 2, 3]);
+    let bt = m.block_tables(&[1], Some(5)).unwrap();
+    assert_eq!(bt.data, vec![1, 2, 3, 0, 0]);
+    assert_fails_unchanged(&mut m, |m| m.block_tables(&[1], Some(2)), is_invalid);
+    assert_fails_unchanged(&mut m, |m| m.block_tables(&[1, 3], None), is_unknown);
+    let empty = m.block_tables(&[], None).unwrap();
+    assert_eq!(
+        (empty.num_rows, empty.num_cols, empty.data.len()),
+        (0, 0, 0)
+    );
+}
+
+#[test]
+fn slot_mapping_covers_uncomputed_tokens() {
+    let mut m = manager(16, 4);
+    m.add_sequence(1, &toks(0, 6), None, None).unwrap();
+    m.add_sequence(2, &toks(0, 3), None, None).unwrap();
+    // before allocation there is no slot for the prompt
+    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[1], None), is_invalid);
+    m.allocate_slots(1, 6, 0).unwrap().unwrap(); // [1,2]
+    m.allocate_slots(2, 3, 0).unwrap().unwrap(); // [3]
+    let s = m.slot_mapping(&[1, 2], None).unwrap();
+    assert_eq!(s, vec![4, 5, 6, 7, 8, 9, 12, 13, 14]);
+    let n: &[i64] = &[2, 1];
+    assert_eq!(
+        m.slot_mapping(&[1, 2], Some(n.into())).unwrap(),
+        vec![4, 5, 12]
+    );
+    let too_many: &[i64] = &[9, 1];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.slot_mapping(&[1, 2], Some(too_many.into())),
+        is_invalid,
+    );
+    let neg: &[i64] = &[-1, 1];
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.slot_mapping(&[1, 2], Some(neg.into())),
+        is_invalid,
+    );
+    m.commit(1, 6, &[99]).unwrap();
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    assert_eq!(m.slot_mapping(&[1], None).unwrap(), vec![10]);
+    // lookahead slots can be mapped beyond the known tokens (block 4 appended)
+    m.allocate_slots(1, 1, 2).unwrap().unwrap();
+    assert_eq!(
+        m.slot_mapping(&[1], Some(3.into())).unwrap(),
+        vec![10, 11, 16]
+    );
+}
+
+// -- invariants -------------------------------------------------------------------
+
+#[test]
+fn check_invariants_passes_on_fresh_and_busy_managers() {
+    let mut m = manager_with(32, 4, |c| c.num_cpu_blocks = 8);
+    m.check_invariants().unwrap();
+    for id in 0..5 {
+        prefill(&mut m, id, &toks(0, 4 * id as usize + 3));
+    }
+    m.fork(2, 20).unwrap();
+    m.swap_out(&[3]).unwrap();
+    m.free(4).unwrap();
+    m.check_invariants().unwrap();
+}
