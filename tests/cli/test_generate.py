@@ -1,0 +1,111 @@
+"""``kvblocks generate``: end to end on the tiny model and on a saved checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvblocks.cli.generate import add_parser, run
+
+
+def _main(argv: list[str]) -> int:
+    """Parse like ``kvblocks generate ...`` and run, without the rest of the CLI."""
+    parser = argparse.ArgumentParser(prog="kvblocks")
+    add_parser(parser.add_subparsers(dest="command"))
+    return run(parser.parse_args(["generate", *argv]))
+
+
+def test_default_run_prints_tokens_and_cache_stats(capsys) -> None:
+    assert _main(["--max-tokens", "4", "--num-blocks", "32", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "prompt 0: 'Paged attention" in out
+    assert "finish=length" in out and "text=" in out
+    assert "engine:" in out and "tokens/s" in out
+    assert "cache:" in out and "scheduler:" in out
+
+
+def test_prompt_ids_json_matches_the_dense_reference(capsys) -> None:
+    from kvblocks.engine.dense import dense_greedy_generate
+    from kvblocks.engine.tiny import build_tiny_model
+
+    argv = ["--prompt-ids", "1,2,3", "--prompt-ids", "7,8", "--max-tokens", "6"]
+    assert _main([*argv, "--json", "--num-blocks", "32", "--device", "cpu"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tokens = [o["completions"][0]["token_ids"] for o in doc["outputs"]]
+    assert tokens == dense_greedy_generate(build_tiny_model(), [[1, 2, 3], [7, 8]], 6)
+    assert doc["outputs"][0]["completions"][0]["finish_reason"] == "length"
+    assert {"engine", "scheduler", "cache"} <= doc["stats"].keys()
+
+
+def test_sampling_options_and_n(capsys) -> None:
+    argv = ["--prompt", "abc", "--n", "2", "--temperature", "0.9", "--top-k", "10"]
+    assert _main([*argv, "--seed", "3", "--max-tokens", "3", "--json", "--device", "cpu"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["outputs"][0]["completions"]) == 2
+
+
+def test_model_directory_with_tokenizer(tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvblocks.engine.loader import save_checkpoint
+    from kvblocks.engine.tiny import build_tiny_model, tiny_config
+
+    save_checkpoint(build_tiny_model(tiny_config("qwen2")), tmp_path)
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(255)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = ["--model", str(tmp_path), "--prompt", "w1 w2", "--max-tokens", "3", "--json"]
+    assert _main([*argv, "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)["outputs"][0]
+    assert out["prompt_token_ids"] == [2, 3]
+    assert isinstance(out["completions"][0]["text"], str)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--model", "/nonexistent/model"], "is not a directory"),
+        (["--prompt-ids", "1,999"], r"token ids must be in [0, 256)"),
+        (["--n", "3", "--beam-width", "2"], "must be <= beam_width"),
+    ],
+)
+def test_engine_errors_are_one_line(argv: list[str], message: str, capsys) -> None:
+    assert _main([*argv, "--device", "cpu", "--num-blocks", "16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvblocks generate: error:") and message in err
+    assert "\n" not in err
+
+
+def test_text_prompt_without_tokenizer_is_an_error(tmp_path: Path, capsys) -> None:
+    from kvblocks.engine.loader import save_checkpoint
+    from kvblocks.engine.tiny import build_tiny_model
+
+    save_checkpoint(build_tiny_model(), tmp_path)
+    assert _main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert "text prompts need a tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--prompt-ids", "1,x"], ["--max-tokens", "0"], ["--block-size", "12"], ["--bogus"]],
+)
+def test_bad_options_exit_nonzero_without_traceback(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_help_lists_the_options(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--model", "--prompt-ids", "--beam-width", "--num-blocks", "--json"):
+        assert option in out
