@@ -1,44 +1,1188 @@
-"""The continuous-batching scheduler (API skeleton; the implementation follows)."""
+"""The continuous-batching scheduler (:class:`Scheduler`).
+
+Each step, in this order:
+
+1. **Decodes.** Every running decoding sequence gets one token, in priority order, with
+   one ``allocate_slots_batch`` call. When the pool runs short the least important
+   running request is preempted (recompute or swap) and the call resumes where it
+   stopped; a request that is itself the least important preempts itself.
+2. **Prefill chunks** of requests admitted in earlier steps continue.
+3. **Swapped** requests come back (unless this step preempted), before anything new.
+4. **Admission** of waiting requests in policy order (fcfs, priority, lpm) while the
+   token budget, ``max_num_seqs`` and the block pool (``can_allocate``, watermark) allow;
+   the cached prefix is skipped, long prompts are chunked.
+
+Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
+over a thousand sequences is a few vectorised operations and a few Rust calls; Python
+runs per request only on events (admission, prefill completion, finish, preemption,
+fork, beam step).
+"""
 
 from __future__ import annotations
 
+import enum
+from collections import defaultdict
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
+from kvblocks._core import AllocStatus
+from kvblocks.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    SequenceStateError,
+)
+from kvblocks.sampling_params import SamplingParams
+from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
-from kvblocks.scheduler.request import Request, RequestOutput
+from kvblocks.scheduler.queues.policy import Key, WaitingQueue, make_policy
+from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestOutput
+from kvblocks.scheduler.seq_table import Rows, SequenceTable, empty_rows
+from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
 
 __all__ = ["Scheduler"]
 
+_LPM_REFRESH = 256
+
+
+class _Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"  # admitted, prompt (or recomputed sequence) partly computed
+    RUNNING = "running"  # decoding; its sequences are rows of the table
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class _RequestState:
+    """The scheduler's view of one request (per-request data; per-step data is in the table)."""
+
+    def __init__(self, request: Request, counter: int, key: Key, seq_id: int) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.params: SamplingParams = params
+        self.counter = counter
+        self.key = key
+        self.status = _Status.WAITING
+        self.seq_ids: list[int] = [seq_id]  # live sequences
+        self.all_seq_ids: list[int] = [seq_id]
+        # Tokens the single sequence must (re)compute while WAITING/PREFILL: the prompt,
+        # or prompt + generated tokens after a recompute preemption.
+        self.tokens: npt.NDArray[np.int64] = np.asarray(request.prompt_token_ids)
+        self.num_prompt = len(self.tokens)
+        self.num_computed = 0
+        self.num_cached_tokens = 0
+        self.cum_logprob = 0.0  # of the single sequence while it is not in the table
+        self.multi = False  # forked into several sequences: swap-only preemption
+        # Step at which the waiting sequence was (re)registered with the manager, -1 if it
+        # is not. The manager fixes a sequence's cache-hit cap at registration, so a
+        # waiting request is registered again before it is admitted (see _register).
+        self.registered_step = -1
+        self.aborted = False
+        self.seq_index: dict[int, int] = {seq_id: 0}
+        self.outputs: dict[int, CompletionOutput] = {}
+        self.hypotheses: list[Hypothesis] = []
+        self.swapped_rows: Rows | None = None
+        eos = request.eos_token_id
+        self.eos = -1 if eos is None or params.ignore_eos else int(eos)
+        self.stop_set = frozenset(params.stop_token_ids)
+        self.beam_stops = self.stop_set | ({self.eos} if self.eos >= 0 else set())
+
+    def finish_reason_for(self, token: int) -> FinishReason | None:
+        """Stop reason of sampling ``token`` (EOS, stop token) or None."""
+        if token == self.eos:
+            return FinishReason.EOS
+        if token in self.stop_set:
+            return FinishReason.STOP
+        return None
+
+
+class _StepPlan:
+    """What ``schedule`` decided, kept until the matching ``update``."""
+
+    def __init__(self, output: SchedulerOutput) -> None:
+        self.output = output
+        self.chunks: list[tuple[_RequestState, int, int]] = []  # (state, start, length)
+        self.row_seq_pos: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self.row_chunk: list[int] = []  # chunk index of each prefill sampling row
+        self.special = False  # some row has sample_count != 1
+
 
 class Scheduler:
-    """Continuous-batching scheduler over a block manager (see the package docstring)."""
+    """Continuous-batching scheduler over a block manager.
 
-    def __init__(self, manager: Any, config: SchedulerConfig | None = None) -> None:
+    Args:
+        manager: a :class:`kvblocks.KVCacheManager` (or the pure-Python
+            ``ReferenceKVCacheManager``); the scheduler owns every sequence in it.
+        config: limits and policies.
+        record_history: append one statistics row per step to :attr:`stats_history`.
+
+    Sequence ids are assigned by the scheduler (the request's first sequence, then
+    forks); ids of finished requests are reused.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        config: SchedulerConfig | None = None,
+        *,
+        record_history: bool = True,
+    ) -> None:
         self.manager = manager
         self.config = config if config is not None else SchedulerConfig()
-        self.stats_history: list[dict[str, float]] = []
+        if not isinstance(self.config, SchedulerConfig):
+            raise InvalidArgumentError(
+                f"config must be a SchedulerConfig, got {type(self.config).__name__}"
+            )
+        self.policy = make_policy(self.config.policy)
+        self.record_history = record_history
+        self.counters = SchedulerCounters()
+        self.stats_history = StatsHistory()
+        self._requests: dict[str, _RequestState] = {}
+        self._owner: dict[int, _RequestState] = {}
+        self._waiting = WaitingQueue()
+        self._prefilling: list[_RequestState] = []  # key order
+        self._swapped: list[_RequestState] = []  # key order
+        self._table = SequenceTable()
+        self._next_seq_id = 0
+        self._free_seq_ids: list[int] = []
+        self._counter = 0
+        self._in_flight: _StepPlan | None = None
+        self._pending_aborts: list[_RequestState] = []
+        self._early_outputs: list[RequestOutput] = []
+        self._finished_ids: list[str] = []
+        self._stop_tokens = np.zeros(0, dtype=np.int64)
+        self._swap_out_maps: list[npt.NDArray[np.int64]] = []
+        self._preempted = False
 
+    # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request (raises InvalidArgumentError/DuplicateSequenceError on bad input)."""
-        raise NotImplementedError
+        """Queue a request.
+
+        Raises:
+            DuplicateSequenceError: the request id is already unfinished.
+            InvalidArgumentError: not a :class:`Request`; the prompt can never fit in the
+                pool; or (chunked prefill off) it is longer than ``max_num_batched_tokens``.
+        """
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"add_request takes a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self._requests:
+            raise DuplicateSequenceError(f"request id {rid!r} is already queued or running")
+        num_prompt = request.num_prompt_tokens
+        if (
+            not self.config.enable_chunked_prefill
+            and num_prompt > self.config.max_num_batched_tokens
+        ):
+            raise InvalidArgumentError(
+                f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
+            )
+        seq_id = self._new_seq_id()
+        self.manager.add_sequence(
+            seq_id, request.prompt_token_ids, cache_salt=request.cache_salt, lora_id=request.lora_id
+        )
+        if self.manager.can_allocate(seq_id) == AllocStatus.NEVER:
+            self.manager.free(seq_id)
+            self._free_seq_ids.append(seq_id)
+            usable = self.manager.num_blocks - 1
+            raise InvalidArgumentError(
+                f"request {rid!r}: prompt of {num_prompt} tokens needs more blocks than the pool "
+                f"can ever give ({usable} usable blocks of {self.manager.block_size} tokens, "
+                "minus the watermark)"
+            )
+        arrival = (
+            float(request.arrival_time)
+            if request.arrival_time is not None
+            else float(self.counters.num_steps)
+        )
+        key = self.policy.key(request.priority, arrival, self._counter)
+        state = _RequestState(request, self._counter, key, seq_id)
+        self._counter += 1
+        self._requests[rid] = state
+        self._owner[seq_id] = state
+        if self.policy.name == "lpm":
+            state.registered_step = self.counters.num_steps  # lpm probes waiting sequences
+        else:
+            self.manager.free(seq_id)
+        self._waiting.push(state)
+        self.counters.num_requests_added += 1
+        if state.stop_set:
+            union = set(self._stop_tokens.tolist()) | set(state.stop_set)
+            self._stop_tokens = np.array(sorted(union), dtype=np.int64)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort an unfinished request; return its output (reason "abort") or None if unknown."""
-        raise NotImplementedError
+        """Abort an unfinished request and return its output so far (reason ``"abort"``).
+
+        Returns ``None`` for an unknown or already finished request id. If a step is in
+        flight, the request's blocks are released at the next ``update``.
+        """
+        state = self._requests.get(request_id)
+        if state is None or state.aborted:
+            return None
+        output = self._abort_output(state)
+        state.aborted = True
+        self.counters.num_requests_aborted += 1
+        if self._in_flight is not None:
+            self._pending_aborts.append(state)
+        else:
+            self._drop_request(state)
+        return output
 
     def has_unfinished_requests(self) -> bool:
-        """True while some request is waiting, running or swapped."""
-        raise NotImplementedError
+        """True while some request is waiting, running or swapped (or output is pending)."""
+        return bool(self._requests) or bool(self._early_outputs)
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting, running or swapped."""
+        return len(self._requests)
+
+    # -- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Build the next step's batch."""
-        raise NotImplementedError
+        """Build the next step's batch (see the module docstring for the order of work).
 
+        Raises:
+            SequenceStateError: the previous ``schedule()`` has not been ``update()``-d.
+        """
+        if self._in_flight is not None:
+            raise SequenceStateError("schedule() called again before update() of the last step")
+        cfg = self.config
+        mgr = self.manager
+        table = self._table
+        budget = cfg.max_num_batched_tokens
+        self._swap_out_maps = []
+        swap_in_maps: list[npt.NDArray[np.int64]] = []
+        self._preempted = False
+
+        # 1. decodes, with preemption when the pool is short.
+        end = min(len(table), budget, cfg.max_num_seqs)
+        if end < len(table):
+            end = self._cut_at_request_boundary(end)
+        start = 0
+        while start < end:
+            ids = table["seq_id"]
+            start += int(
+                mgr.allocate_slots_batch(
+                    ids[start:end], 1, num_lookahead_tokens=cfg.num_lookahead_tokens
+                )
+            )
+            if start >= end:
+                break
+            self._make_room_for(self._owner[int(ids[start])], start)
+            end = min(end, len(table))
+        num_decode = end
+        cols = table.cols
+        dec_ids = cols["seq_id"][:end].copy()
+        dec_tokens = cols["last_token"][:end].copy()
+        dec_lens = cols["num_tokens"][:end]
+        dec_beam = cols["is_beam"][:end]
+        dec_sampling = (
+            cols["temperature"][:end].copy(),
+            cols["top_p"][:end].copy(),
+            cols["top_k"][:end].copy(),
+            cols["seed"][:end].copy(),
+        )
+        dec_request_ids: list[str] = cols["request_id"][:end].tolist()
+        budget -= num_decode
+        num_seqs = num_decode
+
+        # 2. prefill chunks of requests admitted earlier.
+        chunks: list[tuple[_RequestState, int, int]] = []
+        for state in list(self._prefilling):
+            if budget <= 0 or num_seqs >= cfg.max_num_seqs:
+                break
+            if state.status is not _Status.PREFILL:
+                continue  # preempted while making room for an earlier one
+            length = min(len(state.tokens) - state.num_computed, budget)
+            if not self._allocate_prefill(state, length):
+                break
+            chunks.append((state, state.num_computed, length))
+            budget -= length
+            num_seqs += 1
+
+        # 3. swapped requests come back before new ones are admitted.
+        if not self._preempted:
+            while self._swapped:
+                state = self._swapped[0]
+                if self._num_live_seqs() + len(state.seq_ids) > cfg.max_num_seqs:
+                    break
+                if not mgr.can_swap_in(state.seq_ids):
+                    break
+                swap_in_maps.append(mgr.swap_in(state.seq_ids))
+                self._swapped.pop(0)
+                rows = state.swapped_rows
+                state.swapped_rows = None
+                state.status = _Status.RUNNING
+                assert rows is not None
+                table.update(None, [rows])
+
+        # 4. admission of waiting requests.
+        if not self._preempted and not self._swapped and self._waiting and budget > 0:
+            live = self._num_live_seqs()
+            if self.policy.name == "lpm":
+                self._refresh_lpm_probes()
+            for state in self.policy.admission_order(self._waiting.items(), mgr):
+                if budget <= 0 or num_seqs >= cfg.max_num_seqs:
+                    break
+                if live + state.params.num_sequences > cfg.max_num_seqs and live > 0:
+                    break
+                admitted = self._admit(state, budget)
+                if admitted is None:
+                    break
+                if admitted == 0:
+                    continue  # finished at admission (can never fit)
+                chunks.append((state, state.num_computed, admitted))
+                budget -= admitted
+                num_seqs += 1
+                live += state.params.num_sequences
+
+        output, plan = self._build_output(
+            num_decode,
+            dec_ids,
+            dec_tokens,
+            dec_lens,
+            dec_beam,
+            dec_sampling,
+            dec_request_ids,
+            chunks,
+            swap_in_maps,
+        )
+        self._in_flight = plan
+        self.counters.num_steps += 1
+        self.counters.num_prefill_tokens += output.num_prefill_tokens
+        self.counters.num_decode_tokens += output.num_decode_tokens
+        if self.record_history:
+            self.stats_history.append(self._stats_row(output))
+        return output
+
+    def _build_output(
+        self,
+        num_decode: int,
+        dec_ids: npt.NDArray[np.int64],
+        dec_tokens: npt.NDArray[np.int64],
+        dec_lens: npt.NDArray[np.int64],
+        dec_beam: npt.NDArray[np.bool_],
+        dec_sampling: tuple[npt.NDArray[Any], ...],
+        dec_request_ids: list[str],
+        chunks: list[tuple[_RequestState, int, int]],
+        swap_in_maps: list[npt.NDArray[np.int64]],
+    ) -> tuple[SchedulerOutput, _StepPlan]:
+        mgr = self.manager
+        temperature, top_p, top_k, seeds = dec_sampling
+        sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
+        special = bool(dec_beam.any())
+        beam_width = 0
+        if special:
+            for seq in dec_ids[dec_beam].tolist():
+                beam_width = max(beam_width, self._owner[seq].params.beam_width)
+        if chunks:
+            chunk_ids = np.array([s.seq_ids[0] for s, _, _ in chunks], dtype=np.int64)
+            chunk_lens = np.array([n for _, _, n in chunks], dtype=np.int64)
+            chunk_starts = np.array([a for _, a, _ in chunks], dtype=np.int64)
+            seq_ids = np.concatenate([dec_ids, chunk_ids])
+            num_sched = np.concatenate([np.ones(num_decode, np.int64), chunk_lens])
+            input_ids = np.concatenate(
+                [dec_tokens] + [s.tokens[a : a + n] for s, a, n in chunks]
+            ).astype(np.int64, copy=False)
+            # positions: a ramp per chunk, built without a per-token loop.
+            offsets = np.repeat(chunk_starts - np.cumsum(chunk_lens) + chunk_lens, chunk_lens)
+            chunk_pos = np.arange(int(chunk_lens.sum()), dtype=np.int64) + offsets
+            positions = np.concatenate([dec_lens - 1, chunk_pos])
+            seq_lens = np.concatenate([dec_lens, chunk_starts + chunk_lens]).astype(np.int32)
+        else:
+            seq_ids = dec_ids
+            num_sched = np.ones(num_decode, np.int64)
+            input_ids = dec_tokens
+            positions = dec_lens - 1
+            seq_lens = dec_lens.astype(np.int32)
+        query_start_loc = np.zeros(len(seq_ids) + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        logits = [np.arange(num_decode, dtype=np.int64)]
+        row_seq_pos = [np.arange(num_decode, dtype=np.int64)]
+        row_chunk: list[int] = []
+        extra_counts: list[int] = []
+        extra_sampling: list[tuple[float, float, int, int]] = []
+        extra_request_ids: list[str] = []
+        for j, (state, start, length) in enumerate(chunks):
+            if start + length < len(state.tokens):
+                continue  # not the prompt's last chunk: nothing to sample
+            params = state.params
+            pos = num_decode + j
+            logits.append(np.array([query_start_loc[pos + 1] - 1], dtype=np.int64))
+            row_seq_pos.append(np.array([pos], dtype=np.int64))
+            row_chunk.append(j)
+            if params.use_beam_search:
+                count = 0
+                beam_width = max(beam_width, params.beam_width)
+            else:
+                count = params.n if not state.multi else 1
+            special = special or count != 1
+            extra_counts.append(count)
+            seed = -1 if params.seed is None else params.seed
+            extra_sampling.append((params.temperature, params.top_p, params.top_k, seed))
+            extra_request_ids.append(state.request.request_id)
+        if extra_counts:
+            sample_counts = np.concatenate([sample_counts, np.array(extra_counts, np.int32)])
+            ext = np.array(extra_sampling, dtype=np.float64).reshape(-1, 4)
+            temperature = np.concatenate([temperature, ext[:, 0].astype(np.float32)])
+            top_p = np.concatenate([top_p, ext[:, 1].astype(np.float32)])
+            top_k = np.concatenate([top_k, ext[:, 2].astype(np.int32)])
+            seeds = np.concatenate([seeds, np.array([e[3] for e in extra_sampling], np.int64)])
+            dec_request_ids = dec_request_ids + extra_request_ids
+        logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
+        plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
+        if len(seq_ids):
+            slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
+            block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
+        else:
+            slot_mapping = np.zeros(0, dtype=np.int64)
+            block_tables = np.zeros((0, 1), dtype=np.int32)
+        num_prefill_tokens = int(num_sched[num_decode:].sum())
+        output = SchedulerOutput(
+            seq_ids=seq_ids,
+            num_scheduled_tokens=num_sched.astype(np.int32),
+            input_token_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            logits_indices=logits_indices,
+            sample_seq_ids=seq_ids[plan_row_pos],
+            sample_request_ids=dec_request_ids,
+            sample_counts=sample_counts,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seeds=seeds,
+            beam_topk=2 * beam_width,
+            blocks_to_swap_out=_stack_pairs(self._swap_out_maps),
+            blocks_to_swap_in=_stack_pairs(swap_in_maps),
+            blocks_to_copy=np.asarray(mgr.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode,
+            num_decode_seqs=num_decode,
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        plan = _StepPlan(output)
+        plan.chunks = chunks
+        plan.row_seq_pos = plan_row_pos
+        plan.row_chunk = row_chunk
+        plan.special = special
+        return output, plan
+
+    # -- update --------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: ModelStepResult) -> list[RequestOutput]:
-        """Apply the engine's results for ``output``; return the requests that finished."""
-        raise NotImplementedError
+        """Apply the engine's results for ``output``; return the requests that finished.
 
+        Appends each sampling row's token(s), commits the computed KV, applies stop
+        conditions (``max_tokens``, stop tokens, EOS), forks ``n > 1`` and beam-search
+        sequences, and frees finished requests.
+
+        Raises:
+            SequenceStateError: ``output`` is not the last ``schedule()`` result.
+            InvalidArgumentError: ``result`` does not match ``output`` (token counts,
+                missing top-K for beam rows); the scheduler is unchanged.
+        """
+        plan = self._in_flight
+        if plan is None or output is not plan.output:
+            raise SequenceStateError("update() needs the output of the last schedule() call")
+        counts = output.sample_counts
+        num_rows = len(counts)
+        sampled = np.asarray(result.sampled_token_ids, dtype=np.int64).reshape(-1)
+        total = int(counts.sum()) if plan.special else num_rows
+        if sampled.shape[0] != total:
+            raise InvalidArgumentError(
+                f"sampled_token_ids has {sampled.shape[0]} tokens, the step's sample_counts "
+                f"sum to {total}"
+            )
+        if result.sampled_logprobs is None:
+            logprobs = np.zeros(total, dtype=np.float64)
+        else:
+            logprobs = np.asarray(result.sampled_logprobs, dtype=np.float64).reshape(-1)
+            if logprobs.shape[0] != total:
+                raise InvalidArgumentError(
+                    f"sampled_logprobs has {logprobs.shape[0]} entries, expected {total}"
+                )
+        if output.beam_topk and (result.topk_token_ids is None or result.topk_logprobs is None):
+            raise InvalidArgumentError(
+                f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, "
+                f"{output.beam_topk}] are required"
+            )
+        self._in_flight = None
+        finished: list[RequestOutput] = self._early_outputs
+        self._early_outputs = []
+        if output.num_seqs:
+            self._apply_results(output, plan, sampled, logprobs, result, finished)
+        for state in self._pending_aborts:
+            self._drop_request(state)
+        self._pending_aborts = []
+        return finished
+
+    def _apply_results(
+        self,
+        output: SchedulerOutput,
+        plan: _StepPlan,
+        sampled: npt.NDArray[np.int64],
+        logprobs: npt.NDArray[np.float64],
+        result: ModelStepResult,
+        finished: list[RequestOutput],
+    ) -> None:
+        mgr = self.manager
+        table = self._table
+        counts = output.sample_counts
+        num_decode = output.num_decode_seqs
+        if plan.special:
+            offsets = np.cumsum(counts, dtype=np.int64) - counts
+            ones = counts == 1
+            safe = np.minimum(offsets, max(len(sampled) - 1, 0))
+            row_tok = np.where(ones, sampled[safe] if len(sampled) else -1, -1)
+            row_lp = np.where(ones, logprobs[safe] if len(sampled) else 0.0, 0.0)
+        else:
+            offsets = None
+            ones = None
+            row_tok = sampled
+            row_lp = logprobs
+        commit_tokens = np.full(output.num_seqs, -1, dtype=np.int64)
+        commit_tokens[plan.row_seq_pos] = row_tok
+        mgr.commit_batch(output.seq_ids, output.num_scheduled_tokens, commit_tokens)
+        self.counters.num_generated_tokens += int((row_tok >= 0).sum())
+
+        remove_rows: list[npt.NDArray[np.int64]] = []
+        add_rows: list[Rows] = []
+        # Decodes: vectorised append of one token per sequence, then stop conditions.
+        if num_decode:
+            rows = table.rows_of(output.seq_ids[:num_decode])
+            tok = row_tok[:num_decode]
+            lp = row_lp[:num_decode]
+            if ones is not None:
+                mask = ones[:num_decode]
+                beam_rows = rows[~mask]
+                rows, tok, lp = rows[mask], tok[mask], lp[mask]
+            else:
+                beam_rows = None
+            cols = table.cols
+            cols["last_token"][rows] = tok
+            cols["num_tokens"][rows] += 1
+            generated = cols["num_generated"][rows] + 1
+            cols["num_generated"][rows] = generated
+            cols["cum_logprob"][rows] += lp
+            done = (generated >= cols["max_tokens"][rows]) | (tok == cols["eos"][rows])
+            if self._stop_tokens.size:
+                done |= cols["has_stop"][rows] & np.isin(tok, self._stop_tokens)
+            hits = np.flatnonzero(done)
+            if hits.size:
+                self._finish_decode_rows(rows[hits], tok[hits], remove_rows, finished)
+            if beam_rows is not None and beam_rows.size:
+                self._beam_decode(beam_rows, output, result, remove_rows, add_rows, finished)
+        # Prefill chunks: progress, and the first token(s) of completed prompts.
+        sample_row_of_chunk = {j: num_decode + i for i, j in enumerate(plan.row_chunk)}
+        for j, (state, _start, length) in enumerate(plan.chunks):
+            if state.aborted or state.status is not _Status.PREFILL:
+                continue
+            state.num_computed += length
+            row = sample_row_of_chunk.get(j)
+            if row is None:
+                continue
+            self._prefilling.remove(state)
+            params = state.params
+            if params.use_beam_search:
+                assert result.topk_token_ids is not None and result.topk_logprobs is not None
+                state.status = _Status.RUNNING
+                self._beam_step(
+                    state,
+                    [state.seq_ids[0]],
+                    np.array([state.cum_logprob]),
+                    len(state.tokens),
+                    len(state.tokens) - state.num_prompt,
+                    np.asarray(result.topk_token_ids)[row : row + 1],
+                    np.asarray(result.topk_logprobs)[row : row + 1],
+                    add_rows,
+                    finished,
+                )
+            elif counts[row] > 1:
+                assert offsets is not None
+                first = int(offsets[row])
+                toks = sampled[first : first + int(counts[row])]
+                lps = logprobs[first : first + int(counts[row])]
+                self._fork_samples(state, toks, lps, add_rows, finished)
+            else:
+                self._start_decoding(
+                    state,
+                    [state.seq_ids[0]],
+                    row_tok[row : row + 1],
+                    row_lp[row : row + 1],
+                    add_rows,
+                    finished,
+                )
+        if remove_rows or add_rows:
+            remove = np.concatenate(remove_rows) if remove_rows else None
+            table.update(remove, add_rows)
+
+    def _finish_decode_rows(
+        self,
+        rows: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+        remove_rows: list[npt.NDArray[np.int64]],
+        finished: list[RequestOutput],
+    ) -> None:
+        cols = self._table.cols
+        seq_ids = cols["seq_id"][rows].tolist()
+        cums = cols["cum_logprob"][rows].tolist()
+        kept: list[int] = []
+        for row, seq, tok, cum in zip(rows.tolist(), seq_ids, tokens.tolist(), cums):
+            state = self._owner[seq]
+            if state.aborted:
+                continue
+            reason = state.finish_reason_for(tok)
+            generated = int(cols["num_generated"][row])
+            if reason is None:
+                if generated < state.params.max_tokens:
+                    continue  # a stop token of another request
+                reason = FinishReason.LENGTH
+            kept.append(row)
+            out = self._finish_seq(state, seq, reason, cum)
+            if out is not None:
+                finished.append(out)
+        if kept:
+            remove_rows.append(np.array(kept, dtype=np.int64))
+
+    def _start_decoding(
+        self,
+        state: _RequestState,
+        seq_ids: list[int],
+        tokens: npt.NDArray[np.int64],
+        logprobs: npt.NDArray[np.float64],
+        add_rows: list[Rows],
+        finished: list[RequestOutput],
+    ) -> None:
+        """Sequences whose prompt is computed and that just got their first new token."""
+        state.status = _Status.RUNNING
+        num_tokens = len(state.tokens) + 1
+        generated = num_tokens - state.num_prompt
+        cum = state.cum_logprob + logprobs
+        keep: list[int] = []
+        for i, (seq, tok) in enumerate(zip(seq_ids, tokens.tolist())):
+            reason = state.finish_reason_for(tok)
+            if reason is None and generated >= state.params.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                keep.append(i)
+                continue
+            out = self._finish_seq(state, seq, reason, float(cum[i]))
+            if out is not None:
+                finished.append(out)
+        if keep:
+            idx = np.array(keep, dtype=np.int64)
+            add_rows.append(
+                self._make_rows(
+                    state,
+                    np.array(seq_ids, dtype=np.int64)[idx],
+                    tokens[idx],
+                    num_tokens,
+                    generated,
+                    cum[idx],
+                )
+            )
+
+    def _fork_samples(
+        self,
+        state: _RequestState,
+        tokens: npt.NDArray[np.int64],
+        logprobs: npt.NDArray[np.float64],
+        add_rows: list[Rows],
+        finished: list[RequestOutput],
+    ) -> None:
+        """``n > 1``: fork the prompt's sequence once per extra sample (shared KV, CoW)."""
+        parent = state.seq_ids[0]
+        seq_ids = [parent]
+        for index in range(1, len(tokens)):
+            child = self._new_seq_id()
+            self.manager.fork(parent, child)
+            self._adopt(state, child, index)
+            seq_ids.append(child)
+        state.seq_ids = seq_ids
+        state.multi = True
+        self.manager.commit_batch(np.array(seq_ids, dtype=np.int64), 0, tokens)
+        self._start_decoding(state, seq_ids, tokens, logprobs, add_rows, finished)
+
+    # -- beam search ---------------------------------------------------------------------
+    def _beam_decode(
+        self,
+        rows: npt.NDArray[np.int64],
+        output: SchedulerOutput,
+        result: ModelStepResult,
+        remove_rows: list[npt.NDArray[np.int64]],
+        add_rows: list[Rows],
+        finished: list[RequestOutput],
+    ) -> None:
+        cols = self._table.cols
+        topk_ids = np.asarray(result.topk_token_ids)
+        topk_lps = np.asarray(result.topk_logprobs)
+        # The decode rows are the first rows of the step, in the same order as seq_ids.
+        row_in_step = {int(s): i for i, s in enumerate(output.seq_ids[: output.num_decode_seqs])}
+        groups: dict[int, list[int]] = defaultdict(list)
+        for row in rows.tolist():
+            groups[int(cols["counter"][row])].append(row)
+        for group in groups.values():
+            seq_ids = [int(cols["seq_id"][r]) for r in group]
+            state = self._owner[seq_ids[0]]
+            if state.aborted:
+                continue
+            remove_rows.append(np.array(group, dtype=np.int64))
+            steps = [row_in_step[s] for s in seq_ids]
+            self._beam_step(
+                state,
+                seq_ids,
+                cols["cum_logprob"][group].astype(np.float64),
+                int(cols["num_tokens"][group[0]]),
+                int(cols["num_generated"][group[0]]),
+                topk_ids[steps],
+                topk_lps[steps],
+                add_rows,
+                finished,
+            )
+
+    def _beam_step(
+        self,
+        state: _RequestState,
+        parents: list[int],
+        cums: npt.NDArray[np.float64],
+        num_tokens: int,
+        num_generated: int,
+        topk_ids: npt.NDArray[np.int64],
+        topk_lps: npt.NDArray[np.float32],
+        add_rows: list[Rows],
+        finished: list[RequestOutput],
+    ) -> None:
+        """Extend the live beams by one token: fork, free and commit their sequences."""
+        mgr = self.manager
+        params = state.params
+        width = params.beam_width
+        choices, ended = select_beams(cums, topk_ids, topk_lps, width, state.beam_stops)
+        start = state.num_prompt
+        tokens_of: dict[int, list[int]] = {}
+
+        def history(parent: int) -> list[int]:
+            if parent not in tokens_of:
+                tokens_of[parent] = mgr.token_ids(parents[parent])[start:].tolist()
+            return tokens_of[parent]
+
+        for parent, token, score, _ in ended:
+            reason = FinishReason.EOS if token == state.eos else FinishReason.STOP
+            state.hypotheses.append(Hypothesis([*history(parent), token], score, reason))
+        generated = num_generated + 1
+        if len(state.hypotheses) >= width or generated >= params.max_tokens or not choices:
+            if generated >= params.max_tokens:
+                for choice in choices:
+                    state.hypotheses.append(
+                        Hypothesis(
+                            [*history(choice.parent), choice.token],
+                            choice.cum_logprob,
+                            FinishReason.LENGTH,
+                        )
+                    )
+            for seq in parents:
+                self._release_seq(state, seq)
+            finished.append(self._finish_request(state))
+            return
+        used: set[int] = set()
+        seq_ids: list[int] = []
+        for choice in choices:
+            if choice.parent in used:
+                child = self._new_seq_id()
+                mgr.fork(parents[choice.parent], child)
+                self._adopt(state, child, len(state.all_seq_ids))
+                seq_ids.append(child)
+            else:
+                used.add(choice.parent)
+                seq_ids.append(parents[choice.parent])
+        for index, seq in enumerate(parents):
+            if index not in used:
+                self._release_seq(state, seq)
+        tokens = np.array([c.token for c in choices], dtype=np.int64)
+        mgr.commit_batch(np.array(seq_ids, dtype=np.int64), 0, tokens)
+        state.seq_ids = seq_ids
+        state.multi = True
+        state.status = _Status.RUNNING
+        add_rows.append(
+            self._make_rows(
+                state,
+                np.array(seq_ids, dtype=np.int64),
+                tokens,
+                num_tokens + 1,
+                generated,
+                np.array([c.cum_logprob for c in choices], dtype=np.float64),
+            )
+        )
+
+    # -- preemption ----------------------------------------------------------------------
+    def _make_room_for(self, needy: _RequestState, row: int) -> None:
+        """The pool cannot give ``needy`` (table row ``row``) its decode slot: free blocks.
+
+        Preempts the least important running request; if that is ``needy`` itself, it
+        preempts itself, unless nothing else holds blocks, in which case it cannot grow
+        and finishes with reason ``"length"``.
+        """
+        self._preempted = True
+        victim = self._pick_victim()
+        if victim is not needy:
+            assert victim is not None
+            self._preempt(victim)
+            return
+        first = min(int(self._table.rows_of(np.array(needy.seq_ids, dtype=np.int64)).min()), row)
+        others = len(self._table) > len(needy.seq_ids) or bool(self._prefilling)
+        # Rows of needy before `row` got their slots in this round; end the round first.
+        for seq in self._table["seq_id"][first:row].tolist():
+            self.manager.commit(seq, 0)
+        if others:
+            self._preempt(needy)
+        else:
+            self._early_outputs.append(self._finish_running(needy, FinishReason.LENGTH))
+
+    def _pick_victim(self) -> _RequestState | None:
+        victim = None
+        if len(self._table):
+            victim = self._owner[int(self._table["seq_id"][-1])]
+        if self._prefilling:
+            last = self._prefilling[-1]
+            if victim is None or last.key > victim.key:
+                victim = last
+        return victim
+
+    def _preempt(self, state: _RequestState) -> None:
+        mode = self.config.preemption_mode
+        if state.multi or mode == "swap":
+            if state.status is _Status.RUNNING and self._swap_out(state):
+                return
+            if state.multi:
+                # Recompute would lose the forked sequences and the CPU pool is short:
+                # the request ends here with what it has.
+                self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+                return
+        self._recompute(state)
+
+    def _swap_out(self, state: _RequestState) -> bool:
+        mgr = self.manager
+        seqs = state.seq_ids
+        if mgr.num_cpu_blocks == 0 or not mgr.can_swap_out(seqs):
+            return False
+        rows = self._table.rows_of(np.array(seqs, dtype=np.int64))
+        self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
+        state.swapped_rows = self._table.take(rows)
+        self._table.update(rows, [])
+        state.status = _Status.SWAPPED
+        _insort(self._swapped, state)
+        self.counters.num_preemptions_swap += 1
+        return True
+
+    def _recompute(self, state: _RequestState) -> None:
+        """Free the single sequence's blocks and queue it to be computed again."""
+        mgr = self.manager
+        seq = state.seq_ids[0]
+        if state.status is _Status.RUNNING:
+            rows = self._table.rows_of(np.array([seq], dtype=np.int64))
+            state.cum_logprob = float(self._table["cum_logprob"][rows[0]])
+            state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
+            self._table.update(rows, [])
+        else:
+            self._prefilling.remove(state)
+        mgr.free(seq)
+        state.registered_step = -1
+        if self.policy.name == "lpm":
+            self._register(state)
+        state.num_computed = 0
+        state.status = _Status.WAITING
+        self._waiting.push(state)
+        self.counters.num_preemptions_recompute += 1
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self, state: _RequestState, budget: int) -> int | None:
+        """Try to admit ``state`` with up to ``budget`` tokens; the chunk length, 0 if it
+        finished (can never fit), None if it must wait."""
+        mgr = self.manager
+        seq = state.seq_ids[0]
+        if state.registered_step != self.counters.num_steps:
+            self._register(state)  # claim against the cache as it is now
+        status = mgr.can_allocate(seq, num_lookahead_tokens=0)
+        if status == AllocStatus.NEVER:
+            self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+            return 0
+        if status != AllocStatus.OK:
+            return None
+        cached = int(mgr.num_computed_tokens(seq))
+        length = len(state.tokens) - cached
+        if length > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            length = budget
+        if mgr.allocate_slots(seq, length) is None:
+            return None
+        state.num_computed = int(mgr.num_computed_tokens(seq))
+        state.num_cached_tokens = state.num_computed
+        self._waiting.remove(state)
+        state.status = _Status.PREFILL
+        _insort(self._prefilling, state)
+        self.counters.num_prompt_tokens_admitted += len(state.tokens)
+        self.counters.num_cached_tokens_admitted += state.num_computed
+        return length
+
+    def _allocate_prefill(self, state: _RequestState, length: int) -> bool:
+        """Slots for the next chunk of a request being prefilled; may preempt later ones."""
+        mgr = self.manager
+        seq = state.seq_ids[0]
+        while mgr.allocate_slots(seq, length) is None:
+            victim = self._prefilling[-1]
+            if victim is state:
+                if len(self._table) == 0 and len(self._prefilling) == 1:
+                    self._preempted = True
+                    self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+                return False
+            self._preempted = True
+            self._preempt(victim)
+        return True
+
+    def _register(self, state: _RequestState) -> None:
+        """(Re)register the waiting sequence so that its prefix probe sees the cache now."""
+        mgr = self.manager
+        seq = state.seq_ids[0]
+        if state.registered_step >= 0:
+            mgr.free(seq)
+        request = state.request
+        mgr.add_sequence(seq, state.tokens, cache_salt=request.cache_salt, lora_id=request.lora_id)
+        state.registered_step = self.counters.num_steps
+
+    def _refresh_lpm_probes(self) -> None:
+        """Re-register up to ``_LPM_REFRESH`` waiting sequences per step, oldest first.
+
+        The block manager caps a sequence's cache hit at what was cached when it was
+        registered; lpm orders by that probe, so stale registrations are renewed in a
+        bounded batch per step to keep lpm cheap with thousands of waiting requests.
+        """
+        step = self.counters.num_steps
+        items = self._waiting.items()
+        if not items:
+            return
+        stale = [s for s in items if s.registered_step != step]
+        if len(stale) > _LPM_REFRESH:
+            stale.sort(key=lambda s: s.registered_step)
+            stale = stale[:_LPM_REFRESH]
+        for state in stale:
+            self._register(state)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _num_live_seqs(self) -> int:
+        return len(self._table) + sum(s.params.num_sequences for s in self._prefilling)
+
+    def _cut_at_request_boundary(self, end: int) -> int:
+        """Do not split a multi-sequence request across the batch limit."""
+        counter = self._table["counter"]
+        while end > 0 and counter[end - 1] == counter[end]:
+            end -= 1
+        return end
+
+    def _new_seq_id(self) -> int:
+        if self._free_seq_ids:
+            return self._free_seq_ids.pop()
+        seq = self._next_seq_id
+        self._next_seq_id += 1
+        return seq
+
+    def _adopt(self, state: _RequestState, seq: int, index: int) -> None:
+        state.all_seq_ids.append(seq)
+        state.seq_index[seq] = index
+        self._owner[seq] = state
+
+    def _make_rows(
+        self,
+        state: _RequestState,
+        seq_ids: npt.NDArray[np.int64],
+        last_tokens: npt.NDArray[np.int64],
+        num_tokens: int,
+        num_generated: int,
+        cum_logprobs: npt.NDArray[np.float64],
+    ) -> Rows:
+        n = len(seq_ids)
+        params = state.params
+        rows = empty_rows(n)
+        rows["seq_id"][:] = seq_ids
+        rows["request_id"][:] = state.request.request_id
+        rows["prio"][:] = state.key[0]
+        rows["arrival"][:] = state.key[1]
+        rows["counter"][:] = state.counter
+        rows["num_tokens"][:] = num_tokens
+        rows["num_generated"][:] = num_generated
+        rows["max_tokens"][:] = params.max_tokens
+        rows["last_token"][:] = last_tokens
+        rows["eos"][:] = state.eos
+        rows["has_stop"][:] = bool(state.stop_set)
+        rows["temperature"][:] = params.temperature
+        rows["top_p"][:] = params.top_p
+        rows["top_k"][:] = params.top_k
+        rows["seed"][:] = -1 if params.seed is None else params.seed
+        rows["cum_logprob"][:] = cum_logprobs
+        rows["is_beam"][:] = params.use_beam_search
+        return rows
+
+    def _release_seq(self, state: _RequestState, seq: int) -> None:
+        self.manager.free(seq)
+        if seq in state.seq_ids:
+            state.seq_ids.remove(seq)
+
+    def _finish_seq(
+        self, state: _RequestState, seq: int, reason: FinishReason, cum: float
+    ) -> RequestOutput | None:
+        """One sequence stopped; returns the request's output if it was the last one."""
+        tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
+        index = state.seq_index[seq]
+        state.outputs[index] = CompletionOutput(index, tokens, cum, reason)
+        self._release_seq(state, seq)
+        if state.seq_ids:
+            return None
+        return self._finish_request(state)
+
+    def _finish_running(self, state: _RequestState, reason: FinishReason) -> RequestOutput:
+        """End a request early (cannot fit / cannot be preempted) with what it has."""
+        output = self._abort_output(state, reason)
+        self._drop_request(state)
+        self.counters.num_requests_finished += 1
+        return output
+
+    def _finish_request(self, state: _RequestState) -> RequestOutput:
+        params = state.params
+        if params.use_beam_search:
+            best = rank_hypotheses(state.hypotheses, params.length_penalty)[: params.n]
+            outputs = [
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                for i, h in enumerate(best)
+            ]
+        else:
+            outputs = [state.outputs[i] for i in sorted(state.outputs)]
+        state.status = _Status.FINISHED
+        self._forget(state)
+        self.counters.num_requests_finished += 1
+        return RequestOutput(
+            request_id=state.request.request_id,
+            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            outputs=outputs,
+            num_cached_tokens=state.num_cached_tokens,
+            finished=True,
+        )
+
+    def _abort_output(
+        self, state: _RequestState, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput:
+        """The request's output as it stands, every unfinished sequence ending with ``reason``."""
+        mgr = self.manager
+        outputs = dict(state.outputs)
+        cums: dict[int, float] = {}
+        if state.status is _Status.RUNNING:
+            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
+            cums = dict(zip(state.seq_ids, self._table["cum_logprob"][rows].tolist()))
+        elif state.status is _Status.SWAPPED and state.swapped_rows is not None:
+            swapped = state.swapped_rows
+            cums = dict(zip(swapped["seq_id"].tolist(), swapped["cum_logprob"].tolist()))
+        for seq in state.seq_ids:
+            index = state.seq_index[seq]
+            if state.status is _Status.WAITING:
+                tokens = state.tokens[state.num_prompt :].tolist()
+            else:
+                tokens = mgr.token_ids(seq)[state.num_prompt :].tolist()
+            outputs[index] = CompletionOutput(
+                index, tokens, cums.get(seq, state.cum_logprob), reason
+            )
+        ordered = [outputs[i] for i in sorted(outputs)]
+        if state.params.use_beam_search:
+            hyps = [Hypothesis(o.token_ids, o.cumulative_logprob, reason) for o in ordered]
+            hyps += state.hypotheses
+            best = rank_hypotheses(hyps, state.params.length_penalty)[: state.params.n]
+            ordered = [
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                for i, h in enumerate(best)
+            ]
+        return RequestOutput(
+            request_id=state.request.request_id,
+            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            outputs=ordered,
+            num_cached_tokens=state.num_cached_tokens,
+            finished=True,
+        )
+
+    def _drop_request(self, state: _RequestState) -> None:
+        """Remove a request from wherever it is and release its sequences."""
+        mgr = self.manager
+        if state.status is _Status.FINISHED:
+            return
+        if state.status is _Status.WAITING:
+            self._waiting.remove(state)
+            if state.registered_step < 0:
+                state.seq_ids = []  # not registered with the manager: nothing to free
+        elif state.status is _Status.PREFILL:
+            self._prefilling.remove(state)
+        elif state.status is _Status.SWAPPED:
+            self._swapped.remove(state)
+        elif state.status is _Status.RUNNING:
+            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
+            rows = rows[rows >= 0]
+            if rows.size:
+                self._table.update(rows, [])
+        for seq in state.seq_ids:
+            mgr.free(seq)
+        state.seq_ids = []
+        state.status = _Status.FINISHED
+        self._forget(state)
+
+    def _forget(self, state: _RequestState) -> None:
+        rid = state.request.request_id
+        if self._requests.get(rid) is state:
+            del self._requests[rid]
+        for seq in state.all_seq_ids:
+            if self._owner.get(seq) is state:
+                del self._owner[seq]
+                self._free_seq_ids.append(seq)
+        state.all_seq_ids = []
+        self._finished_ids.append(rid)
+
+    # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Counters of the latest step."""
-        raise NotImplementedError
+        """Current gauges (queue lengths, KV usage) and the cumulative counters."""
+        out = self.counters.as_dict()
+        out.update(self._gauges())
+        return out
+
+    def _gauges(self) -> dict[str, float]:
+        running = len(self._requests) - len(self._waiting) - len(self._swapped)
+        return {
+            "num_running": float(running),
+            "num_running_seqs": float(len(self._table) + len(self._prefilling)),
+            "num_waiting": float(len(self._waiting)),
+            "num_swapped": float(len(self._swapped)),
+            "kv_usage": float(self.manager.usage()),
+            "num_free_blocks": float(self.manager.num_free_blocks()),
+        }
+
+    def _stats_row(self, output: SchedulerOutput) -> dict[str, float]:
+        counters = self.counters
+        row = self._gauges()
+        row["step"] = float(counters.num_steps)
+        row["num_batched_tokens"] = float(output.num_tokens)
+        row["num_prefill_tokens"] = float(output.num_prefill_tokens)
+        row["num_decode_tokens"] = float(output.num_decode_tokens)
+        row["num_preemptions"] = float(counters.num_preemptions)
+        row["prefix_hit_rate"] = counters.prefix_hit_rate
+        return row
+
+
+def _insort(queue: list[_RequestState], state: _RequestState) -> None:
+    index = len(queue)
+    while index > 0 and queue[index - 1].key > state.key:
+        index -= 1
+    queue.insert(index, state)
+
+
+def _stack_pairs(maps: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+    if not maps:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate([np.asarray(m, dtype=np.int64).reshape(-1, 2) for m in maps])

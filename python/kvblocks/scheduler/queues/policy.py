@@ -1,0 +1,118 @@
+"""Admission policies (fcfs, priority, lpm) and the waiting queue they order.
+
+Every request has a *key*, a tuple that orders requests by importance (smallest first):
+``(0, arrival, counter)`` for fcfs and lpm, ``(priority, arrival, counter)`` for priority.
+The same key orders the running requests, so preemption always picks the least
+important one. lpm only changes the *admission* order: waiting requests are admitted
+longest cached prefix first (ties by key), as SGLang's cache-aware scheduling does; the
+cached prefix of every waiting request comes from one batch probe of the block manager.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["Keyed", "SchedulingPolicy", "WaitingQueue", "make_policy"]
+
+Key = tuple[int, float, int]
+
+
+class Keyed(Protocol):
+    """What the waiting queue needs from a request state."""
+
+    key: Key
+    seq_ids: list[int]
+
+
+class SchedulingPolicy:
+    """fcfs: admit in arrival order."""
+
+    name = "fcfs"
+
+    def key(self, priority: int, arrival: float, counter: int) -> Key:
+        """The ordering key of a request (smaller is more important)."""
+        return (0, arrival, counter)
+
+    def admission_order(self, items: list[Any], manager: Any) -> Iterator[Any]:
+        """Waiting requests in the order to try admitting them (``items`` is key-sorted)."""
+        return iter(list(items))
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """priority: smaller ``Request.priority`` first, then arrival."""
+
+    name = "priority"
+
+    def key(self, priority: int, arrival: float, counter: int) -> Key:
+        """The ordering key of a request (smaller is more important)."""
+        return (priority, arrival, counter)
+
+
+class LongestPrefixMatchPolicy(SchedulingPolicy):
+    """lpm: longest cached prefix first, then arrival (cache-aware, like SGLang)."""
+
+    name = "lpm"
+
+    def admission_order(self, items: list[Any], manager: Any) -> Iterator[Any]:
+        """Order by the cached prefix each request would claim now (one batch probe)."""
+        items = list(items)  # the caller removes admitted items from the live list
+        if len(items) <= 1:
+            return iter(items)
+        seq_ids = np.fromiter((item.seq_ids[0] for item in items), dtype=np.int64, count=len(items))
+        cached = np.asarray(manager.probe_prefixes(seq_ids), dtype=np.int64)
+        # items are already key-sorted, so a stable sort on -cached keeps key order on ties.
+        order = np.argsort(-cached, kind="stable")
+        return (items[i] for i in order.tolist())
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    """The policy called ``name`` (``"fcfs"``, ``"priority"`` or ``"lpm"``)."""
+    policies: dict[str, type[SchedulingPolicy]] = {
+        "fcfs": SchedulingPolicy,
+        "priority": PriorityPolicy,
+        "lpm": LongestPrefixMatchPolicy,
+    }
+    return policies[name]()
+
+
+class WaitingQueue:
+    """Requests waiting for admission, kept sorted by key.
+
+    Preempted (recomputed) requests go back with their original key, so they are
+    re-admitted before requests that arrived after them.
+    """
+
+    def __init__(self) -> None:
+        self._keys: list[Key] = []
+        self._items: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def push(self, item: Keyed) -> None:
+        """Insert ``item`` at its key's place."""
+        index = bisect.bisect_right(self._keys, item.key)
+        self._keys.insert(index, item.key)
+        self._items.insert(index, item)
+
+    def remove(self, item: Keyed) -> None:
+        """Remove ``item`` (it must be queued)."""
+        index = bisect.bisect_left(self._keys, item.key)
+        while self._items[index] is not item:
+            index += 1
+        del self._keys[index]
+        del self._items[index]
+
+    def items(self) -> list[Any]:
+        """The queued requests, key order (the live list; do not mutate)."""
+        return self._items

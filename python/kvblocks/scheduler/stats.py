@@ -1,0 +1,73 @@
+"""Scheduler statistics: cumulative counters and a per-step time series."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["SchedulerCounters", "StatsHistory"]
+
+
+@dataclass
+class SchedulerCounters:
+    """Counters since the scheduler was created (like the seed's ``Stats``)."""
+
+    num_steps: int = 0
+    num_requests_added: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    num_prompt_tokens_admitted: int = 0
+    num_cached_tokens_admitted: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions of both kinds."""
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the prefix cache."""
+        if self.num_prompt_tokens_admitted == 0:
+            return 0.0
+        return self.num_cached_tokens_admitted / self.num_prompt_tokens_admitted
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters plus the derived rates."""
+        out: dict[str, float] = {k: float(v) for k, v in asdict(self).items()}
+        out["num_preemptions"] = float(self.num_preemptions)
+        out["prefix_hit_rate"] = self.prefix_hit_rate
+        return out
+
+
+@dataclass
+class StatsHistory:
+    """One row of statistics per scheduling step (appended by ``Scheduler.schedule``)."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+
+    def append(self, row: dict[str, float]) -> None:
+        """Record one step."""
+        self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, float]:
+        return self.rows[index]
+
+    def column(self, name: str) -> npt.NDArray[np.float64]:
+        """The time series of one statistic."""
+        return np.fromiter((row[name] for row in self.rows), dtype=np.float64, count=len(self))
+
+    def as_arrays(self) -> dict[str, npt.NDArray[np.float64]]:
+        """Every statistic as a time series."""
+        if not self.rows:
+            return {}
+        return {name: self.column(name) for name in self.rows[0]}
