@@ -238,6 +238,12 @@ class Scheduler:
         """Requests waiting, running or swapped."""
         return len(self._requests)
 
+    def running_request_ids(self) -> list[str]:
+        """Requests whose sequences hold GPU blocks now (decoding or being prefilled)."""
+        ids = dict.fromkeys(self._table["request_id"].tolist())
+        ids.update(dict.fromkeys(s.request.request_id for s in self._prefilling))
+        return list(ids)
+
     # -- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Build the next step's batch (see the module docstring for the order of work).

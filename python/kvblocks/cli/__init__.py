@@ -1,0 +1,56 @@
+"""The ``kvblocks`` command line: ``kvblocks simulate`` and ``kvblocks generate``.
+
+Each subcommand module provides ``add_parser(subparsers)`` and ``run(args) -> int``;
+heavy imports (torch, the engine, matplotlib) happen only inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvblocks.errors import KVBlocksError
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    from kvblocks import __version__
+    from kvblocks.cli import generate, simulate
+
+    parser = argparse.ArgumentParser(
+        prog="kvblocks",
+        description="kvblocks: a KV-cache block manager for LLM serving engines.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvblocks {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    simulate.add_parser(subparsers)
+    generate.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvblocks`` console script; returns the exit status.
+
+    Bad options exit with argparse's one-line error (status 2); a
+    :class:`kvblocks.KVBlocksError` raised while running is printed as one line
+    (status 1) instead of a traceback.
+    """
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args))
+    except KVBlocksError as exc:
+        print(f"kvblocks {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
