@@ -40,7 +40,8 @@ fn new_reserves_the_null_block() {
 
 #[test]
 fn new_rejects_bad_configs() {
-    let bad: Vec<Box<dyn Fn(&mut ManagerConfig)>> = vec![
+    type Tweak = Box<dyn Fn(&mut ManagerConfig)>;
+    let bad: Vec<Tweak> = vec![
         Box::new(|c| c.num_blocks = 1),
         Box::new(|c| c.block_size = 0),
         Box::new(|c| c.watermark = 1.0),
