@@ -9,10 +9,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvblocks.errors import KVBlocksError
 
 __all__ = ["build_parser", "main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (no usage block) and exit with 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE (see PROG --help)`` and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvblocks import __version__
     from kvblocks.cli import generate, simulate
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvblocks",
         description="kvblocks: a KV-cache block manager for LLM serving engines.",
     )

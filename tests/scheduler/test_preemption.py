@@ -1,0 +1,88 @@
+"""Recompute and swap preemption with tiny pools: same tokens as without memory pressure."""
+
+from __future__ import annotations
+
+import numpy as np
+from sched_fake_model import run_to_completion, tokens_of
+
+from kvblocks.scheduler import FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig
+
+
+def _requests(n: int = 6, max_tokens: int = 20, **params) -> list[Request]:
+    rng = np.random.default_rng(7)
+    return [
+        Request(
+            f"r{i}", rng.integers(1, 90, 5 + 3 * i), SamplingParams(max_tokens=max_tokens, **params)
+        )
+        for i in range(n)
+    ]
+
+
+def _run(manager, requests, **cfg):
+    sched = Scheduler(manager, SchedulerConfig(**cfg))
+    for r in requests:
+        sched.add_request(r)
+    outputs, steps = run_to_completion(sched, check=manager.check_invariants)
+    assert len(manager) == 0 and manager.num_free_blocks() == manager.num_blocks - 1
+    return sched, outputs, steps
+
+
+def test_recompute_preemption_gives_the_same_tokens(make_manager) -> None:
+    reqs = _requests()
+    _, baseline, _ = _run(make_manager(256, 4), reqs)
+    sched, outputs, steps = _run(make_manager(14, 4, watermark=0.0), reqs)
+    assert sched.stats()["num_preemptions_recompute"] > 0
+    assert sched.stats()["num_preemptions_swap"] == 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    assert all(len(s.blocks_to_swap_out) == 0 for s in steps)
+
+
+def test_swap_preemption_of_single_sequences_when_asked(rust_manager) -> None:
+    reqs = _requests()
+    _, baseline, _ = _run(rust_manager(256, 4), reqs)
+    sched, outputs, steps = _run(
+        rust_manager(14, 4, num_cpu_blocks=64, watermark=0.0), reqs, preemption_mode="swap"
+    )
+    assert sched.stats()["num_preemptions_swap"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    out_pairs = np.concatenate([s.blocks_to_swap_out for s in steps])
+    in_pairs = np.concatenate([s.blocks_to_swap_in for s in steps])
+    assert len(out_pairs) > 0 and len(in_pairs) > 0
+    assert out_pairs[:, 0].min() >= 1 and in_pairs[:, 1].min() >= 1  # GPU side: never null
+
+
+def test_swap_falls_back_to_recompute_without_a_cpu_pool(rust_manager) -> None:
+    reqs = _requests()
+    _, baseline, _ = _run(rust_manager(256, 4), reqs)
+    sched, outputs, _ = _run(rust_manager(14, 4, watermark=0.0), reqs, preemption_mode="swap")
+    assert sched.stats()["num_preemptions_recompute"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+
+
+def test_parallel_sampling_is_swapped_and_keeps_its_samples(make_manager) -> None:
+    reqs = [
+        Request(f"r{i}", list(range(1 + i, 7 + i)), SamplingParams(max_tokens=16, n=3))
+        for i in range(4)
+    ]
+    _, baseline, _ = _run(make_manager(256, 4), reqs)
+    sched, outputs, _ = _run(make_manager(20, 4, num_cpu_blocks=64, watermark=0.0), reqs)
+    assert sched.stats()["num_preemptions_swap"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+
+
+def test_multi_sequence_request_without_cpu_pool_ends_early_with_length(rust_manager) -> None:
+    reqs = [
+        Request(f"r{i}", list(range(1, 7)), SamplingParams(max_tokens=30, n=3)) for i in range(3)
+    ]
+    _, outputs, _ = _run(rust_manager(16, 4, watermark=0.0), reqs)
+    assert set(outputs) == {"r0", "r1", "r2"}
+    cut = [c for o in outputs.values() for c in o.outputs if len(c.token_ids) < 30]
+    assert cut and all(c.finish_reason == FinishReason.LENGTH for c in cut)
+
+
+def test_a_sequence_that_outgrows_the_whole_pool_finishes_with_length(make_manager) -> None:
+    mgr = make_manager(8, 4, watermark=0.0)  # 7 usable blocks = 28 tokens
+    _, outputs, _ = _run(mgr, [Request("big", list(range(1, 9)), SamplingParams(max_tokens=100))])
+    out = outputs["big"].outputs[0]
+    assert out.finish_reason == FinishReason.LENGTH
+    assert len(out.token_ids) == 28 - 8 + 1  # the last token needs no KV slot of its own

@@ -1,0 +1,96 @@
+"""Validation of the interface records: SamplingParams, Request, SchedulerConfig."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblocks import InvalidArgumentError
+from kvblocks.scheduler import (
+    FinishReason,
+    ModelStepResult,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"temperature": -0.5},
+        {"temperature": float("nan")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"n": 0},
+        {"beam_width": 0},
+        {"beam_width": 2, "n": 3},
+        {"seed": -1},
+        {"stop_token_ids": [2**32]},
+        {"stop_token_ids": ["a"]},
+        {"max_tokens": 2.5},
+        {"ignore_eos": "yes"},
+    ],
+)
+def test_sampling_params_rejects_bad_values(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises_and_derives() -> None:
+    sp = SamplingParams(temperature=0, stop_token_ids=[3, 4], n=2)
+    assert sp.stop_token_ids == (3, 4) and isinstance(sp.temperature, float)
+    assert sp.greedy and not sp.use_beam_search and sp.num_sequences == 2
+    beam = SamplingParams(beam_width=4, n=2)
+    assert beam.use_beam_search and beam.num_sequences == 4
+
+
+@pytest.mark.parametrize(
+    ("request_id", "prompt"),
+    [("", [1]), ("a", []), ("a", [[1, 2]]), ("a", [-1]), ("a", [2**32]), ("a", [1.5])],
+)
+def test_request_rejects_bad_input(request_id: str, prompt: list) -> None:
+    with pytest.raises(InvalidArgumentError):
+        Request(request_id, prompt)
+
+
+def test_request_stores_a_read_only_int64_prompt() -> None:
+    source = np.array([5, 6, 7], dtype=np.int32)
+    req = Request("a", source)
+    source[0] = 0
+    assert req.prompt_token_ids.dtype == np.int64
+    assert req.prompt_token_ids.tolist() == [5, 6, 7]
+    assert req.num_prompt_tokens == 3
+    with pytest.raises(ValueError):
+        req.prompt_token_ids[0] = 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_num_batched_tokens": 0},
+        {"max_num_seqs": 0},
+        {"policy": "lifo"},
+        {"preemption_mode": "drop"},
+        {"num_lookahead_tokens": -1},
+        {"enable_chunked_prefill": 1},
+    ],
+)
+def test_scheduler_config_rejects_bad_values(kwargs: dict) -> None:
+    with pytest.raises(InvalidArgumentError):
+        SchedulerConfig(**kwargs)
+
+
+def test_finish_reason_is_a_string() -> None:
+    assert FinishReason.EOS == "eos" and str(FinishReason.LENGTH) == "length"
+
+
+def test_empty_output_and_result_records() -> None:
+    out = SchedulerOutput.empty()
+    assert out.is_empty and out.num_tokens == 0 and out.query_start_loc.tolist() == [0]
+    assert out.blocks_to_copy.shape == (0, 2)
+    res = ModelStepResult(np.zeros(0, np.int64))
+    assert res.topk_token_ids is None
