@@ -10,6 +10,10 @@ import pytest
 
 from kvblocks.cli.generate import add_parser, run
 
+torch = pytest.importorskip("torch")
+# Tiny-model ops are microseconds long: intra-op threads only add contention here.
+torch.set_num_threads(1)
+
 
 def _main(argv: list[str]) -> int:
     """Parse like ``kvblocks generate ...`` and run, without the rest of the CLI."""

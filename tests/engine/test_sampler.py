@@ -150,3 +150,47 @@ def test_forget_restarts_a_request_generator() -> None:
 def test_bad_logits_shape_raises() -> None:
     with pytest.raises(InvalidArgumentError, match="num_sample_rows=2"):
         Sampler(torch.device("cpu")).sample(_logits(3), _rows(temperature=[0.0, 0.0]))
+
+
+def _with_positions(
+    out: SchedulerOutput, seq_ids: list[int], seq_lens: list[int], seq_index: list[int]
+) -> SchedulerOutput:
+    out.seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    out.sample_seq_ids = out.seq_ids.copy()
+    out.seq_lens = np.asarray(seq_lens, dtype=np.int32)
+    out.sample_seq_index = np.asarray(seq_index, dtype=np.int64)  # type: ignore[attr-defined]
+    return out
+
+
+def test_counter_noise_depends_only_on_seed_index_and_position() -> None:
+    """With completion indices, a seeded draw is a function of (seed, index, position).
+
+    So a prompt row drawing n tokens equals n separate rows of indices 0..n-1 at the same
+    position, in any row order and next to anything else.
+    """
+    logits = _logits(1, seed=8)
+    s = Sampler(torch.device("cpu"), seed=0)
+    prompt_row = _with_positions(
+        _rows(temperature=[1.0], counts=[4], seeds=[42], request_ids=["a"]), [3], [10], [0]
+    )
+    together = s.sample(logits, prompt_row).sampled_token_ids.tolist()
+    assert len(set(together)) > 1
+    split = _with_positions(
+        _rows(
+            temperature=[1.0] * 5,
+            seeds=[42, -1, 42, 42, 42],
+            request_ids=["a", "x", "a", "a", "a"],
+        ),
+        [9, 1, 4, 7, 2],
+        [10, 30, 10, 10, 10],
+        [2, 0, 0, 3, 1],
+    )
+    batch = torch.cat([logits, _logits(1, seed=9), logits, logits, logits])
+    got = Sampler(torch.device("cpu"), seed=5).sample(batch, split).sampled_token_ids
+    assert [got[2], got[4], got[0], got[3]] == together
+    # Another position gives other draws.
+    moved = _with_positions(
+        _rows(temperature=[1.0], counts=[4], seeds=[42], request_ids=["a"]), [3], [11], [0]
+    )
+    draws = [s.sample(logits, moved).sampled_token_ids.tolist() for _ in range(2)]
+    assert draws[0] == draws[1] != together

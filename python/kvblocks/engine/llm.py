@@ -166,6 +166,11 @@ class LLM:
             )
         from kvblocks.engine.config import ModelConfig
 
+        if not Path(model).is_dir():
+            raise InvalidArgumentError(
+                f"model path {model} is not a directory; expected a Hugging Face checkpoint "
+                "directory (config.json + *.safetensors)"
+            )
         if dtype is None:
             dtype = _default_dtype(ModelConfig.from_file(model).torch_dtype, device)
         return load_checkpoint(model, device=device, dtype=dtype)

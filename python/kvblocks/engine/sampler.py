@@ -2,10 +2,14 @@
 
 All rows are processed together on the logits' device. Random draws use the
 exponential-race form of categorical sampling (``argmax(p / E)`` with ``E ~ Exp(1)``),
-so the randomness of a row is a vector of noise that can come from any generator: rows
-of a seeded request draw their noise from that request's own ``torch.Generator``, which
-makes its output independent of whatever else shares the batch; the other rows share
-the engine's generator (itself seeded, so a whole run is reproducible).
+so the randomness of a row is a vector of noise that can come from any generator.
+Unseeded rows share the engine's generator (itself seeded, so a whole run is
+reproducible). A seeded request's noise is a pure function of ``(seed, completion index,
+position)`` when the scheduler reports each row's completion index
+(``SchedulerOutput.sample_seq_index``): its output then does not depend on what shares
+the batch, on preemption, or on the order in which its sequences are stepped. Without
+that field, a seeded request draws from its own generator, advanced in row order, which
+is independent of other requests but not of how its own sequences are scheduled.
 
 Log-probabilities reported back (``sampled_logprobs``, ``topk_logprobs``) are the raw
 model distribution's (log-softmax of the logits, temperature and truncation ignored),
@@ -120,13 +124,17 @@ class Sampler:
         # likely token always survives.
         mass_before = torch.cumsum(probs, dim=-1) - probs
         probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
-        noise = self._noise(out, rows, vocab)
+        counts = np.asarray(out.sample_counts, dtype=np.int64)
+        draw_no = np.arange(row_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        noise = self._noise(out, rows, draw_no[sampled], vocab)
         choice = torch.argmax(probs / noise, dim=-1)
         tokens[s_idx] = order.gather(1, choice[:, None])[:, 0]
         return tokens
 
-    def _noise(self, out: SchedulerOutput, rows: np.ndarray, vocab: int) -> Tensor:
-        """Exp(1) noise ``[len(rows), vocab]``: per-request generators for seeded rows."""
+    def _noise(
+        self, out: SchedulerOutput, rows: np.ndarray, draw_no: np.ndarray, vocab: int
+    ) -> Tensor:
+        """Exp(1) noise ``[len(rows), vocab]``; ``draw_no`` numbers the draws of a row."""
         noise = torch.empty(rows.size, vocab, device=self.device)
         seeds = np.asarray(out.seeds, dtype=np.int64)[rows]
         unseeded = np.flatnonzero(seeds < 0)
@@ -136,15 +144,62 @@ class Sampler:
             noise[torch.from_numpy(unseeded).to(self.device)] = part
         seeded = np.flatnonzero(seeds >= 0)
         if seeded.size:
-            request_ids = out.sample_request_ids
-            # Group a request's rows so its generator advances once per step, in row order.
-            groups: dict[str, list[int]] = {}
-            for i in seeded.tolist():
-                groups.setdefault(request_ids[int(rows[i])], []).append(i)
-            for rid, members in groups.items():
-                gen = self._generator(rid, int(seeds[members[0]]))
-                part = torch.empty(len(members), vocab, device=self.device)
-                part.exponential_(generator=gen)
-                noise[torch.tensor(members, device=self.device)] = part
+            seq_index = getattr(out, "sample_seq_index", None)
+            if seq_index is not None:
+                self._counter_noise(out, noise, seeded, rows, draw_no, seq_index)
+            else:
+                self._request_noise(out, noise, seeded, rows, seeds)
         # Exp(1) can round to 0; keep the division finite.
         return noise.clamp_(min=1e-20)
+
+    def _counter_noise(
+        self,
+        out: SchedulerOutput,
+        noise: Tensor,
+        seeded: np.ndarray,
+        rows: np.ndarray,
+        draw_no: np.ndarray,
+        seq_index: np.ndarray,
+    ) -> None:
+        """Noise keyed by (seed, completion index, position): independent of scheduling."""
+        seq_ids = np.asarray(out.seq_ids, dtype=np.int64)
+        order = np.argsort(seq_ids, kind="stable")
+        where = order[np.searchsorted(seq_ids[order], np.asarray(out.sample_seq_ids)[rows])]
+        # The token drawn now lands at position seq_len (the context after this step).
+        positions = np.asarray(out.seq_lens, dtype=np.int64)[where]
+        index = np.asarray(seq_index, dtype=np.int64)[rows] + draw_no
+        seeds = np.asarray(out.seeds, dtype=np.int64)[rows]
+        gen = torch.Generator(device=self.device)
+        for i in seeded.tolist():
+            gen.manual_seed(_mix(int(seeds[i]), int(index[i]), int(positions[i])))
+            noise[i].exponential_(generator=gen)
+
+    def _request_noise(
+        self,
+        out: SchedulerOutput,
+        noise: Tensor,
+        seeded: np.ndarray,
+        rows: np.ndarray,
+        seeds: np.ndarray,
+    ) -> None:
+        """Noise from one generator per seeded request, advanced in row order."""
+        request_ids = out.sample_request_ids
+        groups: dict[str, list[int]] = {}
+        for i in seeded.tolist():
+            groups.setdefault(request_ids[int(rows[i])], []).append(i)
+        for rid, members in groups.items():
+            gen = self._generator(rid, int(seeds[members[0]]))
+            part = torch.empty(len(members), noise.shape[1], device=self.device)
+            part.exponential_(generator=gen)
+            noise[torch.tensor(members, device=self.device)] = part
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, index: int, position: int) -> int:
+    """A 63-bit generator seed from three integers (splitmix64-style finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
