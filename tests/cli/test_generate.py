@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from kvblocks.cli.generate import add_parser, run
+from kvblocks.cli import main
 
 torch = pytest.importorskip("torch")
 # Tiny-model ops are microseconds long: intra-op threads only add contention here.
@@ -16,10 +16,8 @@ torch.set_num_threads(1)
 
 
 def _main(argv: list[str]) -> int:
-    """Parse like ``kvblocks generate ...`` and run, without the rest of the CLI."""
-    parser = argparse.ArgumentParser(prog="kvblocks")
-    add_parser(parser.add_subparsers(dest="command"))
-    return run(parser.parse_args(["generate", *argv]))
+    """``kvblocks generate ARGV`` through the real command-line entry point."""
+    return main(["generate", *argv])
 
 
 def test_default_run_prints_tokens_and_cache_stats(capsys) -> None:
@@ -79,7 +77,7 @@ def test_model_directory_with_tokenizer(tmp_path: Path, capsys) -> None:
     ],
 )
 def test_engine_errors_are_one_line(argv: list[str], message: str, capsys) -> None:
-    assert _main([*argv, "--device", "cpu", "--num-blocks", "16"]) == 2
+    assert _main([*argv, "--device", "cpu", "--num-blocks", "16"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvblocks generate: error:") and message in err
     assert "\n" not in err
@@ -90,7 +88,7 @@ def test_text_prompt_without_tokenizer_is_an_error(tmp_path: Path, capsys) -> No
     from kvblocks.engine.tiny import build_tiny_model
 
     save_checkpoint(build_tiny_model(), tmp_path)
-    assert _main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert _main(["--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 1
     assert "text prompts need a tokenizer" in capsys.readouterr().err
 
 
@@ -102,8 +100,9 @@ def test_bad_options_exit_nonzero_without_traceback(argv: list[str], capsys) -> 
     with pytest.raises(SystemExit) as exc:
         _main(argv)
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err.strip().splitlines()[-1] and "Traceback" not in err
+    err = capsys.readouterr().err.strip()
+    # Unknown options are reported by the top-level parser, the rest by the subcommand.
+    assert re.match(r"kvblocks( generate)?: error: ", err) and "\n" not in err
 
 
 def test_help_lists_the_options(capsys) -> None:
@@ -113,3 +112,17 @@ def test_help_lists_the_options(capsys) -> None:
     out = capsys.readouterr().out
     for option in ("--model", "--prompt-ids", "--beam-width", "--num-blocks", "--json"):
         assert option in out
+
+
+def test_console_script_help_in_a_subprocess() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvblocks.cli", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--prompt-ids" in proc.stdout

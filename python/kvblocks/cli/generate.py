@@ -220,6 +220,13 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params)
     except KVBlocksError as exc:
         print(f"kvblocks generate: error: {exc}", file=sys.stderr)
-        return 2
+        return 1
+    except ImportError as exc:
+        print(
+            f"kvblocks generate: error: the engine needs {exc.name or 'torch'} "
+            "(pip install 'kvblocks[engine]')",
+            file=sys.stderr,
+        )
+        return 1
     _report(llm, outputs, args.json)
     return 0
