@@ -1,0 +1,127 @@
+"""Stop conditions, abort, bad input and the schedule/update protocol."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_fake_model import fake_step, run_to_completion
+
+from kvblocks import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    KVBlocksError,
+    SequenceStateError,
+)
+from kvblocks.scheduler import (
+    FinishReason,
+    ModelStepResult,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+
+PROMPT = [11, 22, 33, 44, 55]
+
+
+def _generate(make_manager, **kwargs) -> list[int]:
+    eos = kwargs.pop("eos_token_id", None)
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+    sched.add_request(Request("r", PROMPT, SamplingParams(**kwargs), eos_token_id=eos))
+    outputs, _ = run_to_completion(sched)
+    out = outputs["r"].outputs[0]
+    return out.token_ids, out.finish_reason
+
+
+def test_max_tokens_eos_stop_tokens_and_ignore_eos(make_manager) -> None:
+    free_run, reason = _generate(make_manager, max_tokens=8)
+    assert len(free_run) == 8 and reason == FinishReason.LENGTH
+    target = free_run[3]
+    assert target not in free_run[:3]
+    tokens, reason = _generate(make_manager, max_tokens=8, eos_token_id=target)
+    assert tokens == free_run[:4] and reason == FinishReason.EOS  # EOS kept in the output
+    tokens, reason = _generate(make_manager, max_tokens=8, stop_token_ids=(999, target))
+    assert tokens == free_run[:4] and reason == FinishReason.STOP
+    tokens, reason = _generate(make_manager, max_tokens=8, eos_token_id=target, ignore_eos=True)
+    assert tokens == free_run and reason == FinishReason.LENGTH
+    tokens, reason = _generate(make_manager, max_tokens=1)
+    assert tokens == free_run[:1] and reason == FinishReason.LENGTH
+
+
+def test_abort_in_every_state_releases_everything(make_manager) -> None:
+    mgr = make_manager(64, 4, num_cpu_blocks=16)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_seqs=2))
+    for rid in ("a", "b", "c"):
+        sched.add_request(Request(rid, PROMPT, SamplingParams(max_tokens=50)))
+    out = sched.schedule()
+    sched.update(out, fake_step(out))
+    out = sched.schedule()
+    sched.update(out, fake_step(out))
+    waiting = sched.abort_request("c")
+    assert waiting.outputs[0].token_ids == [] and waiting.outputs[0].finish_reason == "abort"
+    running = sched.abort_request("a")
+    assert len(running.outputs[0].token_ids) == 2 and running.finished
+    assert sched.abort_request("a") is None and sched.abort_request("nope") is None
+    out = sched.schedule()
+    assert set(out.finished_request_ids) == {"a", "c"}
+    in_flight = sched.abort_request("b")  # between schedule() and update()
+    assert len(in_flight.outputs[0].token_ids) == 2
+    assert sched.update(out, fake_step(out)) == []
+    assert not sched.has_unfinished_requests()
+    assert len(mgr) == 0 and mgr.num_free_blocks() == 63
+    assert sched.schedule().finished_request_ids == ["b"]
+    assert sched.stats()["num_requests_aborted"] == 3
+
+
+def test_bad_requests_raise_and_leave_the_scheduler_unchanged(make_manager) -> None:
+    mgr = make_manager(8, 4)  # 7 usable blocks: 28 tokens
+    sched = Scheduler(mgr, SchedulerConfig())
+    sched.add_request(Request("a", PROMPT))
+    with pytest.raises(DuplicateSequenceError):
+        sched.add_request(Request("a", [1]))
+    with pytest.raises(InvalidArgumentError, match="needs more blocks"):
+        sched.add_request(Request("huge", list(range(40))))
+    with pytest.raises(InvalidArgumentError):
+        sched.add_request(("b", [1, 2]))  # type: ignore[arg-type]
+    assert sched.get_num_unfinished_requests() == 1 and len(mgr) == 0
+    outputs, _ = run_to_completion(sched)
+    assert list(outputs) == ["a"]
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(mgr, {"policy": "fcfs"})  # type: ignore[arg-type]
+
+
+def test_schedule_update_protocol_is_enforced(make_manager) -> None:
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+    sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=3)))
+    out = sched.schedule()
+    with pytest.raises(SequenceStateError):
+        sched.schedule()
+    with pytest.raises(InvalidArgumentError, match="sampled_token_ids"):
+        sched.update(out, ModelStepResult(np.zeros(5, np.int64)))
+    with pytest.raises(SequenceStateError):
+        sched.update(sched_output_copy(out), fake_step(out))
+    sched.update(out, fake_step(out))  # the failed calls changed nothing
+    with pytest.raises(SequenceStateError):
+        sched.update(out, fake_step(out))
+    outputs, _ = run_to_completion(sched)
+    assert len(outputs["a"].outputs[0].token_ids) == 3
+
+
+def sched_output_copy(out):
+    """A SchedulerOutput equal to ``out`` but not the one the scheduler handed out."""
+    import dataclasses
+
+    return dataclasses.replace(out)
+
+
+def test_beam_rows_require_top_k(make_manager) -> None:
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+    sched.add_request(Request("b", PROMPT, SamplingParams(beam_width=2)))
+    out = sched.schedule()
+    with pytest.raises(InvalidArgumentError, match="topk"):
+        sched.update(out, ModelStepResult(np.zeros(0, np.int64)))
+    sched.update(out, fake_step(out))
+
+
+def test_errors_are_kvblocks_errors() -> None:
+    assert issubclass(InvalidArgumentError, KVBlocksError)

@@ -1,0 +1,110 @@
+"""The scheduler drives the Rust core and the Python reference to identical steps.
+
+Block *ids* are compared by shape only: the two managers may order their free queues
+differently after some frees (reported to the core owners), which changes which block a
+token lands in but not what the scheduler decides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sched_fake_model import fake_step
+
+from kvblocks import KVCacheManager
+from kvblocks.reference_manager import ReferenceKVCacheManager
+from kvblocks.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+ARRAYS = (
+    "seq_ids",
+    "num_scheduled_tokens",
+    "input_token_ids",
+    "positions",
+    "seq_lens",
+    "logits_indices",
+    "sample_counts",
+    "temperature",
+)
+BLOCK_ARRAYS = (
+    "slot_mapping",
+    "block_tables",
+    "blocks_to_swap_out",
+    "blocks_to_swap_in",
+    "blocks_to_copy",
+)
+
+
+def _workload() -> list[Request]:
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, 90, 24).tolist()
+    reqs = []
+    for i in range(24):
+        body = rng.integers(1, 90, int(rng.integers(1, 30))).tolist()
+        prompt = system + body if i % 2 else body
+        params = SamplingParams(
+            max_tokens=int(rng.integers(1, 25)),
+            n=3 if i % 7 == 3 else 1,
+            beam_width=2 if i % 11 == 5 else 1,
+            stop_token_ids=(13,) if i % 5 == 0 else (),
+        )
+        reqs.append(Request(f"r{i}", prompt, params, float(i // 4), priority=i % 3))
+    return reqs
+
+
+def _lockstep(policy: str, exact_blocks: bool, **manager_kwargs) -> list[Scheduler]:
+    cfg = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=12, policy=policy)
+    managers = [cls(**manager_kwargs) for cls in (KVCacheManager, ReferenceKVCacheManager)]
+    scheds = [Scheduler(m, cfg) for m in managers]
+    for req in _workload():
+        for s in scheds:
+            s.add_request(req)
+    finished: list[list[tuple]] = [[], []]
+    steps = 0
+    while scheds[0].has_unfinished_requests():
+        outs = [s.schedule() for s in scheds]
+        for name in ARRAYS + BLOCK_ARRAYS:
+            a, b = getattr(outs[0], name), getattr(outs[1], name)
+            if exact_blocks or name in ARRAYS:
+                assert np.array_equal(a, b), (policy, steps, name)
+            else:
+                assert a.shape == b.shape, (policy, steps, name)
+        for i, (s, o) in enumerate(zip(scheds, outs)):
+            for done in s.update(o, fake_step(o)):
+                finished[i].append((done.request_id, [c.token_ids for c in done.outputs]))
+        for m in managers:
+            m.check_invariants()
+        steps += 1
+        assert steps < 2000
+    assert not scheds[1].has_unfinished_requests()
+    assert finished[0] == finished[1] and len(finished[0]) == 24
+    return scheds
+
+
+def test_identical_steps_under_pressure_without_prefix_caching() -> None:
+    for policy in ("fcfs", "priority"):
+        scheds = _lockstep(
+            policy,
+            exact_blocks=False,
+            num_blocks=40,
+            block_size=4,
+            num_cpu_blocks=64,
+            watermark=0.0,
+            enable_prefix_caching=False,
+        )
+        stats = scheds[0].stats()
+        assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
+
+
+def test_identical_steps_with_prefix_caching() -> None:
+    for policy in ("fcfs", "lpm"):
+        scheds = _lockstep(policy, exact_blocks=False, num_blocks=512, block_size=4)
+        assert scheds[0].stats()["prefix_hit_rate"] > 0.1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the Rust core and the reference order their free queues differently after some "
+    "frees with prefix caching (block ids diverge at step 7); reported to the core owners",
+)
+def test_identical_block_ids_with_prefix_caching() -> None:
+    _lockstep("fcfs", exact_blocks=True, num_blocks=512, block_size=4)

@@ -1,0 +1,47 @@
+"""Per-step statistics and their time series."""
+
+from __future__ import annotations
+
+from sched_fake_model import run_to_completion
+
+from kvblocks.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+
+
+def test_stats_dict_and_history(make_manager) -> None:
+    mgr = make_manager(32, 4)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=16))
+    shared = list(range(1, 13))
+    for i in range(4):
+        sched.add_request(Request(f"r{i}", [*shared, 50 + i], SamplingParams(max_tokens=6)))
+    stats = sched.stats()
+    assert stats["num_waiting"] == 4 and stats["num_running"] == 0 and stats["kv_usage"] == 0.0
+    _, steps = run_to_completion(sched)
+    stats = sched.stats()
+    for key in (
+        "num_running",
+        "num_waiting",
+        "num_swapped",
+        "kv_usage",
+        "prefix_hit_rate",
+        "num_preemptions",
+        "num_preemptions_recompute",
+        "num_preemptions_swap",
+        "num_steps",
+        "num_generated_tokens",
+    ):
+        assert key in stats
+    assert stats["num_steps"] == len(steps) == len(sched.stats_history)
+    assert stats["num_requests_finished"] == 4 and stats["num_generated_tokens"] == 24
+    assert 0.0 < stats["prefix_hit_rate"] < 1.0
+    series = sched.stats_history.as_arrays()
+    assert series["num_batched_tokens"].sum() == sum(s.num_tokens for s in steps)
+    assert series["kv_usage"].max() > 0.0 and series["kv_usage"][-1] >= 0.0
+    assert series["num_waiting"][0] >= series["num_waiting"][-1]
+    assert sched.stats_history[0]["num_prefill_tokens"] == 16
+
+
+def test_history_can_be_turned_off(make_manager) -> None:
+    sched = Scheduler(make_manager(32, 4), SchedulerConfig(), record_history=False)
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    run_to_completion(sched)
+    assert len(sched.stats_history) == 0 and sched.stats()["num_steps"] == 2
