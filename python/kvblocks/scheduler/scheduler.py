@@ -44,7 +44,7 @@ from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
 
 __all__ = ["Scheduler"]
 
-_LPM_REFRESH = 256
+_LPM_REFRESH = 64
 
 
 class _Status(enum.Enum):
@@ -155,6 +155,7 @@ class Scheduler:
         self._stop_tokens = np.zeros(0, dtype=np.int64)
         self._swap_out_maps: list[npt.NDArray[np.int64]] = []
         self._preempted = False
+        self._lpm_cursor = 0
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -328,7 +329,7 @@ class Scheduler:
             live = self._num_live_seqs()
             if self.policy.name == "lpm":
                 self._refresh_lpm_probes()
-            for state in self.policy.admission_order(self._waiting.items(), mgr):
+            for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
                 if live + state.params.num_sequences > cfg.max_num_seqs and live > 0:
@@ -961,22 +962,24 @@ class Scheduler:
         state.registered_step = self.counters.num_steps
 
     def _refresh_lpm_probes(self) -> None:
-        """Re-register up to ``_LPM_REFRESH`` waiting sequences per step, oldest first.
+        """Re-register up to ``_LPM_REFRESH`` waiting sequences per step, round robin.
 
         The block manager caps a sequence's cache hit at what was cached when it was
-        registered; lpm orders by that probe, so stale registrations are renewed in a
-        bounded batch per step to keep lpm cheap with thousands of waiting requests.
+        registered; lpm orders by that probe, so registrations are renewed in a bounded
+        batch per step (walking the queue with a cursor) to keep lpm cheap with
+        thousands of waiting requests.
         """
-        step = self.counters.num_steps
         items = self._waiting.items()
         if not items:
             return
-        stale = [s for s in items if s.registered_step != step]
-        if len(stale) > _LPM_REFRESH:
-            stale.sort(key=lambda s: s.registered_step)
-            stale = stale[:_LPM_REFRESH]
-        for state in stale:
-            self._register(state)
+        step = self.counters.num_steps
+        count = min(_LPM_REFRESH, len(items))
+        start = self._lpm_cursor % len(items)
+        for offset in range(count):
+            state = items[(start + offset) % len(items)]
+            if state.registered_step != step:
+                self._register(state)
+        self._lpm_cursor = start + count
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _num_live_seqs(self) -> int:

@@ -37,9 +37,9 @@ class SchedulingPolicy:
         """The ordering key of a request (smaller is more important)."""
         return (0, arrival, counter)
 
-    def admission_order(self, items: list[Any], manager: Any) -> Iterator[Any]:
-        """Waiting requests in the order to try admitting them (``items`` is key-sorted)."""
-        return iter(list(items))
+    def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
+        """Waiting requests in the order to try admitting them."""
+        return iter(list(queue.items()))
 
 
 class PriorityPolicy(SchedulingPolicy):
@@ -57,13 +57,12 @@ class LongestPrefixMatchPolicy(SchedulingPolicy):
 
     name = "lpm"
 
-    def admission_order(self, items: list[Any], manager: Any) -> Iterator[Any]:
+    def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
         """Order by the cached prefix each request would claim now (one batch probe)."""
-        items = list(items)  # the caller removes admitted items from the live list
+        items = list(queue.items())  # the caller removes admitted items from the live list
         if len(items) <= 1:
             return iter(items)
-        seq_ids = np.fromiter((item.seq_ids[0] for item in items), dtype=np.int64, count=len(items))
-        cached = np.asarray(manager.probe_prefixes(seq_ids), dtype=np.int64)
+        cached = np.asarray(manager.probe_prefixes(queue.seq_ids()), dtype=np.int64)
         # items are already key-sorted, so a stable sort on -cached keeps key order on ties.
         order = np.argsort(-cached, kind="stable")
         return (items[i] for i in order.tolist())
@@ -89,6 +88,7 @@ class WaitingQueue:
     def __init__(self) -> None:
         self._keys: list[Key] = []
         self._items: list[Any] = []
+        self._seq_ids: list[int] = []  # first sequence of each item, for batch probes
 
     def __len__(self) -> int:
         return len(self._items)
@@ -104,6 +104,7 @@ class WaitingQueue:
         index = bisect.bisect_right(self._keys, item.key)
         self._keys.insert(index, item.key)
         self._items.insert(index, item)
+        self._seq_ids.insert(index, item.seq_ids[0])
 
     def remove(self, item: Keyed) -> None:
         """Remove ``item`` (it must be queued)."""
@@ -112,7 +113,12 @@ class WaitingQueue:
             index += 1
         del self._keys[index]
         del self._items[index]
+        del self._seq_ids[index]
 
     def items(self) -> list[Any]:
         """The queued requests, key order (the live list; do not mutate)."""
         return self._items
+
+    def seq_ids(self) -> np.ndarray:
+        """The first sequence id of every queued request, key order (int64)."""
+        return np.array(self._seq_ids, dtype=np.int64)
