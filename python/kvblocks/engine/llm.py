@@ -188,9 +188,9 @@ class LLM:
             return [prompts]
         if isinstance(prompts, np.ndarray):
             return [prompts] if prompts.ndim == 1 else list(prompts)
-        items = list(prompts)
+        items: list[Any] = list(prompts)
         if items and all(isinstance(t, (int, np.integer)) for t in items):
-            return [items]
+            return [[int(t) for t in items]]
         return items
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -257,7 +257,7 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(items)} prompts"
                 )
         encoded = [self._encode(p) for p in items]
-        requests = []
+        requests: list[Request] = []
         for (_text, ids), params in zip(encoded, params_list):
             req_params, eos = self._request_params(params)
             requests.append(
