@@ -164,7 +164,8 @@ class Scheduler:
         Raises:
             DuplicateSequenceError: the request id is already unfinished.
             InvalidArgumentError: not a :class:`Request`; the prompt can never fit in the
-                pool; or (chunked prefill off) it is longer than ``max_num_batched_tokens``.
+                pool; it runs more sequences (n, beam_width) than one step can hold; or
+                (chunked prefill off) it is longer than ``max_num_batched_tokens``.
         """
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"add_request takes a Request, got {type(request).__name__}")
@@ -172,6 +173,13 @@ class Scheduler:
         if rid in self._requests:
             raise DuplicateSequenceError(f"request id {rid!r} is already queued or running")
         num_prompt = request.num_prompt_tokens
+        width = request.sampling_params.num_sequences
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        if width > limit:
+            raise InvalidArgumentError(
+                f"request {rid!r} runs {width} sequences at once (n / beam_width) but a step "
+                f"holds at most {limit} (max_num_seqs, max_num_batched_tokens)"
+            )
         if (
             not self.config.enable_chunked_prefill
             and num_prompt > self.config.max_num_batched_tokens
@@ -710,7 +718,7 @@ class Scheduler:
             self.manager.fork(parent, child)
             self._adopt(state, child, index)
             seq_ids.append(child)
-        state.seq_ids = seq_ids
+        state.seq_ids = list(seq_ids)  # _start_decoding may drop finished ones from it
         state.multi = True
         self.manager.commit_batch(np.array(seq_ids, dtype=np.int64), 0, tokens)
         self._start_decoding(state, seq_ids, tokens, logprobs, add_rows, finished)
