@@ -1,1 +1,187 @@
-fn main() {}
+//! Criterion benches of the core's hot operations (short measurement windows).
+//!
+//! `cargo bench -p kvblocks-core` — groups:
+//! * `alloc_free`: allocate a 16-block sequence and free it.
+//! * `prefix_lookup_32k`: add a 32k-token prompt that is fully cached (hash + probe) and
+//!   claim it, per hash algorithm.
+//! * `hash_32k`: hashing throughput of a 32k-token chain per algorithm.
+//! * `fork_cow`: fork a sequence and write one token into the shared last block.
+//! * `decode_step_1024`: one decode step for 1,024 sequences (allocate_slots_batch +
+//!   commit_batch + block_tables + slot_mapping).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvblocks_core::{BatchArg, BlockHasher, HashAlgo, KVCacheManager, ManagerConfig};
+
+const BLOCK_SIZE: usize = 16;
+
+fn manager(num_blocks: usize, caching: bool, algo: HashAlgo) -> KVCacheManager {
+    let mut c = ManagerConfig::new(num_blocks, BLOCK_SIZE);
+    c.enable_prefix_caching = caching;
+    c.hash_algo = algo;
+    KVCacheManager::new(c).expect("valid config")
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761).wrapping_add(seed) % 128_000)
+        .collect()
+}
+
+fn bench_alloc_free(c: &mut Criterion) {
+    let mut g = c.benchmark_group("alloc_free");
+    g.throughput(Throughput::Elements(16));
+    let tokens = prompt(1, 16 * BLOCK_SIZE);
+    for caching in [false, true] {
+        let mut m = manager(4096, caching, HashAlgo::Blake3);
+        g.bench_function(
+            BenchmarkId::new("16_blocks", if caching { "caching" } else { "no_cache" }),
+            |b| {
+                b.iter(|| {
+                    m.add_sequence(1, &tokens, None, None).unwrap();
+                    let got = m.allocate_slots(1, tokens.len(), 0).unwrap();
+                    black_box(got);
+                    m.free(1).unwrap();
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+fn bench_prefix_lookup(c: &mut Criterion) {
+    let mut g = c.benchmark_group("prefix_lookup_32k");
+    let len = 32 * 1024;
+    g.throughput(Throughput::Elements(len as u64));
+    let tokens = prompt(7, len);
+    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+        let mut m = manager(len / BLOCK_SIZE + 64, true, algo);
+        // Cache the prompt once: prefill and commit, keep it referenced.
+        m.add_sequence(0, &tokens, None, None).unwrap();
+        m.allocate_slots(0, len, 0).unwrap().unwrap();
+        m.commit(0, len, &[]).unwrap();
+        g.bench_function(BenchmarkId::new("add_probe", algo.as_str()), |b| {
+            b.iter(|| {
+                let hit = m.add_sequence(1, &tokens, None, None).unwrap();
+                black_box(hit);
+                m.free(1).unwrap();
+            })
+        });
+        g.bench_function(BenchmarkId::new("add_claim_free", algo.as_str()), |b| {
+            b.iter(|| {
+                let hit = m.add_sequence(1, &tokens, None, None).unwrap();
+                let got = m.allocate_slots(1, len - hit, 0).unwrap();
+                black_box(got);
+                m.free(1).unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_hash(c: &mut Criterion) {
+    let mut g = c.benchmark_group("hash_32k");
+    let len = 32 * 1024;
+    g.throughput(Throughput::Bytes((len * 4) as u64));
+    let tokens = prompt(3, len);
+    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+        let mut h = BlockHasher::new(algo);
+        let ns = h.namespace(None, None);
+        let mut chain = Vec::with_capacity(len / BLOCK_SIZE);
+        g.bench_function(BenchmarkId::new("chain", algo.as_str()), |b| {
+            b.iter(|| {
+                chain.clear();
+                h.extend_chain(&mut chain, &ns, &tokens, BLOCK_SIZE);
+                black_box(&chain);
+            })
+        });
+    }
+    g.finish();
+}
+
+fn bench_fork_cow(c: &mut Criterion) {
+    let mut g = c.benchmark_group("fork_cow");
+    let mut m = manager(1024, true, HashAlgo::Blake3);
+    let tokens = prompt(5, 8 * BLOCK_SIZE + 3);
+    m.add_sequence(0, &tokens, None, None).unwrap();
+    m.allocate_slots(0, tokens.len(), 0).unwrap().unwrap();
+    m.commit(0, tokens.len(), &[]).unwrap();
+    g.bench_function("fork_write_free", |b| {
+        b.iter(|| {
+            m.fork(0, 1).unwrap();
+            m.commit(1, 0, &[42]).unwrap();
+            let got = m.allocate_slots(1, 1, 0).unwrap();
+            black_box(got);
+            black_box(m.take_copy_on_writes());
+            m.commit(1, 1, &[]).unwrap();
+            m.free(1).unwrap();
+        })
+    });
+    g.finish();
+}
+
+/// 1,024 running sequences with 512-token prompts, ready to decode.
+fn decode_state(caching: bool) -> (KVCacheManager, Vec<u64>) {
+    let n = 1024;
+    let mut m = manager(n * 128 + 1, caching, HashAlgo::Blake3);
+    let ids: Vec<u64> = (0..n as u64).collect();
+    for &id in &ids {
+        let t = prompt(id as u32, 512);
+        m.add_sequence(id, &t, None, None).unwrap();
+        m.allocate_slots(id, t.len(), 0).unwrap().unwrap();
+        m.commit(id, t.len(), &[1]).unwrap();
+    }
+    (m, ids)
+}
+
+fn bench_decode_step(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_1024");
+    g.throughput(Throughput::Elements(1024));
+    for caching in [false, true] {
+        let name = if caching { "caching" } else { "no_cache" };
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut state = decode_state(caching);
+                let mut steps = 0;
+                let new_tokens = vec![7i64; 1024];
+                for _ in 0..iters {
+                    if steps == 1024 {
+                        // Sequences have grown by 1,024 tokens: start over, untimed.
+                        state = decode_state(caching);
+                        steps = 0;
+                    }
+                    let (m, ids) = &mut state;
+                    let start = Instant::now();
+                    let served = m.allocate_slots_batch(ids, BatchArg::Scalar(1), 0).unwrap();
+                    let tables = m.block_tables(ids, None).unwrap();
+                    let slots = m.slot_mapping(ids, None).unwrap();
+                    m.commit_batch(ids, BatchArg::Scalar(1), Some(BatchArg::Each(&new_tokens)))
+                        .unwrap();
+                    total += start.elapsed();
+                    assert_eq!(served, ids.len());
+                    black_box((tables, slots));
+                    steps += 1;
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(20)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench_alloc_free, bench_prefix_lookup, bench_hash, bench_fork_cow, bench_decode_step
+}
+criterion_main!(benches);

@@ -14,6 +14,11 @@ impl KVCacheManager {
         Ok(seq)
     }
 
+    /// Resident sequences of a batch, resolved once (duplicates allowed: read only).
+    fn resident_batch(&self, seq_ids: &[u64], op: &str) -> Result<Vec<&Sequence>> {
+        seq_ids.iter().map(|&id| self.resident(id, op)).collect()
+    }
+
     /// The sequence's block table (null entries are released window blocks).
     pub fn block_table(&self, seq_id: u64) -> Result<Vec<i32>> {
         let seq = self.resident(seq_id, "block_table")?;
@@ -24,10 +29,8 @@ impl KVCacheManager {
     ///
     /// `InvalidArgument` if a table is longer than `max_blocks`.
     pub fn block_tables(&self, seq_ids: &[u64], max_blocks: Option<usize>) -> Result<BlockTables> {
-        let mut longest = 0;
-        for &id in seq_ids {
-            longest = longest.max(self.resident(id, "block_tables")?.table.len());
-        }
+        let seqs = self.resident_batch(seq_ids, "block_tables")?;
+        let longest = seqs.iter().map(|s| s.table.len()).max().unwrap_or(0);
         let cols = match max_blocks {
             None => longest,
             Some(m) if m >= longest => m,
@@ -43,9 +46,8 @@ impl KVCacheManager {
             KvError::InvalidArgument(format!("block tables of {rows} x {cols} are too large"))
         })?;
         let mut data = vec![crate::NULL_BLOCK as i32; len];
-        for (r, &id) in seq_ids.iter().enumerate() {
-            // Existence and residency checked in the first pass.
-            let table = &self.seq(id)?.table;
+        for (r, seq) in seqs.iter().enumerate() {
+            let table = &seq.table;
             let row = &mut data[r * cols..r * cols + table.len()];
             for (dst, &b) in row.iter_mut().zip(table) {
                 *dst = b as i32;
@@ -71,9 +73,10 @@ impl KVCacheManager {
             n.check_len(seq_ids.len(), "num_tokens")?;
         }
         let bs = self.config.block_size;
+        let seqs = self.resident_batch(seq_ids, "slot_mapping")?;
         let mut total = 0usize;
-        for (i, &id) in seq_ids.iter().enumerate() {
-            let seq = self.resident(id, "slot_mapping")?;
+        for (i, seq) in seqs.iter().enumerate() {
+            let id = seq.id;
             let n = match &num_tokens {
                 Some(arg) => Self::count_arg(arg.get(i), "num_tokens")?,
                 None => seq.tokens.len() - seq.num_computed,
@@ -94,8 +97,7 @@ impl KVCacheManager {
             total += n;
         }
         let mut out = Vec::with_capacity(total);
-        for (i, &id) in seq_ids.iter().enumerate() {
-            let seq = self.seq(id)?;
+        for (i, seq) in seqs.iter().enumerate() {
             let n = match &num_tokens {
                 Some(arg) => arg.get(i) as usize,
                 None => seq.tokens.len() - seq.num_computed,
