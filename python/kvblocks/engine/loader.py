@@ -1,9 +1,10 @@
 """Hugging Face checkpoint directories: ``config.json`` plus ``*.safetensors`` weights.
 
 Reads single-file and sharded checkpoints (``model.safetensors.index.json``), tied
-embeddings included, straight into a model created without storage on the ``meta``
-device, so loading never initialises weights it will overwrite. Writes the same format
-(used by the tests and by anyone who wants to save the tiny model).
+embeddings included, tensor by tensor into a model whose parameters were created
+uninitialised on the target device, so loading never initialises weights it will
+overwrite. Writes the same format (used by the tests and by anyone who wants to save
+the tiny model).
 """
 
 from __future__ import annotations
@@ -93,9 +94,8 @@ def load_checkpoint(
             dtype = torch.float32
     files = weight_files(path)
     device = torch.device(device)
-    model = LlamaForCausalLM(config, device="meta", dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()
+    # Parameters are created uninitialised on the target device, then filled shard by shard.
+    model = LlamaForCausalLM(config, device=device, dtype=dtype)
     expected = _expected_parameters(model)
     loaded: set[str] = set()
     unexpected: set[str] = set()

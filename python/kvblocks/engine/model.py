@@ -48,6 +48,54 @@ class AttentionBackend(Protocol):
         ...
 
 
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with uninitialised parameters (HF names ``weight``/``bias``).
+
+    Unlike ``nn.Linear`` it spends no time on random initialisation: every weight is
+    about to be overwritten by a checkpoint or by the tiny model's seeded draw.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, device=device, dtype=dtype)
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the projection to the last dimension of ``x``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table with an uninitialised ``weight`` (see :class:`Linear`)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        dim: int,
+        *,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        """Rows of the table for ``ids``."""
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm computed in float32, as HF Llama does."""
 
@@ -141,10 +189,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         bias = config.attention_bias
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias, **kw)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False, **kw)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias, **kw)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False, **kw)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         """Self-attention over the flattened tokens ``x`` ``[num_tokens, hidden]``."""
@@ -166,9 +214,9 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, **kw)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **kw)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP to ``x`` ``[num_tokens, hidden]``."""
@@ -209,7 +257,7 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(
+        self.embed_tokens = Embedding(
             config.vocab_size, config.hidden_size, device=device, dtype=dtype
         )
         self.layers = nn.ModuleList(
@@ -224,8 +272,9 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: the model's shape.
-        device, dtype: where and how the parameters are created (``device="meta"``
-            creates no storage; the loader then materialises it).
+        device, dtype: where and how the parameters are created. Projection and
+            embedding weights are left uninitialised (a checkpoint or the tiny model's
+            seeded draw fills them), so building even a large model is instant.
     """
 
     def __init__(
@@ -239,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
         dev = torch.device(device) if device is not None else None
         self.config = config
         self.model = LlamaModel(config, device=dev, dtype=dtype)
-        self.lm_head = nn.Linear(
+        self.lm_head = Linear(
             config.hidden_size, config.vocab_size, bias=False, device=dev, dtype=dtype
         )
         self.rotary = RotaryEmbedding(config)
