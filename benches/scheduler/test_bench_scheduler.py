@@ -42,12 +42,13 @@ def _step(sched: Scheduler, rng: np.random.Generator) -> None:
 
 def _build(kind: str, n: int, mix: str) -> tuple[Scheduler, np.random.Generator]:
     cls = KVCacheManager if kind == "rust" else ReferenceKVCacheManager
-    blocks = n * (8 + (ROUNDS + 16) // 16 + 2) + 4096
+    # decode: the whole batch prefills in one step; mixed: n decodes + 2,048 prefill tokens.
+    budget = 64 * n if mix == "decode" else n + 2048
+    warmup_steps = 64 * n // (budget - n) + 1 if mix == "mixed" else 1
+    max_len = 64 + warmup_steps + ROUNDS + 32
+    blocks = n * (max_len // 16 + 2) + 4096
     mgr = cls(blocks, 16)
-    budget = n + (2048 if mix == "mixed" else 0)
-    sched = Scheduler(
-        mgr, SchedulerConfig(max_num_batched_tokens=max(budget, 2048), max_num_seqs=n + 64)
-    )
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=n + 64))
     rng = np.random.default_rng(0)
     for _ in range(n):
         prompt = rng.integers(0, 32000, size=64)

@@ -84,8 +84,11 @@ class SequenceTable:
                 name: np.concatenate([col] + [rows[name] for rows in add])
                 for name, col in cols.items()
             }
-            order = np.lexsort((cols["seq_id"], cols["counter"], cols["arrival"], cols["prio"]))
-            cols = {name: col[order] for name, col in cols.items()}
+            # New rows usually belong after every running one (fcfs: later arrivals), so
+            # the full sort runs only when the order is actually broken.
+            if not _is_sorted(cols):
+                order = np.lexsort((cols["seq_id"], cols["counter"], cols["arrival"], cols["prio"]))
+                cols = {name: col[order] for name, col in cols.items()}
         self.cols = cols
         self._reindex()
 
@@ -98,3 +101,18 @@ class SequenceTable:
                 grown[: self.row_of.shape[0]] = self.row_of
                 self.row_of = grown
             self.row_of[ids] = np.arange(ids.shape[0], dtype=np.int64)
+
+
+def _is_sorted(cols: Rows) -> bool:
+    """Whether rows are in (prio, arrival, counter, seq_id) order."""
+    keys = (cols["prio"], cols["arrival"], cols["counter"], cols["seq_id"])
+    if keys[0].shape[0] < 2:
+        return True
+    # Row i <= row i+1 lexicographically: decided by the first key that differs.
+    undecided = np.ones(keys[0].shape[0] - 1, dtype=bool)
+    for key in keys:
+        a, b = key[:-1], key[1:]
+        if (undecided & (a > b)).any():
+            return False
+        undecided &= a == b
+    return True
