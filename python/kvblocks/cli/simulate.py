@@ -100,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_blocks < 2:
         raise _usage_error("--num-blocks must be >= 2 (block 0 is the reserved null block)")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise _usage_error("--plot needs matplotlib (pip install 'kvblocks[cli]')") from None
     config = SimulationConfig(
         workload=WorkloadConfig(
             num_requests=args.num_requests, request_rate=args.request_rate, seed=args.seed

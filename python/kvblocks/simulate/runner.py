@@ -140,10 +140,28 @@ def _fake_model(output: SchedulerOutput, rng: np.random.Generator, vocab: int) -
     return ModelStepResult(tokens, logprobs, topk_ids, topk_lps)
 
 
+class _NoProgress:
+    """Stands in for tqdm when it is not installed or the bar is off."""
+
+    def update(self, n: int = 1) -> None:
+        """Ignore progress."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional (the "cli" extra)
+        return _NoProgress()
+    return tqdm(total=total, unit="req", file=sys.stderr, leave=False)
+
+
 def run_simulation(config: SimulationConfig) -> SimulationResult:
     """Run the workload through a fresh scheduler and block manager."""
-    from tqdm import tqdm
-
     started = time.perf_counter()
     workload = make_workload(config.workload)
     manager = KVCacheManager(
@@ -181,9 +199,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         )
     }
     usable = config.num_blocks - 1
-    bar = tqdm(
-        total=len(workload), unit="req", file=sys.stderr, disable=not config.progress, leave=False
-    )
+    bar = _progress_bar(len(workload), config.progress)
     try:
         while next_arrival < len(workload) or scheduler.has_unfinished_requests():
             while next_arrival < len(workload) and workload[next_arrival].arrival_time <= clock:
