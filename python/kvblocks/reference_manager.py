@@ -858,20 +858,20 @@ class ReferenceKVCacheManager:
         given = None
         if num_tokens is not None:
             given = _per_seq(num_tokens, len(ids), "num_tokens", 0, _MAX_COUNT)
-        seqs = [self._get_running(s, "map slots of")[1] for s in ids]
-        if given is None:
-            counts = [len(s.token_ids) - s.num_computed for s in seqs]
-        else:
-            counts = given
         bs = self._block_size
-        out: list[int] = []
-        for sid, seq, n in zip(ids, seqs, counts):
+        spans = []
+        for i, sid in enumerate(ids):
+            seq = self._get_running(sid, "map slots of")[1]
+            n = len(seq.token_ids) - seq.num_computed if given is None else given[i]
             end = seq.num_computed + n
             if end > len(seq.block_table) * bs:
                 raise InvalidArgumentError(
                     f"sequence {sid}: slots up to token {end} requested but only "
                     f"{len(seq.block_table) * bs} are allocated"
                 )
+            spans.append((seq, end))
+        out: list[int] = []
+        for seq, end in spans:
             for pos in range(seq.num_computed, end):
                 out.append(seq.block_table[pos // bs] * bs + pos % bs)
         return np.array(out, dtype=np.int64)
@@ -916,14 +916,21 @@ class ReferenceKVCacheManager:
             "blocks_swapped_in": self._swapped_in,
         }
 
+    def _debug_free_queues(self) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+        """Free-queue order of the GPU and CPU pools, front (reused first) to back."""
+        return (
+            np.array(list(self._free), dtype=np.uint32),
+            np.array(list(self._cpu_free), dtype=np.uint32),
+        )
+
     def check_invariants(self) -> None:
         """Verify refcounts, the free queues and the prefix cache."""
         refs = [0] * self._num_blocks
         cpu_refs = [0] * self._num_cpu_blocks
         for seq in self._seqs.values():
-            for block in seq.block_table:
-                if block == _NULL_BLOCK:
-                    continue
+            if any(b != _NULL_BLOCK for b in seq.block_table[: seq.num_released]):
+                raise InvariantViolationError("a released window entry is not the null block")
+            for block in seq.block_table[seq.num_released :]:
                 if seq.swapped:
                     cpu_refs[block] += 1
                 else:

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::alloc_status::AllocStatus;
-use crate::args::{self, PerSeq, COUNT_END, SEQ_ID_END, TOKEN_ID_END};
+use crate::args::{self, PerSeq, COUNT_END, TOKEN_ID_END};
 use crate::errors::{invalid_argument, IntoPyResult};
 use crate::events::event_to_py;
 
@@ -78,7 +78,10 @@ impl KVCacheManager {
         hash_algo = "blake3",
         watermark = 0.01,
         sliding_window = None,
-    ))]
+    ),
+    text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
+                      hash_algo='blake3', watermark=0.01, sliding_window=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
@@ -287,7 +290,10 @@ impl KVCacheManager {
     }
 
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
-    #[pyo3(signature = (seq_id, *, num_lookahead_tokens = None))]
+    #[pyo3(
+        signature = (seq_id, *, num_lookahead_tokens = None),
+        text_signature = "(self, seq_id, *, num_lookahead_tokens=0)"
+    )]
     fn can_allocate(
         &self,
         py: Python<'_>,
@@ -301,7 +307,10 @@ impl KVCacheManager {
     }
 
     /// Reserve KV slots for ``computed + num_new_tokens + num_lookahead_tokens`` tokens.
-    #[pyo3(signature = (seq_id, num_new_tokens, *, num_lookahead_tokens = None))]
+    #[pyo3(
+        signature = (seq_id, num_new_tokens, *, num_lookahead_tokens = None),
+        text_signature = "(self, seq_id, num_new_tokens, *, num_lookahead_tokens=0)"
+    )]
     fn allocate_slots<'py>(
         &self,
         py: Python<'py>,
@@ -319,7 +328,10 @@ impl KVCacheManager {
     }
 
     /// ``allocate_slots`` for many sequences in one call; returns how many succeeded.
-    #[pyo3(signature = (seq_ids, num_new_tokens, *, num_lookahead_tokens = None))]
+    #[pyo3(
+        signature = (seq_ids, num_new_tokens, *, num_lookahead_tokens = None),
+        text_signature = "(self, seq_ids, num_new_tokens, *, num_lookahead_tokens=0)"
+    )]
     fn allocate_slots_batch(
         &self,
         py: Python<'_>,
@@ -337,7 +349,10 @@ impl KVCacheManager {
     }
 
     /// The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens.
-    #[pyo3(signature = (seq_id, num_new_computed_tokens, new_token_ids = None))]
+    #[pyo3(
+        signature = (seq_id, num_new_computed_tokens, new_token_ids = None),
+        text_signature = "(self, seq_id, num_new_computed_tokens, new_token_ids=())"
+    )]
     fn commit(
         &self,
         py: Python<'_>,
@@ -534,6 +549,18 @@ impl KVCacheManager {
         Ok(d)
     }
 
+    /// Free-queue order of the GPU and CPU pools, front (reused first) to back.
+    ///
+    /// A debugging aid (not part of the stable API): tests use it to check that a
+    /// failing call left the eviction order untouched.
+    fn _debug_free_queues<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<u32>>) {
+        let (gpu, cpu) = self.read(py, |m| (m.free_block_ids(), m.free_cpu_block_ids()));
+        (gpu.into_pyarray(py), cpu.into_pyarray(py))
+    }
+
     /// Verify every structural invariant; raise ``InvariantViolationError`` if one fails.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, Work::Long, |m| m.check_invariants()).py_err()
@@ -546,6 +573,3 @@ fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<usize> {
         None => Ok(0),
     }
 }
-
-#[allow(dead_code)]
-const _: i128 = SEQ_ID_END;
