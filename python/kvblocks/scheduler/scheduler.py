@@ -20,7 +20,6 @@ fork, beam step).
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
 from typing import Any
 
@@ -33,80 +32,19 @@ from kvblocks.errors import (
     InvalidArgumentError,
     SequenceStateError,
 )
-from kvblocks.sampling_params import SamplingParams
+from kvblocks.scheduler.batch import StepPlan, build_step
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
-from kvblocks.scheduler.queues.policy import Key, WaitingQueue, make_policy
+from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
 from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestOutput
-from kvblocks.scheduler.seq_table import Rows, SequenceTable, empty_rows
+from kvblocks.scheduler.request_state import RequestState, RequestStatus
+from kvblocks.scheduler.seq_table import Rows, SequenceTable
 from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
 
 __all__ = ["Scheduler"]
 
 _LPM_REFRESH = 64
-
-
-class _Status(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"  # admitted, prompt (or recomputed sequence) partly computed
-    RUNNING = "running"  # decoding; its sequences are rows of the table
-    SWAPPED = "swapped"
-    FINISHED = "finished"
-
-
-class _RequestState:
-    """The scheduler's view of one request (per-request data; per-step data is in the table)."""
-
-    def __init__(self, request: Request, counter: int, key: Key, seq_id: int) -> None:
-        params = request.sampling_params
-        self.request = request
-        self.params: SamplingParams = params
-        self.counter = counter
-        self.key = key
-        self.status = _Status.WAITING
-        self.seq_ids: list[int] = [seq_id]  # live sequences
-        self.all_seq_ids: list[int] = [seq_id]
-        # Tokens the single sequence must (re)compute while WAITING/PREFILL: the prompt,
-        # or prompt + generated tokens after a recompute preemption.
-        self.tokens: npt.NDArray[np.int64] = np.asarray(request.prompt_token_ids)
-        self.num_prompt = len(self.tokens)
-        self.num_computed = 0
-        self.num_cached_tokens = 0
-        self.cum_logprob = 0.0  # of the single sequence while it is not in the table
-        self.multi = False  # forked into several sequences: swap-only preemption
-        # Step at which the waiting sequence was (re)registered with the manager, -1 if it
-        # is not. The manager fixes a sequence's cache-hit cap at registration, so a
-        # waiting request is registered again before it is admitted (see _register).
-        self.registered_step = -1
-        self.aborted = False
-        self.seq_index: dict[int, int] = {seq_id: 0}
-        self.outputs: dict[int, CompletionOutput] = {}
-        self.hypotheses: list[Hypothesis] = []
-        self.swapped_rows: Rows | None = None
-        eos = request.eos_token_id
-        self.eos = -1 if eos is None or params.ignore_eos else int(eos)
-        self.stop_set = frozenset(params.stop_token_ids)
-        self.beam_stops = self.stop_set | ({self.eos} if self.eos >= 0 else set())
-
-    def finish_reason_for(self, token: int) -> FinishReason | None:
-        """Stop reason of sampling ``token`` (EOS, stop token) or None."""
-        if token == self.eos:
-            return FinishReason.EOS
-        if token in self.stop_set:
-            return FinishReason.STOP
-        return None
-
-
-class _StepPlan:
-    """What ``schedule`` decided, kept until the matching ``update``."""
-
-    def __init__(self, output: SchedulerOutput) -> None:
-        self.output = output
-        self.chunks: list[tuple[_RequestState, int, int]] = []  # (state, start, length)
-        self.row_seq_pos: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        self.row_chunk: list[int] = []  # chunk index of each prefill sampling row
-        self.special = False  # some row has sample_count != 1
 
 
 class Scheduler:
@@ -139,17 +77,17 @@ class Scheduler:
         self.record_history = record_history
         self.counters = SchedulerCounters()
         self.stats_history = StatsHistory()
-        self._requests: dict[str, _RequestState] = {}
-        self._owner: dict[int, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._owner: dict[int, RequestState] = {}
         self._waiting = WaitingQueue()
-        self._prefilling: list[_RequestState] = []  # key order
-        self._swapped: list[_RequestState] = []  # key order
+        self._prefilling: list[RequestState] = []  # key order
+        self._swapped: list[RequestState] = []  # key order
         self._table = SequenceTable()
         self._next_seq_id = 0
         self._free_seq_ids: list[int] = []
         self._counter = 0
-        self._in_flight: _StepPlan | None = None
-        self._pending_aborts: list[_RequestState] = []
+        self._in_flight: StepPlan | None = None
+        self._pending_aborts: list[RequestState] = []
         self._early_outputs: list[RequestOutput] = []
         self._finished_ids: list[str] = []
         self._stop_tokens = np.zeros(0, dtype=np.int64)
@@ -207,7 +145,7 @@ class Scheduler:
             else float(self.counters.num_steps)
         )
         key = self.policy.key(request.priority, arrival, self._counter)
-        state = _RequestState(request, self._counter, key, seq_id)
+        state = RequestState(request, self._counter, key, seq_id)
         self._counter += 1
         self._requests[rid] = state
         self._owner[seq_id] = state
@@ -303,11 +241,11 @@ class Scheduler:
         num_seqs = num_decode
 
         # 2. prefill chunks of requests admitted earlier.
-        chunks: list[tuple[_RequestState, int, int]] = []
+        chunks: list[tuple[RequestState, int, int]] = []
         for state in list(self._prefilling):
             if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                 break
-            if state.status is not _Status.PREFILL:
+            if state.status is not RequestStatus.PREFILL:
                 continue  # preempted while making room for an earlier one
             length = min(len(state.tokens) - state.num_computed, budget)
             if not self._allocate_prefill(state, length):
@@ -328,7 +266,7 @@ class Scheduler:
                 self._swapped.pop(0)
                 rows = state.swapped_rows
                 state.swapped_rows = None
-                state.status = _Status.RUNNING
+                state.status = RequestStatus.RUNNING
                 assert rows is not None
                 table.update(None, [rows])
 
@@ -352,7 +290,8 @@ class Scheduler:
                 num_seqs += 1
                 live += state.params.num_sequences
 
-        output, plan = self._build_output(
+        output, plan = build_step(
+            mgr,
             num_decode,
             dec_ids,
             dec_tokens,
@@ -361,8 +300,12 @@ class Scheduler:
             dec_sampling,
             dec_request_ids,
             chunks,
+            self._swap_out_maps,
             swap_in_maps,
+            self._finished_ids,
+            lambda seq: self._owner[seq].params.beam_width,
         )
+        self._finished_ids = []
         self._in_flight = plan
         self.counters.num_steps += 1
         self.counters.num_prefill_tokens += output.num_prefill_tokens
@@ -370,123 +313,6 @@ class Scheduler:
         if self.record_history:
             self.stats_history.append(self._stats_row(output))
         return output
-
-    def _build_output(
-        self,
-        num_decode: int,
-        dec_ids: npt.NDArray[np.int64],
-        dec_tokens: npt.NDArray[np.int64],
-        dec_lens: npt.NDArray[np.int64],
-        dec_beam: npt.NDArray[np.bool_],
-        dec_sampling: tuple[npt.NDArray[Any], ...],
-        dec_request_ids: list[str],
-        chunks: list[tuple[_RequestState, int, int]],
-        swap_in_maps: list[npt.NDArray[np.int64]],
-    ) -> tuple[SchedulerOutput, _StepPlan]:
-        mgr = self.manager
-        temperature, top_p, top_k, seeds = dec_sampling
-        sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
-        special = bool(dec_beam.any())
-        beam_width = 0
-        if special:
-            for seq in dec_ids[dec_beam].tolist():
-                beam_width = max(beam_width, self._owner[seq].params.beam_width)
-        if chunks:
-            chunk_ids = np.array([s.seq_ids[0] for s, _, _ in chunks], dtype=np.int64)
-            chunk_lens = np.array([n for _, _, n in chunks], dtype=np.int64)
-            chunk_starts = np.array([a for _, a, _ in chunks], dtype=np.int64)
-            seq_ids = np.concatenate([dec_ids, chunk_ids])
-            num_sched = np.concatenate([np.ones(num_decode, np.int64), chunk_lens])
-            input_ids = np.concatenate(
-                [dec_tokens] + [s.tokens[a : a + n] for s, a, n in chunks]
-            ).astype(np.int64, copy=False)
-            # positions: a ramp per chunk, built without a per-token loop.
-            offsets = np.repeat(chunk_starts - np.cumsum(chunk_lens) + chunk_lens, chunk_lens)
-            chunk_pos = np.arange(int(chunk_lens.sum()), dtype=np.int64) + offsets
-            positions = np.concatenate([dec_lens - 1, chunk_pos])
-            seq_lens = np.concatenate([dec_lens, chunk_starts + chunk_lens]).astype(np.int32)
-        else:
-            seq_ids = dec_ids
-            num_sched = np.ones(num_decode, np.int64)
-            input_ids = dec_tokens
-            positions = dec_lens - 1
-            seq_lens = dec_lens.astype(np.int32)
-        query_start_loc = np.zeros(len(seq_ids) + 1, dtype=np.int32)
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        logits = [np.arange(num_decode, dtype=np.int64)]
-        row_seq_pos = [np.arange(num_decode, dtype=np.int64)]
-        row_chunk: list[int] = []
-        extra_counts: list[int] = []
-        extra_sampling: list[tuple[float, float, int, int]] = []
-        extra_request_ids: list[str] = []
-        for j, (state, start, length) in enumerate(chunks):
-            if start + length < len(state.tokens):
-                continue  # not the prompt's last chunk: nothing to sample
-            params = state.params
-            pos = num_decode + j
-            logits.append(np.array([query_start_loc[pos + 1] - 1], dtype=np.int64))
-            row_seq_pos.append(np.array([pos], dtype=np.int64))
-            row_chunk.append(j)
-            if params.use_beam_search:
-                count = 0
-                beam_width = max(beam_width, params.beam_width)
-            else:
-                count = params.n if not state.multi else 1
-            special = special or count != 1
-            extra_counts.append(count)
-            seed = -1 if params.seed is None else params.seed
-            extra_sampling.append((params.temperature, params.top_p, params.top_k, seed))
-            extra_request_ids.append(state.request.request_id)
-        if extra_counts:
-            sample_counts = np.concatenate([sample_counts, np.array(extra_counts, np.int32)])
-            ext = np.array(extra_sampling, dtype=np.float64).reshape(-1, 4)
-            temperature = np.concatenate([temperature, ext[:, 0].astype(np.float32)])
-            top_p = np.concatenate([top_p, ext[:, 1].astype(np.float32)])
-            top_k = np.concatenate([top_k, ext[:, 2].astype(np.int32)])
-            seeds = np.concatenate([seeds, np.array([e[3] for e in extra_sampling], np.int64)])
-            dec_request_ids = dec_request_ids + extra_request_ids
-        logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
-        plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
-        if len(seq_ids):
-            slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
-            block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
-        else:
-            slot_mapping = np.zeros(0, dtype=np.int64)
-            block_tables = np.zeros((0, 1), dtype=np.int32)
-        num_prefill_tokens = int(num_sched[num_decode:].sum())
-        output = SchedulerOutput(
-            seq_ids=seq_ids,
-            num_scheduled_tokens=num_sched.astype(np.int32),
-            input_token_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            logits_indices=logits_indices,
-            sample_seq_ids=seq_ids[plan_row_pos],
-            sample_request_ids=dec_request_ids,
-            sample_counts=sample_counts,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seeds=seeds,
-            beam_topk=2 * beam_width,
-            blocks_to_swap_out=_stack_pairs(self._swap_out_maps),
-            blocks_to_swap_in=_stack_pairs(swap_in_maps),
-            blocks_to_copy=np.asarray(mgr.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2),
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=num_decode,
-            num_decode_seqs=num_decode,
-            finished_request_ids=self._finished_ids,
-        )
-        self._finished_ids = []
-        plan = _StepPlan(output)
-        plan.chunks = chunks
-        plan.row_seq_pos = plan_row_pos
-        plan.row_chunk = row_chunk
-        plan.special = special
-        return output, plan
 
     # -- update --------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: ModelStepResult) -> list[RequestOutput]:
@@ -539,7 +365,7 @@ class Scheduler:
     def _apply_results(
         self,
         output: SchedulerOutput,
-        plan: _StepPlan,
+        plan: StepPlan,
         sampled: npt.NDArray[np.int64],
         logprobs: npt.NDArray[np.float64],
         result: ModelStepResult,
@@ -595,7 +421,7 @@ class Scheduler:
         # Prefill chunks: progress, and the first token(s) of completed prompts.
         sample_row_of_chunk = {j: num_decode + i for i, j in enumerate(plan.row_chunk)}
         for j, (state, _start, length) in enumerate(plan.chunks):
-            if state.aborted or state.status is not _Status.PREFILL:
+            if state.aborted or state.status is not RequestStatus.PREFILL:
                 continue
             state.num_computed += length
             row = sample_row_of_chunk.get(j)
@@ -605,7 +431,7 @@ class Scheduler:
             params = state.params
             if params.use_beam_search:
                 assert result.topk_token_ids is not None and result.topk_logprobs is not None
-                state.status = _Status.RUNNING
+                state.status = RequestStatus.RUNNING
                 self._beam_step(
                     state,
                     [state.seq_ids[0]],
@@ -666,7 +492,7 @@ class Scheduler:
 
     def _start_decoding(
         self,
-        state: _RequestState,
+        state: RequestState,
         seq_ids: list[int],
         tokens: npt.NDArray[np.int64],
         logprobs: npt.NDArray[np.float64],
@@ -674,7 +500,7 @@ class Scheduler:
         finished: list[RequestOutput],
     ) -> None:
         """Sequences whose prompt is computed and that just got their first new token."""
-        state.status = _Status.RUNNING
+        state.status = RequestStatus.RUNNING
         num_tokens = len(state.tokens) + 1
         generated = num_tokens - state.num_prompt
         cum = state.cum_logprob + logprobs
@@ -692,8 +518,7 @@ class Scheduler:
         if keep:
             idx = np.array(keep, dtype=np.int64)
             add_rows.append(
-                self._make_rows(
-                    state,
+                state.table_rows(
                     np.array(seq_ids, dtype=np.int64)[idx],
                     tokens[idx],
                     num_tokens,
@@ -704,7 +529,7 @@ class Scheduler:
 
     def _fork_samples(
         self,
-        state: _RequestState,
+        state: RequestState,
         tokens: npt.NDArray[np.int64],
         logprobs: npt.NDArray[np.float64],
         add_rows: list[Rows],
@@ -762,7 +587,7 @@ class Scheduler:
 
     def _beam_step(
         self,
-        state: _RequestState,
+        state: RequestState,
         parents: list[int],
         cums: npt.NDArray[np.float64],
         num_tokens: int,
@@ -821,10 +646,9 @@ class Scheduler:
         mgr.commit_batch(np.array(seq_ids, dtype=np.int64), 0, tokens)
         state.seq_ids = seq_ids
         state.multi = True
-        state.status = _Status.RUNNING
+        state.status = RequestStatus.RUNNING
         add_rows.append(
-            self._make_rows(
-                state,
+            state.table_rows(
                 np.array(seq_ids, dtype=np.int64),
                 tokens,
                 num_tokens + 1,
@@ -834,7 +658,7 @@ class Scheduler:
         )
 
     # -- preemption ----------------------------------------------------------------------
-    def _make_room_for(self, needy: _RequestState, row: int) -> None:
+    def _make_room_for(self, needy: RequestState, row: int) -> None:
         """The pool cannot give ``needy`` (table row ``row``) its decode slot: free blocks.
 
         Preempts the least important running request; if that is ``needy`` itself, it
@@ -857,7 +681,7 @@ class Scheduler:
         else:
             self._early_outputs.append(self._finish_running(needy, FinishReason.LENGTH))
 
-    def _pick_victim(self) -> _RequestState | None:
+    def _pick_victim(self) -> RequestState | None:
         victim = None
         if len(self._table):
             victim = self._owner[int(self._table["seq_id"][-1])]
@@ -867,10 +691,10 @@ class Scheduler:
                 victim = last
         return victim
 
-    def _preempt(self, state: _RequestState) -> None:
+    def _preempt(self, state: RequestState) -> None:
         mode = self.config.preemption_mode
         if state.multi or mode == "swap":
-            if state.status is _Status.RUNNING and self._swap_out(state):
+            if state.status is RequestStatus.RUNNING and self._swap_out(state):
                 return
             if state.multi:
                 # Recompute would lose the forked sequences and the CPU pool is short:
@@ -879,7 +703,7 @@ class Scheduler:
                 return
         self._recompute(state)
 
-    def _swap_out(self, state: _RequestState) -> bool:
+    def _swap_out(self, state: RequestState) -> bool:
         mgr = self.manager
         seqs = state.seq_ids
         if mgr.num_cpu_blocks == 0 or not mgr.can_swap_out(seqs):
@@ -888,16 +712,16 @@ class Scheduler:
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
         state.swapped_rows = self._table.take(rows)
         self._table.update(rows, [])
-        state.status = _Status.SWAPPED
+        state.status = RequestStatus.SWAPPED
         _insort(self._swapped, state)
         self.counters.num_preemptions_swap += 1
         return True
 
-    def _recompute(self, state: _RequestState) -> None:
+    def _recompute(self, state: RequestState) -> None:
         """Free the single sequence's blocks and queue it to be computed again."""
         mgr = self.manager
         seq = state.seq_ids[0]
-        if state.status is _Status.RUNNING:
+        if state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array([seq], dtype=np.int64))
             state.cum_logprob = float(self._table["cum_logprob"][rows[0]])
             state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
@@ -909,12 +733,12 @@ class Scheduler:
         if self.policy.name == "lpm":
             self._register(state)
         state.num_computed = 0
-        state.status = _Status.WAITING
+        state.status = RequestStatus.WAITING
         self._waiting.push(state)
         self.counters.num_preemptions_recompute += 1
 
     # -- admission -----------------------------------------------------------------------
-    def _admit(self, state: _RequestState, budget: int) -> int | None:
+    def _admit(self, state: RequestState, budget: int) -> int | None:
         """Try to admit ``state`` with up to ``budget`` tokens; the chunk length, 0 if it
         finished (can never fit), None if it must wait."""
         mgr = self.manager
@@ -938,13 +762,13 @@ class Scheduler:
         state.num_computed = int(mgr.num_computed_tokens(seq))
         state.num_cached_tokens = state.num_computed
         self._waiting.remove(state)
-        state.status = _Status.PREFILL
+        state.status = RequestStatus.PREFILL
         _insort(self._prefilling, state)
         self.counters.num_prompt_tokens_admitted += len(state.tokens)
         self.counters.num_cached_tokens_admitted += state.num_computed
         return length
 
-    def _allocate_prefill(self, state: _RequestState, length: int) -> bool:
+    def _allocate_prefill(self, state: RequestState, length: int) -> bool:
         """Slots for the next chunk of a request being prefilled; may preempt later ones."""
         mgr = self.manager
         seq = state.seq_ids[0]
@@ -959,7 +783,7 @@ class Scheduler:
             self._preempt(victim)
         return True
 
-    def _register(self, state: _RequestState) -> None:
+    def _register(self, state: RequestState) -> None:
         """(Re)register the waiting sequence so that its prefix probe sees the cache now."""
         mgr = self.manager
         seq = state.seq_ids[0]
@@ -1007,49 +831,18 @@ class Scheduler:
         self._next_seq_id += 1
         return seq
 
-    def _adopt(self, state: _RequestState, seq: int, index: int) -> None:
+    def _adopt(self, state: RequestState, seq: int, index: int) -> None:
         state.all_seq_ids.append(seq)
         state.seq_index[seq] = index
         self._owner[seq] = state
 
-    def _make_rows(
-        self,
-        state: _RequestState,
-        seq_ids: npt.NDArray[np.int64],
-        last_tokens: npt.NDArray[np.int64],
-        num_tokens: int,
-        num_generated: int,
-        cum_logprobs: npt.NDArray[np.float64],
-    ) -> Rows:
-        n = len(seq_ids)
-        params = state.params
-        rows = empty_rows(n)
-        rows["seq_id"][:] = seq_ids
-        rows["request_id"][:] = state.request.request_id
-        rows["prio"][:] = state.key[0]
-        rows["arrival"][:] = state.key[1]
-        rows["counter"][:] = state.counter
-        rows["num_tokens"][:] = num_tokens
-        rows["num_generated"][:] = num_generated
-        rows["max_tokens"][:] = params.max_tokens
-        rows["last_token"][:] = last_tokens
-        rows["eos"][:] = state.eos
-        rows["has_stop"][:] = bool(state.stop_set)
-        rows["temperature"][:] = params.temperature
-        rows["top_p"][:] = params.top_p
-        rows["top_k"][:] = params.top_k
-        rows["seed"][:] = -1 if params.seed is None else params.seed
-        rows["cum_logprob"][:] = cum_logprobs
-        rows["is_beam"][:] = params.use_beam_search
-        return rows
-
-    def _release_seq(self, state: _RequestState, seq: int) -> None:
+    def _release_seq(self, state: RequestState, seq: int) -> None:
         self.manager.free(seq)
         if seq in state.seq_ids:
             state.seq_ids.remove(seq)
 
     def _finish_seq(
-        self, state: _RequestState, seq: int, reason: FinishReason, cum: float
+        self, state: RequestState, seq: int, reason: FinishReason, cum: float
     ) -> RequestOutput | None:
         """One sequence stopped; returns the request's output if it was the last one."""
         tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
@@ -1060,14 +853,14 @@ class Scheduler:
             return None
         return self._finish_request(state)
 
-    def _finish_running(self, state: _RequestState, reason: FinishReason) -> RequestOutput:
+    def _finish_running(self, state: RequestState, reason: FinishReason) -> RequestOutput:
         """End a request early (cannot fit / cannot be preempted) with what it has."""
         output = self._abort_output(state, reason)
         self._drop_request(state)
         self.counters.num_requests_finished += 1
         return output
 
-    def _finish_request(self, state: _RequestState) -> RequestOutput:
+    def _finish_request(self, state: RequestState) -> RequestOutput:
         params = state.params
         if params.use_beam_search:
             best = rank_hypotheses(state.hypotheses, params.length_penalty)[: params.n]
@@ -1077,7 +870,7 @@ class Scheduler:
             ]
         else:
             outputs = [state.outputs[i] for i in sorted(state.outputs)]
-        state.status = _Status.FINISHED
+        state.status = RequestStatus.FINISHED
         self._forget(state)
         self.counters.num_requests_finished += 1
         return RequestOutput(
@@ -1089,21 +882,21 @@ class Scheduler:
         )
 
     def _abort_output(
-        self, state: _RequestState, reason: FinishReason = FinishReason.ABORT
+        self, state: RequestState, reason: FinishReason = FinishReason.ABORT
     ) -> RequestOutput:
         """The request's output as it stands, every unfinished sequence ending with ``reason``."""
         mgr = self.manager
         outputs = dict(state.outputs)
         cums: dict[int, float] = {}
-        if state.status is _Status.RUNNING:
+        if state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
             cums = dict(zip(state.seq_ids, self._table["cum_logprob"][rows].tolist()))
-        elif state.status is _Status.SWAPPED and state.swapped_rows is not None:
+        elif state.status is RequestStatus.SWAPPED and state.swapped_rows is not None:
             swapped = state.swapped_rows
             cums = dict(zip(swapped["seq_id"].tolist(), swapped["cum_logprob"].tolist()))
         for seq in state.seq_ids:
             index = state.seq_index[seq]
-            if state.status is _Status.WAITING:
+            if state.status is RequestStatus.WAITING:
                 tokens = state.tokens[state.num_prompt :].tolist()
             else:
                 tokens = mgr.token_ids(seq)[state.num_prompt :].tolist()
@@ -1127,20 +920,20 @@ class Scheduler:
             finished=True,
         )
 
-    def _drop_request(self, state: _RequestState) -> None:
+    def _drop_request(self, state: RequestState) -> None:
         """Remove a request from wherever it is and release its sequences."""
         mgr = self.manager
-        if state.status is _Status.FINISHED:
+        if state.status is RequestStatus.FINISHED:
             return
-        if state.status is _Status.WAITING:
+        if state.status is RequestStatus.WAITING:
             self._waiting.remove(state)
             if state.registered_step < 0:
                 state.seq_ids = []  # not registered with the manager: nothing to free
-        elif state.status is _Status.PREFILL:
+        elif state.status is RequestStatus.PREFILL:
             self._prefilling.remove(state)
-        elif state.status is _Status.SWAPPED:
+        elif state.status is RequestStatus.SWAPPED:
             self._swapped.remove(state)
-        elif state.status is _Status.RUNNING:
+        elif state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
             rows = rows[rows >= 0]
             if rows.size:
@@ -1148,10 +941,10 @@ class Scheduler:
         for seq in state.seq_ids:
             mgr.free(seq)
         state.seq_ids = []
-        state.status = _Status.FINISHED
+        state.status = RequestStatus.FINISHED
         self._forget(state)
 
-    def _forget(self, state: _RequestState) -> None:
+    def _forget(self, state: RequestState) -> None:
         rid = state.request.request_id
         if self._requests.get(rid) is state:
             del self._requests[rid]
@@ -1192,14 +985,8 @@ class Scheduler:
         return row
 
 
-def _insort(queue: list[_RequestState], state: _RequestState) -> None:
+def _insort(queue: list[RequestState], state: RequestState) -> None:
     index = len(queue)
     while index > 0 and queue[index - 1].key > state.key:
         index -= 1
     queue.insert(index, state)
-
-
-def _stack_pairs(maps: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-    if not maps:
-        return np.zeros((0, 2), dtype=np.int64)
-    return np.concatenate([np.asarray(m, dtype=np.int64).reshape(-1, 2) for m in maps])

@@ -1,0 +1,160 @@
+"""Assembly of one step's batch: the :class:`SchedulerOutput` arrays and the plan that
+``update`` needs to apply the engine's results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvblocks.scheduler.output import SchedulerOutput
+from kvblocks.scheduler.request_state import RequestState
+
+__all__ = ["StepPlan", "build_step", "stack_pairs"]
+
+
+class StepPlan:
+    """What ``schedule`` decided, kept until the matching ``update``."""
+
+    def __init__(self, output: SchedulerOutput) -> None:
+        self.output = output
+        self.chunks: list[tuple[RequestState, int, int]] = []  # (state, start, length)
+        self.row_seq_pos: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        self.row_chunk: list[int] = []  # chunk index of each prefill sampling row
+        self.special = False  # some row has sample_count != 1
+
+
+def build_step(
+    manager: Any,
+    num_decode: int,
+    dec_ids: npt.NDArray[np.int64],
+    dec_tokens: npt.NDArray[np.int64],
+    dec_lens: npt.NDArray[np.int64],
+    dec_beam: npt.NDArray[np.bool_],
+    dec_sampling: tuple[npt.NDArray[Any], ...],
+    dec_request_ids: list[str],
+    chunks: list[tuple[RequestState, int, int]],
+    swap_out_maps: list[npt.NDArray[np.int64]],
+    swap_in_maps: list[npt.NDArray[np.int64]],
+    finished_request_ids: list[str],
+    beam_width_of: Callable[[int], int],
+) -> tuple[SchedulerOutput, StepPlan]:
+    """Assemble the step's :class:`SchedulerOutput` from its decode rows and prefill chunks.
+
+    ``dec_*`` are the decode rows (copied table columns, batch order), ``chunks`` the
+    prefill chunks ``(state, start, length)``; ``beam_width_of(seq_id)`` gives the beam
+    width of a decoding beam sequence. One ``slot_mapping`` and one ``block_tables`` call
+    cover the whole batch.
+    """
+    mgr = manager
+    temperature, top_p, top_k, seeds = dec_sampling
+    sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
+    special = bool(dec_beam.any())
+    beam_width = 0
+    if special:
+        for seq in dec_ids[dec_beam].tolist():
+            beam_width = max(beam_width, beam_width_of(seq))
+    if chunks:
+        chunk_ids = np.array([s.seq_ids[0] for s, _, _ in chunks], dtype=np.int64)
+        chunk_lens = np.array([n for _, _, n in chunks], dtype=np.int64)
+        chunk_starts = np.array([a for _, a, _ in chunks], dtype=np.int64)
+        seq_ids = np.concatenate([dec_ids, chunk_ids])
+        num_sched = np.concatenate([np.ones(num_decode, np.int64), chunk_lens])
+        input_ids = np.concatenate(
+            [dec_tokens] + [s.tokens[a : a + n] for s, a, n in chunks]
+        ).astype(np.int64, copy=False)
+        # positions: a ramp per chunk, built without a per-token loop.
+        offsets = np.repeat(chunk_starts - np.cumsum(chunk_lens) + chunk_lens, chunk_lens)
+        chunk_pos = np.arange(int(chunk_lens.sum()), dtype=np.int64) + offsets
+        positions = np.concatenate([dec_lens - 1, chunk_pos])
+        seq_lens = np.concatenate([dec_lens, chunk_starts + chunk_lens]).astype(np.int32)
+    else:
+        seq_ids = dec_ids
+        num_sched = np.ones(num_decode, np.int64)
+        input_ids = dec_tokens
+        positions = dec_lens - 1
+        seq_lens = dec_lens.astype(np.int32)
+    query_start_loc = np.zeros(len(seq_ids) + 1, dtype=np.int32)
+    np.cumsum(num_sched, out=query_start_loc[1:])
+    logits = [np.arange(num_decode, dtype=np.int64)]
+    row_seq_pos = [np.arange(num_decode, dtype=np.int64)]
+    row_chunk: list[int] = []
+    extra_counts: list[int] = []
+    extra_sampling: list[tuple[float, float, int, int]] = []
+    extra_request_ids: list[str] = []
+    for j, (state, start, length) in enumerate(chunks):
+        if start + length < len(state.tokens):
+            continue  # not the prompt's last chunk: nothing to sample
+        params = state.params
+        pos = num_decode + j
+        logits.append(np.array([query_start_loc[pos + 1] - 1], dtype=np.int64))
+        row_seq_pos.append(np.array([pos], dtype=np.int64))
+        row_chunk.append(j)
+        if params.use_beam_search:
+            count = 0
+            beam_width = max(beam_width, params.beam_width)
+        else:
+            count = params.n if not state.multi else 1
+        special = special or count != 1
+        extra_counts.append(count)
+        seed = -1 if params.seed is None else params.seed
+        extra_sampling.append((params.temperature, params.top_p, params.top_k, seed))
+        extra_request_ids.append(state.request.request_id)
+    if extra_counts:
+        sample_counts = np.concatenate([sample_counts, np.array(extra_counts, np.int32)])
+        ext = np.array(extra_sampling, dtype=np.float64).reshape(-1, 4)
+        temperature = np.concatenate([temperature, ext[:, 0].astype(np.float32)])
+        top_p = np.concatenate([top_p, ext[:, 1].astype(np.float32)])
+        top_k = np.concatenate([top_k, ext[:, 2].astype(np.int32)])
+        seeds = np.concatenate([seeds, np.array([e[3] for e in extra_sampling], np.int64)])
+        dec_request_ids = dec_request_ids + extra_request_ids
+    logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
+    plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
+    if len(seq_ids):
+        slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
+        block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
+    else:
+        slot_mapping = np.zeros(0, dtype=np.int64)
+        block_tables = np.zeros((0, 1), dtype=np.int32)
+    num_prefill_tokens = int(num_sched[num_decode:].sum())
+    output = SchedulerOutput(
+        seq_ids=seq_ids,
+        num_scheduled_tokens=num_sched.astype(np.int32),
+        input_token_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        logits_indices=logits_indices,
+        sample_seq_ids=seq_ids[plan_row_pos],
+        sample_request_ids=dec_request_ids,
+        sample_counts=sample_counts,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seeds=seeds,
+        beam_topk=2 * beam_width,
+        blocks_to_swap_out=stack_pairs(swap_out_maps),
+        blocks_to_swap_in=stack_pairs(swap_in_maps),
+        blocks_to_copy=np.asarray(mgr.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2),
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_tokens=num_decode,
+        num_decode_seqs=num_decode,
+        finished_request_ids=finished_request_ids,
+    )
+    plan = StepPlan(output)
+    plan.chunks = chunks
+    plan.row_seq_pos = plan_row_pos
+    plan.row_chunk = row_chunk
+    plan.special = special
+    return output, plan
+
+
+def stack_pairs(maps: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+    """Concatenate ``[n, 2]`` block mappings (an empty ``[0, 2]`` array for none)."""
+    if not maps:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate([np.asarray(m, dtype=np.int64).reshape(-1, 2) for m in maps])

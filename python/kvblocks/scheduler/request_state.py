@@ -1,0 +1,105 @@
+"""The scheduler's per-request record (:class:`RequestState`).
+
+Per-step data of decoding sequences lives in the :class:`SequenceTable` columns; this
+record holds what changes only on events: queue membership, the sequences of the request,
+the tokens to (re)compute, finished sequences and beam hypotheses.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+import numpy.typing as npt
+
+from kvblocks.sampling_params import SamplingParams
+from kvblocks.scheduler.beam import Hypothesis
+from kvblocks.scheduler.queues.policy import Key
+from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request
+from kvblocks.scheduler.seq_table import Rows, empty_rows
+
+__all__ = ["RequestState", "RequestStatus"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the scheduler."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"  # admitted, prompt (or recomputed sequence) partly computed
+    RUNNING = "running"  # decoding; its sequences are rows of the table
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class RequestState:
+    """The scheduler's view of one request (per-request data; per-step data is in the table)."""
+
+    def __init__(self, request: Request, counter: int, key: Key, seq_id: int) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.params: SamplingParams = params
+        self.counter = counter
+        self.key = key
+        self.status = RequestStatus.WAITING
+        self.seq_ids: list[int] = [seq_id]  # live sequences
+        self.all_seq_ids: list[int] = [seq_id]
+        # Tokens the single sequence must (re)compute while WAITING/PREFILL: the prompt,
+        # or prompt + generated tokens after a recompute preemption.
+        self.tokens: npt.NDArray[np.int64] = np.asarray(request.prompt_token_ids)
+        self.num_prompt = len(self.tokens)
+        self.num_computed = 0
+        self.num_cached_tokens = 0
+        self.cum_logprob = 0.0  # of the single sequence while it is not in the table
+        self.multi = False  # forked into several sequences: swap-only preemption
+        # Step at which the waiting sequence was (re)registered with the manager, -1 if it
+        # is not. The manager fixes a sequence's cache-hit cap at registration, so a
+        # waiting request is registered again before it is admitted (see _register).
+        self.registered_step = -1
+        self.aborted = False
+        self.seq_index: dict[int, int] = {seq_id: 0}
+        self.outputs: dict[int, CompletionOutput] = {}
+        self.hypotheses: list[Hypothesis] = []
+        self.swapped_rows: Rows | None = None
+        eos = request.eos_token_id
+        self.eos = -1 if eos is None or params.ignore_eos else int(eos)
+        self.stop_set = frozenset(params.stop_token_ids)
+        self.beam_stops = self.stop_set | ({self.eos} if self.eos >= 0 else set())
+
+    def finish_reason_for(self, token: int) -> FinishReason | None:
+        """Stop reason of sampling ``token`` (EOS, stop token) or None."""
+        if token == self.eos:
+            return FinishReason.EOS
+        if token in self.stop_set:
+            return FinishReason.STOP
+        return None
+
+    def table_rows(
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        last_tokens: npt.NDArray[np.int64],
+        num_tokens: int,
+        num_generated: int,
+        cum_logprobs: npt.NDArray[np.float64],
+    ) -> Rows:
+        """Table rows for this request's sequences ``seq_ids`` (decoding state)."""
+        n = len(seq_ids)
+        params = self.params
+        rows = empty_rows(n)
+        rows["seq_id"][:] = seq_ids
+        rows["request_id"][:] = self.request.request_id
+        rows["prio"][:] = self.key[0]
+        rows["arrival"][:] = self.key[1]
+        rows["counter"][:] = self.counter
+        rows["num_tokens"][:] = num_tokens
+        rows["num_generated"][:] = num_generated
+        rows["max_tokens"][:] = params.max_tokens
+        rows["last_token"][:] = last_tokens
+        rows["eos"][:] = self.eos
+        rows["has_stop"][:] = bool(self.stop_set)
+        rows["temperature"][:] = params.temperature
+        rows["top_p"][:] = params.top_p
+        rows["top_k"][:] = params.top_k
+        rows["seed"][:] = -1 if params.seed is None else params.seed
+        rows["cum_logprob"][:] = cum_logprobs
+        rows["is_beam"][:] = params.use_beam_search
+        return rows
