@@ -128,3 +128,47 @@ def test_beam_rows_require_top_k(make_manager) -> None:
 
 def test_errors_are_kvblocks_errors() -> None:
     assert issubclass(InvalidArgumentError, KVBlocksError)
+
+
+def test_abort_of_a_swapped_request(rust_manager) -> None:
+    mgr = rust_manager(12, 4, num_cpu_blocks=64, watermark=0.0)
+    sched = Scheduler(mgr, SchedulerConfig())
+    sched.add_request(Request("first", [1, 2, 3], SamplingParams(max_tokens=30), 0.0))
+    sched.add_request(Request("fork", [4, 5, 6], SamplingParams(max_tokens=30, n=2), 1.0))
+    aborted = None
+    for _ in range(100):
+        out = sched.schedule()
+        sched.update(out, fake_step(out))
+        if sched.stats()["num_swapped"]:
+            aborted = sched.abort_request("fork")
+            break
+    assert aborted is not None and len(aborted.outputs) == 2
+    assert all(c.finish_reason == "abort" and c.token_ids for c in aborted.outputs)
+    outputs, _ = run_to_completion(sched)
+    assert list(outputs) == ["first"] and len(outputs["first"].outputs[0].token_ids) == 30
+    assert len(mgr) == 0 and mgr.num_free_cpu_blocks() == 64
+
+
+def test_abort_while_prefilling_in_chunks(make_manager) -> None:
+    mgr = make_manager(64, 4)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=8))
+    sched.add_request(Request("long", list(range(1, 30)), SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    sched.update(out, fake_step(out))
+    aborted = sched.abort_request("long")
+    assert aborted.outputs[0].token_ids == [] and not sched.has_unfinished_requests()
+    assert len(mgr) == 0 and mgr.num_free_blocks() == 63
+
+
+def test_lookahead_slots_are_reserved_for_decodes(make_manager) -> None:
+    mgr = make_manager(64, 4)
+    sched = Scheduler(mgr, SchedulerConfig(num_lookahead_tokens=3))
+    sched.add_request(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=4)))
+    out = sched.schedule()  # prefill: 4 tokens, one block
+    assert (out.block_tables[0] != 0).sum() == 1
+    sched.update(out, fake_step(out))
+    out = sched.schedule()  # decode at position 4, plus 3 lookahead slots: positions 4..7
+    assert out.positions.tolist() == [4]
+    assert (out.block_tables[0] != 0).sum() == 2
+    sched.update(out, fake_step(out))
+    run_to_completion(sched)
