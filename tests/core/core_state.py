@@ -55,7 +55,7 @@ def assert_no_side_effects(m: Any, before: dict[str, Any]) -> None:
     m.check_invariants()
 
 
-def expect_error(m: Any, error: type[KVBlocksError], call: Any, match: str = "") -> str:
+def expect_error(m: Any, error: type[KVBlocksError], call: Any, match: str | None = None) -> str:
     """Run ``call(m)``; it must raise ``error`` and leave the manager untouched."""
     import pytest
 
