@@ -208,7 +208,13 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 params = SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True)
                 try:
                     scheduler.add_request(
-                        Request(sim.request_id, sim.prompt_token_ids, params, sim.arrival_time)
+                        Request(
+                            sim.request_id,
+                            sim.prompt_token_ids,
+                            params,
+                            sim.arrival_time,
+                            priority=sim.priority,
+                        )
                     )
                 except InvalidArgumentError:
                     rejected += 1

@@ -33,6 +33,8 @@ class WorkloadConfig:
         system_prompt_share: fraction of requests that start with a shared system prompt.
         num_system_prompts, system_prompt_len: the shared system prompts.
         parallel_share: fraction of requests with ``n > 1`` (n drawn from 2..4).
+        num_priorities: request priorities are drawn from ``0..num_priorities-1`` (used by
+            the ``priority`` policy only).
         vocab_size: token ids are drawn from ``[0, vocab_size)``.
     """
 
@@ -49,6 +51,7 @@ class WorkloadConfig:
     num_system_prompts: int = 4
     system_prompt_len: int = 256
     parallel_share: float = 0.05
+    num_priorities: int = 3
     vocab_size: int = 32000
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class SimRequest:
         declared_max_tokens: the client's ``max_tokens`` (``output_len`` rounded up to a
             power of two, at least 256): what a contiguous-reservation server reserves.
         n: parallel samples.
+        priority: smaller is more urgent (``priority`` policy).
     """
 
     request_id: str
@@ -83,6 +87,7 @@ class SimRequest:
     output_len: int
     declared_max_tokens: int
     n: int
+    priority: int = 0
 
 
 def _lognormal(
@@ -112,6 +117,7 @@ def make_workload(config: WorkloadConfig) -> list[SimRequest]:
     uses_system = rng.random(n) < config.system_prompt_share
     which_system = rng.integers(0, config.num_system_prompts, size=n)
     parallel = np.where(rng.random(n) < config.parallel_share, rng.integers(2, 5, size=n), 1)
+    priorities = rng.integers(0, max(config.num_priorities, 1), size=n)
     requests = []
     for i in range(n):
         body = rng.integers(0, config.vocab_size, size=int(prompt_lens[i]))
@@ -127,6 +133,7 @@ def make_workload(config: WorkloadConfig) -> list[SimRequest]:
                 output_len=out_len,
                 declared_max_tokens=declared,
                 n=int(parallel[i]),
+                priority=int(priorities[i]),
             )
         )
     return requests
