@@ -193,3 +193,111 @@ impl BlockHasher {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALGOS: [HashAlgo; 2] = [HashAlgo::Blake3, HashAlgo::Xxh3_128];
+
+    #[test]
+    fn digest_lengths_follow_the_algorithm() {
+        for algo in ALGOS {
+            let mut h = BlockHasher::new(algo);
+            let ns = h.namespace(None, None);
+            assert_eq!(ns.as_bytes().len(), algo.digest_len());
+            let b = h.block(None, &ns, &[1, 2, 3, 4]);
+            assert_eq!(b.as_bytes().len(), algo.digest_len());
+        }
+    }
+
+    #[test]
+    fn hashing_is_deterministic() {
+        for algo in ALGOS {
+            let (mut a, mut b) = (BlockHasher::new(algo), BlockHasher::new(algo));
+            let (na, nb) = (
+                a.namespace(Some(b"s"), Some(3)),
+                b.namespace(Some(b"s"), Some(3)),
+            );
+            assert_eq!(na, nb);
+            assert_eq!(a.block(None, &na, &[7, 8]), b.block(None, &nb, &[7, 8]));
+        }
+    }
+
+    #[test]
+    fn extra_keys_are_distinct_namespaces() {
+        for algo in ALGOS {
+            let mut h = BlockHasher::new(algo);
+            let variants: [(Option<&[u8]>, Option<u64>); 7] = [
+                (None, None),
+                (Some(b""), None),
+                (Some(b"\0"), None),
+                (Some(b"a"), None),
+                (None, Some(0)),
+                (None, Some(1)),
+                (Some(b""), Some(0)),
+            ];
+            let namespaces: Vec<BlockHash> =
+                variants.iter().map(|(s, l)| h.namespace(*s, *l)).collect();
+            for i in 0..namespaces.len() {
+                for j in 0..i {
+                    assert_ne!(
+                        namespaces[i], namespaces[j],
+                        "{:?} vs {:?}",
+                        variants[i], variants[j]
+                    );
+                }
+            }
+            // and the block hashes under them differ too
+            let blocks: Vec<BlockHash> = namespaces
+                .iter()
+                .map(|ns| h.block(None, ns, &[1, 2]))
+                .collect();
+            for i in 0..blocks.len() {
+                for j in 0..i {
+                    assert_ne!(blocks[i], blocks[j]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn parent_and_tokens_are_separated() {
+        for algo in ALGOS {
+            let mut h = BlockHasher::new(algo);
+            let ns = h.namespace(None, None);
+            let root = h.block(None, &ns, &[1, 2]);
+            let child = h.block(Some(&root), &ns, &[1, 2]);
+            assert_ne!(root, child);
+            assert_ne!(h.block(None, &ns, &[1, 2]), h.block(None, &ns, &[2, 1]));
+            assert_ne!(h.block(None, &ns, &[0]), h.block(None, &ns, &[0, 0]));
+            assert_ne!(h.block(None, &ns, &[]), h.block(None, &ns, &[0]));
+        }
+    }
+
+    #[test]
+    fn extend_chain_hashes_full_blocks_only_and_resumes() {
+        for algo in ALGOS {
+            let mut h = BlockHasher::new(algo);
+            let ns = h.namespace(None, None);
+            let tokens: Vec<u32> = (0..11).collect();
+            let mut chain = Vec::new();
+            h.extend_chain(&mut chain, &ns, &tokens[..5], 4);
+            assert_eq!(chain.len(), 1);
+            h.extend_chain(&mut chain, &ns, &tokens, 4);
+            assert_eq!(chain.len(), 2);
+            let first = h.block(None, &ns, &tokens[..4]);
+            let second = h.block(Some(&first), &ns, &tokens[4..8]);
+            assert_eq!(chain, vec![first, second]);
+        }
+    }
+
+    #[test]
+    fn debug_prints_hex() {
+        let mut h = BlockHasher::new(HashAlgo::Xxh3_128);
+        let ns = h.namespace(None, None);
+        let s = format!("{ns:?}");
+        assert_eq!(s.len(), 32);
+        assert!(s.chars().all(|c| c.is_ascii_hexdigit()));
+    }
+}

@@ -164,3 +164,56 @@ impl FreeQueue {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(q: &FreeQueue) -> Vec<u32> {
+        q.iter().collect()
+    }
+
+    #[test]
+    fn starts_ascending_from_first() {
+        let q = FreeQueue::new(5, 1);
+        assert_eq!(ids(&q), vec![1, 2, 3, 4]);
+        assert_eq!(q.len(), 4);
+        assert!(!q.contains(0));
+        q.check().unwrap();
+    }
+
+    #[test]
+    fn push_pop_remove_keep_links_consistent() {
+        let mut q = FreeQueue::new(6, 0);
+        assert_eq!(q.pop_front(), Some(0));
+        assert_eq!(q.pop_front(), Some(1));
+        q.remove(3); // middle
+        assert_eq!(ids(&q), vec![2, 4, 5]);
+        q.remove(5); // tail
+        q.remove(2); // head
+        assert_eq!(ids(&q), vec![4]);
+        q.push_front(1);
+        q.push_back(0);
+        q.push_front(3);
+        assert_eq!(ids(&q), vec![3, 1, 4, 0]);
+        assert_eq!(q.front(), Some(3));
+        q.check().unwrap();
+        while q.pop_front().is_some() {}
+        assert_eq!(q.len(), 0);
+        assert_eq!(q.front(), None);
+        q.check().unwrap();
+        q.push_back(2);
+        assert_eq!(ids(&q), vec![2]);
+        q.check().unwrap();
+    }
+
+    #[test]
+    fn check_detects_corruption() {
+        let mut q = FreeQueue::new(4, 0);
+        q.next[1] = 3; // skip block 2
+        assert!(q.check().is_err());
+        let mut q = FreeQueue::new(4, 0);
+        q.len = 3;
+        assert!(q.check().is_err());
+    }
+}

@@ -174,3 +174,79 @@ impl KVCacheManager {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::{KVCacheManager, KvError, ManagerConfig};
+
+    fn busy() -> KVCacheManager {
+        let mut c = ManagerConfig::new(16, 4);
+        c.num_cpu_blocks = 4;
+        let mut m = KVCacheManager::new(c).unwrap();
+        let t: Vec<u32> = (0..10).collect();
+        m.add_sequence(1, &t, None, None).unwrap();
+        m.allocate_slots(1, 10, 0).unwrap().unwrap();
+        m.commit(1, 10, &[]).unwrap();
+        m.check_invariants().unwrap();
+        m
+    }
+
+    fn assert_violation(m: &KVCacheManager) {
+        assert!(matches!(
+            m.check_invariants(),
+            Err(KvError::InvariantViolation(_))
+        ));
+    }
+
+    #[test]
+    fn detects_a_refcount_without_a_table_reference() {
+        let mut m = busy();
+        m.pools.gpu.incref(1);
+        assert_violation(&m);
+    }
+
+    #[test]
+    fn detects_a_referenced_block_in_the_free_queue() {
+        let mut m = busy();
+        m.pools.gpu.free_queue_mut().push_back(1);
+        assert_violation(&m);
+    }
+
+    #[test]
+    fn detects_a_free_block_missing_from_the_queue() {
+        let mut m = busy();
+        let b = m.pools.gpu.free_queue().front().unwrap();
+        m.pools.gpu.free_queue_mut().remove(b);
+        assert_violation(&m);
+    }
+
+    #[test]
+    fn detects_a_cache_entry_whose_content_does_not_hash_to_its_key() {
+        let mut m = busy();
+        let (b, entry) = m
+            .pools
+            .cache
+            .entries()
+            .next()
+            .map(|(b, e)| (b, *e))
+            .unwrap();
+        m.pools.cache.remove(b);
+        m.pools.cache.insert(b, entry, &[9, 9, 9, 9]);
+        assert_violation(&m);
+    }
+
+    #[test]
+    fn detects_a_computed_count_past_the_table() {
+        let mut m = busy();
+        m.slots[0].num_computed = 13;
+        m.slots[0].tokens.extend([1, 2, 3]);
+        assert_violation(&m);
+    }
+
+    #[test]
+    fn detects_a_wrong_swapped_counter() {
+        let mut m = busy();
+        m.num_swapped = 1;
+        assert_violation(&m);
+    }
+}
