@@ -53,6 +53,10 @@ impl FromStr for HashAlgo {
     }
 }
 
+/// Largest pool (GPU or CPU) a manager accepts: 2**26 blocks, far beyond any real KV
+/// cache, small enough that the per-block bookkeeping always fits in host memory.
+pub const MAX_BLOCKS: usize = 1 << 26;
+
 /// Parameters of [`crate::KVCacheManager::new`]; mirrors the Python constructor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ManagerConfig {
@@ -94,12 +98,11 @@ impl ManagerConfig {
                 self.num_blocks
             )));
         }
-        if self.num_blocks > i32::MAX as usize || self.num_cpu_blocks > i32::MAX as usize {
+        if self.num_blocks > MAX_BLOCKS || self.num_cpu_blocks > MAX_BLOCKS {
             return Err(KvError::InvalidArgument(format!(
-                "num_blocks and num_cpu_blocks must be <= {} (block ids are int32), got {} and {}",
-                i32::MAX,
-                self.num_blocks,
-                self.num_cpu_blocks
+                "num_blocks and num_cpu_blocks must be <= {MAX_BLOCKS} (the pools keep ~13 bytes \
+                 of host memory per block), got {} and {}",
+                self.num_blocks, self.num_cpu_blocks
             )));
         }
         if self.block_size == 0 || self.block_size > (1 << 20) {

@@ -47,7 +47,7 @@ mod stats;
 pub use alloc_status::AllocStatus;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
-pub use config::{HashAlgo, ManagerConfig};
+pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
 pub use manager::{BlockTables, KVCacheManager};

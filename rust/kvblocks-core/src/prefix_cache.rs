@@ -5,7 +5,7 @@ use rustc_hash::FxHashMap;
 use crate::block_hash::BlockHash;
 
 /// What a cached block carries: its hash and the inputs it was computed from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheEntry {
     /// The block's hash (its key in the map).
     pub hash: BlockHash,
@@ -13,30 +13,25 @@ pub struct CacheEntry {
     pub parent: Option<BlockHash>,
     /// Digest of the extra keys the block was hashed under.
     pub namespace: BlockHash,
+    /// The block's tokens, kept to re-check the hash in `check_invariants`.
+    pub tokens: Box<[u32]>,
 }
 
-/// Map from content hash to GPU block, with per-block entries and token copies.
+/// Map from content hash to GPU block, with the entry of every cached block.
 ///
 /// Invariant: `map[h] == b` iff `entries[b].hash == h`. A freed cached block keeps its
 /// entry (it stays reusable by a later prompt) until it is popped from the free queue.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Both maps are sparse, so memory follows the cached blocks, not the pool size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixCache {
     map: FxHashMap<BlockHash, u32>,
-    entries: Vec<Option<CacheEntry>>,
-    tokens: Vec<u32>,
-    block_size: usize,
+    entries: FxHashMap<u32, CacheEntry>,
 }
 
 impl PrefixCache {
-    /// An empty cache over `num_blocks` GPU block ids.
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        PrefixCache {
-            map: FxHashMap::default(),
-            entries: vec![None; num_blocks],
-            // Zeroed allocation: pages are only touched for blocks that get cached.
-            tokens: vec![0; num_blocks * block_size],
-            block_size,
-        }
+    /// An empty cache.
+    pub fn new() -> Self {
+        PrefixCache::default()
     }
 
     /// Number of cached blocks.
@@ -60,36 +55,30 @@ impl PrefixCache {
     /// The entry of `block`, if it is cached.
     #[inline]
     pub fn entry(&self, block: u32) -> Option<&CacheEntry> {
-        self.entries[block as usize].as_ref()
+        self.entries.get(&block)
     }
 
     /// Whether `block` carries a hash.
     #[inline]
     pub fn is_cached(&self, block: u32) -> bool {
-        self.entries[block as usize].is_some()
-    }
-
-    /// The tokens kept for `block` (meaningful only while cached).
-    #[inline]
-    pub fn tokens(&self, block: u32) -> &[u32] {
-        let s = block as usize * self.block_size;
-        &self.tokens[s..s + self.block_size]
+        !self.entries.is_empty() && self.entries.contains_key(&block)
     }
 
     /// Cache `block` under `entry.hash`; the hash must not be cached yet.
-    pub fn insert(&mut self, block: u32, entry: CacheEntry, tokens: &[u32]) {
+    pub fn insert(&mut self, block: u32, entry: CacheEntry) {
         debug_assert!(!self.map.contains_key(&entry.hash));
-        debug_assert!(self.entries[block as usize].is_none());
+        debug_assert!(!self.entries.contains_key(&block));
         self.map.insert(entry.hash, block);
-        self.entries[block as usize] = Some(entry);
-        let s = block as usize * self.block_size;
-        self.tokens[s..s + self.block_size].copy_from_slice(tokens);
+        self.entries.insert(block, entry);
     }
 
     /// Drop `block` from the cache; returns its hash if it was cached.
     #[inline]
     pub fn remove(&mut self, block: u32) -> Option<BlockHash> {
-        let entry = self.entries[block as usize].take()?;
+        if self.entries.is_empty() {
+            return None;
+        }
+        let entry = self.entries.remove(&block)?;
         if self.map.get(&entry.hash) == Some(&block) {
             self.map.remove(&entry.hash);
         }
@@ -98,9 +87,8 @@ impl PrefixCache {
 
     /// Forget every entry.
     pub fn clear(&mut self) {
-        for (_, b) in self.map.drain() {
-            self.entries[b as usize] = None;
-        }
+        self.map.clear();
+        self.entries.clear();
     }
 
     /// Iterate `(hash, block)` pairs of the map.
@@ -110,9 +98,6 @@ impl PrefixCache {
 
     /// Iterate `(block, entry)` for every block carrying a hash.
     pub fn entries(&self) -> impl Iterator<Item = (u32, &CacheEntry)> + '_ {
-        self.entries
-            .iter()
-            .enumerate()
-            .filter_map(|(b, e)| e.as_ref().map(|e| (b as u32, e)))
+        self.entries.iter().map(|(b, e)| (*b, e))
     }
 }

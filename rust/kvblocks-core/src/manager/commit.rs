@@ -128,8 +128,8 @@ impl KVCacheManager {
                         hash,
                         parent,
                         namespace: seq.namespace,
+                        tokens: tokens.into(),
                     },
-                    tokens,
                 );
                 let ev = run.get_or_insert_with(|| BlockStored {
                     block_hashes: Vec::new(),

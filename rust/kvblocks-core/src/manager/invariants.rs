@@ -156,7 +156,7 @@ impl KVCacheManager {
                     entry.hash
                 )));
             }
-            let recomputed = hasher.block(entry.parent.as_ref(), &entry.namespace, cache.tokens(b));
+            let recomputed = hasher.block(entry.parent.as_ref(), &entry.namespace, &entry.tokens);
             if recomputed != *hash {
                 return Err(violation(format!(
                     "block {b}: stored content hashes to {recomputed:?}, not its key {hash:?}"
@@ -223,15 +223,16 @@ mod tests {
     #[test]
     fn detects_a_cache_entry_whose_content_does_not_hash_to_its_key() {
         let mut m = busy();
-        let (b, entry) = m
+        let (b, mut entry) = m
             .pools
             .cache
             .entries()
             .next()
-            .map(|(b, e)| (b, *e))
+            .map(|(b, e)| (b, e.clone()))
             .unwrap();
         m.pools.cache.remove(b);
-        m.pools.cache.insert(b, entry, &[9, 9, 9, 9]);
+        entry.tokens = vec![9, 9, 9, 9].into();
+        m.pools.cache.insert(b, entry);
         assert_violation(&m);
     }
 

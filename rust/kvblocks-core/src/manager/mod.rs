@@ -51,10 +51,7 @@ impl KVCacheManager {
             pools: Pools {
                 gpu: BlockPool::new(config.num_blocks, 1),
                 cpu: BlockPool::new(config.num_cpu_blocks, 0),
-                cache: PrefixCache::new(
-                    if caching { config.num_blocks } else { 0 },
-                    config.block_size,
-                ),
+                cache: PrefixCache::new(),
                 caching,
                 events: Vec::new(),
                 counters: Counters::default(),
