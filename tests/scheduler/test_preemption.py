@@ -86,3 +86,52 @@ def test_a_sequence_that_outgrows_the_whole_pool_finishes_with_length(make_manag
     out = outputs["big"].outputs[0]
     assert out.finish_reason == FinishReason.LENGTH
     assert len(out.token_ids) == 28 - 8 + 1  # the last token needs no KV slot of its own
+
+
+def test_a_recomputed_request_that_outgrew_the_watermark_finishes_at_readmission(
+    make_manager,
+) -> None:
+    # 10 usable blocks, 2 kept free at admission: a sequence of more than 8 blocks can
+    # grow while running but can never be admitted again after a recompute.
+    mgr = make_manager(11, 4, watermark=0.2)
+    sched = Scheduler(mgr, SchedulerConfig())
+    sched.add_request(Request("small", [1, 2, 3], SamplingParams(max_tokens=20), 0.0))
+    sched.add_request(Request("big", list(range(10, 38)), SamplingParams(max_tokens=40), 1.0))
+    outputs, _ = run_to_completion(sched, check=mgr.check_invariants)
+    assert sched.stats()["num_preemptions_recompute"] >= 1
+    assert len(outputs["small"].outputs[0].token_ids) == 20
+    big = outputs["big"].outputs[0]
+    assert big.finish_reason == FinishReason.LENGTH and 0 < len(big.token_ids) < 40
+    assert len(mgr) == 0
+
+
+def test_a_prefill_chunk_that_cannot_get_blocks_waits_then_is_recomputed(make_manager) -> None:
+    # 5 usable blocks (20 tokens), 2 tokens per step: "b" is admitted while it fits, then
+    # "a"'s decodes take the free blocks, b's next chunk cannot allocate and b waits until
+    # the decode phase preempts it (recompute); both finish with the unpressured tokens.
+    reqs = [
+        Request("a", [1, 2, 3], SamplingParams(max_tokens=30), 0.0),
+        Request("b", list(range(50, 62)), SamplingParams(max_tokens=5), 1.0),
+    ]
+    _, roomy, _ = _run(make_manager(64, 4), reqs, max_num_batched_tokens=2)
+    sched, tight, _ = _run(make_manager(6, 4, watermark=0.0), reqs, max_num_batched_tokens=2)
+    assert sched.stats()["num_preemptions_recompute"] >= 1
+    assert tokens_of(tight)["b"] == tokens_of(roomy)["b"]
+    a_tokens = tokens_of(tight)["a"][0]
+    assert len(a_tokens) == 20 - 3 + 1  # "a" alone fills the pool, then stops
+    assert a_tokens == tokens_of(roomy)["a"][0][: len(a_tokens)]
+
+
+def test_a_budget_cut_never_splits_a_forked_request(make_manager) -> None:
+    mgr = make_manager(128, 4)
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=5))
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=6, n=3), 0.0))
+    sched.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=6, beam_width=3), 1.0))
+    outputs, steps = run_to_completion(sched, check=mgr.check_invariants)
+    for step in steps:
+        decode_reqs = [r for r, c in zip(step.sample_request_ids, step.sample_counts)][
+            : step.num_decode_seqs
+        ]
+        for rid in set(decode_reqs):
+            assert decode_reqs.count(rid) in (0, 3) or len(outputs[rid].outputs) < 3
+    assert len(outputs["a"].outputs) == 3 and len(outputs["b"].outputs) == 1

@@ -27,6 +27,7 @@ from kvblocks.scheduler import Request, SamplingParams, Scheduler, SchedulerConf
     mode=st.sampled_from([None, "recompute", "swap"]),
     chunked=st.booleans(),
     caching=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.2]),
 )
 def test_random_workload_keeps_invariants(
     seed: int,
@@ -39,6 +40,7 @@ def test_random_workload_keeps_invariants(
     mode: str | None,
     chunked: bool,
     caching: bool,
+    watermark: float,
 ) -> None:
     rng = np.random.default_rng(seed)
     mgr = KVCacheManager(
@@ -46,7 +48,7 @@ def test_random_workload_keeps_invariants(
         block_size,
         num_cpu_blocks=num_cpu_blocks,
         enable_prefix_caching=caching,
-        watermark=0.0,
+        watermark=watermark,
     )
     cfg = SchedulerConfig(
         max_num_batched_tokens=budget,

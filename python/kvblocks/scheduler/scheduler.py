@@ -261,6 +261,10 @@ class Scheduler:
                 if self._num_live_seqs() + len(state.seq_ids) > cfg.max_num_seqs:
                     break
                 if not mgr.can_swap_in(state.seq_ids):
+                    if len(table) == 0 and not self._prefilling and not chunks:
+                        # Nothing else holds GPU blocks, so it can never come back.
+                        self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+                        continue
                     break
                 swap_in_maps.append(mgr.swap_in(state.seq_ids))
                 self._swapped.pop(0)
