@@ -45,3 +45,13 @@ def test_history_can_be_turned_off(make_manager) -> None:
     sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
     run_to_completion(sched)
     assert len(sched.stats_history) == 0 and sched.stats()["num_steps"] == 2
+
+
+def test_history_keeps_the_latest_rows_only() -> None:
+    from kvblocks.scheduler.stats import StatsHistory
+
+    history = StatsHistory(max_rows=3)
+    for step in range(5):
+        history.append({"step": float(step)})
+    assert len(history) == 3 and history[0]["step"] == 2.0 and history[-1]["step"] == 4.0
+    assert history.column("step").tolist() == [2.0, 3.0, 4.0]

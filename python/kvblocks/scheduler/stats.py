@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -46,11 +47,15 @@ class SchedulerCounters:
         return out
 
 
-@dataclass
 class StatsHistory:
-    """One row of statistics per scheduling step (appended by ``Scheduler.schedule``)."""
+    """One row of statistics per scheduling step (appended by ``Scheduler.schedule``).
 
-    rows: list[dict[str, float]] = field(default_factory=list)
+    Keeps the latest ``max_rows`` steps (``None``: all), so a long-running server does
+    not grow without bound.
+    """
+
+    def __init__(self, max_rows: int | None = 100_000) -> None:
+        self.rows: deque[dict[str, float]] = deque(maxlen=max_rows)
 
     def append(self, row: dict[str, float]) -> None:
         """Record one step."""
@@ -60,7 +65,7 @@ class StatsHistory:
         return len(self.rows)
 
     def __getitem__(self, index: int) -> dict[str, float]:
-        return self.rows[index]
+        return self.rows[index]  # negative indices count from the latest step
 
     def column(self, name: str) -> npt.NDArray[np.float64]:
         """The time series of one statistic."""
