@@ -105,3 +105,10 @@ def test_console_module_runs_in_a_subprocess() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["num_finished"] == 10
+
+
+def test_a_broken_generate_module_does_not_break_simulate(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "kvblocks.cli.generate", None)  # import fails
+    assert main(["simulate", "--num-requests", "5", "--no-progress"]) == 0
+    assert main(["generate"]) == 1
+    assert "unavailable" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvblocks.errors import KVBlocksError
 
@@ -27,7 +27,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     from kvblocks import __version__
-    from kvblocks.cli import generate, simulate
+    from kvblocks.cli import simulate
 
     parser = _Parser(
         prog="kvblocks",
@@ -36,8 +36,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvblocks {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     simulate.add_parser(subparsers)
-    generate.add_parser(subparsers)
+    _add_generate(subparsers)
     return parser
+
+
+def _add_generate(subparsers: Any) -> None:
+    """Register ``generate``; if its module cannot be imported, a stub that says why.
+
+    The module imports torch and the engine only inside ``run``, but a broken or partial
+    installation must not take ``kvblocks simulate`` down with it.
+    """
+    try:
+        from kvblocks.cli import generate
+    except ImportError as exc:
+        reason = str(exc)
+        stub = subparsers.add_parser("generate", help="(unavailable) run the paged engine")
+
+        def unavailable(args: argparse.Namespace) -> int:
+            print(f"kvblocks generate: error: unavailable ({reason})", file=sys.stderr)
+            return 1
+
+        stub.set_defaults(run=unavailable)
+        return
+    generate.add_parser(subparsers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
