@@ -100,10 +100,12 @@ def test_loaded_checkpoint_greedy_equals_dense(config, tmp_path: Path) -> None:
     expected = dense_greedy_generate(model, prompts, params.max_tokens)
     llm = LLM(str(tmp_path), num_blocks=64, block_size=8, device="cpu")
     assert llm.model.config == model.config
+    assert llm.manager.sliding_window == config.sliding_window
     assert _tokens(llm.generate(prompts, params)) == expected
-    if config.sliding_window is not None:
-        # The manager released blocks that slid out of the window: tables hold null blocks.
-        assert llm.manager.sliding_window == config.sliding_window
+    # Again, now from the prefix cache (with a window, released blocks must not be reused).
+    again = llm.generate(prompts, params)
+    assert _tokens(again) == expected
+    assert again[2].num_cached_tokens > 0
 
 
 def _beam_and_n(llm: LLM) -> list[list[list[int]]]:
