@@ -205,3 +205,39 @@ def test_bad_requests_raise_and_leave_the_engine_usable(tiny_llama: LlamaForCaus
     assert _tokens(llm.generate([[1, 2, 3]], GREEDY)) == dense_greedy_generate(
         tiny_llama, [[1, 2, 3]], GREEDY.max_tokens
     )
+
+
+def _dense_beam_search(
+    model: LlamaForCausalLM, prompt: list[int], width: int, max_tokens: int
+) -> list[tuple[list[int], float]]:
+    """Plain beam search over dense logits: keep the ``width`` best (beam, token) extensions."""
+    from kvblocks.engine.dense import dense_logits
+
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    for _ in range(max_tokens):
+        seqs = torch.tensor([prompt + generated for generated, _ in beams])
+        logprobs = torch.log_softmax(dense_logits(model, seqs)[:, -1], dim=-1).double()
+        top = logprobs.topk(2 * width, dim=-1)
+        scores = torch.tensor([cum for _, cum in beams], dtype=torch.float64)[:, None] + top.values
+        best = torch.argsort(-scores.flatten(), stable=True)[:width].tolist()
+        beams = [
+            (
+                beams[i // (2 * width)][0] + [int(top.indices.flatten()[i])],
+                float(scores.flatten()[i]),
+            )
+            for i in best
+        ]
+    return sorted(beams, key=lambda b: b[1], reverse=True)
+
+
+def test_beam_search_equals_dense_beam_search(tiny_llama: LlamaForCausalLM) -> None:
+    """Forked beams on shared, copy-on-write blocks score exactly like independent dense runs."""
+    prompts = [_prompt(21, 90), _prompt(6, 91)]
+    params = SamplingParams(max_tokens=10, beam_width=3, n=3)
+    llm = LLM(tiny_llama, num_blocks=64, block_size=8, device="cpu")
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        expected = _dense_beam_search(tiny_llama, prompt, 3, 10)
+        assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in expected]
+        for c, (_, cum) in zip(out.outputs, expected):
+            assert c.cumulative_logprob == pytest.approx(cum, abs=1e-3)
+    assert llm.manager.stats()["cow_copies"] > 0
