@@ -8,6 +8,7 @@
 
 #include "../cache_ops.cu"
 #include "../paged_attention.cu"
+#include "selftest_kernels.cuh"
 
 namespace {
 
@@ -40,6 +41,9 @@ struct Entry {
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),
     KVB_ENTRY(0, copy_blocks_kernel),
+    KVB_ENTRY(0, emu_shuffle_kernel),
+    KVB_ENTRY(0, emu_block_kernel),
+    KVB_ENTRY(0, emu_bug_kernel),
     KVB_ATTN_ALL_D(float),
     KVB_ATTN_ALL_D(__half),
     KVB_ATTN_ALL_D(__nv_bfloat16),

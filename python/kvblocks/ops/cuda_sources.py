@@ -73,8 +73,7 @@ def cuda_include_dirs() -> list[Path]:
     spec = importlib.util.find_spec("nvidia")
     roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     for root in roots:
-        for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include",
-                    "cu12/include"):
+        for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include", "cu12/include"):
             if (root / sub / "cuda_fp16.h").is_file():
                 dirs.append(root / sub)
     return dirs

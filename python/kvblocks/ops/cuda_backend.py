@@ -1,0 +1,150 @@
+"""The CUDA path of the ops: NVRTC-compiled kernels launched through CuPy.
+
+Imported only when an op receives CUDA tensors, so CPU installs never import CuPy.
+Kernels run on torch's current stream, take the tensors' memory zero-copy (raw device
+addresses), and each template instantiation is compiled on first use (CuPy caches the
+binaries on disk). Workspaces come from torch's stream-ordered caching allocator, never
+from CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from kvblocks.errors import KVBlocksError
+from kvblocks.ops import kernel_driver
+from kvblocks.ops.cuda_sources import (
+    ATTENTION_SOURCE,
+    CACHE_OPS_SOURCE,
+    cuda_dir,
+    cuda_include_dirs,
+    read_source,
+)
+from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
+
+__all__ = ["copy_blocks", "paged_attention", "paged_prefill_attention", "reshape_and_cache"]
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise KVBlocksError(
+            "CUDA tensors need CuPy: install kvblocks[cuda12] or kvblocks[cuda13]"
+        ) from exc
+    return cupy
+
+
+def _source_of(name: str) -> str:
+    return (
+        CACHE_OPS_SOURCE
+        if name in ("reshape_and_cache_kernel", "copy_blocks_kernel")
+        else (ATTENTION_SOURCE)
+    )
+
+
+@functools.cache
+def _function(device: int, name: str) -> Any:
+    """Compile (once per device) the module instantiating kernel ``name``."""
+    cupy = _cupy()
+    major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    # Only headers matching CuPy's CUDA major version; CuPy adds its own otherwise.
+    includes = [
+        d for d in cuda_include_dirs() if d == cuda_dir() or d.parent.name == f"cu{major}"
+        or (major == 12 and d.parent.name == "cuda_runtime")
+    ]  # fmt: skip
+    options = ("-std=c++17", "--use_fast_math", *[f"-I{d}" for d in includes])
+    templated = "<" in name
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(
+            code=read_source(_source_of(name)),
+            options=options,
+            name_expressions=[name] if templated else None,
+        )
+        return module.get_function(name)
+
+
+@functools.cache
+def _target_ctas(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
+
+
+def _launcher(device: torch.device) -> kernel_driver.Launcher:
+    cupy = _cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+
+    def launch(item: KernelLaunch) -> None:
+        with cupy.cuda.Device(index):
+            _function(index, item.name)(
+                item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream
+            )
+
+    return launch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """See :func:`kvblocks.ops.reshape_and_cache` (validated arguments)."""
+    kernel_driver.run_reshape_and_cache(
+        _launcher(key_cache.device), key, value, key_cache, value_cache, slot_mapping
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_seq_len: int | None,
+) -> torch.Tensor:
+    """See :func:`kvblocks.ops.paged_attention` (validated arguments)."""
+    device = key_cache.device
+    return kernel_driver.run_attention(
+        _launcher(device), query, key_cache, value_cache, block_tables, seq_lens, None,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,
+        max_seq_len=max_seq_len, target_ctas=_target_ctas(device.index or 0),
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_query_len: int,
+) -> torch.Tensor:
+    """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments)."""
+    device = key_cache.device
+    return kernel_driver.run_attention(
+        _launcher(device), query, key_cache, value_cache, block_tables, seq_lens,
+        query_start_loc, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        max_query_len=max_query_len, max_seq_len=None,
+        target_ctas=_target_ctas(device.index or 0),
+    )  # fmt: skip
+
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: torch.Tensor
+) -> None:
+    """See :func:`kvblocks.ops.copy_blocks` (validated, host-side int64 mapping)."""
+    kernel_driver.run_copy_blocks(_launcher(kv_caches[0][0].device), kv_caches, block_mapping)

@@ -1,0 +1,152 @@
+"""Device-agnostic drivers: plan, allocate outputs, and hand kernel launches to a launcher.
+
+The CUDA backend passes a CuPy launcher; the tests pass the CPU emulation's launcher
+on CPU tensors. Everything between the validated front-end call and the launch
+(alignment fixes, workspace, split planning, argument packing) is therefore shared.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from kvblocks.ops.launch_plan import (
+    PARTITION_TOKENS,
+    KernelLaunch,
+    attention_launches,
+    copy_blocks_launch,
+    plan_attention,
+    reshape_and_cache_launch,
+)
+
+__all__ = ["Launcher", "run_attention", "run_copy_blocks", "run_reshape_and_cache"]
+
+Launcher = Callable[[KernelLaunch], None]
+"""Runs one :class:`KernelLaunch` (on the current stream, for CuPy)."""
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if its base address allows 16-byte vector access, else a copy."""
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+
+def run_reshape_and_cache(
+    launch: Launcher,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter K/V rows into the cache (validated arguments)."""
+    if key.shape[0] == 0:
+        return
+    fixed = []
+    for tensor in (key, value):
+        esize = tensor.element_size()
+        if (
+            tensor.data_ptr() % 16
+            or (tensor.stride(0) * esize) % 16
+            or (tensor.stride(1) * esize) % 16
+        ):
+            tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()
+        fixed.append(tensor)
+    launch(reshape_and_cache_launch(fixed[0], fixed[1], key_cache, value_cache, slot_mapping))
+
+
+def run_attention(
+    launch: Launcher,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_query_len: int,
+    max_seq_len: int | None,
+    target_ctas: int,
+    partition_tokens: int = PARTITION_TOKENS,
+) -> torch.Tensor:
+    """Decode (``query_start_loc is None``) or prefill attention through the kernels."""
+    num_tokens, num_heads, head_size = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    query = _aligned(query)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    decode = query_start_loc is None
+    if decode and max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    plan = plan_attention(
+        dtype=query.dtype,
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len or 0,
+        decode=decode,
+        target_ctas=target_ctas,
+        partition_tokens=partition_tokens,
+    )
+    part_out = part_ml = None
+    if plan.num_splits > 1:
+        rows = num_tokens * num_heads * plan.num_splits
+        part_out = torch.empty(rows * head_size, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(rows * 2, dtype=torch.float32, device=query.device)
+    launches = attention_launches(
+        plan,
+        out=out.data_ptr(),
+        part_out=0 if part_out is None else part_out.data_ptr(),
+        part_ml=0 if part_ml is None else part_ml.data_ptr(),
+        query=query.data_ptr(),
+        key_cache=key_cache.data_ptr(),
+        value_cache=value_cache.data_ptr(),
+        block_tables=block_tables.data_ptr(),
+        seq_lens=seq_lens.data_ptr(),
+        query_start_loc=0 if query_start_loc is None else query_start_loc.data_ptr(),
+        num_rows=num_tokens * num_heads,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        max_blocks=block_tables.shape[1],
+        num_blocks=num_blocks,
+        scale=1.0 / math.sqrt(head_size) if scale is None else scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+    )
+    for item in launches:
+        launch(item)
+    return out
+
+
+def run_copy_blocks(
+    launch: Launcher,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    mapping: torch.Tensor,
+) -> None:
+    """Copy blocks in every cache; one launch when the caches are evenly spaced."""
+    caches = [cache for pair in kv_caches for cache in pair]
+    device_mapping = mapping.to(caches[0].device).contiguous()
+    num_blocks = caches[0].shape[0]
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    base = caches[0].data_ptr()
+    stride = caches[1].data_ptr() - base
+    if all(c.data_ptr() == base + i * stride for i, c in enumerate(caches)):
+        groups = [(base, len(caches))]
+    else:  # caches not from allocate_kv_cache: one launch per cache, still correct
+        groups = [(c.data_ptr(), 1) for c in caches]
+    for start, count in groups:
+        launch(
+            copy_blocks_launch(
+                start, device_mapping.data_ptr(), mapping.shape[0], count, stride,
+                block_bytes, num_blocks,
+            )
+        )  # fmt: skip

@@ -1,0 +1,101 @@
+"""Build and drive the CUDA-emulation library (cuda/emu) from the tests.
+
+The library is g++-compiled once per source hash into ``cuda/emu/build`` (gitignored)
+and loaded with ctypes. ``KVB_EMU_FLAVOR=asan`` selects the AddressSanitizer +
+UBSan build (the process must then preload libasan; see test_ops_emu_sanitizers.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from kvblocks.ops.launch_plan import KernelLaunch
+
+REPO = Path(__file__).resolve().parents[2]
+CUDA_DIR = REPO / "cuda"
+EMU_DIR = CUDA_DIR / "emu"
+BUILD_DIR = EMU_DIR / "build"
+
+FLAVOR_FLAGS = {
+    "opt": ["-O2"],
+    "asan": [
+        "-O1",
+        "-g",
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=undefined",
+        "-fno-omit-frame-pointer",
+    ],
+}
+
+
+def _sources() -> list[Path]:
+    return sorted(
+        [
+            *CUDA_DIR.glob("*.cu"),
+            *CUDA_DIR.glob("*.cuh"),
+            *EMU_DIR.glob("*.h"),
+            *EMU_DIR.glob("*.cpp"),
+            *(EMU_DIR / "include").glob("*.h"),
+        ]
+    )
+
+
+def build_library(flavor: str) -> Path:
+    """Compile the harness (if its sources changed) and return the shared library path."""
+    flags = FLAVOR_FLAGS[flavor]
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in _sources():
+        digest.update(path.name.encode() + path.read_bytes())
+    target = BUILD_DIR / f"libkvb_emu_{flavor}_{digest.hexdigest()[:16]}.so"
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build even with concurrent test processes
+        if not target.exists():
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [
+                os.environ.get("CXX", "g++"), "-std=c++17", *flags, "-shared", "-fPIC",
+                "-pthread", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-Werror",
+                f"-I{EMU_DIR / 'include'}", f"-I{EMU_DIR}", str(EMU_DIR / "harness.cpp"),
+                "-o", str(tmp),
+            ]  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            tmp.rename(target)
+            for stale in BUILD_DIR.glob(f"libkvb_emu_{flavor}_*.so"):
+                if stale != target:
+                    stale.unlink()  # a loaded copy stays mapped; only the file goes
+    return target
+
+
+@functools.cache
+def library(flavor: str | None = None) -> ctypes.CDLL:
+    """The loaded emulation library (flavor from ``KVB_EMU_FLAVOR``, default ``opt``)."""
+    lib = ctypes.CDLL(str(build_library(flavor or os.environ.get("KVB_EMU_FLAVOR", "opt"))))
+    lib.kvb_emu_launch.restype = ctypes.c_int
+    lib.kvb_emu_launch.argtypes = [
+        ctypes.c_char_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint),
+        ctypes.c_ulonglong, ctypes.POINTER(ctypes.c_void_p),
+    ]  # fmt: skip
+    lib.kvb_emu_smem_bytes.restype = ctypes.c_int
+    lib.kvb_emu_smem_bytes.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+def emu_launch(launch: KernelLaunch) -> None:
+    """Run one planned launch on CPU threads (the arguments' addresses are host memory)."""
+    lib = library()
+    # Each argument lives in its own NumPy buffer; the kernel reads it through a pointer.
+    holders = [np.array([arg]) for arg in launch.args]
+    ptrs = (ctypes.c_void_p * len(holders))(*[h.ctypes.data for h in holders])
+    grid = (ctypes.c_uint * 3)(*launch.grid)
+    block = (ctypes.c_uint * 3)(*launch.block)
+    rc = lib.kvb_emu_launch(launch.name.encode(), grid, block, launch.smem_bytes, ptrs)
+    if rc != 0:
+        raise LookupError(f"the emulation harness has no kernel {launch.name!r}")
