@@ -127,9 +127,16 @@ class Scheduler:
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
             )
         seq_id = self._new_seq_id()
-        self.manager.add_sequence(
-            seq_id, request.prompt_token_ids, cache_salt=request.cache_salt, lora_id=request.lora_id
-        )
+        try:
+            self.manager.add_sequence(
+                seq_id,
+                request.prompt_token_ids,
+                cache_salt=request.cache_salt,
+                lora_id=request.lora_id,
+            )
+        except Exception:
+            self._free_seq_ids.append(seq_id)  # e.g. a LoRA id the manager rejects
+            raise
         if self.manager.can_allocate(seq_id) == AllocStatus.NEVER:
             self.manager.free(seq_id)
             self._free_seq_ids.append(seq_id)
