@@ -112,6 +112,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument(
         "--engine-seed", type=_non_negative_int, default=0, help="engine generator seed"
     )
+    eng.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to "
+        "split, torch's default for a checkpoint)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.set_defaults(run=run)
     return p
@@ -122,6 +129,10 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
 
     from kvblocks.engine import LLM
     from kvblocks.sampling_params import SamplingParams
+
+    threads = args.threads or (1 if args.model is None else None)
+    if threads:
+        torch.set_num_threads(threads)
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
