@@ -1,0 +1,100 @@
+"""The real CUDA kernels (CuPy) against the torch reference; skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ops_cases import make_case, tolerance
+
+import kvblocks.ops as ops
+from kvblocks.ops import reference
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("cupy")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def to_cuda(case):
+    moved = {
+        name: getattr(case, name).cuda()
+        for name in ("query", "key_cache", "value_cache", "block_tables", "query_start_loc",
+                     "seq_lens")
+    }  # fmt: skip
+    return moved
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode(dtype, head_size, block_size, group):
+    lens = [1, block_size, block_size + 1, 300, 1500]
+    case = make_case(head_size + group, lens, [1] * len(lens), num_kv_heads=2, group=group,
+                     head_size=head_size, block_size=block_size, dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    got = ops.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                              dev["block_tables"], dev["seq_lens"])  # fmt: skip
+    want = reference.paged_attention(case.query, case.key_cache, case.value_cache,
+                                     case.block_tables, case.seq_lens)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, 30.0), (100, None), (7, 5.0)])
+def test_decode_split_k_long_context(dtype, sliding_window, soft_cap):
+    case = make_case(5, [8000, 3000, 0], [1, 1, 0], num_kv_heads=1, group=4, head_size=128,
+                     dtype=dtype)  # fmt: skip
+    query = torch.zeros((3, *case.query.shape[1:]), dtype=dtype)
+    query[:2] = case.query
+    case.query = query
+    dev = to_cuda(case)
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    got = ops.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                              dev["block_tables"], dev["seq_lens"], **kw)  # fmt: skip
+    want = reference.paged_attention(case.query, case.key_cache, case.value_cache,
+                                     case.block_tables, case.seq_lens, **kw)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill(dtype, head_size, group):
+    case = make_case(9, [500, 37, 16, 90], [500, 20, 0, 1], num_kv_heads=2, group=group,
+                     head_size=head_size, block_size=16, dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    got = ops.paged_prefill_attention(
+        dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+        dev["query_start_loc"], dev["seq_lens"], sliding_window=64,
+    )  # fmt: skip
+    want = reference.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, sliding_window=64,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cache_ops(dtype):
+    caches = ops.allocate_kv_cache(2, 10, 16, 4, 128, dtype, "cuda")
+    ref_caches = ops.allocate_kv_cache(2, 10, 16, 4, 128, dtype, "cpu")
+    key = torch.randn(33, 4, 128).to(dtype)
+    value = torch.randn(33, 4, 128).to(dtype)
+    slots = torch.randperm(160)[:33]
+    slots[5] = -1
+    for (k, v), (rk, rv) in zip(caches, ref_caches):
+        ops.reshape_and_cache(key.cuda(), value.cuda(), k, v, slots.cuda())
+        ops.reshape_and_cache(key, value, rk, rv, slots)
+    mapping = torch.tensor([[1, 7], [2, 8], [3, 9]])
+    ops.copy_blocks(caches, mapping)
+    ops.copy_blocks(ref_caches, mapping)
+    for (k, v), (rk, rv) in zip(caches, ref_caches):
+        assert torch.equal(k.cpu(), rk) and torch.equal(v.cpu(), rv)
+    host = torch.zeros((10, 4, 16, 128), dtype=dtype).pin_memory()
+    ops.swap_blocks(caches[0][0], host, [[1, 0], [2, 1], [5, 4]])
+    torch.cuda.synchronize()
+    assert torch.equal(host[[0, 1, 4]], ref_caches[0][0][[1, 2, 5]])
