@@ -50,3 +50,17 @@ def test_compile_errors_fail_with_the_log(tmp_path, monkeypatch):
     monkeypatch.setattr(nvrtc_build, "read_source", lambda name: (tmp_path / name).read_text())
     with pytest.raises(nvrtc_build.NvrtcCompileError, match="undeclared"):
         nvrtc_build.compile_source("broken.cu", "sm_90", [])
+
+
+def test_packaged_source_links_cover_every_cuda_file():
+    from pathlib import Path
+
+    from kvblocks.ops import cuda_sources
+
+    repo_cuda = Path(__file__).resolve().parents[2] / "cuda"
+    links = Path(cuda_sources.__file__).resolve().parent / "_cuda"
+    sources = sorted(p.name for p in [*repo_cuda.glob("*.cu"), *repo_cuda.glob("*.cuh")])
+    assert sorted(p.name for p in links.iterdir()) == sources
+    for name in sources:
+        assert (links / name).read_bytes() == (repo_cuda / name).read_bytes(), name
+    assert cuda_sources.cuda_dir() == repo_cuda

@@ -2,7 +2,9 @@
 
 The ``.cu`` files are read at run time and compiled by NVRTC (through CuPy, or
 directly in the compile tests). From a repository checkout they are in ``cuda/`` at
-the root; an installed wheel carries them as ``kvblocks/_cuda``.
+the root. ``kvblocks/ops/_cuda/`` holds one file symlink per source into ``cuda/``;
+maturin copies symlinked *files* (not directories) into wheels as regular files, so
+an installed wheel finds the sources there.
 """
 
 from __future__ import annotations
@@ -49,12 +51,12 @@ CTYPE_NAMES: dict[torch.dtype, str] = {
 def cuda_dir() -> Path:
     """The directory holding the ``.cu`` sources (checkout first, then the wheel copy)."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parents[2] / "cuda", here.parent / "_cuda"):
+    for candidate in (here.parents[2] / "cuda", here / "_cuda"):
         if (candidate / ATTENTION_SOURCE).is_file():
             return candidate
     raise FileNotFoundError(
         f"kvblocks CUDA sources not found in {here.parents[2] / 'cuda'} or "
-        f"{here.parent / '_cuda'}; reinstall kvblocks"
+        f"{here / '_cuda'}; reinstall kvblocks"
     )
 
 

@@ -1,0 +1,1 @@
+../../../../cuda/cache_ops.cu

@@ -1,0 +1,1 @@
+../../../../cuda/kv_common.cuh

@@ -1,0 +1,1 @@
+../../../../cuda/paged_attention.cu
