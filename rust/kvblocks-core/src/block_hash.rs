@@ -1,25 +1,6 @@
 //! Content hashes of full blocks: the prefix-cache key.
 //!
-//! Every field is tagged and length-prefixed so that no two different field sequences
-//! can feed the same bytes to the hash function. The extra keys are encoded once per
-//! sequence into a *namespace*:
-//!
-//! ```text
-//! extra = salt: 0x00 | 0x01 len:u64le bytes     (None and b"" differ)
-//!         lora: 0x00 | 0x01 id:u64le            (None and Some(0) differ)
-//! block = parent: 0x00                          (first block of a sequence)
-//!               | 0x01 len:u8 parent-digest     (otherwise)
-//!         tokens: count:u32le token:u32le*
-//! ```
-//!
-//! * BLAKE3: namespace = `derive_key("kvblocks 2026 namespace v1", extra)`, a 32-byte key;
-//!   hash = `keyed_hash(namespace, block)`. Keyed mode puts the namespace in the key
-//!   instead of the message, which saves one compression per block (a 16-token block
-//!   fits two 64-byte compressions).
-//! * xxh3-128: namespace = `xxh3_128("kvblocks/namespace/v1" extra)`;
-//!   hash = `xxh3_128("kvblocks/block/v1" 0x10 namespace block)`.
-//!
-//! So blocks of different salts or LoRA ids never share a hash.
+//! See [`BlockHasher`] for the encoding.
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
@@ -75,6 +56,27 @@ impl fmt::Debug for BlockHash {
 }
 
 /// Computes block and namespace hashes with one algorithm, reusing a scratch buffer.
+///
+/// Every field is tagged and length-prefixed so that no two different field sequences
+/// can feed the same bytes to the hash function. The extra keys are encoded once per
+/// sequence into a *namespace*:
+///
+/// ```text
+/// extra = salt: 0x00 | 0x01 len:u64le bytes     (None and b"" differ)
+///         lora: 0x00 | 0x01 id:u64le            (None and Some(0) differ)
+/// block = parent: 0x00                          (first block of a sequence)
+///               | 0x01 len:u8 parent-digest     (otherwise)
+///         tokens: count:u32le token:u32le*
+/// ```
+///
+/// * BLAKE3: namespace = `derive_key("kvblocks 2026 namespace v1", extra)`, a 32-byte key;
+///   hash = `keyed_hash(namespace, block)`. Keyed mode puts the namespace in the key
+///   instead of the message, which saves one compression per block (a 16-token block
+///   fits two 64-byte compressions).
+/// * xxh3-128: namespace = `xxh3_128("kvblocks/namespace/v1" extra)`;
+///   hash = `xxh3_128("kvblocks/block/v1" 0x10 namespace block)`.
+///
+/// So blocks of different salts or LoRA ids never share a hash.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {
     algo: HashAlgo,

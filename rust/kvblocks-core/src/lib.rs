@@ -17,7 +17,17 @@
 //!   the manager exactly as it was, free-queue order included.
 //! * **Free order.** Freed blocks are processed last block first: unhashed blocks go to
 //!   the front of the free queue (reused first), cached blocks to the back (evicted last,
-//!   a prompt's tail before its head).
+//!   a prompt's tail before its head). Sliding-window releases inside one `commit` follow
+//!   the same rule (last released block first). The CPU pool has a single rule: freed
+//!   blocks go to the front, last first.
+//! * **Prefix cache.** Block hashes chain the parent hash and the extra keys (cache salt,
+//!   LoRA id); see [`BlockHasher`] for the exact, domain-separated encoding. Eviction is
+//!   lazy: a freed cached block keeps its hash (and counts as free) until it is popped
+//!   for reuse, which records a `BlockRemoved` event. `BlockStored` events cover runs of
+//!   consecutive blocks stored by one `commit` (a duplicate block ends a run);
+//!   `BlockRemoved` events carry one hash each.
+//! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
+//!   `i32`/`i64` in the step inputs.
 //!
 //! Rust-side details the `.pyi` leaves open:
 //!
