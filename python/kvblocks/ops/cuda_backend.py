@@ -78,9 +78,10 @@ def _launcher(device: torch.device) -> kernel_driver.Launcher:
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
 
     def launch(item: KernelLaunch) -> None:
-        with cupy.cuda.Device(index):
+        # RawKernel launches on CuPy's current stream: make it torch's for the call.
+        with cupy.cuda.Device(index), stream:
             _function(index, item.name)(
-                item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream
+                item.grid, item.block, item.args, shared_mem=item.smem_bytes
             )
 
     return launch

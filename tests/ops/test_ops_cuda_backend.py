@@ -1,0 +1,128 @@
+"""The CuPy backend's plumbing, with a stand-in CuPy whose kernels run on the emulator.
+
+No GPU here: the fake module records how kernels are compiled and launched (name
+expressions, include dirs, torch's stream) and executes each launch with the CPU
+emulation on the CPU tensors' memory, so the backend is checked end to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from emu_runtime import emu_launch
+from ops_cases import make_case
+
+from kvblocks.ops import cuda_backend, reference
+from kvblocks.ops.cuda_sources import cuda_dir
+from kvblocks.ops.launch_plan import KernelLaunch
+
+
+class FakeCupy(types.ModuleType):
+    """Just the CuPy surface the backend uses."""
+
+    def __init__(self):
+        super().__init__("cupy")
+        self.modules = []
+        self.launches = []
+        self.streams = []
+        self.current_stream = None
+        fake = self
+
+        class ExternalStream(contextlib.AbstractContextManager):
+            def __init__(self, ptr, device_id=-1):
+                self.ptr = ptr
+                fake.streams.append((ptr, device_id))
+
+            def __enter__(self):
+                fake.current_stream = self.ptr
+                return self
+
+            def __exit__(self, *exc):
+                fake.current_stream = None
+
+        class RawModule:
+            def __init__(self, code, options=(), name_expressions=None):
+                fake.modules.append((options, name_expressions))
+
+            def get_function(self, name):
+                def kernel(grid, block, args, shared_mem=0):
+                    assert fake.current_stream == 1234, "launched off torch's stream"
+                    fake.launches.append(name)
+                    emu_launch(KernelLaunch(name, grid, block, shared_mem, tuple(args)))
+
+                return kernel
+
+        self.RawModule = RawModule
+        self.cuda = types.SimpleNamespace(
+            ExternalStream=ExternalStream,
+            Device=lambda index: contextlib.nullcontext(),
+            runtime=types.SimpleNamespace(runtimeGetVersion=lambda: 13000),
+        )
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    fake = FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=1234)
+    )
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties",
+        lambda index: types.SimpleNamespace(multi_processor_count=1),
+    )  # fmt: skip
+    cuda_backend._function.cache_clear()
+    cuda_backend._target_ctas.cache_clear()
+    yield fake
+    cuda_backend._function.cache_clear()
+    cuda_backend._target_ctas.cache_clear()
+
+
+def test_decode_through_the_backend(fake_cupy):
+    case = make_case(3, [700, 5], [1, 1], num_kv_heads=1, group=4, head_size=128,
+                     dtype=torch.float16)  # fmt: skip
+    got = cuda_backend.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        scale=None, sliding_window=None, soft_cap=None, max_seq_len=700,
+    )  # fmt: skip
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    )
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # 2 CTAs < 4 per SM on the fake 1-SM device: split-K, then the merge kernel.
+    assert fake_cupy.launches == [
+        "paged_attention_kernel<__half, 128, 8>",
+        "merge_splits_kernel<__half, 128>",
+    ]
+    options, names = fake_cupy.modules[0]
+    assert names == ["paged_attention_kernel<__half, 128, 8>"]
+    assert f"-I{cuda_dir()}" in options and "-std=c++17" in options
+    assert fake_cupy.streams and all(ptr == 1234 for ptr, _ in fake_cupy.streams)
+
+
+def test_prefill_and_cache_ops_through_the_backend(fake_cupy):
+    case = make_case(4, [30, 12], [30, 4], num_kv_heads=2, group=2, head_size=64)
+    got = cuda_backend.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, scale=None, sliding_window=8, soft_cap=None,
+        max_query_len=30,
+    )  # fmt: skip
+    want = reference.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, sliding_window=8,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    key = torch.randn(3, 2, 64)
+    slots = torch.tensor([1, 2, 40], dtype=torch.int64)
+    cuda_backend.reshape_and_cache(key, key * 2, case.key_cache, case.value_cache, slots)
+    assert torch.equal(case.key_cache[2, :, 8], key[2])
+    assert torch.equal(case.value_cache[0, :, 1], key[0] * 2)
+    cuda_backend.copy_blocks([(case.key_cache, case.value_cache)], torch.tensor([[2, 3]]))
+    assert torch.equal(case.key_cache[3], case.key_cache[2])
+    assert fake_cupy.launches[-2:] == ["reshape_and_cache_kernel", "copy_blocks_kernel"]
+    assert fake_cupy.modules[-1][1] is None  # extern "C" kernels need no name expressions
