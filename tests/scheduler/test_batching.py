@@ -27,7 +27,14 @@ def _check_arrays(out, block_size: int) -> None:
         assert out.slot_mapping[a:b].tolist() == expected.tolist()
     assert len(set(out.slot_mapping.tolist())) == t  # no two tokens share a slot
     r = out.num_sample_rows
-    for arr in (out.sample_counts, out.temperature, out.top_p, out.top_k, out.seeds):
+    for arr in (
+        out.sample_counts,
+        out.temperature,
+        out.top_p,
+        out.top_k,
+        out.seeds,
+        out.sample_seq_index,
+    ):
         assert arr.shape == (r,)
     assert len(out.sample_request_ids) == r
     assert out.num_prefill_tokens + out.num_decode_tokens == t

@@ -49,7 +49,7 @@ def build_step(
     cover the whole batch.
     """
     mgr = manager
-    temperature, top_p, top_k, seeds = dec_sampling
+    temperature, top_p, top_k, seeds, seq_index = dec_sampling
     sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
     special = bool(dec_beam.any())
     beam_width = 0
@@ -108,6 +108,9 @@ def build_step(
         temperature = np.concatenate([temperature, ext[:, 0].astype(np.float32)])
         top_p = np.concatenate([top_p, ext[:, 1].astype(np.float32)])
         top_k = np.concatenate([top_k, ext[:, 2].astype(np.int32)])
+        # A prompt row samples for the request's first sequence (index 0); an n > 1
+        # prompt row's draws i = 0..n-1 go to the sequences of index i.
+        seq_index = np.concatenate([seq_index, np.zeros(len(extra_counts), np.int32)])
         seeds = np.concatenate([seeds, np.array([e[3] for e in extra_sampling], np.int64)])
         dec_request_ids = dec_request_ids + extra_request_ids
     logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
@@ -131,6 +134,7 @@ def build_step(
         logits_indices=logits_indices,
         sample_seq_ids=seq_ids[plan_row_pos],
         sample_request_ids=dec_request_ids,
+        sample_seq_index=seq_index.astype(np.int32, copy=False),
         sample_counts=sample_counts,
         temperature=temperature,
         top_p=top_p,

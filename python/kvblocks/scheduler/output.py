@@ -71,6 +71,11 @@ class SchedulerOutput:
             (one token each, past the prompt); the rest are prefill chunks.
         finished_request_ids: requests finished or aborted since the previous step; the
             engine may drop any per-request state it keeps for them.
+        sample_seq_index: int32 [R] completion index (``CompletionOutput.index``) of each
+            row's sequence; the ``n`` draws of an ``n > 1`` prompt row go to indices
+            ``0..n-1``. With it, seeded sampling can key its noise by (seed, index,
+            position) and so not depend on batching or preemption. The scheduler always
+            sets it; ``None`` only in hand-built records (added after the first version).
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -97,6 +102,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_decode_seqs: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
+    sample_seq_index: npt.NDArray[np.int32] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -100,6 +100,7 @@ class RequestState:
         rows["top_p"][:] = params.top_p
         rows["top_k"][:] = params.top_k
         rows["seed"][:] = -1 if params.seed is None else params.seed
+        rows["seq_index"][:] = [self.seq_index.get(int(s), 0) for s in seq_ids]
         rows["cum_logprob"][:] = cum_logprobs
         rows["is_beam"][:] = params.use_beam_search
         return rows

@@ -242,6 +242,7 @@ class Scheduler:
             cols["top_p"][:end].copy(),
             cols["top_k"][:end].copy(),
             cols["seed"][:end].copy(),
+            cols["seq_index"][:end].copy(),
         )
         dec_request_ids: list[str] = cols["request_id"][:end].tolist()
         budget -= num_decode

@@ -32,6 +32,7 @@ COLUMNS: dict[str, Any] = {
     "top_p": np.float32,
     "top_k": np.int32,
     "seed": np.int64,
+    "seq_index": np.int32,  # completion index of the sequence within its request
     "cum_logprob": np.float64,
     "is_beam": np.bool_,
 }
