@@ -76,6 +76,13 @@ class SchedulerOutput:
             ``0..n-1``. With it, seeded sampling can key its noise by (seed, index,
             position) and so not depend on batching or preemption. The scheduler always
             sets it; ``None`` only in hand-built records (added after the first version).
+        memory_ops: the same swap/copy pairs as ``blocks_to_swap_out``,
+            ``blocks_to_swap_in`` and ``blocks_to_copy``, as ``(kind, pairs)`` groups in the
+            order the block manager issued them (kind ``"swap_out"``, ``"swap_in"`` or
+            ``"copy"``). A step that preempts can free blocks, reuse them as copy-on-write
+            destinations and swap those out again, so only this order is always correct;
+            when it is non-empty the engine applies it instead of the three arrays (added
+            after the first version; empty in hand-built records).
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -103,6 +110,7 @@ class SchedulerOutput:
     num_decode_seqs: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
     sample_seq_index: npt.NDArray[np.int32] | None = None
+    memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -92,6 +92,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._stop_tokens = np.zeros(0, dtype=np.int64)
         self._swap_out_maps: list[npt.NDArray[np.int64]] = []
+        # Swap/copy groups in issue order (see SchedulerOutput.memory_ops).
+        self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
         self._lpm_cursor = 0
 
@@ -212,6 +214,7 @@ class Scheduler:
         table = self._table
         budget = cfg.max_num_batched_tokens
         self._swap_out_maps = []
+        self._memory_ops = []
         swap_in_maps: list[npt.NDArray[np.int64]] = []
         self._preempted = False
 
@@ -274,7 +277,9 @@ class Scheduler:
                         self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
                         continue
                     break
+                self._drain_copies()
                 swap_in_maps.append(mgr.swap_in(state.seq_ids))
+                self._memory_ops.append(("swap_in", swap_in_maps[-1]))
                 self._swapped.pop(0)
                 rows = state.swapped_rows
                 state.swapped_rows = None
@@ -318,6 +323,10 @@ class Scheduler:
             lambda seq: self._owner[seq].params.beam_width,
         )
         self._finished_ids = []
+        if self._memory_ops:
+            early = [pairs for kind, pairs in self._memory_ops if kind == "copy"]
+            output.memory_ops = [*self._memory_ops, ("copy", output.blocks_to_copy)]
+            output.blocks_to_copy = np.concatenate([*early, output.blocks_to_copy])
         self._in_flight = plan
         self.counters.num_steps += 1
         self.counters.num_prefill_tokens += output.num_prefill_tokens
@@ -721,13 +730,21 @@ class Scheduler:
         if mgr.num_cpu_blocks == 0 or not mgr.can_swap_out(seqs):
             return False
         rows = self._table.rows_of(np.array(seqs, dtype=np.int64))
+        self._drain_copies()
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
+        self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
         state.swapped_rows = self._table.take(rows)
         self._table.update(rows, [])
         state.status = RequestStatus.SWAPPED
         _insort(self._swapped, state)
         self.counters.num_preemptions_swap += 1
         return True
+
+    def _drain_copies(self) -> None:
+        """Record the copy-on-writes issued so far, before a swap reuses or reads blocks."""
+        pairs = np.asarray(self.manager.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2)
+        if len(pairs):
+            self._memory_ops.append(("copy", pairs))
 
     def _recompute(self, state: RequestState) -> None:
         """Free the single sequence's blocks and queue it to be computed again."""
