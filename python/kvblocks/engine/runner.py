@@ -165,24 +165,44 @@ class ModelRunner:
         return [(base[i, 0], base[i, 1]) for i in range(c.num_hidden_layers)]
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in, then copy-on-write copies, as the scheduler ordered."""
-        swap_out = np.asarray(out.blocks_to_swap_out, dtype=np.int64).reshape(-1, 2)
-        swap_in = np.asarray(out.blocks_to_swap_in, dtype=np.int64).reshape(-1, 2)
-        if (swap_out.size or swap_in.size) and not self.cpu_caches:
+        """Apply the step's swaps and copy-on-write copies before the forward pass.
+
+        In the order the block manager issued them (``out.memory_ops``) when the scheduler
+        reports it; otherwise swap out, swap in, then copies, as the first interface
+        version specified.
+        """
+        ops_in_order = getattr(out, "memory_ops", None)
+        if not ops_in_order:
+            ops_in_order = [
+                ("swap_out", out.blocks_to_swap_out),
+                ("swap_in", out.blocks_to_swap_in),
+                ("copy", out.blocks_to_copy),
+            ]
+        for kind, raw in ops_in_order:
+            pairs = np.asarray(raw, dtype=np.int64).reshape(-1, 2)
+            if not pairs.size:
+                continue
+            if kind == "copy":
+                ops.copy_blocks(self.kv_caches, _last_copy_per_destination(pairs))
+            elif kind in ("swap_out", "swap_in"):
+                self._swap(kind, pairs)
+            else:
+                raise InvalidArgumentError(
+                    f"unknown memory op {kind!r}; expected 'swap_out', 'swap_in' or 'copy'"
+                )
+
+    def _swap(self, kind: str, pairs: np.ndarray) -> None:
+        if not self.cpu_caches:
             raise InvalidArgumentError(
                 "the scheduler asked for a swap but the runner has no CPU blocks"
             )
-        if swap_out.size:
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-                ops.swap_blocks(k, ck, swap_out)
-                ops.swap_blocks(v, cv, swap_out)
-        if swap_in.size:
-            for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
-                ops.swap_blocks(ck, k, swap_in)
-                ops.swap_blocks(cv, v, swap_in)
-        copies = np.asarray(out.blocks_to_copy, dtype=np.int64).reshape(-1, 2)
-        if copies.size:
-            ops.copy_blocks(self.kv_caches, copies)
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+            if kind == "swap_out":
+                ops.swap_blocks(k, ck, pairs)
+                ops.swap_blocks(v, cv, pairs)
+            else:
+                ops.swap_blocks(ck, k, pairs)
+                ops.swap_blocks(cv, v, pairs)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
@@ -229,3 +249,17 @@ class ModelRunner:
             return None
         rows = hidden[self._to_device(out.logits_indices, torch.long)]
         return self.model.compute_logits(rows)
+
+
+def _last_copy_per_destination(pairs: np.ndarray) -> np.ndarray:
+    """Keep only the last ``(src, dst)`` pair per destination.
+
+    A copy queued for a sequence that was then freed in the same step leaves a stale pair
+    whose destination may be copied into again; one copy kernel runs its pairs in
+    parallel, so only the latest may stay.
+    """
+    if len(pairs) < 2:
+        return pairs
+    _, first_in_reversed = np.unique(pairs[::-1, 1], return_index=True)
+    keep = np.sort(len(pairs) - 1 - first_in_reversed)
+    return pairs[keep]
