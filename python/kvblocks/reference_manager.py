@@ -45,6 +45,7 @@ _MAX_SEQ_ID = 2**63
 _MAX_TOKEN_ID = 2**32
 _MAX_LORA_ID = 2**64
 _MAX_COUNT = 2**63
+_MAX_BLOCKS = 2**26
 _HASH_ALGOS = ("blake3", "xxh3_128")
 # The root "parent" of a sequence's first block; any fixed value distinct from real digests.
 _ROOT_HASH = b"\x00" * 32
@@ -209,9 +210,10 @@ class ReferenceKVCacheManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
     ) -> None:
-        self._num_blocks = _check_int(num_blocks, "num_blocks", 2, 2**31)
-        self._block_size = _check_int(block_size, "block_size", 1, 2**31)
-        self._num_cpu_blocks = _check_int(num_cpu_blocks, "num_cpu_blocks", 0, 2**31)
+        # Same limits as the core: pools of at most 2**26 blocks, blocks of at most 2**20.
+        self._num_blocks = _check_int(num_blocks, "num_blocks", 2, _MAX_BLOCKS + 1)
+        self._block_size = _check_int(block_size, "block_size", 1, 2**20 + 1)
+        self._num_cpu_blocks = _check_int(num_cpu_blocks, "num_cpu_blocks", 0, _MAX_BLOCKS + 1)
         if hash_algo not in _HASH_ALGOS:
             raise InvalidArgumentError(f"hash_algo must be one of {_HASH_ALGOS}, got {hash_algo!r}")
         watermark = float(watermark)
@@ -859,9 +861,9 @@ class ReferenceKVCacheManager:
         if num_tokens is not None:
             given = _per_seq(num_tokens, len(ids), "num_tokens", 0, _MAX_COUNT)
         bs = self._block_size
+        seqs = [self._get_running(sid, "map slots of")[1] for sid in ids]
         spans = []
-        for i, sid in enumerate(ids):
-            seq = self._get_running(sid, "map slots of")[1]
+        for i, (sid, seq) in enumerate(zip(ids, seqs)):
             n = len(seq.token_ids) - seq.num_computed if given is None else given[i]
             end = seq.num_computed + n
             if end > len(seq.block_table) * bs:

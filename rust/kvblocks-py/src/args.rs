@@ -4,10 +4,7 @@
 //! says what was expected, so bad input never surfaces as a bare `TypeError` or
 //! `OverflowError` from PyO3.
 
-use numpy::{
-    Element, PyArray1, PyArrayMethods, PyUntypedArray,
-    PyUntypedArrayMethods,
-};
+use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString};
 
@@ -41,7 +38,9 @@ pub(crate) fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
 
 fn scalar_int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
     if obj.is_instance_of::<PyBool>() {
-        return Err(invalid_argument(format!("{name} must be an int, got a bool")));
+        return Err(invalid_argument(format!(
+            "{name} must be an int, got a bool"
+        )));
     }
     if let Ok(v) = obj.extract::<i64>() {
         return Ok(i128::from(v));
@@ -160,10 +159,7 @@ pub(crate) fn int_vec<T: IntTarget>(
         if !done {
             return Err(invalid_argument(format!(
                 "{name} must have an integer dtype, got {}",
-                arr.dtype()
-                    .str()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default()
+                arr.dtype().str().map(|s| s.to_string()).unwrap_or_default()
             )));
         }
         return Ok(out);
@@ -216,8 +212,14 @@ pub(crate) enum PerSeq {
 
 impl PerSeq {
     /// Parse an int or a 1-D integer array/sequence with values in `[lo, hi)`.
-    pub(crate) fn extract(obj: &Bound<'_, PyAny>, name: &str, lo: i128, hi: i128) -> PyResult<Self> {
-        if obj.is_instance_of::<PyInt>() || (obj.hasattr("__index__")? && !obj.hasattr("__len__")?)
+    pub(crate) fn extract(
+        obj: &Bound<'_, PyAny>,
+        name: &str,
+        lo: i128,
+        hi: i128,
+    ) -> PyResult<Self> {
+        if obj.is_instance_of::<PyInt>()
+            || (obj.hasattr("__index__")? && !obj.hasattr("__len__")?)
         {
             return Ok(PerSeq::Scalar(int_in(obj, name, lo, hi)? as i64));
         }

@@ -30,7 +30,9 @@ fn new_error(cell: &'static PyOnceLock<Py<PyType>>, name: &str, message: String)
 pub(crate) fn to_py_err(err: KvError) -> PyErr {
     let message = err.to_string();
     match err {
-        KvError::InvalidArgument(_) => new_error(&INVALID_ARGUMENT, "InvalidArgumentError", message),
+        KvError::InvalidArgument(_) => {
+            new_error(&INVALID_ARGUMENT, "InvalidArgumentError", message)
+        }
         KvError::OutOfBlocks(_) => new_error(&OUT_OF_BLOCKS, "OutOfBlocksError", message),
         KvError::UnknownSequence(_) => {
             new_error(&UNKNOWN_SEQUENCE, "UnknownSequenceError", message)

@@ -5,13 +5,22 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 fn hashes_to_py<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Vec<Bound<'py, PyBytes>> {
-    hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect()
+    hashes
+        .iter()
+        .map(|h| PyBytes::new(py, h.as_bytes()))
+        .collect()
 }
 
 fn hex(hashes: &[BlockHash]) -> String {
     hashes
         .iter()
-        .map(|h| h.as_bytes().iter().take(4).map(|b| format!("{b:02x}")).collect::<String>())
+        .map(|h| {
+            h.as_bytes()
+                .iter()
+                .take(4)
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        })
         .collect::<Vec<_>>()
         .join(", ")
 }

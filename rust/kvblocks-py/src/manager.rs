@@ -32,6 +32,30 @@ enum Work {
     Long,
 }
 
+/// Releasing and re-taking the GIL costs about a microsecond: worth it only when the
+/// call does more than that. Prompts of this many tokens (hashing) or batches of this
+/// many sequences run detached.
+const DETACH_TOKENS: usize = 2048;
+const DETACH_SEQS: usize = 64;
+
+impl Work {
+    fn for_tokens(n: usize) -> Self {
+        if n >= DETACH_TOKENS {
+            Work::Long
+        } else {
+            Work::Short
+        }
+    }
+
+    fn for_batch(n: usize) -> Self {
+        if n >= DETACH_SEQS {
+            Work::Long
+        } else {
+            Work::Short
+        }
+    }
+}
+
 impl KVCacheManager {
     /// Run `f` on the core under the lock (see the module docs for the locking rule).
     fn run<R, F>(&self, py: Python<'_>, work: Work, f: F) -> R
@@ -204,7 +228,11 @@ impl KVCacheManager {
                 m.num_blocks(),
                 m.block_size(),
                 m.num_cpu_blocks(),
-                if m.enable_prefix_caching() { "True" } else { "False" },
+                if m.enable_prefix_caching() {
+                    "True"
+                } else {
+                    "False"
+                },
                 m.hash_algo().as_str(),
                 m.num_free_blocks(),
                 m.len()
@@ -231,7 +259,7 @@ impl KVCacheManager {
             Some(l) if !l.is_none() => Some(args::int_in(l, "lora_id", 0, 1 << 64)? as u64),
             _ => None,
         };
-        self.run(py, Work::Long, |m| {
+        self.run(py, Work::for_tokens(tokens.len()), |m| {
             m.add_sequence(id, &tokens, salt.as_deref(), lora)
         })
         .py_err()
@@ -268,7 +296,9 @@ impl KVCacheManager {
         seq_id: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let id = args::seq_id(seq_id, "seq_id")?;
-        let tokens = self.read(py, |m| m.token_ids(id).map(|t| t.to_vec())).py_err()?;
+        let tokens = self
+            .read(py, |m| m.token_ids(id).map(|t| t.to_vec()))
+            .py_err()?;
         Ok(tokens.into_pyarray(py))
     }
 
@@ -285,7 +315,9 @@ impl KVCacheManager {
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let out = self.run(py, Work::Long, |m| m.probe_prefixes(&ids)).py_err()?;
+        let out = self
+            .run(py, Work::for_batch(ids.len()), |m| m.probe_prefixes(&ids))
+            .py_err()?;
         Ok(out.into_pyarray(py))
     }
 
@@ -342,7 +374,7 @@ impl KVCacheManager {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
         let new = PerSeq::extract(num_new_tokens, "num_new_tokens", 0, COUNT_END)?;
         let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        self.run(py, Work::Long, |m| {
+        self.run(py, Work::for_batch(ids.len()), |m| {
             m.allocate_slots_batch(&ids, new.as_batch_arg(), lookahead)
         })
         .py_err()
@@ -367,8 +399,8 @@ impl KVCacheManager {
             None => Vec::new(),
         };
         // Committing a long prefill chunk hashes its blocks: worth releasing the GIL.
-        let work = if n >= 4096 { Work::Long } else { Work::Short };
-        self.run(py, work, |m| m.commit(id, n, &tokens)).py_err()
+        self.run(py, Work::for_tokens(n), |m| m.commit(id, n, &tokens))
+            .py_err()
     }
 
     /// ``commit`` for many sequences: at most one new token each (``< 0`` means none).
@@ -381,7 +413,12 @@ impl KVCacheManager {
         new_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let n = PerSeq::extract(num_new_computed_tokens, "num_new_computed_tokens", 0, COUNT_END)?;
+        let n = PerSeq::extract(
+            num_new_computed_tokens,
+            "num_new_computed_tokens",
+            0,
+            COUNT_END,
+        )?;
         let tokens = match new_token_ids {
             Some(t) if !t.is_none() => Some(PerSeq::extract(
                 t,
@@ -391,8 +428,12 @@ impl KVCacheManager {
             )?),
             _ => None,
         };
-        self.run(py, Work::Long, |m| {
-            m.commit_batch(&ids, n.as_batch_arg(), tokens.as_ref().map(|t| t.as_batch_arg()))
+        self.run(py, Work::for_batch(ids.len()), |m| {
+            m.commit_batch(
+                &ids,
+                n.as_batch_arg(),
+                tokens.as_ref().map(|t| t.as_batch_arg()),
+            )
         })
         .py_err()
     }
@@ -406,7 +447,8 @@ impl KVCacheManager {
     ) -> PyResult<()> {
         let parent = args::seq_id(parent_id, "parent_id")?;
         let child = args::seq_id(child_id, "child_id")?;
-        self.run(py, Work::Short, |m| m.fork(parent, child)).py_err()
+        self.run(py, Work::Short, |m| m.fork(parent, child))
+            .py_err()
     }
 
     /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
@@ -442,7 +484,9 @@ impl KVCacheManager {
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let pairs = self.run(py, Work::Long, |m| m.swap_out(&ids)).py_err()?;
+        let pairs = self
+            .run(py, Work::for_batch(ids.len()), |m| m.swap_out(&ids))
+            .py_err()?;
         Ok(pairs_to_py(py, pairs))
     }
 
@@ -453,7 +497,9 @@ impl KVCacheManager {
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let pairs = self.run(py, Work::Long, |m| m.swap_in(&ids)).py_err()?;
+        let pairs = self
+            .run(py, Work::for_batch(ids.len()), |m| m.swap_in(&ids))
+            .py_err()?;
         Ok(pairs_to_py(py, pairs))
     }
 
@@ -484,7 +530,9 @@ impl KVCacheManager {
             _ => None,
         };
         let tables = self
-            .run(py, Work::Long, |m| m.block_tables(&ids, max_blocks))
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.block_tables(&ids, max_blocks)
+            })
             .py_err()?;
         let shape = (tables.num_rows, tables.num_cols);
         let array = Array2::from_shape_vec(shape, tables.data)
@@ -506,7 +554,7 @@ impl KVCacheManager {
             _ => None,
         };
         let slots = self
-            .run(py, Work::Long, |m| {
+            .run(py, Work::for_batch(ids.len()), |m| {
                 m.slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()))
             })
             .py_err()?;
