@@ -125,10 +125,49 @@ def test_beam_search_and_parallel_sampling_are_stable_under_memory_pressure(
     roomy = LLM(tiny_llama, num_blocks=256, device="cpu")
     relaxed = _beam_and_n(roomy)
     assert [len(x) for x in relaxed] == [2, 3, 1, 2]
-    tight = LLM(tiny_llama, num_blocks=12, num_cpu_blocks=128, device="cpu")
-    assert _beam_and_n(tight) == relaxed
-    sched = tight.stats()["scheduler"]
-    assert sched["num_preemptions_swap"] > 0, sched
+    for num_blocks in (12, 8):
+        tight = LLM(tiny_llama, num_blocks=num_blocks, num_cpu_blocks=128, device="cpu")
+        assert _beam_and_n(tight) == relaxed
+        sched = tight.stats()["scheduler"]
+        assert sched["num_preemptions_swap"] > 0, sched
+
+
+@pytest.mark.parametrize("num_blocks", [8, 10])
+def test_every_step_matches_dense_under_memory_pressure(
+    tiny_llama: LlamaForCausalLM, num_blocks: int
+) -> None:
+    """Each sampled row's logits equal the dense forward over that sequence's tokens.
+
+    Checked at every step while beams fork, copy on write and get swapped out and back
+    in (and single-sequence requests are recomputed), so stale or misplaced KV anywhere
+    in the cache shows up even when it would not change an argmax.
+    """
+    from kvblocks.engine.dense import dense_logits
+
+    llm = LLM(tiny_llama, num_blocks=num_blocks, num_cpu_blocks=128, device="cpu")
+    forward = llm.runner.forward_logits
+    checked = 0
+
+    def checked_forward(out):
+        nonlocal checked
+        logits = forward(out)
+        if logits is None:
+            return logits
+        for row, seq in enumerate(out.sample_seq_ids.tolist()):
+            length = int(out.seq_lens[list(out.seq_ids).index(seq)])
+            tokens = torch.from_numpy(llm.manager.token_ids(seq)[:length].astype("int64"))
+            expected = dense_logits(tiny_llama, tokens[None])[0, -1]
+            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
+            checked += 1
+        return logits
+
+    llm.runner.forward_logits = checked_forward  # type: ignore[method-assign]
+    _beam_and_n(llm)
+    llm.generate(
+        [_prompt(30, 60 + i) for i in range(3)], SamplingParams(max_tokens=30, temperature=0.0)
+    )
+    sched = llm.stats()["scheduler"]
+    assert sched["num_preemptions_swap"] > 0 and checked > 100, sched
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama: LlamaForCausalLM) -> None:

@@ -171,7 +171,7 @@ class ModelRunner:
         reports it; otherwise swap out, swap in, then copies, as the first interface
         version specified.
         """
-        ops_in_order = getattr(out, "memory_ops", None)
+        ops_in_order = out.memory_ops
         if not ops_in_order:
             ops_in_order = [
                 ("swap_out", out.blocks_to_swap_out),

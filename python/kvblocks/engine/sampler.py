@@ -144,7 +144,7 @@ class Sampler:
             noise[torch.from_numpy(unseeded).to(self.device)] = part
         seeded = np.flatnonzero(seeds >= 0)
         if seeded.size:
-            seq_index = getattr(out, "sample_seq_index", None)
+            seq_index = out.sample_seq_index
             if seq_index is not None:
                 self._counter_noise(out, noise, seeded, rows, draw_no, seq_index)
             else:
