@@ -51,7 +51,8 @@ struct AttentionShape {
 }  // namespace kvb
 
 template <typename T, int D, int RMAX>
-__global__ void __launch_bounds__(kvb::kThreads) paged_attention_kernel(
+// At most 128 registers: 4 CTAs per SM (launch_plan.CTAS_PER_SM) and no spills.
+__global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
     T* __restrict__ out,                    // [tokens, num_heads, D] when num_splits == 1
     float* __restrict__ part_out,           // [tokens, num_heads, num_splits, D]
     float* __restrict__ part_ml,            // [tokens, num_heads, num_splits, 2]

@@ -42,6 +42,14 @@ def test_no_spills_at_head_size_128(compiled):
         assert kernel.spill_stores == 0 and kernel.spill_loads == 0, f"{arch} {kernel}"
 
 
+def test_no_kernel_spills(compiled):
+    arch, results = compiled
+    spilled = [
+        k for r in results.values() for k in r.kernels.values() if k.spill_stores or k.spill_loads
+    ]
+    assert not spilled, f"{arch}: {spilled}"
+
+
 def test_compile_errors_fail_with_the_log(tmp_path, monkeypatch):
     from kvblocks.ops import cuda_sources
 
