@@ -159,3 +159,36 @@ def test_sliding_window_tolerates_released_blocks(tiny_mistral: LlamaForCausalLM
     runner.kv_caches[0][0][1:3].fill_(1e4)  # poison them, then release them
     a.blocks[0] = a.blocks[1] = 0
     decode(runner, tiny_mistral, [a], 4)
+
+
+def test_memory_ops_run_in_issue_order(tiny_llama: LlamaForCausalLM) -> None:
+    """Swap out a, reuse its block as a copy destination, swap that out too: order matters."""
+    runner = ModelRunner(tiny_llama, num_blocks=16, block_size=BS, num_cpu_blocks=8)
+    a = Seq(_prompt(12, 7), blocks=[2, 3])
+    b = Seq(_prompt(12, 8), blocks=[4, 5])
+    logits = runner.forward_logits(step([(a, 12), (b, 12)]))
+    assert logits is not None
+    a.tokens.append(int(logits[0].argmax()))
+    b.tokens.append(int(logits[1].argmax()))
+    # a is swapped out (block 3 freed), b's partial block 5 is copied into block 3
+    # (copy-on-write), then b is swapped out with its new block 3.
+    out = SchedulerOutput.empty()
+    out.memory_ops = [
+        ("swap_out", np.array([[2, 0], [3, 1]], dtype=np.int64)),
+        ("copy", np.array([[5, 3]], dtype=np.int64)),
+        ("swap_out", np.array([[4, 2], [3, 3]], dtype=np.int64)),
+    ]
+    runner.apply_memory_ops(out)
+    out = SchedulerOutput.empty()
+    out.memory_ops = [("swap_in", np.array([[0, 6], [1, 7], [2, 8], [3, 9]], dtype=np.int64))]
+    runner.apply_memory_ops(out)
+    a.blocks = [6, 7, 10]
+    b.blocks = [8, 9, 11]
+    decode(runner, tiny_llama, [a, b], 3)
+
+
+def test_duplicate_copy_destinations_keep_the_last_pair() -> None:
+    from kvblocks.engine.runner import _last_copy_per_destination
+
+    pairs = np.array([[1, 9], [2, 8], [3, 9], [4, 7], [5, 8]], dtype=np.int64)
+    assert _last_copy_per_destination(pairs).tolist() == [[3, 9], [4, 7], [5, 8]]
