@@ -24,6 +24,27 @@ fn is_oob(e: &KvError) -> bool {
 // -- construction -----------------------------------------------------------------
 
 #[test]
+fn manager_can_be_shared_behind_a_mutex() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<KVCacheManager>();
+}
+
+#[test]
+fn pool_size_is_capped() {
+    let c = ManagerConfig::new(kvblocks_core::MAX_BLOCKS + 1, 4);
+    assert!(matches!(
+        KVCacheManager::new(c),
+        Err(KvError::InvalidArgument(_))
+    ));
+    let mut c = ManagerConfig::new(8, 4);
+    c.num_cpu_blocks = kvblocks_core::MAX_BLOCKS + 1;
+    assert!(matches!(
+        KVCacheManager::new(c),
+        Err(KvError::InvalidArgument(_))
+    ));
+}
+
+#[test]
 fn new_reserves_the_null_block() {
     let m = manager(8, 4);
     assert_eq!(m.num_free_blocks(), 7);
