@@ -2,7 +2,9 @@
 // split-K) and varlen prefill/extend, one kernel template for both.
 //
 // A CTA serves `rows` = queries_per_cta x heads_per_cta query rows that share one KV
-// head (GQA: K/V are read once for the whole group) and walks the visible KV range in
+// head (GQA: K/V are read once for the whole group). Grid: x = query tile x split (the
+// only dimension that grows with prompt length; neighbours share K/V in L2), y =
+// sequence, z = KV head x head chunk. The CTA walks the visible KV range in
 // tiles of kTile tokens staged in shared memory:
 //   1. every thread loads 16-byte vectors of the tile's K and V rows (coalesced: a tile
 //      row is contiguous in a (block, head) tile), the next tile is prefetched into
@@ -83,11 +85,11 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
   const int tid = threadIdx.x;
   const int group = num_heads / num_kv_heads;
   const int head_chunks = (group + heads_per_cta - 1) / heads_per_cta;
-  const int kv_head = blockIdx.x / head_chunks;
-  const int chunk = blockIdx.x % head_chunks;
+  const int kv_head = blockIdx.z / head_chunks;
+  const int chunk = blockIdx.z % head_chunks;
   const int seq = blockIdx.y;
-  const int split = blockIdx.z % num_splits;
-  const int q_tile = blockIdx.z / num_splits;
+  const int split = blockIdx.x % num_splits;
+  const int q_tile = blockIdx.x / num_splits;
 
   const int seq_len = seq_lens[seq];
   int q_begin = seq;

@@ -119,7 +119,7 @@ def test_decode_split_k_window_soft_cap(dtype, sliding_window, soft_cap):
         "paged_attention_kernel",
         "merge_splits_kernel",
     ]
-    assert launches[0].grid[2] == 4  # ceil(200 / 64) splits
+    assert launches[0].grid[0] == 4  # ceil(200 / 64) splits
     torch.testing.assert_close(got, ref_decode(case, **kw), **tolerance(dtype))
     assert not got[5].any()
 
@@ -129,7 +129,7 @@ def test_decode_split_k_real_partition():
                      dtype=torch.float16)  # fmt: skip
     launches = []
     got = emu_decode(case, recording(launches), target_ctas=1000)
-    assert launches[0].grid[2] == 3  # 600 tokens -> 3 partitions of 256
+    assert launches[0].grid[0] == 3  # 600 tokens -> 3 partitions of 256
     torch.testing.assert_close(got, ref_decode(case), **tolerance(torch.float16))
 
 
@@ -209,3 +209,14 @@ def test_copy_blocks_separate_tensors_fall_back_per_cache():
     reference.copy_blocks(want, mapping)
     for (k, v), (wk, wv) in zip(caches, want):
         assert torch.equal(k, wk) and torch.equal(v, wv)
+
+
+def test_plan_rejects_batches_beyond_the_grid_limit():
+    from kvblocks.errors import InvalidArgumentError
+    from kvblocks.ops.launch_plan import plan_attention
+
+    args = {"dtype": torch.float16, "head_size": 128, "num_heads": 8, "num_kv_heads": 8,
+            "max_query_len": 1, "max_seq_len": 10, "decode": True, "target_ctas": 528}  # fmt: skip
+    assert plan_attention(num_seqs=65535, **args).grid == (1, 65535, 8)
+    with pytest.raises(InvalidArgumentError, match="65535"):
+        plan_attention(num_seqs=65536, **args)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.cuda_sources import (
     DECODE_ROWS,
     PREFILL_ROWS,
@@ -118,6 +119,11 @@ def plan_attention(
         chunk = math.ceil(math.ceil(max_seq_len / want) / partition_tokens) * partition_tokens
         num_splits = math.ceil(max_seq_len / chunk)
         split_tokens = chunk if num_splits > 1 else 0
+    if num_seqs > 65535 or num_kv_heads * head_chunks > 65535:
+        raise InvalidArgumentError(
+            f"a batch of {num_seqs} sequences with {num_kv_heads} KV heads exceeds the CUDA "
+            "grid limit of 65535 per launch; split the batch"
+        )
     return AttentionPlan(
         kernel=attention_kernel_name(dtype, head_size, rows_max),
         merge_kernel=merge_kernel_name(dtype, head_size),
@@ -129,7 +135,8 @@ def plan_attention(
         num_splits=num_splits,
         split_tokens=split_tokens,
         smem_bytes=attention_smem_bytes(dtype, head_size, rows_max),
-        grid=(num_kv_heads * head_chunks, num_seqs, q_tiles * num_splits),
+        # x grows with the prompt (limit 2^31 - 1); y and z stay small (limit 65535).
+        grid=(q_tiles * num_splits, num_seqs, num_kv_heads * head_chunks),
     )
 
 
