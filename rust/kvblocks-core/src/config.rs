@@ -74,6 +74,10 @@ pub struct ManagerConfig {
     pub watermark: f64,
     /// Attention window in tokens (`>= 1`), if any.
     pub sliding_window: Option<usize>,
+    /// Queue KV cache events for `take_events` (default true). Events accumulate until
+    /// drained, so a deployment that never calls `take_events` should turn this off
+    /// (as vLLM's `enable_kv_cache_events`); caching itself is unaffected.
+    pub record_events: bool,
 }
 
 impl ManagerConfig {
@@ -87,6 +91,7 @@ impl ManagerConfig {
             hash_algo: HashAlgo::Blake3,
             watermark: 0.01,
             sliding_window: None,
+            record_events: true,
         }
     }
 

@@ -414,6 +414,23 @@ fn reset_prefix_cache_only_when_nothing_is_used() {
 }
 
 #[test]
+fn events_can_be_turned_off_without_changing_caching() {
+    let mut on = manager(5, 4);
+    let mut off = manager_with(5, 4, |c| c.record_events = false);
+    for m in [&mut on, &mut off] {
+        prefill(m, 1, &toks(0, 12));
+        m.free(1).unwrap();
+        prefill(m, 2, &toks(100, 12)); // evicts
+        m.free(2).unwrap();
+        assert!(m.reset_prefix_cache());
+    }
+    assert_eq!(on.take_events().len(), 2 + 2 + 1);
+    assert!(off.take_events().is_empty());
+    assert_eq!(on.stats(), off.stats());
+    assert_eq!(on.free_block_ids(), off.free_block_ids());
+}
+
+#[test]
 fn caching_disabled_means_no_hits_no_events() {
     let mut m = manager_with(8, 4, |c| c.enable_prefix_caching = false);
     prefill(&mut m, 1, &toks(0, 9));

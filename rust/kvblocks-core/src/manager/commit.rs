@@ -131,6 +131,9 @@ impl KVCacheManager {
                         tokens: tokens.into(),
                     },
                 );
+                if !pools.record_events {
+                    continue;
+                }
                 let ev = run.get_or_insert_with(|| BlockStored {
                     block_hashes: Vec::new(),
                     parent_block_hash: parent,

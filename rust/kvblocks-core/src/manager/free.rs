@@ -40,7 +40,9 @@ impl KVCacheManager {
         }
         if self.pools.caching {
             self.pools.cache.clear();
-            self.pools.events.push(KvCacheEvent::AllBlocksCleared);
+            if self.pools.record_events {
+                self.pools.events.push(KvCacheEvent::AllBlocksCleared);
+            }
         }
         true
     }

@@ -53,6 +53,7 @@ impl KVCacheManager {
                 cpu: BlockPool::new(config.num_cpu_blocks, 0),
                 cache: PrefixCache::new(),
                 caching,
+                record_events: config.record_events,
                 events: Vec::new(),
                 counters: Counters::default(),
             },

@@ -24,6 +24,8 @@ pub(super) struct Pools {
     pub cpu: BlockPool,
     pub cache: PrefixCache,
     pub caching: bool,
+    /// Whether cache events are queued for `take_events` (see `ManagerConfig::record_events`).
+    pub record_events: bool,
     pub events: Vec<KvCacheEvent>,
     pub counters: Counters,
 }
@@ -36,9 +38,11 @@ impl Pools {
         if self.caching {
             if let Some(hash) = self.cache.remove(id) {
                 self.counters.evictions += 1;
-                self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: vec![hash],
-                }));
+                if self.record_events {
+                    self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
+                        block_hashes: vec![hash],
+                    }));
+                }
             }
         }
         Some(id)
