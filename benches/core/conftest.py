@@ -15,10 +15,13 @@ UNITS: dict[str, str] = {}
 
 @pytest.fixture
 def record(benchmark: Any) -> Any:
-    """``record(trace, impl, ops, unit)``: store the benchmark's mean time per operation."""
+    """``record(trace, impl, ops, unit)``: store the median time per operation.
+
+    The median, not the mean: the machine is shared, and other processes add outliers.
+    """
 
     def store(trace: str, impl: str, ops: int, unit: str) -> float:
-        per_op = benchmark.stats.stats.mean / ops
+        per_op = benchmark.stats.stats.median / ops
         RESULTS[(trace, impl)] = per_op
         UNITS[trace] = unit
         benchmark.extra_info.update({"trace": trace, "impl": impl, "seconds_per_op": per_op})

@@ -334,7 +334,7 @@ class ManagerComparison(RuleBasedStateMachine):
 
 
 ManagerComparison.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=300,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,

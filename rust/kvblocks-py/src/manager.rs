@@ -7,7 +7,7 @@
 
 use kvblocks_core as core;
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -81,13 +81,54 @@ impl KVCacheManager {
     }
 }
 
-fn pairs_to_py(py: Python<'_>, pairs: Vec<[i64; 2]>) -> Bound<'_, PyArray2<i64>> {
+/// Arrays up to this many elements are copied into NumPy-owned memory; longer ones hand
+/// their Rust buffer over without a copy. Copying a small array is cheaper than the
+/// extra owner object a zero-copy array needs.
+const COPY_MAX_ELEMENTS: usize = 1 << 14;
+
+/// A 1-D NumPy array holding `values`.
+fn to_numpy<T: numpy::Element>(py: Python<'_>, values: Vec<T>) -> Bound<'_, PyArray1<T>> {
+    if values.len() <= COPY_MAX_ELEMENTS {
+        PyArray1::from_slice(py, &values)
+    } else {
+        values.into_pyarray(py)
+    }
+}
+
+/// A C-ordered `[rows, cols]` NumPy array holding `data` (row-major, `rows * cols` long).
+fn matrix_to_numpy<T: numpy::Element + Copy>(
+    py: Python<'_>,
+    rows: usize,
+    cols: usize,
+    data: Vec<T>,
+) -> PyResult<Bound<'_, PyArray2<T>>> {
+    if data.len() != rows * cols {
+        return Err(invalid_argument(format!(
+            "internal error: {} values for a {rows} x {cols} array",
+            data.len()
+        )));
+    }
+    if data.len() > COPY_MAX_ELEMENTS {
+        return Array2::from_shape_vec((rows, cols), data)
+            .map(|a| a.into_pyarray(py))
+            .map_err(|e| invalid_argument(format!("internal error: {e}")));
+    }
+    // SAFETY: `new` leaves the elements uninitialised; all `rows * cols` of them are
+    // written by `copy_from_slice` before the array reaches Python (the length was
+    // checked above). The array was created here and nothing else references it, so the
+    // mutable slice cannot alias. (The safe `zeros` + `readwrite()` route spends
+    // microseconds per call in NumPy's dynamic borrow tracking.)
+    let out = unsafe { PyArray2::<T>::new(py, [rows, cols], false) };
+    if let Ok(dst) = unsafe { out.as_slice_mut() } {
+        dst.copy_from_slice(&data);
+    }
+    Ok(out)
+}
+
+/// `(src, dst)` rows as an `int64 [n, 2]` array.
+fn pairs_to_py(py: Python<'_>, pairs: Vec<[i64; 2]>) -> PyResult<Bound<'_, PyArray2<i64>>> {
     let n = pairs.len();
-    let flat: Vec<i64> = pairs.into_iter().flatten().collect();
-    // The shape always matches the data: n rows of 2.
-    Array2::from_shape_vec((n, 2), flat)
-        .map(|a| a.into_pyarray(py))
-        .unwrap_or_else(|_| PyArray2::zeros(py, [0, 2], false))
+    matrix_to_numpy(py, n, 2, pairs.into_iter().flatten().collect())
 }
 
 #[pymethods]
@@ -217,7 +258,7 @@ impl KVCacheManager {
     /// Ids of the sequences held, ascending.
     fn seq_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i64>> {
         let ids: Vec<i64> = self.read(py, |m| m.seq_ids().into_iter().map(|i| i as i64).collect());
-        ids.into_pyarray(py)
+        to_numpy(py, ids)
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
@@ -299,7 +340,7 @@ impl KVCacheManager {
         let tokens = self
             .read(py, |m| m.token_ids(id).map(|t| t.to_vec()))
             .py_err()?;
-        Ok(tokens.into_pyarray(py))
+        Ok(to_numpy(py, tokens))
     }
 
     /// Whether the sequence's blocks are in the CPU pool.
@@ -318,7 +359,7 @@ impl KVCacheManager {
         let out = self
             .run(py, Work::for_batch(ids.len()), |m| m.probe_prefixes(&ids))
             .py_err()?;
-        Ok(out.into_pyarray(py))
+        Ok(to_numpy(py, out))
     }
 
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
@@ -356,7 +397,7 @@ impl KVCacheManager {
         let taken = self
             .run(py, Work::Short, |m| m.allocate_slots(id, new, lookahead))
             .py_err()?;
-        Ok(taken.map(|blocks| blocks.into_pyarray(py)))
+        Ok(taken.map(|blocks| to_numpy(py, blocks)))
     }
 
     /// ``allocate_slots`` for many sequences in one call; returns how many succeeded.
@@ -452,7 +493,7 @@ impl KVCacheManager {
     }
 
     /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
-    fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray2<i64>> {
+    fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let pairs = self.run(py, Work::Short, |m| m.take_copy_on_writes());
         pairs_to_py(py, pairs)
     }
@@ -487,7 +528,7 @@ impl KVCacheManager {
         let pairs = self
             .run(py, Work::for_batch(ids.len()), |m| m.swap_out(&ids))
             .py_err()?;
-        Ok(pairs_to_py(py, pairs))
+        pairs_to_py(py, pairs)
     }
 
     /// Move swapped sequences back; return ``(cpu, gpu)`` rows ``[n, 2]``, sharing kept.
@@ -500,7 +541,7 @@ impl KVCacheManager {
         let pairs = self
             .run(py, Work::for_batch(ids.len()), |m| m.swap_in(&ids))
             .py_err()?;
-        Ok(pairs_to_py(py, pairs))
+        pairs_to_py(py, pairs)
     }
 
     // -- step inputs ---------------------------------------------------------------
@@ -513,7 +554,7 @@ impl KVCacheManager {
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let id = args::seq_id(seq_id, "seq_id")?;
         let table = self.read(py, |m| m.block_table(id)).py_err()?;
-        Ok(table.into_pyarray(py))
+        Ok(to_numpy(py, table))
     }
 
     /// 2-D block tables, padded with the null block to the longest (or ``max_blocks``).
@@ -534,10 +575,7 @@ impl KVCacheManager {
                 m.block_tables(&ids, max_blocks)
             })
             .py_err()?;
-        let shape = (tables.num_rows, tables.num_cols);
-        let array = Array2::from_shape_vec(shape, tables.data)
-            .map_err(|e| invalid_argument(format!("block table shape mismatch: {e}")))?;
-        Ok(array.into_pyarray(py))
+        matrix_to_numpy(py, tables.num_rows, tables.num_cols, tables.data)
     }
 
     /// Cache slots (``block * block_size + offset``) of the tokens computed this step.
@@ -558,7 +596,7 @@ impl KVCacheManager {
                 m.slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()))
             })
             .py_err()?;
-        Ok(slots.into_pyarray(py))
+        Ok(to_numpy(py, slots))
     }
 
     // -- prefix cache, events, stats -----------------------------------------------
@@ -606,7 +644,7 @@ impl KVCacheManager {
         py: Python<'py>,
     ) -> (Bound<'py, PyArray1<u32>>, Bound<'py, PyArray1<u32>>) {
         let (gpu, cpu) = self.read(py, |m| (m.free_block_ids(), m.free_cpu_block_ids()));
-        (gpu.into_pyarray(py), cpu.into_pyarray(py))
+        (to_numpy(py, gpu), to_numpy(py, cpu))
     }
 
     /// Verify every structural invariant; raise ``InvariantViolationError`` if one fails.
