@@ -13,6 +13,7 @@ sequence starts.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -182,17 +183,17 @@ class LlamaAttention(nn.Module):
         dtype: torch.dtype | None,
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
+        linear = partial(Linear, device=device, dtype=dtype)
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
         hidden = config.hidden_size
-        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias, **kw)
-        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias, **kw)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False, **kw)
+        self.q_proj = linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = linear(self.num_heads * self.head_dim, hidden, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         """Self-attention over the flattened tokens ``x`` ``[num_tokens, hidden]``."""
@@ -213,10 +214,10 @@ class LlamaMLP(nn.Module):
         self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
     ) -> None:
         super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False, **kw)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False, **kw)
+        linear = partial(Linear, device=device, dtype=dtype)
+        self.gate_proj = linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP to ``x`` ``[num_tokens, hidden]``."""
