@@ -7,7 +7,8 @@ operation, so the whole file takes well under a minute.
 
 Traces:
   (a) 1,000,000 blocks allocated and freed in batches of 16 (one sequence taking 16
-      blocks, then freed), prefix caching on;
+      blocks, then freed), prefix caching on; (a') the same with the slots of 32
+      sequences reserved by one ``allocate_slots_batch`` call;
   (b) a 32,768-token prompt hashed, allocated, cached (committed) and freed, then
       looked up again by a new sequence that claims the cached prefix;
   (c) one decode step for 1,024 running sequences: ``allocate_slots_batch`` +
@@ -50,6 +51,30 @@ def test_alloc_free_16_blocks(benchmark: Any, record: Any, impl: str) -> None:
 
     benchmark.pedantic(trace, setup=setup, rounds=3, iterations=1)
     record("a: alloc+free 16 blocks", impl, rounds, "one 16-block allocate + free")
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_alloc_free_16_blocks_batched(benchmark: Any, record: Any, impl: str) -> None:
+    """Trace (a) the way a scheduler issues it: 32 sequences' slots in one batch call."""
+    batch = 32
+    rounds = ALLOC_BLOCKS[impl] // (16 * batch)
+    lookahead = 16 * BLOCK_SIZE - 1
+
+    def setup() -> tuple[tuple[Any], dict]:
+        return (IMPLS[impl](16 * batch + 1, BLOCK_SIZE, watermark=0.0),), {}
+
+    def trace(m: Any) -> None:
+        add, alloc_batch, free = m.add_sequence, m.allocate_slots_batch, m.free
+        for r in range(rounds):
+            ids = np.arange(r * batch, (r + 1) * batch, dtype=np.int64)
+            for sid in ids.tolist():
+                add(sid, (sid,))
+            assert alloc_batch(ids, 1, num_lookahead_tokens=lookahead) == batch
+            for sid in ids.tolist():
+                free(sid)
+
+    benchmark.pedantic(trace, setup=setup, rounds=3, iterations=1)
+    record("a': alloc+free 16 blocks, batched", impl, rounds * batch, "per sequence of 16 blocks")
 
 
 # -- (b) 32k prompt: hash/allocate/cache, then hit ----------------------------------------
