@@ -241,6 +241,11 @@ def test_bad_requests_raise_and_leave_the_engine_usable(tiny_llama: LlamaForCaus
         no_tok.generate("hello")
     with pytest.raises(InvalidArgumentError, match="block_size must be one of"):
         LLM(tiny_llama, block_size=12, device="cpu")
+    # A prompt the pool can never hold is refused up front; the batch's other requests
+    # are withdrawn, so nothing is left half-queued.
+    with pytest.raises(InvalidArgumentError):
+        llm.generate([[1, 2, 3], list(range(200)) * 4], GREEDY)
+    assert not llm.scheduler.has_unfinished_requests()
     assert _tokens(llm.generate([[1, 2, 3]], GREEDY)) == dense_greedy_generate(
         tiny_llama, [[1, 2, 3]], GREEDY.max_tokens
     )
