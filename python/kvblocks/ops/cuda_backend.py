@@ -56,7 +56,7 @@ def _function(device: int, name: str) -> Any:
         d for d in cuda_include_dirs() if d == cuda_dir() or d.parent.name == f"cu{major}"
         or (major == 12 and d.parent.name == "cuda_runtime")
     ]  # fmt: skip
-    options = ("-std=c++17", "--use_fast_math", *[f"-I{d}" for d in includes])
+    options = ("-std=c++17", *[f"-I{d}" for d in includes])  # see cuda_sources.nvrtc_options
     templated = "<" in name
     with cupy.cuda.Device(device):
         module = cupy.RawModule(
