@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from emu_runtime import emu_launch, library
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_cases import make_case, tolerance
 
 import kvblocks.ops as ops
@@ -220,3 +222,36 @@ def test_plan_rejects_batches_beyond_the_grid_limit():
     assert plan_attention(num_seqs=65535, **args).grid == (1, 65535, 8)
     with pytest.raises(InvalidArgumentError, match="65535"):
         plan_attention(num_seqs=65536, **args)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([8, 16, 32]),
+    head_size=st.sampled_from([64, 80, 96, 112, 128, 256]),
+    num_kv_heads=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 3, 4, 6, 8, 9]),
+    dtype=st.sampled_from(DTYPES),
+    sliding_window=st.one_of(st.none(), st.integers(1, 70)),
+    soft_cap=st.one_of(st.none(), st.floats(0.5, 50.0)),
+)
+def test_random_batches_match_reference(
+    data, block_size, head_size, num_kv_heads, group, dtype, sliding_window, soft_cap
+):
+    """Random mixed batches (decode rows, chunks, idle sequences) through both kernels."""
+    seq_lens = data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=4))
+    q_lens = [data.draw(st.integers(0, n)) for n in seq_lens]
+    case = make_case(
+        data.draw(st.integers(0, 2**16)), seq_lens, q_lens, num_kv_heads=num_kv_heads,
+        group=group, head_size=head_size, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    if sum(q_lens):
+        torch.testing.assert_close(
+            emu_prefill(case, **kw), ref_prefill(case, **kw), **tolerance(dtype)
+        )
+    decode_query = torch.randn(len(seq_lens), num_kv_heads * group, head_size).to(dtype)
+    case.query = decode_query
+    launches = []
+    got = emu_decode(case, recording(launches), target_ctas=64, partition_tokens=32, **kw)
+    torch.testing.assert_close(got, ref_decode(case, **kw), **tolerance(dtype))
