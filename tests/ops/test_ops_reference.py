@@ -192,3 +192,14 @@ def test_attention_argument_errors():
         ops.paged_prefill_attention(
             *args[:4], torch.tensor([0, 2], dtype=torch.int32), case.seq_lens
         )
+
+
+def test_importing_ops_needs_no_cupy_or_gpu():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvblocks.ops, kvblocks.ops.reference;"
+        "assert 'cupy' not in sys.modules and 'kvblocks.ops.cuda_backend' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
