@@ -23,20 +23,26 @@ from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.sampling_params import SamplingParams
 
 CASES = [
-    pytest.param(8, 32, 64, id="batch8-prompt32-gen64"),
-    pytest.param(32, 64, 128, id="batch32-prompt64-gen128"),
+    pytest.param(8, 32, 64, 0, id="batch8-prompt32-gen64"),
+    pytest.param(32, 64, 128, 0, id="batch32-prompt64-gen128"),
+    # A shared 96-token system prompt: prefix caching computes it once per round.
+    pytest.param(32, 112, 32, 96, id="batch32-prompt112(shared96)-gen32"),
 ]
 
 
-@pytest.mark.parametrize(("batch", "prompt_len", "max_tokens"), CASES)
-def test_engine_vs_dense(benchmark, batch: int, prompt_len: int, max_tokens: int) -> None:
+@pytest.mark.parametrize(("batch", "prompt_len", "max_tokens", "shared"), CASES)
+def test_engine_vs_dense(
+    benchmark, batch: int, prompt_len: int, max_tokens: int, shared: int
+) -> None:
     """Generated tokens/s of the paged engine and of the dense baseline, and their ratio."""
     # Tiny-model ops last microseconds: intra-op threads only add contention (both sides).
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = build_tiny_model()
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 256, (batch, prompt_len), generator=gen).tolist()
+    prompts = torch.randint(0, 256, (batch, prompt_len), generator=gen)
+    prompts[:, :shared] = prompts[0, :shared]
+    prompts = prompts.tolist()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     blocks = batch * ((prompt_len + max_tokens) // 16 + 2) + 1
 
@@ -69,6 +75,7 @@ def test_engine_vs_dense(benchmark, batch: int, prompt_len: int, max_tokens: int
         }
     )
     print(
-        f"\n[{batch}x{prompt_len}+{max_tokens}] paged {generated / paged_s:,.0f} tok/s, "
+        f"\n[{batch}x{prompt_len}+{max_tokens}, shared {shared}] "
+        f"paged {generated / paged_s:,.0f} tok/s, "
         f"dense recompute {generated / dense_s:,.0f} tok/s, speedup x{ratio:.2f}"
     )
