@@ -214,8 +214,16 @@ class ReferenceKVCacheManager:
         self._num_blocks = _check_int(num_blocks, "num_blocks", 2, _MAX_BLOCKS + 1)
         self._block_size = _check_int(block_size, "block_size", 1, 2**20 + 1)
         self._num_cpu_blocks = _check_int(num_cpu_blocks, "num_cpu_blocks", 0, _MAX_BLOCKS + 1)
-        if hash_algo not in _HASH_ALGOS:
+        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
+            raise InvalidArgumentError(
+                f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        if not isinstance(hash_algo, str) or hash_algo not in _HASH_ALGOS:
             raise InvalidArgumentError(f"hash_algo must be one of {_HASH_ALGOS}, got {hash_algo!r}")
+        if isinstance(watermark, (bool, np.bool_, str)) or not isinstance(
+            watermark, (int, float, np.integer, np.floating)
+        ):
+            raise InvalidArgumentError(f"watermark must be a float, got {type(watermark).__name__}")
         watermark = float(watermark)
         if not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")

@@ -73,6 +73,11 @@ def busy(make: Make) -> Any:
         (("8", 4), {}),
         ((8.0, 4), {}),
         ((True, 4), {}),
+        ((8, 4), {"enable_prefix_caching": 1}),
+        ((8, 4), {"hash_algo": 3}),
+        ((8, 4), {"watermark": "0.1"}),
+        ((8, 4), {"watermark": True}),
+        ((8, 4), {"sliding_window": -4}),
     ],
 )
 def test_constructor_rejects_bad_config(make: Make, args: tuple, kwargs: dict) -> None:

@@ -235,6 +235,35 @@ impl PerSeq {
     }
 }
 
+/// A `bool` (NumPy booleans included); ints and other truthy objects are rejected.
+pub(crate) fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.extract::<bool>()
+        .map_err(|_| invalid_argument(format!("{name} must be a bool, got {}", type_name(obj))))
+}
+
+/// A `str`.
+pub(crate) fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(s.to_cow()?.into_owned()),
+        Err(_) => Err(invalid_argument(format!(
+            "{name} must be a str, got {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+/// A real number (`float` or `int`; bools rejected).
+pub(crate) fn real(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyString>() {
+        return Err(invalid_argument(format!(
+            "{name} must be a float, got {}",
+            type_name(obj)
+        )));
+    }
+    obj.extract::<f64>()
+        .map_err(|_| invalid_argument(format!("{name} must be a float, got {}", type_name(obj))))
+}
+
 /// A cache salt: `str` (UTF-8 encoded), `bytes` or `None`.
 pub(crate) fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
     let Some(obj) = obj else { return Ok(None) };

@@ -139,9 +139,9 @@ impl KVCacheManager {
         block_size,
         *,
         num_cpu_blocks = None,
-        enable_prefix_caching = true,
-        hash_algo = "blake3",
-        watermark = 0.01,
+        enable_prefix_caching = None,
+        hash_algo = None,
+        watermark = None,
         sliding_window = None,
     ),
     text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
@@ -152,9 +152,9 @@ impl KVCacheManager {
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
         num_cpu_blocks: Option<&Bound<'_, PyAny>>,
-        enable_prefix_caching: bool,
-        hash_algo: &str,
-        watermark: f64,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_algo: Option<&Bound<'_, PyAny>>,
+        watermark: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut config = core::ManagerConfig::new(
@@ -164,9 +164,15 @@ impl KVCacheManager {
         if let Some(n) = num_cpu_blocks {
             config.num_cpu_blocks = args::count(n, "num_cpu_blocks")?;
         }
-        config.enable_prefix_caching = enable_prefix_caching;
-        config.hash_algo = hash_algo.parse().py_err()?;
-        config.watermark = watermark;
+        if let Some(flag) = enable_prefix_caching {
+            config.enable_prefix_caching = args::flag(flag, "enable_prefix_caching")?;
+        }
+        if let Some(algo) = hash_algo {
+            config.hash_algo = args::text(algo, "hash_algo")?.parse().py_err()?;
+        }
+        if let Some(w) = watermark {
+            config.watermark = args::real(w, "watermark")?;
+        }
         config.sliding_window = match sliding_window {
             Some(w) if !w.is_none() => Some(args::count(w, "sliding_window")?),
             _ => None,
