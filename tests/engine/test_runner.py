@@ -187,8 +187,31 @@ def test_memory_ops_run_in_issue_order(tiny_llama: LlamaForCausalLM) -> None:
     decode(runner, tiny_llama, [a, b], 3)
 
 
-def test_duplicate_copy_destinations_keep_the_last_pair() -> None:
-    from kvblocks.engine.runner import _last_copy_per_destination
+def test_conflicting_copies_are_split_into_sequential_launches() -> None:
+    from kvblocks.engine.runner import _conflict_free_batches
 
-    pairs = np.array([[1, 9], [2, 8], [3, 9], [4, 7], [5, 8]], dtype=np.int64)
-    assert _last_copy_per_destination(pairs).tolist() == [[3, 9], [4, 7], [5, 8]]
+    independent = np.array([[1, 9], [2, 8], [3, 7]], dtype=np.int64)
+    assert [b.tolist() for b in _conflict_free_batches(independent)] == [independent.tolist()]
+    # Pair 3 writes block 9, which pair 1 wrote; pair 4 writes block 2, which pair 2 read.
+    pairs = np.array([[1, 9], [2, 8], [3, 9], [4, 2], [5, 6]], dtype=np.int64)
+    assert [b.tolist() for b in _conflict_free_batches(pairs)] == [
+        [[1, 9], [2, 8]],
+        [[3, 9], [4, 2], [5, 6]],
+    ]
+    chained = np.array([[1, 2], [2, 3], [3, 4]], dtype=np.int64)
+    assert [b.tolist() for b in _conflict_free_batches(chained)] == [
+        [[1, 2]],
+        [[2, 3]],
+        [[3, 4]],
+    ]
+
+
+def test_copy_groups_follow_sequential_semantics(tiny_llama: LlamaForCausalLM) -> None:
+    runner = ModelRunner(tiny_llama, num_blocks=8, block_size=BS)
+    key = runner.kv_caches[0][0]
+    for block in range(8):
+        key[block].fill_(float(block))
+    out = SchedulerOutput.empty()
+    out.memory_ops = [("copy", np.array([[1, 2], [2, 3], [4, 2]], dtype=np.int64))]
+    runner.apply_memory_ops(out)
+    assert [float(key[b, 0, 0, 0]) for b in range(5)] == [0.0, 1.0, 4.0, 1.0, 4.0]

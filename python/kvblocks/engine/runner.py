@@ -183,7 +183,8 @@ class ModelRunner:
             if not pairs.size:
                 continue
             if kind == "copy":
-                ops.copy_blocks(self.kv_caches, _last_copy_per_destination(pairs))
+                for batch in _conflict_free_batches(pairs):
+                    ops.copy_blocks(self.kv_caches, batch)
             elif kind in ("swap_out", "swap_in"):
                 self._swap(kind, pairs)
             else:
@@ -251,15 +252,27 @@ class ModelRunner:
         return self.model.compute_logits(rows)
 
 
-def _last_copy_per_destination(pairs: np.ndarray) -> np.ndarray:
-    """Keep only the last ``(src, dst)`` pair per destination.
+def _conflict_free_batches(pairs: np.ndarray) -> list[np.ndarray]:
+    """Split ``(src, dst)`` copies into runs that one parallel launch may execute.
 
-    A copy queued for a sequence that was then freed in the same step leaves a stale pair
-    whose destination may be copied into again; one copy kernel runs its pairs in
-    parallel, so only the latest may stay.
+    The pairs mean "in this order". A copy queued for a sequence that was then freed in
+    the same step can leave a later pair writing a block that an earlier pair reads or
+    writes; a copy kernel runs its pairs concurrently, so such a pair starts a new
+    launch. The common case (no block both read and written, no repeated destination)
+    is one launch, decided with array operations only.
     """
-    if len(pairs) < 2:
-        return pairs
-    _, first_in_reversed = np.unique(pairs[::-1, 1], return_index=True)
-    keep = np.sort(len(pairs) - 1 - first_in_reversed)
-    return pairs[keep]
+    src, dst = pairs[:, 0], pairs[:, 1]
+    if len(np.unique(dst)) == len(dst) and not np.isin(dst, src).any():
+        return [pairs]
+    batches: list[np.ndarray] = []
+    start = 0
+    reads: set[int] = set()
+    writes: set[int] = set()
+    for i, (s, d) in enumerate(pairs.tolist()):
+        if d in reads or d in writes or s in writes:
+            batches.append(pairs[start:i])
+            start, reads, writes = i, set(), set()
+        reads.add(s)
+        writes.add(d)
+    batches.append(pairs[start:])
+    return batches
