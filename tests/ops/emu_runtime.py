@@ -33,6 +33,7 @@ FLAVOR_FLAGS = {
         "-fno-sanitize-recover=undefined",
         "-fno-omit-frame-pointer",
     ],
+    "tsan": ["-O1", "-g", "-fsanitize=thread"],
 }
 
 
