@@ -1,17 +1,16 @@
-"""Fixtures of the engine tests: tiny models of each family and a scratch checkpoint dir."""
+"""Fixtures of the engine tests: tiny models of each family."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.tiny import build_tiny_model, tiny_config
 
 # The tiny model's ops are microseconds long; on a loaded 2-core machine intra-op threads
 # cost far more than they save (measured: 2 ms vs 0.1 ms per small matmul).
 torch.set_num_threads(1)
-
-from kvblocks.engine.model import LlamaForCausalLM  # noqa: E402
-from kvblocks.engine.tiny import build_tiny_model, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")
