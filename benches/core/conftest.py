@@ -1,5 +1,6 @@
 """Collects per-operation times of the core benchmarks and prints the Rust/reference
-ratio table at the end of the session (ratios of times measured in the same run)."""
+ratio table at the end of the session (ratios of best-round times measured in the same
+run)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ UNITS: dict[str, str] = {}
 
 @pytest.fixture
 def record(benchmark: Any) -> Any:
-    """``record(trace, impl, ops, unit)``: store the median time per operation.
+    """``record(trace, impl, ops, unit)``: store the best (minimum) time per operation.
 
-    The median, not the mean: the machine is shared, and other processes add outliers.
+    The minimum, not the mean: on a shared machine other processes only ever add time,
+    so the fastest round is the least disturbed estimate of each side.
     """
 
     def store(trace: str, impl: str, ops: int, unit: str) -> float:
-        per_op = benchmark.stats.stats.median / ops
+        per_op = benchmark.stats.stats.min / ops
         RESULTS[(trace, impl)] = per_op
         UNITS[trace] = unit
         benchmark.extra_info.update({"trace": trace, "impl": impl, "seconds_per_op": per_op})

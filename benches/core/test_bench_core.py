@@ -49,7 +49,7 @@ def test_alloc_free_16_blocks(benchmark: Any, record: Any, impl: str) -> None:
             alloc(sid, 1, num_lookahead_tokens=lookahead)
             free(sid)
 
-    benchmark.pedantic(trace, setup=setup, rounds=3, iterations=1)
+    benchmark.pedantic(trace, setup=setup, rounds=5, iterations=1)
     record("a: alloc+free 16 blocks", impl, rounds, "one 16-block allocate + free")
 
 
@@ -73,7 +73,7 @@ def test_alloc_free_16_blocks_batched(benchmark: Any, record: Any, impl: str) ->
             for sid in ids.tolist():
                 free(sid)
 
-    benchmark.pedantic(trace, setup=setup, rounds=3, iterations=1)
+    benchmark.pedantic(trace, setup=setup, rounds=5, iterations=1)
     record("a': alloc+free 16 blocks, batched", impl, rounds * batch, "per sequence of 16 blocks")
 
 
@@ -102,7 +102,7 @@ def test_prompt_32k_hash_allocate_cache(benchmark: Any, record: Any, impl: str) 
         m.commit(1, len(PROMPT))
         m.free(1)
 
-    benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 3, iterations=1)
+    benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 5, iterations=1)
     record("b1: 32k prompt cold", impl, 1, "hash + allocate + cache + free")
 
 
@@ -115,7 +115,7 @@ def test_prompt_32k_prefix_hit(benchmark: Any, record: Any, impl: str) -> None:
         cached = m.add_sequence(2, PROMPT)
         m.allocate_slots(2, len(PROMPT) - cached)
 
-    benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 3, iterations=1)
+    benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 5, iterations=1)
     m = _cached_manager(impl)
     assert m.add_sequence(2, PROMPT) == len(PROMPT) - BLOCK_SIZE  # really a hit
     record("b2: 32k prompt prefix hit", impl, 1, "lookup + claim 2047 cached blocks")
@@ -152,7 +152,7 @@ def test_decode_step_1024(benchmark: Any, record: Any, impl: str) -> None:
         m.slot_mapping(ids)
         m.commit_batch(ids, 1, sampled)
 
-    benchmark.pedantic(step, rounds=300 if impl == "rust" else 10, iterations=1)
+    benchmark.pedantic(step, rounds=300 if impl == "rust" else 20, iterations=1)
     per_step = record("c: decode step, 1024 seqs", impl, 1, "alloc + tables + slots + commit")
     m.check_invariants()
     if impl == "rust":

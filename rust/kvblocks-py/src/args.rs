@@ -111,19 +111,31 @@ where
         return Ok(false);
     };
     let view = typed.readonly();
-    let mut push = |x: S| -> PyResult<()> {
-        let v: i128 = x.into();
-        if v < lo || v >= hi {
-            return Err(invalid_argument(format!(
-                "every entry of {name} must be in [{lo}, {hi}), got {v}"
-            )));
-        }
-        out.push(T::from_i128(v));
-        Ok(())
+    let in_range = |x: &S| {
+        let v: i128 = (*x).into();
+        lo <= v && v < hi
     };
+    let report = |x: &S| {
+        let v: i128 = (*x).into();
+        invalid_argument(format!(
+            "every entry of {name} must be in [{lo}, {hi}), got {v}"
+        ))
+    };
+    // Validate first, then convert: two tight loops the compiler can vectorise.
     match view.as_slice() {
-        Ok(slice) => slice.iter().try_for_each(|&x| push(x))?,
-        Err(_) => view.as_array().iter().try_for_each(|&x| push(x))?,
+        Ok(slice) => {
+            if let Some(bad) = slice.iter().find(|x| !in_range(x)) {
+                return Err(report(bad));
+            }
+            out.extend(slice.iter().map(|&x| T::from_i128(x.into())));
+        }
+        Err(_) => {
+            let array = view.as_array();
+            if let Some(bad) = array.iter().find(|x| !in_range(x)) {
+                return Err(report(bad));
+            }
+            out.extend(array.iter().map(|&x| T::from_i128(x.into())));
+        }
     }
     Ok(true)
 }
