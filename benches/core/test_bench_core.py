@@ -82,8 +82,12 @@ def test_alloc_free_16_blocks_batched(benchmark: Any, record: Any, impl: str) ->
 PROMPT = (np.arange(32_768, dtype=np.int64) * 7919) % 50_000
 
 
-def _cached_manager(impl: str) -> Any:
-    m = IMPLS[impl](4096, BLOCK_SIZE, watermark=0.0)
+# The reference always hashes with SHA-256; its algorithm argument only changes the label.
+ALGOS = ["blake3", "xxh3_128"]
+
+
+def _cached_manager(impl: str, algo: str) -> Any:
+    m = IMPLS[impl](4096, BLOCK_SIZE, watermark=0.0, hash_algo=algo)
     m.add_sequence(1, PROMPT)
     m.allocate_slots(1, len(PROMPT))
     m.commit(1, len(PROMPT))
@@ -91,10 +95,14 @@ def _cached_manager(impl: str) -> Any:
     return m
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-def test_prompt_32k_hash_allocate_cache(benchmark: Any, record: Any, impl: str) -> None:
+def test_prompt_32k_hash_allocate_cache(benchmark: Any, record: Any, impl: str, algo: str) -> None:
+    if impl == "reference" and algo != ALGOS[0]:
+        pytest.skip("the reference model always hashes with SHA-256")
+
     def setup() -> tuple[tuple[Any], dict]:
-        return (IMPLS[impl](4096, BLOCK_SIZE, watermark=0.0),), {}
+        return (IMPLS[impl](4096, BLOCK_SIZE, watermark=0.0, hash_algo=algo),), {}
 
     def trace(m: Any) -> None:
         m.add_sequence(1, PROMPT)
@@ -103,22 +111,28 @@ def test_prompt_32k_hash_allocate_cache(benchmark: Any, record: Any, impl: str) 
         m.free(1)
 
     benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 5, iterations=1)
-    record("b1: 32k prompt cold", impl, 1, "hash + allocate + cache + free")
+    for label in ALGOS if impl == "reference" else [algo]:
+        record(f"b1: 32k prompt cold, {label}", impl, 1, "hash + allocate + cache + free")
 
 
+@pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-def test_prompt_32k_prefix_hit(benchmark: Any, record: Any, impl: str) -> None:
+def test_prompt_32k_prefix_hit(benchmark: Any, record: Any, impl: str, algo: str) -> None:
+    if impl == "reference" and algo != ALGOS[0]:
+        pytest.skip("the reference model always hashes with SHA-256")
+
     def setup() -> tuple[tuple[Any], dict]:
-        return (_cached_manager(impl),), {}
+        return (_cached_manager(impl, algo),), {}
 
     def trace(m: Any) -> None:
         cached = m.add_sequence(2, PROMPT)
         m.allocate_slots(2, len(PROMPT) - cached)
 
     benchmark.pedantic(trace, setup=setup, rounds=20 if impl == "rust" else 5, iterations=1)
-    m = _cached_manager(impl)
+    m = _cached_manager(impl, algo)
     assert m.add_sequence(2, PROMPT) == len(PROMPT) - BLOCK_SIZE  # really a hit
-    record("b2: 32k prompt prefix hit", impl, 1, "lookup + claim 2047 cached blocks")
+    for label in ALGOS if impl == "reference" else [algo]:
+        record(f"b2: 32k prompt hit, {label}", impl, 1, "lookup + claim 2047 cached blocks")
 
 
 # -- (c) decode step for 1,024 running sequences ------------------------------------------
