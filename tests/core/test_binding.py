@@ -136,7 +136,7 @@ def test_hash_algorithms_digest_sizes() -> None:
 def test_threads_hammering_one_manager() -> None:
     """Several threads drive disjoint sequences of one manager; no "already borrowed",
     no lost updates, invariants hold afterwards."""
-    m = KVCacheManager(4096, 4, num_cpu_blocks=256)
+    m = KVCacheManager(1 << 17, 4, num_cpu_blocks=256)
     errors: list[BaseException] = []
 
     def worker(base: int) -> None:
@@ -160,7 +160,25 @@ def test_threads_hammering_one_manager() -> None:
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 
+    def batch_worker(base: int) -> None:
+        """Long prompts and large batches: these calls lock with the GIL released."""
+        try:
+            ids = np.arange(base, base + 80, dtype=np.int64)
+            for sid in ids.tolist():
+                m.add_sequence(sid, np.full(3000, sid % 11, dtype=np.uint32))
+            for _ in range(5):
+                news = m.probe_prefixes(ids)
+                assert (news >= 0).all()
+            assert m.allocate_slots_batch(ids, 3000 - m.probe_prefixes(ids)) == 80
+            m.commit_batch(ids, 3000 - m.probe_prefixes(ids), np.ones(80, dtype=np.int64))
+            assert m.block_tables(ids).shape[0] == 80
+            for sid in ids.tolist():
+                m.free(sid)
+        except BaseException as e:
+            errors.append(e)
+
     threads = [threading.Thread(target=worker, args=(t * 1000,)) for t in range(6)]
+    threads += [threading.Thread(target=batch_worker, args=(10_000 + t * 100,)) for t in range(2)]
     for t in threads:
         t.start()
     for t in threads:
