@@ -98,6 +98,8 @@ class KVCacheManager:
             ``can_swap_in``) so running sequences can keep growing; in ``[0, 1)``.
         sliding_window: if set, blocks wholly outside the attention window of every
             future query are released at ``commit`` and replaced by the null block.
+        record_events: queue KV cache events for ``take_events``. Events accumulate
+            until drained: turn this off when nothing calls ``take_events``.
     """
 
     def __new__(
@@ -110,6 +112,7 @@ class KVCacheManager:
         hash_algo: Literal["blake3", "xxh3_128"] = "blake3",
         watermark: float = 0.01,
         sliding_window: int | None = None,
+        record_events: bool = True,
     ) -> KVCacheManager: ...
 
     # -- configuration ---------------------------------------------------------------
@@ -127,6 +130,8 @@ class KVCacheManager:
     def watermark(self) -> float: ...
     @property
     def sliding_window(self) -> int | None: ...
+    @property
+    def record_events(self) -> bool: ...
     @property
     def null_block(self) -> int:
         """The reserved block id (0) used for padding and released window blocks."""
@@ -275,7 +280,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only when no block is in use. Returns success."""
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        """Drain the KV cache events recorded since the last call (empty without caching)."""
+        """Drain the KV cache events recorded since the last call.
+
+        Always empty without prefix caching or with ``record_events=False``.
+        """
     def stats(self) -> dict[str, int | float]:
         """Counters: usage, free blocks, prefix-cache queries/hits (tokens), evictions,
         copy-on-write copies, blocks swapped out/in, sequences."""

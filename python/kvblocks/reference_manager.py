@@ -209,6 +209,7 @@ class ReferenceKVCacheManager:
         hash_algo: str = "blake3",
         watermark: float = 0.01,
         sliding_window: int | None = None,
+        record_events: bool = True,
     ) -> None:
         # Same limits as the core: pools of at most 2**26 blocks, blocks of at most 2**20.
         self._num_blocks = _check_int(num_blocks, "num_blocks", 2, _MAX_BLOCKS + 1)
@@ -217,6 +218,10 @@ class ReferenceKVCacheManager:
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise InvalidArgumentError(
                 f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}"
+            )
+        if not isinstance(record_events, (bool, np.bool_)):
+            raise InvalidArgumentError(
+                f"record_events must be a bool, got {type(record_events).__name__}"
             )
         if not isinstance(hash_algo, str) or hash_algo not in _HASH_ALGOS:
             raise InvalidArgumentError(f"hash_algo must be one of {_HASH_ALGOS}, got {hash_algo!r}")
@@ -230,6 +235,7 @@ class ReferenceKVCacheManager:
         if sliding_window is not None:
             sliding_window = _check_int(sliding_window, "sliding_window", 1, 2**63)
         self._caching = bool(enable_prefix_caching)
+        self._record_events = bool(record_events)
         self._hash_algo = hash_algo
         self._watermark = watermark
         self._watermark_blocks = math.floor(watermark * self._num_blocks)
@@ -286,6 +292,11 @@ class ReferenceKVCacheManager:
     def sliding_window(self) -> int | None:
         """Attention window in tokens, or None."""
         return self._sliding_window
+
+    @property
+    def record_events(self) -> bool:
+        """Whether KV cache events are queued for ``take_events``."""
+        return self._record_events
 
     @property
     def null_block(self) -> int:
@@ -379,7 +390,8 @@ class ReferenceKVCacheManager:
             if self._cache.get(h) == block:
                 del self._cache[h]
             self._block_hash[block] = None
-            self._events.append(RefBlockRemoved([h]))
+            if self._record_events:
+                self._events.append(RefBlockRemoved([h]))
             self._evictions += 1
         return block
 
@@ -645,7 +657,7 @@ class ReferenceKVCacheManager:
         run: list[int] = []  # indices of the current run of newly stored blocks
 
         def flush() -> None:
-            if run:
+            if run and self._record_events:
                 first = run[0]
                 self._events.append(
                     RefBlockStored(
@@ -656,7 +668,7 @@ class ReferenceKVCacheManager:
                         lora_id=seq.lora_id,
                     )
                 )
-                run.clear()
+            run.clear()
 
         for i in range(start, end):
             h = self._seq_hash(seq, i)
@@ -895,7 +907,8 @@ class ReferenceKVCacheManager:
             for block in self._cache.values():
                 self._block_hash[block] = None
             self._cache.clear()
-            self._events.append(RefAllBlocksCleared())
+            if self._record_events:
+                self._events.append(RefAllBlocksCleared())
         return True
 
     def take_events(self) -> list[RefEvent]:

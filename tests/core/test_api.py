@@ -47,6 +47,7 @@ def test_defaults() -> None:
     assert m.hash_algo == "blake3"
     assert m.watermark == 0.01
     assert m.sliding_window is None
+    assert m.record_events is True
     assert "KVCacheManager(" in repr(m)
 
 
@@ -237,6 +238,23 @@ def test_block_removed_event_on_eviction(make: Make) -> None:
     # Tail first: the last block of the freed prompt is evicted before its head.
     assert [e.block_hashes for e in removed] == [[stored_hashes[1]], [stored_hashes[0]]]
     assert m.stats()["evictions"] == 2
+
+
+def test_record_events_off_keeps_caching_but_queues_nothing(make: Make) -> None:
+    m = make(8, 2, record_events=False)
+    assert m.record_events is False
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    run(m, 1, 5)
+    m.free(1)
+    assert m.add_sequence(2, [1, 2, 3, 4, 5]) == 4  # the cache still works
+    m.free(2)
+    m.add_sequence(3, list(range(50, 64)))
+    run(m, 3, 14)  # evicts the cached blocks
+    assert m.stats()["evictions"] == 2
+    assert m.reset_prefix_cache() is False
+    m.free(3)
+    assert m.reset_prefix_cache() is True
+    assert m.take_events() == []
 
 
 def test_no_events_without_caching(make: Make) -> None:

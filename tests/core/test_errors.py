@@ -74,6 +74,7 @@ def busy(make: Make) -> Any:
         ((8.0, 4), {}),
         ((True, 4), {}),
         ((8, 4), {"enable_prefix_caching": 1}),
+        ((8, 4), {"record_events": "yes"}),
         ((8, 4), {"hash_algo": 3}),
         ((8, 4), {"watermark": "0.1"}),
         ((8, 4), {"watermark": True}),

@@ -60,6 +60,7 @@ class ManagerComparison(RuleBasedStateMachine):
         sliding_window=st.sampled_from([None, None, None, 3, 6]),
         watermark=st.sampled_from([0.0, 0.0, 0.1, 0.3]),
         hash_algo=st.sampled_from(["blake3", "xxh3_128"]),
+        record_events=st.sampled_from([True, True, True, False]),
     )
     def build(
         self,
@@ -70,8 +71,10 @@ class ManagerComparison(RuleBasedStateMachine):
         sliding_window: int | None,
         watermark: float,
         hash_algo: str,
+        record_events: bool,
     ) -> None:
         kwargs = {
+            "record_events": record_events,
             "num_cpu_blocks": num_cpu_blocks,
             "enable_prefix_caching": caching,
             "sliding_window": sliding_window,

@@ -143,9 +143,10 @@ impl KVCacheManager {
         hash_algo = None,
         watermark = None,
         sliding_window = None,
+        record_events = None,
     ),
     text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
-                      hash_algo='blake3', watermark=0.01, sliding_window=None)"
+                      hash_algo='blake3', watermark=0.01, sliding_window=None, record_events=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -156,6 +157,7 @@ impl KVCacheManager {
         hash_algo: Option<&Bound<'_, PyAny>>,
         watermark: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
+        record_events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut config = core::ManagerConfig::new(
             args::count(num_blocks, "num_blocks")?,
@@ -172,6 +174,9 @@ impl KVCacheManager {
         }
         if let Some(w) = watermark {
             config.watermark = args::real(w, "watermark")?;
+        }
+        if let Some(flag) = record_events {
+            config.record_events = args::flag(flag, "record_events")?;
         }
         config.sliding_window = match sliding_window {
             Some(w) if !w.is_none() => Some(args::count(w, "sliding_window")?),
@@ -224,6 +229,12 @@ impl KVCacheManager {
     #[getter]
     fn sliding_window(&self, py: Python<'_>) -> Option<usize> {
         self.read(py, |m| m.sliding_window())
+    }
+
+    /// Whether KV cache events are queued for ``take_events``.
+    #[getter]
+    fn record_events(&self, py: Python<'_>) -> bool {
+        self.read(py, |m| m.config().record_events)
     }
 
     /// The reserved block id (0) used for padding and released window blocks.
