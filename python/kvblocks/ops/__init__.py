@@ -317,7 +317,10 @@ def copy_blocks(
 
     ``kv_caches`` as returned by :func:`allocate_kv_cache`; ``block_mapping`` int64
     ``[n, 2]`` (torch tensor, NumPy array or nested lists). On CUDA this is one launch
-    covering all layers, K and V. Block ids are validated on the host.
+    covering all layers, K and V. Block ids are validated on the host. The pairs run in
+    parallel: a block that is the destination of one pair must not be the source or the
+    destination of another in the same call (the CUDA result would depend on timing; the
+    reference reads every source before writing).
     """
     if not kv_caches:
         raise InvalidArgumentError("kv_caches must hold at least one (key, value) layer")
