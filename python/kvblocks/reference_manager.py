@@ -16,7 +16,7 @@ import hashlib
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -115,7 +115,7 @@ class _FreeQueue:
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._order
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._order)
 
     def pop_front(self) -> int:
