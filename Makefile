@@ -9,7 +9,8 @@ STAMP   := $(VENV)/.deps-stamp
 EXTRAS  ?= dev,engine,cli
 export PYO3_PYTHON := $(abspath $(PY))
 
-.PHONY: all venv build demo test test-rust test-python lint bench bench-rust bench-python clean
+.PHONY: all venv build demo test test-rust test-python lint bench bench-rust bench-python \
+	ptxas-report bench-gpu clean
 
 all: test
 
@@ -49,6 +50,14 @@ bench-python: build
 	$(PY) -m pytest benches --benchmark-only
 
 bench: bench-rust bench-python
+
+# Registers, spills and shared memory per kernel (NVRTC, no GPU needed).
+ptxas-report: build
+	$(PY) benches/ops/ptxas_report.py sm_80 sm_90
+
+# Decode/prefill time and fraction of HBM bandwidth; needs a CUDA GPU and CuPy.
+bench-gpu: build
+	$(PY) benches/ops/bench_gpu.py
 
 clean:
 	rm -rf $(VENV) target
