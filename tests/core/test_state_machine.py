@@ -282,6 +282,31 @@ class ManagerComparison(RuleBasedStateMachine):
         self.both(lambda m: m.can_swap_in(ids))
         self.both(lambda m: m.swap_in(ids))
 
+    @rule(data=st.data())
+    def preempt_by_swap(self, data: st.DataObject) -> None:
+        """Scheduler-style preemption: end the round (commit 0), then swap out."""
+        seq_id = self.pick(data)
+        self.both(lambda m: m.commit(seq_id, 0))
+        self.both(lambda m: m.swap_out([seq_id]))
+
+    @rule()
+    def resume_swapped(self) -> None:
+        """Swap every swapped sequence back in, in id order."""
+        swapped = [s for s in self.rust.seq_ids().tolist() if self.rust.is_swapped(s)]
+        if swapped:
+            self.both(lambda m: m.swap_in(swapped))
+
+    @rule(data=st.data())
+    def fill_pool(self, data: st.DataObject) -> None:
+        """A long fresh prompt under memory pressure: evicts cached blocks or gets None."""
+        seq_id = self._new_id(data)
+        if seq_id is None:
+            return
+        length = data.draw(st.integers(4, 40), label="long prompt length")
+        tokens = [200 + (seq_id + i) % 7 for i in range(length)]
+        self.both(lambda m: m.add_sequence(seq_id, tokens))
+        self._step(seq_id)
+
     # -- reads and cache -------------------------------------------------------------
     @rule(data=st.data(), max_extra=st.sampled_from([None, 0, 3]))
     def read_step_inputs(self, data: st.DataObject, max_extra: int | None) -> None:
