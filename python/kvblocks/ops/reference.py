@@ -1,7 +1,8 @@
 """Torch reference implementations of the kvblocks ops (any device, fp32 accumulation).
 
 These are the semantics the CUDA kernels are tested against: written for clarity, with
-whole-tensor operations per sequence and no per-token Python loops. The front-ends in
+whole-tensor operations over the batch (no per-sequence or per-token Python loops;
+attention pads each group of similar chunks to one length and masks). The front-ends in
 :mod:`kvblocks.ops` validate shapes and dtypes before calling in; the functions here
 additionally reject block ids and slots outside the cache, which the kernels can only
 clamp (see ``cuda/README.md``).
@@ -67,44 +68,73 @@ def _check_tables(
         )
 
 
-def _gather(cache: torch.Tensor, table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Return the first ``seq_len`` tokens of one sequence as fp32 ``[num_kv_heads, L, D]``."""
+def _query_length_groups(q_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Indices of the sequences with a query, grouped by ``ceil(log2(q_len))``.
+
+    Each group is attended as one padded batch; within a group the longest chunk is at
+    most twice the shortest, so padding at most doubles the work, while a batch of
+    decodes (all ``q_len == 1``) is a single group.
+    """
+    has_query = q_lens > 0
+    # frexp's exponent of q_len - 1 is its bit length: 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3.
+    group_of = torch.frexp((q_lens - 1).clamp_min(0).double()).exponent
+    return [
+        (has_query & (group_of == g)).nonzero().squeeze(1)
+        for g in torch.unique(group_of[has_query]).tolist()
+    ]
+
+
+def _gather_context(
+    cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int
+) -> torch.Tensor:
+    """The first ``ctx`` cached tokens of each table row as fp32 ``[n, Hkv, ctx, D]``.
+
+    Tokens at or past a sequence's own length are zeroed: their slots hold whatever the
+    block last held (possibly non-finite), and ``0 * inf`` would poison the output.
+    """
+    n = tables.shape[0]
     _, num_kv_heads, block_size, head_size = cache.shape
-    used = -(-seq_len // block_size)
-    tiles = cache[table_row[:used].to(torch.int64)]  # [used, H, bs, D]
-    flat = tiles.permute(1, 0, 2, 3).reshape(num_kv_heads, used * block_size, head_size)
-    return flat[:, :seq_len].float()
+    used = -(-ctx // block_size)
+    tiles = cache[tables[:, :used].to(torch.int64)]  # [n, used, Hkv, bs, D]
+    flat = tiles.permute(0, 2, 1, 3, 4).reshape(n, num_kv_heads, used * block_size, head_size)
+    flat = flat[:, :, :ctx].float()
+    beyond = torch.arange(ctx, device=cache.device) >= seq_lens.unsqueeze(1)  # [n, ctx]
+    return flat.masked_fill(beyond[:, None, :, None], 0.0)
 
 
-def _attend(
+def _attend_group(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    first_pos: int,
+    first_pos: torch.Tensor,
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
 ) -> torch.Tensor:
-    """Causal attention of ``query [q, H, D]`` at positions ``first_pos..`` over ``[Hkv, L, D]``."""
-    q_len, num_heads, head_size = query.shape
-    num_kv_heads, ctx, _ = keys.shape
+    """Causal attention of padded queries ``[n, q, H, D]`` over ``[n, Hkv, L, D]``.
+
+    Query ``i`` of sequence ``s`` sits at position ``first_pos[s] + i``; returns fp32
+    ``[n, q, H, D]`` (rows past a sequence's chunk are garbage for the caller to drop).
+    """
+    n, q_len, num_heads, head_size = query.shape
+    num_kv_heads, ctx = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
-    q = query.float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    scores = torch.einsum("kgqd,kld->kgql", q, keys) * scale
+    q = query.float().reshape(n, q_len, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    scores = torch.einsum("nkgqd,nkld->nkgql", q, keys) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    pos = first_pos + torch.arange(q_len, device=query.device).unsqueeze(1)
-    key_pos = torch.arange(ctx, device=query.device).unsqueeze(0)
-    visible = key_pos <= pos
+    pos = first_pos.unsqueeze(1) + torch.arange(q_len, device=query.device)  # [n, q]
+    key_pos = torch.arange(ctx, device=query.device)
+    visible = key_pos <= pos.unsqueeze(2)  # [n, q, L]
     if sliding_window is not None:
-        visible &= key_pos > pos - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # A query with no visible key (only possible with seq_len 0) yields zeros, not NaN.
+        visible &= key_pos > pos.unsqueeze(2) - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    # A query with no visible key (a padding row) yields zeros, not NaN.
     row_max = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
-    out = torch.einsum("kgql,kld->kgqd", weights, values) / denom.clamp_min(1e-30)
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size)
+    out = torch.einsum("nkgql,nkld->nkgqd", weights, values) / denom.clamp_min(1e-30)
+    return out.permute(0, 3, 1, 2, 4).reshape(n, q_len, num_heads, head_size)
 
 
 def paged_prefill_attention(
@@ -119,29 +149,46 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention of concatenated query chunks over the paged cache."""
+    """Varlen causal attention of concatenated query chunks over the paged cache.
+
+    Sequences are batched, not looped over: their K/V are gathered through the block
+    tables into one zero-padded tensor per group of similar chunk lengths (see
+    :func:`_query_length_groups`), and masks drop the padding.
+    """
     num_blocks, _, block_size, head_size = key_cache.shape
     _check_tables(block_tables, seq_lens, num_blocks, block_size)
     scale = 1.0 / math.sqrt(head_size) if scale is None else scale
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for s, seq_len in enumerate(lens):
-        if starts[s + 1] - starts[s] > seq_len:
-            raise InvalidArgumentError(
-                f"sequence {s} has {starts[s + 1] - starts[s]} query tokens but seq_lens "
-                f"{seq_len}; seq_lens must include the chunk (>= query length)"
-            )
+    device = key_cache.device
+    starts = query_start_loc.to("cpu", torch.int64)
+    lens = seq_lens.to("cpu", torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    too_long = (q_lens > lens).nonzero()
+    if too_long.numel():
+        s = int(too_long[0, 0])
+        raise InvalidArgumentError(
+            f"sequence {s} has {int(q_lens[s])} query tokens but seq_lens "
+            f"{int(lens[s])}; seq_lens must include the chunk (>= query length)"
+        )
     out = torch.zeros_like(query)
-    tables = block_tables.to(key_cache.device)
-    for s, seq_len in enumerate(lens):
-        lo, hi = starts[s], starts[s + 1]
-        if hi == lo:
-            continue
-        keys = _gather(key_cache, tables[s], seq_len)
-        values = _gather(value_cache, tables[s], seq_len)
-        out[lo:hi] = _attend(
-            query[lo:hi], keys, values, seq_len - (hi - lo), scale, sliding_window, soft_cap
-        ).to(query.dtype)
+    tables = block_tables.to(device)
+    for seqs in _query_length_groups(q_lens):
+        g_lens, g_q = lens[seqs], q_lens[seqs]
+        q_max, ctx = int(g_q.max()), int(g_lens.max())
+        # Token index of each padded query slot; slots past a chunk repeat its first token.
+        offsets = torch.arange(q_max)
+        in_chunk = offsets < g_q.unsqueeze(1)  # [n, q_max]
+        tokens = starts[seqs].unsqueeze(1) + offsets * in_chunk
+        dev_lens = g_lens.to(device)
+        attended = _attend_group(
+            query[tokens.to(query.device)],
+            _gather_context(key_cache, tables[seqs.to(device)], dev_lens, ctx),
+            _gather_context(value_cache, tables[seqs.to(device)], dev_lens, ctx),
+            (g_lens - g_q).to(device),
+            scale,
+            sliding_window,
+            soft_cap,
+        )
+        out[tokens[in_chunk].to(query.device)] = attended[in_chunk.to(device)].to(query.dtype)
     return out
 
 
