@@ -12,44 +12,12 @@ import json
 import sys
 from typing import Any
 
+from kvblocks.cli.arg_types import non_negative_int, positive_int, token_ids
+
 __all__ = ["add_parser", "run"]
 
 DEFAULT_TEXT_PROMPT = "Paged attention keeps the KV cache in blocks"
 """Prompt used when none is given and the model has a tokenizer."""
-
-
-def _token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated token ids such as 1,2,3, got {text!r}"
-        ) from None
-    if not ids or any(t < 0 for t in ids):
-        raise argparse.ArgumentTypeError(
-            f"expected one or more non-negative token ids such as 1,2,3, got {text!r}"
-        )
-    return ids
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -81,40 +49,38 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--prompt-ids",
         action="append",
         default=[],
-        type=_token_ids,
+        type=token_ids,
         metavar="IDS",
         help="a prompt as comma-separated token ids, e.g. 1,2,3; repeat for a batch",
     )
     samp = p.add_argument_group("sampling")
-    samp.add_argument("--max-tokens", type=_positive_int, default=16, help="default: 16")
+    samp.add_argument("--max-tokens", type=positive_int, default=16, help="default: 16")
     samp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     samp.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1)")
-    samp.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off (default)")
-    samp.add_argument("--seed", type=_non_negative_int, default=None, help="per-request seed")
-    samp.add_argument("--n", type=_positive_int, default=1, help="completions per prompt")
+    samp.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default)")
+    samp.add_argument("--seed", type=non_negative_int, default=None, help="per-request seed")
+    samp.add_argument("--n", type=positive_int, default=1, help="completions per prompt")
+    samp.add_argument("--beam-width", type=positive_int, default=1, help="> 1 turns on beam search")
     samp.add_argument(
-        "--beam-width", type=_positive_int, default=1, help="> 1 turns on beam search"
-    )
-    samp.add_argument(
-        "--stop-token-ids", type=_token_ids, default=[], metavar="IDS", help="e.g. 2,13"
+        "--stop-token-ids", type=token_ids, default=[], metavar="IDS", help="e.g. 2,13"
     )
     samp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--num-blocks", type=_positive_int, default=None, help="KV cache blocks")
+    eng.add_argument("--num-blocks", type=positive_int, default=None, help="KV cache blocks")
     eng.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16)
-    eng.add_argument("--num-cpu-blocks", type=_non_negative_int, default=None)
+    eng.add_argument("--num-cpu-blocks", type=non_negative_int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
-    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
-    eng.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=256)
     eng.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
     eng.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
     eng.add_argument(
-        "--engine-seed", type=_non_negative_int, default=0, help="engine generator seed"
+        "--engine-seed", type=non_negative_int, default=0, help="engine generator seed"
     )
     eng.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to "
         "split, torch's default for a checkpoint)",
@@ -223,15 +189,14 @@ def _fmt(value: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``kvblocks generate``; return the process exit status."""
-    from kvblocks.errors import KVBlocksError
+    """Execute ``kvblocks generate``; return the process exit status.
 
+    A :class:`~kvblocks.errors.KVBlocksError` propagates to :func:`kvblocks.cli.main`,
+    which prints it as one line; a missing engine dependency is reported here.
+    """
     try:
         llm, prompts, params = _build(args)
         outputs = llm.generate(prompts, params)
-    except KVBlocksError as exc:
-        print(f"kvblocks generate: error: {exc}", file=sys.stderr)
-        return 1
     except ImportError as exc:
         print(
             f"kvblocks generate: error: the engine needs {exc.name or 'torch'} "

@@ -3,41 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Any
 
+from kvblocks.cli.arg_types import non_negative_int, positive_float, positive_int
+from kvblocks.errors import InvalidArgumentError
+
 __all__ = ["add_parser", "run"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or math.isnan(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -55,28 +27,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=_positive_int, default=1000, help="default: 1000")
+    w.add_argument("--num-requests", type=positive_int, default=1000, help="default: 1000")
     w.add_argument(
         "--request-rate",
-        type=_positive_float,
+        type=positive_float,
         default=20.0,
         help="mean arrivals per simulated second, Poisson; 'inf' sends all at once (default 20)",
     )
-    w.add_argument("--seed", type=_non_negative_int, default=0, help="default: 0")
+    w.add_argument("--seed", type=non_negative_int, default=0, help="default: 0")
     c = p.add_argument_group("block manager")
-    c.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block (16)")
+    c.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
     c.add_argument(
-        "--num-blocks", type=_positive_int, default=4096, help="GPU blocks incl. null (4096)"
+        "--num-blocks", type=positive_int, default=4096, help="GPU blocks incl. null (4096)"
     )
-    c.add_argument("--num-cpu-blocks", type=_non_negative_int, default=1024, help="default: 1024")
+    c.add_argument("--num-cpu-blocks", type=non_negative_int, default=1024, help="default: 1024")
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     s = p.add_argument_group("scheduler")
     s.add_argument(
         "--policy", choices=("fcfs", "priority", "lpm"), default="fcfs", help="default: fcfs"
     )
-    s.add_argument("--max-num-seqs", type=_positive_int, default=256, help="default: 256")
+    s.add_argument("--max-num-seqs", type=positive_int, default=256, help="default: 256")
     s.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=2048, help="default: 2048"
+        "--max-num-batched-tokens", type=positive_int, default=2048, help="default: 2048"
     )
     s.add_argument(
         "--preemption-mode",
@@ -99,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
     from kvblocks.simulate.report import format_json, format_table
 
     if args.num_blocks < 2:
-        raise _usage_error("--num-blocks must be >= 2 (block 0 is the reserved null block)")
+        raise InvalidArgumentError("--num-blocks must be >= 2 (block 0 is the reserved null block)")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise _usage_error("--plot needs matplotlib (pip install 'kvblocks[cli]')") from None
+            raise InvalidArgumentError(
+                "--plot needs matplotlib (pip install 'kvblocks[cli]')"
+            ) from None
     config = SimulationConfig(
         workload=WorkloadConfig(
             num_requests=args.num_requests, request_rate=args.request_rate, seed=args.seed
@@ -131,9 +105,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"\ntimeline written to {args.plot}")
     sys.stdout.flush()
     return 0
-
-
-def _usage_error(message: str) -> Exception:
-    from kvblocks.errors import InvalidArgumentError
-
-    return InvalidArgumentError(message)

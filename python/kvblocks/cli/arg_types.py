@@ -1,0 +1,58 @@
+"""Value types for the subcommands' ``argparse`` options.
+
+Each converts one option string or raises :class:`argparse.ArgumentTypeError`, which
+argparse turns into a one-line usage error naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["non_negative_int", "positive_float", "positive_int", "token_ids"]
+
+
+def _int_at_least(text: str, minimum: int, expected: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (``inf`` allowed, ``nan`` not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    """Comma-separated non-negative token ids such as ``1,2,3``."""
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids such as 1,2,3, got {text!r}"
+        ) from None
+    if not ids or any(t < 0 for t in ids):
+        raise argparse.ArgumentTypeError(
+            f"expected one or more non-negative token ids such as 1,2,3, got {text!r}"
+        )
+    return ids
