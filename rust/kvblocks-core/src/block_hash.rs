@@ -57,35 +57,55 @@ impl fmt::Debug for BlockHash {
 
 /// Computes block and namespace hashes with one algorithm, reusing a scratch buffer.
 ///
-/// Every field is tagged and length-prefixed so that no two different field sequences
-/// can feed the same bytes to the hash function. The extra keys are encoded once per
-/// sequence into a *namespace*:
+/// Every field is tagged and length-prefixed (or sits in a fixed-size slot of the hash
+/// function) so that no two different field sequences can feed the same input to the
+/// hash function. The extra keys are encoded once per sequence into a *namespace*:
 ///
 /// ```text
 /// extra = salt: 0x00 | 0x01 len:u64le bytes     (None and b"" differ)
 ///         lora: 0x00 | 0x01 id:u64le            (None and Some(0) differ)
-/// block = parent: 0x00                          (first block of a sequence)
-///               | 0x01 len:u8 parent-digest     (otherwise)
-///         tokens: count:u32le token:u32le*
 /// ```
 ///
 /// * BLAKE3: namespace = `derive_key("kvblocks 2026 namespace v1", extra)`, a 32-byte key;
-///   hash = `keyed_hash(namespace, block)`. Keyed mode puts the namespace in the key
-///   instead of the message, which saves one compression per block (a 16-token block
-///   fits two 64-byte compressions).
-/// * xxh3-128: namespace = `xxh3_128("kvblocks/namespace/v1" extra)`;
-///   hash = `xxh3_128("kvblocks/block/v1" 0x10 namespace block)`.
+///   hash = `keyed_hash(key, token:u32le*)` where the key is the parent block's digest,
+///   or the namespace for the first block. The parent rides in BLAKE3's 32-byte key slot
+///   and the token count in BLAKE3's own length encoding, so a 16-token block (64 bytes)
+///   is exactly one compression. A first block and a child block cannot be confused: the
+///   one's key is a `derive_key` output, the other's a `keyed_hash` output (different
+///   domain flags), and the chain of keys carries the namespace to every block.
+/// * xxh3-128 (no key input): namespace = `xxh3_128("kvblocks/namespace/v1" extra)`;
+///   hash = `xxh3_128("kvblocks/block/v1" 0x10 namespace block)` with
+///
+///   ```text
+///   block = parent: 0x00                        (first block of a sequence)
+///                 | 0x01 len:u8 parent-digest   (otherwise)
+///           tokens: count:u32le token:u32le*
+///   ```
 ///
 /// So blocks of different salts or LoRA ids never share a hash.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {
     algo: HashAlgo,
     buf: Vec<u8>,
+    /// Namespace of no salt and no LoRA id, derived once: most sequences use it, and
+    /// deriving a BLAKE3 key costs two compressions.
+    default_namespace: BlockHash,
+    /// The last other namespace derived, with its extra keys (requests of one tenant or
+    /// adapter tend to arrive together).
+    recent: Option<RecentNamespace>,
+}
+
+/// A derived namespace with the extra keys it was derived from.
+#[derive(Debug, Clone)]
+struct RecentNamespace {
+    cache_salt: Option<Box<[u8]>>,
+    lora_id: Option<u64>,
+    namespace: BlockHash,
 }
 
 impl PartialEq for BlockHasher {
     fn eq(&self, other: &Self) -> bool {
-        // The scratch buffer is not state.
+        // The scratch buffer and the namespace caches are not state.
         self.algo == other.algo
     }
 }
@@ -93,10 +113,14 @@ impl PartialEq for BlockHasher {
 impl BlockHasher {
     /// A hasher for `algo`.
     pub fn new(algo: HashAlgo) -> Self {
-        BlockHasher {
+        let mut hasher = BlockHasher {
             algo,
             buf: Vec::with_capacity(256),
-        }
+            default_namespace: BlockHash::default(),
+            recent: None,
+        };
+        hasher.default_namespace = hasher.derive_namespace(None, None);
+        hasher
     }
 
     /// The algorithm in use.
@@ -110,6 +134,25 @@ impl BlockHasher {
 
     /// Digest of a sequence's extra keys (cache salt and LoRA id).
     pub fn namespace(&mut self, cache_salt: Option<&[u8]>, lora_id: Option<u64>) -> BlockHash {
+        if cache_salt.is_none() && lora_id.is_none() {
+            return self.default_namespace;
+        }
+        if let Some(r) = &self.recent {
+            if r.cache_salt.as_deref() == cache_salt && r.lora_id == lora_id {
+                return r.namespace;
+            }
+        }
+        let namespace = self.derive_namespace(cache_salt, lora_id);
+        self.recent = Some(RecentNamespace {
+            cache_salt: cache_salt.map(Box::from),
+            lora_id,
+            namespace,
+        });
+        namespace
+    }
+
+    /// Compute the namespace digest (no cache).
+    fn derive_namespace(&mut self, cache_salt: Option<&[u8]>, lora_id: Option<u64>) -> BlockHash {
         self.buf.clear();
         if self.algo == HashAlgo::Xxh3_128 {
             self.buf.extend_from_slice(NAMESPACE_TAG);
@@ -146,31 +189,29 @@ impl BlockHasher {
         tokens: &[u32],
     ) -> BlockHash {
         self.buf.clear();
-        if self.algo == HashAlgo::Xxh3_128 {
-            self.buf.extend_from_slice(BLOCK_TAG);
-            self.buf.push(namespace.len);
-            self.buf.extend_from_slice(namespace.as_bytes());
-        }
-        match parent {
-            None => self.buf.push(0),
-            Some(p) => {
-                self.buf.push(1);
-                self.buf.push(p.len);
-                self.buf.extend_from_slice(p.as_bytes());
-            }
-        }
-        self.buf
-            .extend_from_slice(&(tokens.len() as u32).to_le_bytes());
-        self.buf.reserve(tokens.len() * 4);
-        for t in tokens {
-            self.buf.extend_from_slice(&t.to_le_bytes());
-        }
         match self.algo {
             HashAlgo::Blake3 => {
-                let key: &[u8; 32] = &namespace.bytes;
+                push_tokens(&mut self.buf, tokens);
+                let key: &[u8; 32] = &parent.unwrap_or(namespace).bytes;
                 BlockHash::from_slice(blake3::keyed_hash(key, &self.buf).as_bytes())
             }
-            HashAlgo::Xxh3_128 => self.xxh3_buf(),
+            HashAlgo::Xxh3_128 => {
+                self.buf.extend_from_slice(BLOCK_TAG);
+                self.buf.push(namespace.len);
+                self.buf.extend_from_slice(namespace.as_bytes());
+                match parent {
+                    None => self.buf.push(0),
+                    Some(p) => {
+                        self.buf.push(1);
+                        self.buf.push(p.len);
+                        self.buf.extend_from_slice(p.as_bytes());
+                    }
+                }
+                self.buf
+                    .extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+                push_tokens(&mut self.buf, tokens);
+                self.xxh3_buf()
+            }
         }
     }
 
@@ -193,6 +234,15 @@ impl BlockHasher {
             );
             hashes.push(h);
         }
+    }
+}
+
+/// Append the tokens as little-endian `u32`s.
+#[inline]
+fn push_tokens(buf: &mut Vec<u8>, tokens: &[u32]) {
+    buf.reserve(tokens.len() * 4);
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
     }
 }
 
@@ -292,6 +342,44 @@ mod tests {
             let second = h.block(Some(&first), &ns, &tokens[4..8]);
             assert_eq!(chain, vec![first, second]);
         }
+    }
+
+    #[test]
+    fn cached_namespaces_equal_fresh_derivations() {
+        for algo in ALGOS {
+            let mut h = BlockHasher::new(algo);
+            let variants: [(Option<&[u8]>, Option<u64>); 5] = [
+                (None, None),
+                (Some(b"t"), None),
+                (Some(b"t"), None),
+                (None, Some(2)),
+                (Some(b"t"), None),
+            ];
+            for (salt, lora) in variants {
+                let fresh = BlockHasher::new(algo).derive_namespace(salt, lora);
+                assert_eq!(h.namespace(salt, lora), fresh, "{salt:?} {lora:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn blake3_block_is_keyed_by_parent_or_namespace() {
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let ns = h.namespace(Some(b"s"), None);
+        let tokens = [5u32, 6, 7];
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let root = h.block(None, &ns, &tokens);
+        let root_bytes: &[u8; 32] = root.as_bytes().try_into().unwrap();
+        let ns_bytes: &[u8; 32] = ns.as_bytes().try_into().unwrap();
+        assert_eq!(
+            root.as_bytes(),
+            blake3::keyed_hash(ns_bytes, &bytes).as_bytes()
+        );
+        let child = h.block(Some(&root), &ns, &tokens);
+        assert_eq!(
+            child.as_bytes(),
+            blake3::keyed_hash(root_bytes, &bytes).as_bytes()
+        );
     }
 
     #[test]

@@ -72,6 +72,13 @@ impl PrefixCache {
         self.entries.insert(block, entry);
     }
 
+    /// Make room for `additional` more entries (one rehash instead of many while a long
+    /// prompt's blocks are registered).
+    pub fn reserve(&mut self, additional: usize) {
+        self.map.reserve(additional);
+        self.entries.reserve(additional);
+    }
+
     /// Drop `block` from the cache; returns its hash if it was cached.
     #[inline]
     pub fn remove(&mut self, block: u32) -> Option<BlockHash> {

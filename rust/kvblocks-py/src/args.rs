@@ -6,7 +6,7 @@
 
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 use crate::errors::invalid_argument;
 
@@ -185,15 +185,33 @@ pub(crate) fn int_vec<T: IntTarget>(
             type_name(obj)
         )));
     }
+    // Lists and tuples are read in place, without the generic iterator protocol.
+    if let Ok(list) = obj.cast::<PyList>() {
+        return ints_in(list.iter(), list.len(), name, lo, hi);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return ints_in(tuple.iter(), tuple.len(), name, lo, hi);
+    }
     let Ok(iter) = obj.try_iter() else {
         return Err(invalid_argument(format!(
             "{name} must be a 1-D integer array or a sequence of ints, got {}",
             type_name(obj)
         )));
     };
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
-    for item in iter {
-        let v = scalar_int(&item?, name)?;
+    let len = obj.len().unwrap_or(0);
+    ints_in(iter, len, name, lo, hi)
+}
+
+/// Collect Python ints from `items` (about `len` of them), each in `[lo, hi)`.
+fn ints_in<'py, T, I, R>(items: I, len: usize, name: &str, lo: i128, hi: i128) -> PyResult<Vec<T>>
+where
+    T: IntTarget,
+    I: Iterator<Item = R>,
+    R: IntoItem<'py>,
+{
+    let mut out = Vec::with_capacity(len);
+    for item in items {
+        let v = scalar_int(&item.into_item()?, name)?;
         if v < lo || v >= hi {
             return Err(invalid_argument(format!(
                 "every entry of {name} must be in [{lo}, {hi}), got {v}"
@@ -202,6 +220,25 @@ pub(crate) fn int_vec<T: IntTarget>(
         out.push(T::from_i128(v));
     }
     Ok(out)
+}
+
+/// An item of a list/tuple (always present) or of a generic iterator (may fail).
+trait IntoItem<'py> {
+    fn into_item(self) -> PyResult<Bound<'py, PyAny>>;
+}
+
+impl<'py> IntoItem<'py> for Bound<'py, PyAny> {
+    #[inline]
+    fn into_item(self) -> PyResult<Bound<'py, PyAny>> {
+        Ok(self)
+    }
+}
+
+impl<'py> IntoItem<'py> for PyResult<Bound<'py, PyAny>> {
+    #[inline]
+    fn into_item(self) -> PyResult<Bound<'py, PyAny>> {
+        self
+    }
 }
 
 /// Sequence ids of a batch call.

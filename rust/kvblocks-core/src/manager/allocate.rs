@@ -180,6 +180,9 @@ impl KVCacheManager {
             return false;
         }
         let bs = self.config.block_size;
+        if let Some(t) = taken.as_deref_mut() {
+            t.reserve(plan.append + plan.cow as usize);
+        }
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
         if !seq.allocated {

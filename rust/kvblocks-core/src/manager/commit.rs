@@ -105,6 +105,7 @@ impl KVCacheManager {
                 &seq.tokens[..full * bs],
                 bs,
             );
+            pools.cache.reserve(full - seq.num_registered_blocks);
             let mut run: Option<BlockStored> = None;
             for i in seq.num_registered_blocks..full {
                 let hash = seq.hashes[i];
@@ -134,10 +135,11 @@ impl KVCacheManager {
                 if !pools.record_events {
                     continue;
                 }
+                // A run holds at most the blocks left to register: size it once.
                 let ev = run.get_or_insert_with(|| BlockStored {
-                    block_hashes: Vec::new(),
+                    block_hashes: Vec::with_capacity(full - i),
                     parent_block_hash: parent,
-                    token_ids: Vec::new(),
+                    token_ids: Vec::with_capacity((full - i) * bs),
                     block_size: bs,
                     lora_id: seq.lora_id,
                 });
