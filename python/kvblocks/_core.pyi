@@ -181,6 +181,25 @@ class KVCacheManager:
     def probe_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
         """Batch form of ``num_computed_tokens`` for ordering waiting sequences (lpm)."""
 
+    def refresh_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Re-probe the prefix cache for waiting sequences; return their cached-token counts.
+
+        A waiting (not yet allocated) sequence's cached prefix is probed at
+        ``add_sequence`` and can only shrink through eviction after that. This call
+        re-probes the current cache with each sequence's stored block hashes (no
+        re-hashing) and resets its cap to the hit found now, so a request that waited
+        while another one cached the same prefix claims those blocks when admitted. The
+        hit is whole blocks and never the whole prompt, as at ``add_sequence``.
+
+        Nothing is claimed: refcounts, the free queue and eviction order are unchanged,
+        and the count can still shrink through eviction before the first
+        ``allocate_slots``. Ids may repeat. Every id is checked before any cap changes:
+        an unknown id raises ``UnknownSequenceError``; a sequence that is already
+        allocated (or swapped out) raises ``SequenceStateError``.
+
+        Returns the new ``num_computed_tokens`` of each listed sequence, in order (int64).
+        """
+
     def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 

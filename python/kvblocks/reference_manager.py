@@ -505,6 +505,27 @@ class ReferenceKVCacheManager:
         ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
         return np.array([self.num_computed_tokens(s) for s in ids], dtype=np.int64)
 
+    def refresh_prefixes(self, seq_ids: object) -> npt.NDArray[np.int64]:
+        """Re-probe the cache for waiting sequences, resetting their caps; new hit counts."""
+        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
+        seqs = []
+        for sid in ids:
+            seq = self._get(sid)[1]
+            self._require_resident(seq, "refresh_prefixes")
+            if seq.allocated:
+                raise SequenceStateError(
+                    f"cannot refresh_prefixes sequence {sid}: it already has slots (its "
+                    "cached prefix was claimed); only waiting sequences can be refreshed"
+                )
+            seqs.append(seq)
+        out = []
+        for seq in seqs:
+            seq.probe_cap = max(seq.prompt_len - 1, 0) // self._block_size
+            seq.probe_cap = self._probe_blocks(seq)
+            seq.num_cached_tokens = seq.probe_cap * self._block_size
+            out.append(seq.num_cached_tokens)
+        return np.array(out, dtype=np.int64)
+
     def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
         """Can the whole known sequence get blocks, keeping the watermark free?"""
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)

@@ -119,6 +119,12 @@ def test_constructor_message_says_what_was_expected(make: Make) -> None:
         (UnknownSequenceError, lambda m: m.token_ids(UNKNOWN)),
         (UnknownSequenceError, lambda m: m.is_swapped(UNKNOWN)),
         (UnknownSequenceError, lambda m: m.probe_prefixes([RUNNING, UNKNOWN])),
+        (UnknownSequenceError, lambda m: m.refresh_prefixes([WAITING, UNKNOWN])),
+        (SequenceStateError, lambda m: m.refresh_prefixes([WAITING, RUNNING])),
+        (SequenceStateError, lambda m: m.refresh_prefixes([WAITING, PENDING])),
+        (SequenceStateError, lambda m: m.refresh_prefixes([WAITING, SWAPPED])),
+        (InvalidArgumentError, lambda m: m.refresh_prefixes([WAITING, -1])),
+        (InvalidArgumentError, lambda m: m.refresh_prefixes(WAITING)),
         (UnknownSequenceError, lambda m: m.free(UNKNOWN)),
         (UnknownSequenceError, lambda m: m.fork(UNKNOWN, 50)),
         (DuplicateSequenceError, lambda m: m.fork(RUNNING, WAITING)),
@@ -158,6 +164,18 @@ def test_sequence_errors(busy: Any, error: type[KVBlocksError], call: Any) -> No
 )
 def test_allocation_errors(busy: Any, error: type[KVBlocksError], call: Any) -> None:
     expect_error(busy, error, call)
+
+
+def test_refresh_error_leaves_a_growable_cap_unchanged(make: Make) -> None:
+    m = make(16, 4)
+    m.add_sequence(2, list(range(9)))
+    m.add_sequence(1, list(range(9)))
+    m.allocate_slots(1, 9)
+    m.commit(1, 9)
+    # seq 2 would grow from 0 to 8 tokens, but a later id is bad: nothing changes
+    expect_error(m, UnknownSequenceError, lambda m: m.refresh_prefixes([2, UNKNOWN]))
+    expect_error(m, SequenceStateError, lambda m: m.refresh_prefixes([2, 1]))
+    assert m.num_computed_tokens(2) == 0
 
 
 def test_allocate_none_leaves_state_unchanged(busy: Any) -> None:

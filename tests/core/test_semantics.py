@@ -202,6 +202,46 @@ def test_claim_shrinks_after_eviction_never_grows(make: Make) -> None:
     assert m.can_allocate(2) == AllocStatus.LATER
 
 
+def test_refresh_prefixes_lets_a_waiting_claim_grow_without_claiming(make: Make) -> None:
+    m = make(16, 4)
+    assert m.add_sequence(2, [*range(9), 1, 2]) == 0  # waits while seq 1 prefills
+    assert m.add_sequence(3, list(range(8))) == 0  # whole-prompt hits stay capped
+    m.add_sequence(1, list(range(9)))
+    run(m, 1, 9)
+    assert m.num_computed_tokens(2) == 0  # the add-time cap holds without a refresh
+    free_before, stats_before = m.num_free_blocks(), m.stats()
+    counts = m.refresh_prefixes(np.array([2, 3, 2]))
+    assert counts.dtype == np.int64 and counts.tolist() == [8, 4, 8]
+    assert m.num_free_blocks() == free_before and m.stats() == stats_before  # no claim
+    assert m.num_computed_tokens(2) == 8 and m.num_cached_tokens(2) == 8
+    assert m.probe_prefixes([2, 3]).tolist() == [8, 4]
+    assert m.allocate_slots(2, 3).tolist() == [4]  # claims blocks 1 and 2
+    assert m.block_table(2).tolist() == [1, 2, 4]
+    assert m.refresh_prefixes([]).tolist() == []
+    m.check_invariants()
+
+
+def test_refreshed_cap_still_shrinks_through_eviction(make: Make) -> None:
+    m = make(4, 2)  # 3 usable blocks
+    m.add_sequence(2, [1, 2, 3, 4, 5])
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    run(m, 1, 5)
+    m.free(1)
+    assert m.refresh_prefixes([2]).tolist() == [4]
+    m.add_sequence(3, [9] * 6)
+    run(m, 3, 6)  # needs every block: evicts the cached ones
+    assert m.num_computed_tokens(2) == 0
+    assert m.refresh_prefixes([2]).tolist() == [0]
+
+
+def test_refresh_prefixes_without_caching_is_zero(make: Make) -> None:
+    m = make(16, 4, enable_prefix_caching=False)
+    m.add_sequence(1, list(range(9)))
+    run(m, 1, 9)
+    m.add_sequence(2, list(range(9)))
+    assert m.refresh_prefixes([2]).tolist() == [0]
+
+
 @pytest.mark.parametrize(
     ("salt_a", "lora_a", "salt_b", "lora_b"),
     [

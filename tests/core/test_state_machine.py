@@ -319,6 +319,12 @@ class ManagerComparison(RuleBasedStateMachine):
         self.both(lambda m: m.slot_mapping(ids))
         self.both(lambda m: m.slot_mapping(ids, 1 if ids else []))
 
+    @rule(data=st.data())
+    def refresh_prefixes(self, data: st.DataObject) -> None:
+        """Re-probe waiting sequences (errors for allocated, swapped or unknown ids)."""
+        ids = self.pick_many(data)
+        self.both(lambda m: m.refresh_prefixes(ids))
+
     @rule(really=st.integers(0, 3))
     def reset_prefix_cache(self, really: int) -> None:
         if really == 0:

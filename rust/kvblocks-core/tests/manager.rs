@@ -378,6 +378,72 @@ fn claim_never_grows_past_the_add_time_probe() {
 }
 
 #[test]
+fn refresh_prefixes_lets_a_waiting_claim_grow() {
+    for algo in ALGOS {
+        let mut m = manager_with(16, 4, |c| c.hash_algo = algo);
+        m.add_sequence(2, &toks(0, 9), None, None).unwrap(); // nothing cached yet
+        m.add_sequence(3, &toks(0, 8), None, None).unwrap(); // a whole-prompt hit is capped
+        m.add_sequence(4, &toks(50, 9), None, None).unwrap(); // other content
+        prefill(&mut m, 1, &toks(0, 9));
+        assert_eq!(m.num_computed_tokens(2).unwrap(), 0);
+        let (free, stats) = (m.free_block_ids(), m.stats());
+        assert_eq!(m.refresh_prefixes(&[2, 3, 4, 2]).unwrap(), vec![8, 4, 0, 8]);
+        // nothing claimed
+        assert_eq!((m.free_block_ids(), m.stats()), (free, stats));
+        assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
+        assert_eq!(m.probe_prefixes(&[2, 3]).unwrap(), vec![8, 4]);
+        // the claim now takes the 2 cached blocks and appends 1
+        assert_eq!(m.allocate_slots(2, 1, 0).unwrap().unwrap().len(), 1);
+        assert_eq!(m.num_cached_tokens(2).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn refresh_prefixes_follows_eviction_both_ways() {
+    let mut m = manager(5, 4); // 4 usable
+    prefill(&mut m, 1, &toks(0, 12));
+    m.free(1).unwrap();
+    assert_eq!(m.add_sequence(2, &toks(0, 13), None, None).unwrap(), 12);
+    m.add_sequence(3, &toks(100, 4), None, None).unwrap();
+    m.allocate_slots(3, 4, 0).unwrap().unwrap(); // takes block 4 (plain)
+    m.add_sequence(4, &toks(200, 4), None, None).unwrap();
+    m.allocate_slots(4, 4, 0).unwrap().unwrap(); // evicts block 3 (the prompt's tail)
+    assert_eq!(m.refresh_prefixes(&[2]).unwrap(), vec![8]);
+    // the evicted block comes back into the cache from another sequence: the cap grows
+    m.free(3).unwrap();
+    m.free(4).unwrap();
+    prefill(&mut m, 5, &toks(0, 12));
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 8);
+    assert_eq!(m.refresh_prefixes(&[2]).unwrap(), vec![12]);
+    assert_eq!(m.num_computed_tokens(2).unwrap(), 12);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn refresh_prefixes_errors_leave_state_unchanged() {
+    let mut m = manager_with(16, 4, |c| c.num_cpu_blocks = 8);
+    m.add_sequence(1, &toks(0, 9), None, None).unwrap();
+    prefill(&mut m, 2, &toks(0, 9));
+    prefill(&mut m, 3, &toks(50, 9));
+    m.swap_out(&[3]).unwrap();
+    // seq 1 would grow to 8 tokens; a later bad id must stop that
+    assert_fails_unchanged(&mut m, |m| m.refresh_prefixes(&[1, 9]), is_unknown);
+    assert_fails_unchanged(&mut m, |m| m.refresh_prefixes(&[1, 2]), is_state);
+    assert_fails_unchanged(&mut m, |m| m.refresh_prefixes(&[1, 3]), is_state);
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 0);
+    assert_eq!(m.refresh_prefixes(&[]).unwrap(), Vec::<i64>::new());
+}
+
+#[test]
+fn refresh_prefixes_without_caching_is_zero() {
+    let mut m = manager_with(16, 4, |c| c.enable_prefix_caching = false);
+    prefill(&mut m, 1, &toks(0, 9));
+    m.add_sequence(2, &toks(0, 9), None, None).unwrap();
+    assert_eq!(m.refresh_prefixes(&[2]).unwrap(), vec![0]);
+}
+
+#[test]
 fn duplicate_content_keeps_the_existing_cache_entry() {
     let mut m = manager(16, 4);
     m.add_sequence(1, &toks(0, 8), None, None).unwrap();

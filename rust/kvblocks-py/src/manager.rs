@@ -54,6 +54,11 @@ impl Work {
             Work::Short
         }
     }
+
+    /// Short whatever the batch size (O(1)-per-id checks).
+    fn short(_: usize) -> Self {
+        Work::Short
+    }
 }
 
 impl KVCacheManager {
@@ -78,6 +83,39 @@ impl KVCacheManager {
         R: Send,
     {
         self.run(py, Work::Short, |m| f(m))
+    }
+
+    /// A core call on the sequence named by the `seq_id` argument.
+    fn on_seq<R, F>(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        work: Work,
+        f: F,
+    ) -> PyResult<R>
+    where
+        F: FnOnce(&mut core::KVCacheManager, u64) -> core::Result<R> + Send,
+        R: Send,
+    {
+        let id = args::seq_id(seq_id, "seq_id")?;
+        self.run(py, work, |m| f(m, id)).py_err()
+    }
+
+    /// A core call on the sequences named by the `seq_ids` argument; `work` says from
+    /// their number whether the call releases the GIL.
+    fn on_seqs<R, F>(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        work: fn(usize) -> Work,
+        f: F,
+    ) -> PyResult<R>
+    where
+        F: FnOnce(&mut core::KVCacheManager, &[u64]) -> core::Result<R> + Send,
+        R: Send,
+    {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        self.run(py, work(ids.len()), |m| f(m, &ids)).py_err()
     }
 }
 
@@ -331,20 +369,17 @@ impl KVCacheManager {
 
     /// Known tokens of the sequence: prompt plus committed sampled tokens.
     fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        self.read(py, |m| m.num_tokens(id)).py_err()
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tokens(id))
     }
 
     /// Tokens whose KV is in the cache (the current prefix probe before the first allocation).
     fn num_computed_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        self.read(py, |m| m.num_computed_tokens(id)).py_err()
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_computed_tokens(id))
     }
 
     /// Prompt tokens served from the prefix cache (claimed, or the probe before the claim).
     fn num_cached_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        self.read(py, |m| m.num_cached_tokens(id)).py_err()
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_cached_tokens(id))
     }
 
     /// The sequence's known tokens.
@@ -353,17 +388,15 @@ impl KVCacheManager {
         py: Python<'py>,
         seq_id: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let tokens = self
-            .read(py, |m| m.token_ids(id).map(|t| t.to_vec()))
-            .py_err()?;
+        let tokens = self.on_seq(py, seq_id, Work::Short, |m, id| {
+            m.token_ids(id).map(|t| t.to_vec())
+        })?;
         Ok(to_numpy(py, tokens))
     }
 
     /// Whether the sequence's blocks are in the CPU pool.
     fn is_swapped(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        self.read(py, |m| m.is_swapped(id)).py_err()
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.is_swapped(id))
     }
 
     /// Batch form of ``num_computed_tokens`` for ordering waiting sequences.
@@ -372,10 +405,19 @@ impl KVCacheManager {
         py: Python<'py>,
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let out = self
-            .run(py, Work::for_batch(ids.len()), |m| m.probe_prefixes(&ids))
-            .py_err()?;
+        let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.probe_prefixes(ids))?;
+        Ok(to_numpy(py, out))
+    }
+
+    /// Re-probe the cache for waiting sequences; their cached-prefix caps may grow.
+    fn refresh_prefixes<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| {
+            m.refresh_prefixes(ids)
+        })?;
         Ok(to_numpy(py, out))
     }
 
@@ -517,22 +559,19 @@ impl KVCacheManager {
 
     /// Release the sequence's blocks (last block first) and forget it.
     fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        self.run(py, Work::Short, |m| m.free(id)).py_err()
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.free(id))
     }
 
     // -- swap ----------------------------------------------------------------------
 
     /// Enough free CPU blocks for the sequences' distinct blocks.
     fn can_swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        self.read(py, |m| m.can_swap_out(&ids)).py_err()
+        self.on_seqs(py, seq_ids, Work::short, |m, ids| m.can_swap_out(ids))
     }
 
     /// Enough free GPU blocks for the sequences' distinct blocks, keeping the watermark.
     fn can_swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        self.read(py, |m| m.can_swap_in(&ids)).py_err()
+        self.on_seqs(py, seq_ids, Work::short, |m, ids| m.can_swap_in(ids))
     }
 
     /// Move the sequences' blocks to the CPU pool; return ``(gpu, cpu)`` rows ``[n, 2]``.
@@ -541,10 +580,7 @@ impl KVCacheManager {
         py: Python<'py>,
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let pairs = self
-            .run(py, Work::for_batch(ids.len()), |m| m.swap_out(&ids))
-            .py_err()?;
+        let pairs = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.swap_out(ids))?;
         pairs_to_py(py, pairs)
     }
 
@@ -554,10 +590,7 @@ impl KVCacheManager {
         py: Python<'py>,
         seq_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let pairs = self
-            .run(py, Work::for_batch(ids.len()), |m| m.swap_in(&ids))
-            .py_err()?;
+        let pairs = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.swap_in(ids))?;
         pairs_to_py(py, pairs)
     }
 
@@ -569,8 +602,7 @@ impl KVCacheManager {
         py: Python<'py>,
         seq_id: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let table = self.read(py, |m| m.block_table(id)).py_err()?;
+        let table = self.on_seq(py, seq_id, Work::Short, |m, id| m.block_table(id))?;
         Ok(to_numpy(py, table))
     }
 

@@ -100,7 +100,8 @@ impl KVCacheManager {
     }
 
     /// Tokens whose KV is in the cache; before the first `allocate_slots`, the cached
-    /// prefix the sequence would claim now (can shrink through eviction, never grow).
+    /// prefix the sequence would claim now (can shrink through eviction; grows only
+    /// through `refresh_prefixes`).
     pub fn num_computed_tokens(&self, seq_id: u64) -> Result<usize> {
         let seq = self.seq(seq_id)?;
         Ok(self.computed_of(seq))
@@ -132,6 +133,40 @@ impl KVCacheManager {
             .iter()
             .map(|&id| self.num_computed_tokens(id).map(|n| n as i64))
             .collect()
+    }
+
+    /// Re-probe the prefix cache for sequences not yet allocated; return the new hits.
+    ///
+    /// Each sequence's cap on its cached prefix (set at `add_sequence`, shrinking with
+    /// eviction) is reset to what its stored block hashes hit in the cache now, so it can
+    /// grow when another sequence cached the same prefix meanwhile. Still whole blocks and
+    /// never the whole prompt. Nothing is claimed (refcounts and free queue unchanged).
+    /// Ids may repeat. Errors, checked for every id before any cap changes:
+    /// `UnknownSequence`, `SequenceState` (already allocated, or swapped).
+    pub fn refresh_prefixes(&mut self, seq_ids: &[u64]) -> Result<Vec<i64>> {
+        let mut slots = Vec::with_capacity(seq_ids.len());
+        for &id in seq_ids {
+            let slot = self.slot_of(id)?;
+            let seq = &self.slots[slot];
+            Self::require_resident(seq, "refresh_prefixes")?;
+            if seq.allocated {
+                return Err(KvError::SequenceState(format!(
+                    "refresh_prefixes: sequence {id} already has slots (its cached prefix was \
+                     claimed); only waiting sequences can be refreshed"
+                )));
+            }
+            slots.push(slot);
+        }
+        let bs = self.config.block_size;
+        let mut out = Vec::with_capacity(slots.len());
+        for slot in slots {
+            let seq = &self.slots[slot];
+            let max_hit = seq.prompt_len.saturating_sub(1) / bs;
+            let cap = self.pools.probe(&seq.hashes, max_hit);
+            self.slots[slot].probe_cap_blocks = cap;
+            out.push((cap * bs) as i64);
+        }
+        Ok(out)
     }
 
     /// Ids of every held sequence (running and swapped), ascending.
