@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_cases import make_case
+from ops_cases import PagedCase, make_case
 
 import kvblocks.ops as ops
 from kvblocks.errors import InvalidArgumentError
@@ -47,6 +48,19 @@ def dense_attention(
     return out
 
 
+def prefill(case: PagedCase, **kwargs: Any) -> torch.Tensor:
+    """``ops.paged_prefill_attention`` on the whole of ``case``."""
+    return ops.paged_prefill_attention(
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize(
     ("seq_lens", "q_lens"),
@@ -55,32 +69,14 @@ def dense_attention(
 @pytest.mark.parametrize("group", [1, 4])
 def test_prefill_matches_dense(block_size, seq_lens, q_lens, group):
     case = make_case(1, seq_lens, q_lens, block_size=block_size, group=group)
-    got = ops.paged_prefill_attention(
-        case.query,
-        case.key_cache,
-        case.value_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.seq_lens,
-    )
-    torch.testing.assert_close(got, dense_attention(case), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefill(case), dense_attention(case), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 1, 7, 32])
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
 def test_window_and_soft_cap_match_dense(sliding_window, soft_cap):
     case = make_case(2, [9, 48, 70], [9, 20, 1], block_size=16, group=2)
-    got = ops.paged_prefill_attention(
-        case.query,
-        case.key_cache,
-        case.value_cache,
-        case.block_tables,
-        case.query_start_loc,
-        case.seq_lens,
-        scale=0.3,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-    )
+    got = prefill(case, scale=0.3, sliding_window=sliding_window, soft_cap=soft_cap)
     want = dense_attention(case, 0.3, sliding_window, soft_cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -100,6 +96,23 @@ def test_decode_is_prefill_with_one_query_and_pads_zero():
     want = dense_attention(case, sliding_window=20)
     torch.testing.assert_close(got[[0, 1, 3]], want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_stale_slots_past_seq_len_do_not_leak(block_size):
+    """Slots a sequence does not own yet (the tail of its last block) may hold NaN/inf."""
+    # Several sequences per chunk-length group, so the shorter ones are padded.
+    case = make_case(6, [5, 17, 0, 40, 2, 9, 33], [1, 1, 0, 1, 2, 3, 4], block_size=block_size)
+    want = prefill(case, sliding_window=4)
+    stale = torch.ones(case.key_cache.shape[0], block_size, dtype=torch.bool)
+    for s, n in enumerate(case.seq_lens.tolist()):
+        stale[case.block_tables[s, : -(-n // block_size)].long()] = False
+        last = n // block_size
+        if n % block_size:
+            stale[int(case.block_tables[s, last]), n % block_size :] = True
+    case.key_cache.permute(0, 2, 1, 3)[stale] = float("nan")
+    case.value_cache.permute(0, 2, 1, 3)[stale] = float("inf")
+    assert torch.equal(prefill(case, sliding_window=4), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -133,6 +146,8 @@ def test_allocate_layers_share_one_base():
         assert k.data_ptr() == base + 2 * layer * step
         assert v.data_ptr() == base + (2 * layer + 1) * step
         assert not k.any()
+    with pytest.raises(InvalidArgumentError, match="pin_memory applies to CPU caches"):
+        ops.allocate_kv_cache(1, 5, 16, 2, 64, torch.float16, "meta", pin_memory=True)
 
 
 def test_copy_blocks_all_layers():

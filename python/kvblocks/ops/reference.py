@@ -84,22 +84,30 @@ def _query_length_groups(q_lens: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def _gather_context(
-    cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, ctx: int
-) -> torch.Tensor:
+def _gather_context(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> torch.Tensor:
     """The first ``ctx`` cached tokens of each table row as fp32 ``[n, Hkv, ctx, D]``.
 
-    Tokens at or past a sequence's own length are zeroed: their slots hold whatever the
-    block last held (possibly non-finite), and ``0 * inf`` would poison the output.
+    Slots past a sequence's own length hold whatever their block last held, possibly
+    non-finite: callers mask their scores and zero such values (see
+    :func:`_zero_past_length`). The result is a fresh tensor, never a view of the cache.
     """
     n = tables.shape[0]
     _, num_kv_heads, block_size, head_size = cache.shape
     used = -(-ctx // block_size)
-    tiles = cache[tables[:, :used].to(torch.int64)]  # [n, used, Hkv, bs, D]
+    tiles = cache[tables[:, :used].to(torch.int64)]  # [n, used, Hkv, bs, D], a copy
     flat = tiles.permute(0, 2, 1, 3, 4).reshape(n, num_kv_heads, used * block_size, head_size)
-    flat = flat[:, :, :ctx].float()
-    beyond = torch.arange(ctx, device=cache.device) >= seq_lens.unsqueeze(1)  # [n, ctx]
-    return flat.masked_fill(beyond[:, None, :, None], 0.0)
+    return flat[:, :, :ctx].float()
+
+
+def _zero_past_length(values: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Zero (in place) the gathered tokens at or past each sequence's length.
+
+    Their attention weights are exactly 0, but ``0 * inf`` or ``0 * nan`` in the weighted
+    sum would still poison the row; keys need no such care since masking replaces their
+    scores outright.
+    """
+    beyond = torch.arange(values.shape[2], device=values.device) >= seq_lens.unsqueeze(1)
+    return values.masked_fill_(beyond[:, None, :, None], 0.0)
 
 
 def _attend_group(
@@ -178,11 +186,12 @@ def paged_prefill_attention(
         offsets = torch.arange(q_max)
         in_chunk = offsets < g_q.unsqueeze(1)  # [n, q_max]
         tokens = starts[seqs].unsqueeze(1) + offsets * in_chunk
-        dev_lens = g_lens.to(device)
+        g_tables = tables[seqs.to(device)]
+        values = _gather_context(value_cache, g_tables, ctx)
         attended = _attend_group(
             query[tokens.to(query.device)],
-            _gather_context(key_cache, tables[seqs.to(device)], dev_lens, ctx),
-            _gather_context(value_cache, tables[seqs.to(device)], dev_lens, ctx),
+            _gather_context(key_cache, g_tables, ctx),
+            _zero_past_length(values, g_lens.to(device)),
             (g_lens - g_q).to(device),
             scale,
             sliding_window,
