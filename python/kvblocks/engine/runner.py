@@ -1,9 +1,10 @@
 """The model runner: executes one :class:`~kvblocks.scheduler.SchedulerOutput` on the paged cache.
 
-Per step it applies the scheduler's memory operations in the agreed order (swap out,
-swap in, copy-on-write copies), runs the decoder over the flattened batch with every
-layer's attention going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the
-torch reference on the CPU), computes logits only at the sampling rows and samples.
+Per step it applies the scheduler's swaps and copy-on-write copies in the order the block
+manager issued them (``SchedulerOutput.memory_ops``), runs the decoder over the flattened
+batch with every layer's attention going through :mod:`kvblocks.ops` (CUDA kernels for
+CUDA tensors, the torch reference on the CPU), computes logits only at the sampling rows
+and samples.
 """
 
 from __future__ import annotations
@@ -124,45 +125,21 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
-        shape = (c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        if block_size not in ops.SUPPORTED_BLOCK_SIZES:
-            raise InvalidArgumentError(
-                f"block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
-            )
-        self.kv_caches: KVCaches = ops.allocate_kv_cache(*shape, self.dtype, self.device)
-        self.cpu_caches: KVCaches = self._allocate_cpu_caches(num_cpu_blocks)
+        layers, heads, dim = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        # ops.allocate_kv_cache validates the block size and the other shapes.
+        self.kv_caches: KVCaches = ops.allocate_kv_cache(
+            layers, num_blocks, block_size, heads, dim, self.dtype, self.device
+        )
+        self.cpu_caches: KVCaches = []
+        if num_cpu_blocks > 0:
+            # Pinned host memory makes device<->host block copies asynchronous DMA.
+            self.cpu_caches = ops.allocate_kv_cache(
+                layers, num_cpu_blocks, block_size, heads, dim, self.dtype, "cpu",
+                pin_memory=self.device.type != "cpu",
+            )  # fmt: skip
         self.sliding_windows = c.layer_sliding_windows()
         self.scale = c.default_scale
         self.sampler = Sampler(self.device, seed)
-
-    def _allocate_cpu_caches(self, num_cpu_blocks: int) -> KVCaches:
-        if num_cpu_blocks <= 0:
-            return []
-        c = self.model.config
-        if self.device.type == "cpu":
-            return ops.allocate_kv_cache(
-                c.num_hidden_layers,
-                num_cpu_blocks,
-                self.block_size,
-                c.num_key_value_heads,
-                c.head_dim,
-                self.dtype,
-                torch.device("cpu"),
-            )
-        # Pinned host memory makes device<->host block copies asynchronous DMA.
-        base = torch.zeros(
-            (
-                c.num_hidden_layers,
-                2,
-                num_cpu_blocks,
-                c.num_key_value_heads,
-                self.block_size,
-                c.head_dim,
-            ),
-            dtype=self.dtype,
-            pin_memory=True,
-        )
-        return [(base[i, 0], base[i, 1]) for i in range(c.num_hidden_layers)]
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
         """Apply the step's swaps and copy-on-write copies before the forward pass.

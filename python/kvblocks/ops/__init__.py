@@ -64,13 +64,16 @@ def allocate_kv_cache(
     head_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    *,
+    pin_memory: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate a zeroed paged KV cache for ``num_layers`` layers.
 
     All layers live in one contiguous tensor ``[num_layers, 2, num_blocks, num_kv_heads,
     block_size, head_size]``; the result is a list of per-layer ``(key_cache,
     value_cache)`` views of it, so :func:`copy_blocks` can reach every layer from one base
-    pointer in a single launch.
+    pointer in a single launch. ``pin_memory`` (CPU caches only, needs CUDA) page-locks
+    the storage so that :func:`swap_blocks` to and from a GPU is asynchronous DMA.
     """
     for name, value in (
         ("num_layers", num_layers),
@@ -82,10 +85,14 @@ def allocate_kv_cache(
     check_block_size(block_size)
     check_head_size(head_size)
     check_dtype(dtype, "the KV cache")
+    device = torch.device(device)
+    if pin_memory and device.type != "cpu":
+        raise InvalidArgumentError(f"pin_memory applies to CPU caches, not to {device}")
     storage = torch.zeros(
         (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size),
         dtype=dtype,
-        device=torch.device(device),
+        device=device,
+        pin_memory=pin_memory,
     )
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(num_layers)]
 
