@@ -1,8 +1,8 @@
 """Admission cost with thousands of waiting requests: lpm against fcfs in the same run.
 
-lpm orders the waiting queue by cached prefix every step (one ``probe_prefixes`` call
-over all waiting sequences plus a bounded number of re-registrations); fcfs takes the
-queue as it is. The ratio is the price of cache-aware admission.
+lpm orders the waiting queue by cached prefix every step (one ``refresh_prefixes`` call
+over all waiting sequences: a re-probe from stored block hashes, no re-hashing); fcfs
+takes the queue as it is. The ratio is the price of cache-aware admission.
 """
 
 from __future__ import annotations

@@ -47,6 +47,25 @@ def test_lpm_admits_the_longest_cached_prefix_first(make_manager) -> None:
     assert _admission_order(_lpm_setup("fcfs", make_manager)) == ["cold", "short", "hot"]
 
 
+def test_lpm_sees_prefixes_cached_while_requests_wait(make_manager) -> None:
+    """ "hot" arrives before "warm" caches the shared prefix; its probe is refreshed."""
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig(max_num_seqs=1, policy="lpm"))
+    shared = list(range(1, 17))
+    sched.add_request(Request("warm", [*shared, 90], SamplingParams(max_tokens=1), 0.0))
+    sched.add_request(Request("cold", list(range(40, 58)), SamplingParams(max_tokens=1), 1.0))
+    sched.add_request(Request("hot", [*shared, 80, 81], SamplingParams(max_tokens=1), 2.0))
+    order: list[str] = []
+    cached: dict[str, int] = {}
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        order += [rid for rid in out.sample_request_ids if rid not in order]
+        for result in sched.update(out, fake_step(out)):
+            if result.finished:
+                cached[result.request_id] = result.num_cached_tokens
+    assert order == ["warm", "hot", "cold"]
+    assert cached == {"warm": 0, "hot": 16, "cold": 0}
+
+
 def test_lpm_orders_thousands_of_waiting_requests_with_one_probe(rust_manager) -> None:
     mgr = rust_manager(4096, 16)
     sched = Scheduler(mgr, SchedulerConfig(max_num_seqs=8, policy="lpm"))

@@ -51,9 +51,9 @@ class RequestState:
         self.num_cached_tokens = 0
         self.cum_logprob = 0.0  # of the single sequence while it is not in the table
         self.multi = False  # forked into several sequences: swap-only preemption
-        # Step at which the waiting sequence was (re)registered with the manager, -1 if it
-        # is not. The manager fixes a sequence's cache-hit cap at registration, so a
-        # waiting request is registered again before it is admitted (see _register).
+        # Step at which the waiting sequence was registered with the manager or its prefix
+        # probe refreshed, -1 if it is not registered. The manager caps a sequence's cache
+        # hit at registration, so the probe is refreshed before admission (see _register).
         self.registered_step = -1
         self.aborted = False
         self.seq_index: dict[int, int] = {seq_id: 0}

@@ -44,8 +44,6 @@ from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
 
 __all__ = ["Scheduler"]
 
-_LPM_REFRESH = 64
-
 
 class Scheduler:
     """Continuous-batching scheduler over a block manager.
@@ -95,7 +93,6 @@ class Scheduler:
         # Swap/copy groups in issue order (see SchedulerOutput.memory_ops).
         self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
-        self._lpm_cursor = 0
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -290,8 +287,7 @@ class Scheduler:
         # 4. admission of waiting requests.
         if not self._preempted and not self._swapped and self._waiting and budget > 0:
             live = self._num_live_seqs()
-            if self.policy.name == "lpm":
-                self._refresh_lpm_probes()
+            # lpm's order comes from one batch refresh of every waiting sequence's probe.
             for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
@@ -813,34 +809,22 @@ class Scheduler:
         return True
 
     def _register(self, state: RequestState) -> None:
-        """(Re)register the waiting sequence so that its prefix probe sees the cache now."""
+        """Register the waiting sequence, or refresh its prefix probe if it is registered.
+
+        The block manager caps a waiting sequence's cache hit at what was cached when it
+        was added; ``refresh_prefixes`` resets that cap to the cache as it is now from
+        the stored block hashes, so a registered sequence is never re-added (re-hashed).
+        """
         mgr = self.manager
         seq = state.seq_ids[0]
         if state.registered_step >= 0:
-            mgr.free(seq)
-        request = state.request
-        mgr.add_sequence(seq, state.tokens, cache_salt=request.cache_salt, lora_id=request.lora_id)
+            mgr.refresh_prefixes([seq])
+        else:
+            request = state.request
+            mgr.add_sequence(
+                seq, state.tokens, cache_salt=request.cache_salt, lora_id=request.lora_id
+            )
         state.registered_step = self.counters.num_steps
-
-    def _refresh_lpm_probes(self) -> None:
-        """Re-register up to ``_LPM_REFRESH`` waiting sequences per step, round robin.
-
-        The block manager caps a sequence's cache hit at what was cached when it was
-        registered; lpm orders by that probe, so registrations are renewed in a bounded
-        batch per step (walking the queue with a cursor) to keep lpm cheap with
-        thousands of waiting requests.
-        """
-        items = self._waiting.items()
-        if not items:
-            return
-        step = self.counters.num_steps
-        count = min(_LPM_REFRESH, len(items))
-        start = self._lpm_cursor % len(items)
-        for offset in range(count):
-            state = items[(start + offset) % len(items)]
-            if state.registered_step != step:
-                self._register(state)
-        self._lpm_cursor = start + count
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _num_live_seqs(self) -> int:

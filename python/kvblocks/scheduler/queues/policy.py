@@ -5,7 +5,8 @@ Every request has a *key*, a tuple that orders requests by importance (smallest 
 The same key orders the running requests, so preemption always picks the least
 important one. lpm only changes the *admission* order: waiting requests are admitted
 longest cached prefix first (ties by key), as SGLang's cache-aware scheduling does; the
-cached prefix of every waiting request comes from one batch probe of the block manager.
+cached prefix of every waiting request comes from one batch ``refresh_prefixes`` call
+to the block manager.
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ class LongestPrefixMatchPolicy(SchedulingPolicy):
     name = "lpm"
 
     def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
-        """Order by the cached prefix each request would claim now (one batch probe)."""
+        """Order by the cached prefix each request would claim now (one batch refresh).
+
+        ``refresh_prefixes`` re-probes every waiting sequence against the cache as it is
+        now, so prefixes cached while a request waited count (a plain probe stays capped
+        at what was cached when the request was added); nothing is claimed.
+        """
         items = list(queue.items())  # the caller removes admitted items from the live list
         if len(items) <= 1:
             return iter(items)
-        cached = np.asarray(manager.probe_prefixes(queue.seq_ids()), dtype=np.int64)
+        cached = np.asarray(manager.refresh_prefixes(queue.seq_ids()), dtype=np.int64)
         # items are already key-sorted, so a stable sort on -cached keeps key order on ties.
         order = np.argsort(-cached, kind="stable")
         return (items[i] for i in order.tolist())
