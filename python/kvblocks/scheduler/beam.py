@@ -13,6 +13,7 @@ score.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +44,7 @@ class Hypothesis:
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
     """``cum_logprob / length ** length_penalty`` (higher is better)."""
-    return cum_logprob / float(max(length, 1)) ** length_penalty
+    return cum_logprob / math.pow(max(length, 1), length_penalty)
 
 
 def select_beams(
