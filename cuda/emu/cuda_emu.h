@@ -220,7 +220,12 @@ class Barrier {
       cv_.notify_all();
       return;
     }
-    const int ms = timeout_ms();
+    // A block-wide barrier waits twice as long as a warp's: when a warp-level barrier
+    // deadlocks, the threads of its block that already reached kernel exit (or a
+    // __syncthreads) wait too, and the warp's own, more specific report must come first.
+    const int ms = kind == kWarpSync || kind == kShflWrite || kind == kShflRead
+                       ? timeout_ms()
+                       : 2 * timeout_ms();
     if (!cv_.wait_for(lock, std::chrono::milliseconds(ms),
                       [&] { return generation_ != gen; })) {
       char msg[256];
