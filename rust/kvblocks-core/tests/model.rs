@@ -530,6 +530,25 @@ impl Model {
         Ok(AllocStatus::Ok)
     }
 
+    fn refresh(&mut self, ids: &[u64]) -> R<Vec<i64>> {
+        for id in ids {
+            let s = self.get(*id)?;
+            if s.swapped || s.allocated {
+                return Err(Kind::State);
+            }
+        }
+        let mut out = vec![];
+        for id in ids {
+            let mut s = self.seqs.remove(id).expect("checked");
+            s.cap = usize::MAX;
+            let max_hit = s.prompt_len.saturating_sub(1) / self.bs;
+            s.cap = self.probe(&s).min(max_hit);
+            out.push((s.cap * self.bs) as i64);
+            self.seqs.insert(*id, s);
+        }
+        Ok(out)
+    }
+
     fn reset(&mut self) -> bool {
         if self.rc.iter().any(|&r| r > 0) {
             return false;
@@ -598,6 +617,10 @@ enum Op {
     CanAllocate {
         id: u64,
         la: usize,
+    },
+    /// Re-probe waiting sequences' cached prefixes.
+    Refresh {
+        ids: Vec<u64>,
     },
     Reset,
     /// Add, allocate and commit a whole prompt (expanded into those three steps).
@@ -692,7 +715,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => (id.clone(), id.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         3 => id.clone().prop_map(|id| Op::Free { id }),
         2 => ids.clone().prop_map(|ids| Op::SwapOut { ids }),
-        2 => ids.prop_map(|ids| Op::SwapIn { ids }),
+        2 => ids.clone().prop_map(|ids| Op::SwapIn { ids }),
+        2 => ids.prop_map(|ids| Op::Refresh { ids }),
         1 => (id.clone(), 0usize..6).prop_map(|(id, la)| Op::CanAllocate { id, la }),
         1 => Just(Op::Reset),
         6 => (id.clone(), 1usize..28, 0u32..3).prop_map(|(id, len, family)| Op::Prefill { id, len, family }),
@@ -896,6 +920,12 @@ fn run(config: ManagerConfig, ops: Vec<Op>) -> Coverage {
                 let a = ok_kind(m.can_allocate(*id, *la));
                 assert_eq!(a, model.can_allocate(*id, *la), "{op:?}");
                 true
+            }
+            Op::Refresh { ids } => {
+                let a = ok_kind(m.refresh_prefixes(ids));
+                let b = model.refresh(ids);
+                assert_eq!(a, b, "{op:?}");
+                a.is_err()
             }
             Op::Reset => {
                 let a = m.reset_prefix_cache();
