@@ -32,19 +32,40 @@ def record(benchmark: Any) -> Any:
     return store
 
 
+# The issue's targets: every trace at least this much faster than the reference ...
+MIN_RATIO = 20.0
+# ... and the decode step (trace "c") under this many seconds (release build).
+MAX_SECONDS = {"c": 200e-6}
+
+
+def _target(trace: str, rust: float | None, ref: float | None) -> str:
+    """The trace's targets and whether this run met them."""
+    limit = MAX_SECONDS.get(trace.split(":")[0])
+    text = f">={MIN_RATIO:.0f}x" + (f", <{_fmt(limit)}" if limit else "")
+    if not rust or not ref:
+        return f"{text} -"
+    met = ref / rust >= MIN_RATIO and (limit is None or rust < limit)
+    return f"{text} {'met' if met else 'MISSED'}"
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Print the ratio table: reference time / Rust time per trace."""
+    """Print the ratio table: reference time / Rust time per trace, against the targets."""
     traces = sorted({t for t, _ in RESULTS})
     if not traces:
         return
     tr = terminalreporter
     tr.section("kvblocks core: Rust manager vs pure-Python reference (same run)")
-    tr.write_line(f"{'trace':<34}{'unit':<34}{'rust':>12}{'reference':>12}{'ratio':>9}")
+    tr.write_line(
+        f"{'trace':<34}{'unit':<34}{'rust':>12}{'reference':>12}{'ratio':>9}  {'target':<20}"
+    )
     for trace in traces:
         rust = RESULTS.get((trace, "rust"))
         ref = RESULTS.get((trace, "reference"))
         ratio = f"{ref / rust:8.1f}x" if rust and ref else "       -"
-        tr.write_line(f"{trace:<34}{UNITS[trace]:<34}{_fmt(rust):>12}{_fmt(ref):>12}{ratio:>9}")
+        tr.write_line(
+            f"{trace:<34}{UNITS[trace]:<34}{_fmt(rust):>12}{_fmt(ref):>12}{ratio:>9}  "
+            f"{_target(trace, rust, ref):<20}"
+        )
 
 
 def _fmt(seconds: float | None) -> str:
