@@ -21,17 +21,23 @@ pub struct CacheEntry {
 ///
 /// Invariant: `map[h] == b` iff `entries[b].hash == h`. A freed cached block keeps its
 /// entry (it stays reusable by a later prompt) until it is popped from the free queue.
-/// Both maps are sparse, so memory follows the cached blocks, not the pool size.
+/// The hash map is sparse; the entries are an arena indexed by block id that grows to
+/// the highest block ever cached (registering a long prompt writes each entry in place
+/// instead of hashing it into a second map).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixCache {
     map: FxHashMap<BlockHash, u32>,
-    entries: FxHashMap<u32, CacheEntry>,
+    entries: Vec<Option<CacheEntry>>,
 }
 
 impl PrefixCache {
-    /// An empty cache.
-    pub fn new() -> Self {
-        PrefixCache::default()
+    /// An empty cache over a pool of `num_blocks` blocks: the entry arena's capacity is
+    /// reserved once (address space only; pages are touched as blocks get cached).
+    pub fn with_blocks(num_blocks: usize) -> Self {
+        PrefixCache {
+            map: FxHashMap::default(),
+            entries: Vec::with_capacity(num_blocks),
+        }
     }
 
     /// Number of cached blocks.
@@ -55,37 +61,37 @@ impl PrefixCache {
     /// The entry of `block`, if it is cached.
     #[inline]
     pub fn entry(&self, block: u32) -> Option<&CacheEntry> {
-        self.entries.get(&block)
+        self.entries.get(block as usize)?.as_ref()
     }
 
     /// Whether `block` carries a hash.
     #[inline]
     pub fn is_cached(&self, block: u32) -> bool {
-        !self.entries.is_empty() && self.entries.contains_key(&block)
+        self.entry(block).is_some()
     }
 
     /// Cache `block` under `entry.hash`; the hash must not be cached yet.
     pub fn insert(&mut self, block: u32, entry: CacheEntry) {
         debug_assert!(!self.map.contains_key(&entry.hash));
-        debug_assert!(!self.entries.contains_key(&block));
+        debug_assert!(!self.is_cached(block));
         self.map.insert(entry.hash, block);
-        self.entries.insert(block, entry);
+        let i = block as usize;
+        if i >= self.entries.len() {
+            self.entries.resize_with(i + 1, || None);
+        }
+        self.entries[i] = Some(entry);
     }
 
-    /// Make room for `additional` more entries (one rehash instead of many while a long
+    /// Make room for `additional` more hashes (one rehash instead of many while a long
     /// prompt's blocks are registered).
     pub fn reserve(&mut self, additional: usize) {
         self.map.reserve(additional);
-        self.entries.reserve(additional);
     }
 
     /// Drop `block` from the cache; returns its hash if it was cached.
     #[inline]
     pub fn remove(&mut self, block: u32) -> Option<BlockHash> {
-        if self.entries.is_empty() {
-            return None;
-        }
-        let entry = self.entries.remove(&block)?;
+        let entry = self.entries.get_mut(block as usize)?.take()?;
         if self.map.get(&entry.hash) == Some(&block) {
             self.map.remove(&entry.hash);
         }
@@ -105,6 +111,9 @@ impl PrefixCache {
 
     /// Iterate `(block, entry)` for every block carrying a hash.
     pub fn entries(&self) -> impl Iterator<Item = (u32, &CacheEntry)> + '_ {
-        self.entries.iter().map(|(b, e)| (*b, e))
+        self.entries
+            .iter()
+            .enumerate()
+            .filter_map(|(b, e)| Some((b as u32, e.as_ref()?)))
     }
 }

@@ -51,7 +51,7 @@ impl KVCacheManager {
             pools: Pools {
                 gpu: BlockPool::new(config.num_blocks, 1),
                 cpu: BlockPool::new(config.num_cpu_blocks, 0),
-                cache: PrefixCache::new(),
+                cache: PrefixCache::with_blocks(if caching { config.num_blocks } else { 0 }),
                 caching,
                 record_events: config.record_events,
                 events: Vec::new(),
