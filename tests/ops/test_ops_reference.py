@@ -135,6 +135,12 @@ def test_reshape_and_cache_scatters_and_skips_padding():
     assert int((kc != 0).sum()) == 2 * 2 * 64
     with pytest.raises(InvalidArgumentError, match=r"\[0, 32\)"):
         ops.reshape_and_cache(key, value, kc, vc, torch.tensor([0, 1, 32]))
+    with pytest.raises(InvalidArgumentError, match=r"value dtype torch\.float16 differs"):
+        ops.reshape_and_cache(key, value.half(), kc, vc, torch.tensor([9, -1, 31]))
+    with pytest.raises(InvalidArgumentError, match="key must be a 3-D tensor"):
+        ops.reshape_and_cache(key[0], value, kc, vc, torch.tensor([9, -1, 31]))
+    with pytest.raises(InvalidArgumentError, match=r"key has shape \[3, 1, 64\]"):
+        ops.reshape_and_cache(key[:, :1], value, kc, vc, torch.tensor([9, -1, 31]))
 
 
 def test_allocate_layers_share_one_base():
@@ -195,6 +201,10 @@ def test_attention_argument_errors():
     args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
     with pytest.raises(InvalidArgumentError, match="int32"):
         ops.paged_attention(*args[:3], case.block_tables.long(), case.seq_lens)
+    with pytest.raises(InvalidArgumentError, match=r"query dtype torch\.float16 differs"):
+        ops.paged_attention(case.query.half(), *args[1:])
+    with pytest.raises(InvalidArgumentError, match=r"query must be a 3-D tensor"):
+        ops.paged_attention(case.query[0], *args[1:])
     with pytest.raises(InvalidArgumentError, match="multiple of num_kv_heads"):
         ops.paged_attention(case.query[:, :3], *args[1:])
     with pytest.raises(InvalidArgumentError, match="block ids"):

@@ -2,8 +2,9 @@
 
 Each op validates its arguments, then runs the CUDA kernel (``cuda/*.cu`` compiled at
 run time through CuPy/NVRTC) when the tensors live on a CUDA device, or the torch
-reference (:mod:`kvblocks.ops.reference`) otherwise. Importing this module needs torch
-but neither CuPy nor a GPU: CuPy is imported on the first CUDA call.
+reference (:mod:`kvblocks.ops.reference`) otherwise; :func:`swap_blocks` is torch copies
+on every device. Importing this module needs torch but neither CuPy nor a GPU: CuPy is
+imported on the first CUDA call.
 
 Cache layout (per layer, for K and V): ``[num_blocks, num_kv_heads, block_size,
 head_size]``, so every (block, head) tile is one contiguous range.
@@ -31,6 +32,7 @@ from kvblocks.ops.checks import (
     check_head_size,
     check_index_tensor,
     check_optional_positive,
+    check_tokens_like_cache,
 )
 
 if TYPE_CHECKING:
@@ -112,20 +114,11 @@ def reshape_and_cache(
     """
     _, num_kv_heads, _, head_size = check_cache_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
-            raise InvalidArgumentError(f"{name} must be a 3-D tensor [num_tokens, heads, dim]")
+        check_tokens_like_cache(tensor, name, key_cache)
         if tuple(tensor.shape[1:]) != (num_kv_heads, head_size):
             raise InvalidArgumentError(
                 f"{name} has shape {list(tensor.shape)}, expected [num_tokens, "
                 f"{num_kv_heads}, {head_size}] to match the cache"
-            )
-        if tensor.dtype != key_cache.dtype:
-            raise InvalidArgumentError(
-                f"{name} dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}"
-            )
-        if tensor.device != key_cache.device:
-            raise InvalidArgumentError(
-                f"{name} is on {tensor.device}, the cache on {key_cache.device}"
             )
         if tensor.stride(-1) != 1:
             raise InvalidArgumentError(f"{name} must be contiguous in its last dimension")
@@ -152,8 +145,7 @@ def _check_attention_args(
     soft_cap: float | None,
 ) -> None:
     _, num_kv_heads, _, head_size = check_cache_pair(key_cache, value_cache)
-    if not isinstance(query, torch.Tensor) or query.dim() != 3:
-        raise InvalidArgumentError("query must be a 3-D tensor [tokens, num_heads, head_size]")
+    check_tokens_like_cache(query, "query", key_cache)
     if query.shape[2] != head_size:
         raise InvalidArgumentError(
             f"query head size {query.shape[2]} differs from the cache head size {head_size}"
@@ -163,12 +155,6 @@ def _check_attention_args(
             f"num_heads {query.shape[1]} must be a positive multiple of num_kv_heads "
             f"{num_kv_heads} (GQA/MQA)"
         )
-    if query.dtype != key_cache.dtype:
-        raise InvalidArgumentError(
-            f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}"
-        )
-    if query.device != key_cache.device:
-        raise InvalidArgumentError(f"query is on {query.device}, the cache on {key_cache.device}")
     if not query.is_contiguous():
         raise InvalidArgumentError("query must be contiguous")
     check_index_tensor(

@@ -27,6 +27,7 @@ __all__ = [
     "check_head_size",
     "check_index_tensor",
     "check_optional_positive",
+    "check_tokens_like_cache",
 ]
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,6 +106,21 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
             f"caches need at least one block and one KV head, got shape {tuple(key_cache.shape)}"
         )
     return tuple(key_cache.shape)
+
+
+def check_tokens_like_cache(tensor: torch.Tensor, name: str, cache: torch.Tensor) -> None:
+    """Raise unless ``tensor`` is a 3-D token tensor with the cache's dtype and device.
+
+    The per-op head and contiguity requirements are checked by the caller.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+        raise InvalidArgumentError(f"{name} must be a 3-D tensor [num_tokens, heads, head_size]")
+    if tensor.dtype != cache.dtype:
+        raise InvalidArgumentError(
+            f"{name} dtype {tensor.dtype} differs from the cache dtype {cache.dtype}"
+        )
+    if tensor.device != cache.device:
+        raise InvalidArgumentError(f"{name} is on {tensor.device}, the cache on {cache.device}")
 
 
 def check_index_tensor(
