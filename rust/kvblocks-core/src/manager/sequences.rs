@@ -144,7 +144,11 @@ impl KVCacheManager {
     /// Ids may repeat. Errors, checked for every id before any cap changes:
     /// `UnknownSequence`, `SequenceState` (already allocated, or swapped).
     pub fn refresh_prefixes(&mut self, seq_ids: &[u64]) -> Result<Vec<i64>> {
-        let mut slots = Vec::with_capacity(seq_ids.len());
+        let bs = self.config.block_size;
+        let mut out = Vec::with_capacity(seq_ids.len());
+        // One read-only pass validates and probes (a long waiting queue is read once);
+        // only the caps that change are written afterwards.
+        let mut changed = Vec::new();
         for &id in seq_ids {
             let slot = self.slot_of(id)?;
             let seq = &self.slots[slot];
@@ -155,16 +159,15 @@ impl KVCacheManager {
                      claimed); only waiting sequences can be refreshed"
                 )));
             }
-            slots.push(slot);
-        }
-        let bs = self.config.block_size;
-        let mut out = Vec::with_capacity(slots.len());
-        for slot in slots {
-            let seq = &self.slots[slot];
             let max_hit = seq.prompt_len.saturating_sub(1) / bs;
             let cap = self.pools.probe(&seq.hashes, max_hit);
-            self.slots[slot].probe_cap_blocks = cap;
+            if cap != seq.probe_cap_blocks {
+                changed.push((slot, cap));
+            }
             out.push((cap * bs) as i64);
+        }
+        for (slot, cap) in changed {
+            self.slots[slot].probe_cap_blocks = cap;
         }
         Ok(out)
     }
