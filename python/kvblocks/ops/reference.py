@@ -71,9 +71,9 @@ def _check_tables(
 def _query_length_groups(q_lens: torch.Tensor) -> list[torch.Tensor]:
     """Indices of the sequences with a query, grouped by ``ceil(log2(q_len))``.
 
-    Each group is attended as one padded batch; within a group the longest chunk is at
-    most twice the shortest, so padding at most doubles the work, while a batch of
-    decodes (all ``q_len == 1``) is a single group.
+    Each group is attended as one padded batch; within a group the longest chunk is
+    less than twice the shortest, so padding less than doubles the query rows (contexts
+    are padded to the group's longest), and a batch of decodes is a single group.
     """
     has_query = q_lens > 0
     # frexp's exponent of q_len - 1 is its bit length: 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3.
@@ -137,7 +137,7 @@ def _attend_group(
     if sliding_window is not None:
         visible &= key_pos > pos.unsqueeze(2) - sliding_window
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-    # A query with no visible key (a padding row) yields zeros, not NaN.
+    # A row with no visible key yields zeros, not NaN (a real query always sees itself).
     row_max = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
@@ -216,11 +216,10 @@ def paged_attention(
 
     A sequence with ``seq_len == 0`` (batch padding) gets a zero output row.
     """
-    num_seqs = query.shape[0]
-    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
     # A padded decode row (seq_len 0) has no query token to place: give it q_len 0.
-    query_start_loc[1:] = torch.cumsum((seq_lens.cpu() > 0).to(torch.int32), 0)
     has_query = seq_lens.cpu() > 0
+    query_start_loc = torch.zeros(query.shape[0] + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(has_query.to(torch.int32), 0)
     out = torch.zeros_like(query)
     if bool(has_query.any()):
         rows = has_query.nonzero().squeeze(1).to(query.device)
