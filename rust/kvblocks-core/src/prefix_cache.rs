@@ -23,7 +23,7 @@ pub struct CacheEntry {
 /// entry (it stays reusable by a later prompt) until it is popped from the free queue.
 /// The hash map is sparse; the entries are an arena indexed by block id that grows to
 /// the highest block ever cached (registering a long prompt writes each entry in place
-/// instead of hashing it into a second map).
+/// instead of hashing it into a second map), so memory follows the cached block ids.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixCache {
     map: FxHashMap<BlockHash, u32>,
@@ -31,12 +31,19 @@ pub struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// An empty cache over a pool of `num_blocks` blocks: the entry arena's capacity is
-    /// reserved once (address space only; pages are touched as blocks get cached).
+    /// An empty cache over a pool of `num_blocks` blocks.
+    ///
+    /// The entry arena's capacity for the whole pool is reserved up front: address space
+    /// only, pages are touched as blocks get cached, and a long prompt's registration
+    /// never moves the arena. If the reservation is refused (a huge pool on a host that
+    /// does not overcommit), the arena grows on demand instead.
     pub fn with_blocks(num_blocks: usize) -> Self {
+        let mut entries = Vec::new();
+        // A refused reservation only costs the growth copies later.
+        let _ = entries.try_reserve_exact(num_blocks);
         PrefixCache {
             map: FxHashMap::default(),
-            entries: Vec::with_capacity(num_blocks),
+            entries,
         }
     }
 
@@ -82,10 +89,15 @@ impl PrefixCache {
         self.entries[i] = Some(entry);
     }
 
-    /// Make room for `additional` more hashes (one rehash instead of many while a long
-    /// prompt's blocks are registered).
-    pub fn reserve(&mut self, additional: usize) {
+    /// Make room for `additional` more hashes and for entries up to block `max_block`:
+    /// one rehash and at most one arena growth while a long prompt's blocks are
+    /// registered, instead of many.
+    pub fn reserve(&mut self, additional: usize, max_block: u32) {
         self.map.reserve(additional);
+        let needed = max_block as usize + 1;
+        if needed > self.entries.len() {
+            self.entries.resize_with(needed, || None);
+        }
     }
 
     /// Drop `block` from the cache; returns its hash if it was cached.

@@ -105,7 +105,14 @@ impl KVCacheManager {
                 &seq.tokens[..full * bs],
                 bs,
             );
-            pools.cache.reserve(full - seq.num_registered_blocks);
+            let max_block = seq.table[seq.num_registered_blocks..full]
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(NULL_BLOCK);
+            pools
+                .cache
+                .reserve(full - seq.num_registered_blocks, max_block);
             let mut run: Option<BlockStored> = None;
             for i in seq.num_registered_blocks..full {
                 let hash = seq.hashes[i];
