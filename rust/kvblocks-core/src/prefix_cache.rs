@@ -129,3 +129,43 @@ impl PrefixCache {
             .filter_map(|(b, e)| Some((b as u32, e.as_ref()?)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block_hash::BlockHasher;
+    use crate::config::HashAlgo;
+
+    fn entry(h: &mut BlockHasher, token: u32) -> CacheEntry {
+        let ns = h.namespace(None, None);
+        CacheEntry {
+            hash: h.block(None, &ns, &[token]),
+            parent: None,
+            namespace: ns,
+            tokens: vec![token].into(),
+        }
+    }
+
+    #[test]
+    fn arena_grows_past_its_reservation() {
+        // No reservation at all: the path taken when the up-front one is refused.
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let mut cache = PrefixCache::with_blocks(0);
+        assert!(!cache.is_cached(7) && cache.remove(7).is_none());
+        let (a, b) = (entry(&mut h, 1), entry(&mut h, 2));
+        cache.insert(7, a.clone());
+        cache.reserve(1, 3);
+        cache.insert(3, b.clone());
+        assert_eq!(
+            (cache.len(), cache.lookup(&a.hash), cache.lookup(&b.hash)),
+            (2, Some(7), Some(3))
+        );
+        let blocks: Vec<u32> = cache.entries().map(|(blk, _)| blk).collect();
+        assert_eq!(blocks, vec![3, 7]);
+        assert_eq!(cache.remove(7), Some(a.hash));
+        assert!(!cache.is_cached(7) && cache.lookup(&a.hash).is_none());
+        assert_eq!(cache.entry(3), Some(&b));
+        cache.clear();
+        assert!(cache.is_empty() && !cache.is_cached(3));
+    }
+}
