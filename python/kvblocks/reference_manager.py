@@ -18,7 +18,6 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Union
 
 import numpy as np
 import numpy.typing as npt
@@ -74,7 +73,7 @@ class RefAllBlocksCleared:
     """The prefix cache was cleared (mirrors :class:`kvblocks.AllBlocksCleared`)."""
 
 
-RefEvent = Union[RefBlockStored, RefBlockRemoved, RefAllBlocksCleared]
+RefEvent = RefBlockStored | RefBlockRemoved | RefAllBlocksCleared
 
 
 @dataclass
@@ -640,11 +639,11 @@ class ReferenceKVCacheManager:
         news = _per_seq(num_new_tokens, len(ids), "num_new_tokens", 0, _MAX_COUNT)
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
         seqs = self._batch_seqs(ids)
-        for sid, seq, new in zip(ids, seqs, news):
+        for sid, seq, new in zip(ids, seqs, news, strict=True):
             self._require_resident(seq, "allocate slots for")
             self._plan_allocation(sid, seq, new, lookahead)
         served = 0
-        for sid, seq, new in zip(ids, seqs, news):
+        for sid, seq, new in zip(ids, seqs, news, strict=True):
             plan = self._plan_allocation(sid, seq, new, lookahead)
             if plan[4] > len(self._free):
                 break
@@ -734,10 +733,10 @@ class ReferenceKVCacheManager:
         else:
             toks = _per_seq(new_token_ids, len(ids), "new_token_ids", -(2**63), _MAX_TOKEN_ID)
         seqs = self._batch_seqs(ids)
-        for sid, seq, new in zip(ids, seqs, news):
+        for sid, seq, new in zip(ids, seqs, news, strict=True):
             self._require_resident(seq, "commit")
             self._check_commit(sid, seq, new)
-        for seq, new, tok in zip(seqs, news, toks):
+        for seq, new, tok in zip(seqs, news, toks, strict=True):
             self._apply_commit(seq, new, [tok] if tok >= 0 else [])
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -904,7 +903,7 @@ class ReferenceKVCacheManager:
         bs = self._block_size
         seqs = [self._get_running(sid, "map slots of")[1] for sid in ids]
         spans = []
-        for i, (sid, seq) in enumerate(zip(ids, seqs)):
+        for i, (sid, seq) in enumerate(zip(ids, seqs, strict=True)):
             n = len(seq.token_ids) - seq.num_computed if given is None else given[i]
             end = seq.num_computed + n
             if end > len(seq.block_table) * bs:

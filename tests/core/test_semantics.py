@@ -114,7 +114,7 @@ def test_swap_out_then_in_restores_tables_with_sharing_preserved(make: Make) -> 
     assert t1[:2] == t2[:2]  # still shared after the round trip
     assert t1[2] != t2[2]
     # Each restored block holds the data of the block it replaced.
-    for old, new in zip([1, 2, 3], t1):
+    for old, new in zip([1, 2, 3], t1, strict=True):
         assert cpu_to_gpu[gpu_to_cpu[old]] == new
     assert refcount_view(m)[t1[0]] == 2
     m.check_invariants()

@@ -346,7 +346,7 @@ class ManagerComparison(RuleBasedStateMachine):
         assert [type(e).__name__ for e in rust_events] == [
             type(e).__name__.removeprefix("Ref") for e in ref_events
         ]
-        for a, b in zip(rust_events, ref_events):
+        for a, b in zip(rust_events, ref_events, strict=True):
             if isinstance(a, kvblocks.BlockStored):
                 assert (a.token_ids, a.block_size, a.lora_id) == (
                     b.token_ids,
@@ -356,7 +356,7 @@ class ManagerComparison(RuleBasedStateMachine):
                 self._match_hash(a.parent_block_hash, b.parent_block_hash)
             if not isinstance(a, kvblocks.AllBlocksCleared):
                 assert len(a.block_hashes) == len(b.block_hashes)
-                for ha, hb in zip(a.block_hashes, b.block_hashes):
+                for ha, hb in zip(a.block_hashes, b.block_hashes, strict=True):
                     self._match_hash(ha, hb)
         assert snapshot(self.rust) == snapshot(self.ref)
         stats = self.rust.stats()

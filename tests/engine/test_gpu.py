@@ -51,7 +51,7 @@ def test_cuda_bfloat16_first_token_matches_dense() -> None:
     llm = LLM(model, num_blocks=64, device="cuda")
     prompts = _prompts()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
-    for prompt, out in zip(prompts, outputs):
+    for prompt, out in zip(prompts, outputs, strict=True):
         logits = dense_logits(model, torch.tensor([prompt]))[0, -1]
         top2 = logits.topk(2)
         if float(top2.values[0] - top2.values[1]) > 0.1:  # skip near-ties under bf16

@@ -279,9 +279,9 @@ def test_beam_search_equals_dense_beam_search(tiny_llama: LlamaForCausalLM) -> N
     prompts = [_prompt(21, 90), _prompt(6, 91)]
     params = SamplingParams(max_tokens=10, beam_width=3, n=3)
     llm = LLM(tiny_llama, num_blocks=64, block_size=8, device="cpu")
-    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
         expected = _dense_beam_search(tiny_llama, prompt, 3, 10)
         assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in expected]
-        for c, (_, cum) in zip(out.outputs, expected):
+        for c, (_, cum) in zip(out.outputs, expected, strict=True):
             assert c.cumulative_logprob == pytest.approx(cum, abs=1e-3)
     assert llm.manager.stats()["cow_copies"] > 0

@@ -91,7 +91,7 @@ def test_tiny_model_is_deterministic_and_seeded() -> None:
     a = build_tiny_model(seed=0)
     b = build_tiny_model(seed=0)
     c = build_tiny_model(seed=1)
-    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 

@@ -83,7 +83,7 @@ def test_random_workload_matches_dense(tiny_llama: LlamaForCausalLM, seed: int) 
             params.append(SamplingParams(max_tokens=max_tokens, beam_width=2))
     outputs = llm.generate(prompts, params)
     assert checked[0] > 0
-    for prompt, p, out in zip(prompts, params, outputs):
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
         assert len(out.outputs) == p.n
         for c in out.outputs:
             assert 1 <= len(c.token_ids) <= p.max_tokens

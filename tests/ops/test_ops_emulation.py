@@ -199,7 +199,7 @@ def test_copy_blocks_one_launch_all_layers(dtype):
     kernel_driver.run_copy_blocks(recording(launches), caches, mapping)
     reference.copy_blocks(want, mapping)
     assert len(launches) == 1 and launches[0].grid[:2] == (3, 6)
-    for (k, v), (wk, wv) in zip(caches, want):
+    for (k, v), (wk, wv) in zip(caches, want, strict=True):
         assert torch.equal(k, wk) and torch.equal(v, wv)
 
 
@@ -209,7 +209,7 @@ def test_copy_blocks_separate_tensors_fall_back_per_cache():
     mapping = torch.tensor([[3, 1]], dtype=torch.int64)
     kernel_driver.run_copy_blocks(emu_launch, caches, mapping)
     reference.copy_blocks(want, mapping)
-    for (k, v), (wk, wv) in zip(caches, want):
+    for (k, v), (wk, wv) in zip(caches, want, strict=True):
         assert torch.equal(k, wk) and torch.equal(v, wv)
 
 

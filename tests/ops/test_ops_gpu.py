@@ -86,13 +86,13 @@ def test_cache_ops(dtype):
     value = torch.randn(33, 4, 128).to(dtype)
     slots = torch.randperm(160)[:33]
     slots[5] = -1
-    for (k, v), (rk, rv) in zip(caches, ref_caches):
+    for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):
         ops.reshape_and_cache(key.cuda(), value.cuda(), k, v, slots.cuda())
         ops.reshape_and_cache(key, value, rk, rv, slots)
     mapping = torch.tensor([[1, 7], [2, 8], [3, 9]])
     ops.copy_blocks(caches, mapping)
     ops.copy_blocks(ref_caches, mapping)
-    for (k, v), (rk, rv) in zip(caches, ref_caches):
+    for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):
         assert torch.equal(k.cpu(), rk) and torch.equal(v.cpu(), rv)
     host = torch.zeros((10, 4, 16, 128), dtype=dtype).pin_memory()
     ops.swap_blocks(caches[0][0], host, [[1, 0], [2, 1], [5, 4]])

@@ -163,7 +163,7 @@ def test_copy_blocks_all_layers():
         v.normal_()
     before = [(k.clone(), v.clone()) for k, v in caches]
     ops.copy_blocks(caches, np.array([[1, 4], [2, 5]], dtype=np.int64))
-    for (k, v), (k0, v0) in zip(caches, before):
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k[4], k0[1]) and torch.equal(v[5], v0[2])
         assert torch.equal(k[:4], k0[:4])
     with pytest.raises(InvalidArgumentError, match="destination"):

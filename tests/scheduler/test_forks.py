@@ -20,10 +20,10 @@ def test_parallel_sampling_draws_n_from_the_prompt_row_then_forks(make_manager) 
     sched.update(out, fake_step(out))
     out = sched.schedule()
     assert out.num_decode_seqs == 3 and len(set(out.seq_ids.tolist())) == 3
-    index_of = dict(zip(out.sample_seq_ids.tolist(), out.sample_seq_index.tolist()))
+    index_of = dict(zip(out.sample_seq_ids.tolist(), out.sample_seq_index.tolist(), strict=True))
     assert sorted(index_of.values()) == [0, 1, 2]
     # Sequence i continues from the i-th token drawn at the prompt row.
-    last_input = dict(zip(out.seq_ids.tolist(), out.input_token_ids.tolist()))
+    last_input = dict(zip(out.seq_ids.tolist(), out.input_token_ids.tolist(), strict=True))
     drawn = next_tokens(np.array(9), np.array(5), np.arange(3)).tolist()
     assert all(last_input[seq] == drawn[i] for seq, i in index_of.items())
     # The three sequences shared the half-full block; two of them got copies of it.

@@ -129,7 +129,7 @@ def test_a_budget_cut_never_splits_a_forked_request(make_manager) -> None:
     sched.add_request(Request("b", [4, 5, 6], SamplingParams(max_tokens=6, beam_width=3), 1.0))
     outputs, steps = run_to_completion(sched, check=mgr.check_invariants)
     for step in steps:
-        decode_reqs = [r for r, c in zip(step.sample_request_ids, step.sample_counts)][
+        decode_reqs = [r for r, c in zip(step.sample_request_ids, step.sample_counts, strict=True)][
             : step.num_decode_seqs
         ]
         for rid in set(decode_reqs):

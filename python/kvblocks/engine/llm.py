@@ -13,7 +13,7 @@ import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from kvblocks.scheduler import Request, RequestOutput, Scheduler, SchedulerConfi
 
 __all__ = ["LLM", "Prompt"]
 
-Prompt = Union[str, Sequence[int], np.ndarray]
+Prompt = str | Sequence[int] | np.ndarray
 """A text prompt (needs a tokenizer) or a prompt of token ids."""
 
 _CPU_DEFAULT_CACHE_BYTES = 256 << 20
@@ -258,7 +258,7 @@ class LLM:
                 )
         encoded = [self._encode(p) for p in items]
         requests: list[Request] = []
-        for (_text, ids), params in zip(encoded, params_list):
+        for (_text, ids), params in zip(encoded, params_list, strict=True):
             req_params, eos = self._request_params(params)
             requests.append(
                 Request(
@@ -283,7 +283,7 @@ class LLM:
         elapsed = time.perf_counter() - start
         outputs = [
             self._to_output(finished[req.request_id], text)
-            for req, (text, _ids) in zip(requests, encoded)
+            for req, (text, _ids) in zip(requests, encoded, strict=True)
         ]
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         self.run_stats = {

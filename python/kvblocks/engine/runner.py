@@ -174,7 +174,7 @@ class ModelRunner:
             raise InvalidArgumentError(
                 "the scheduler asked for a swap but the runner has no CPU blocks"
             )
-        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches):
+        for (k, v), (ck, cv) in zip(self.kv_caches, self.cpu_caches, strict=True):
             if kind == "swap_out":
                 ops.swap_blocks(k, ck, pairs)
                 ops.swap_blocks(v, cv, pairs)

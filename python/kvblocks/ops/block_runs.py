@@ -21,4 +21,7 @@ def merge_block_runs(mapping: npt.NDArray[np.int64]) -> list[tuple[int, int, int
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(mapping)]))
-    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts.tolist(), ends.tolist())]
+    return [
+        (int(src[a]), int(dst[a]), int(b - a))
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+    ]

@@ -8,7 +8,6 @@ message naming what was expected, and no kernel is ever launched on a bad layout
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """Tokens per KV block."""
 
-MappingLike = Union[torch.Tensor, np.ndarray, Sequence[Sequence[int]]]
+MappingLike = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
 
 def check_dtype(dtype: torch.dtype, what: str) -> None:
@@ -137,7 +136,7 @@ def check_index_tensor(
         allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise InvalidArgumentError(f"{name} must have dtype {allowed}, got {tensor.dtype}")
     if tensor.dim() != len(shape) or any(
-        want is not None and got != want for got, want in zip(tensor.shape, shape)
+        want is not None and got != want for got, want in zip(tensor.shape, shape, strict=True)
     ):
         want_s = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
         raise InvalidArgumentError(f"{name} must have shape {want_s}, got {list(tensor.shape)}")

@@ -8,7 +8,7 @@ on CPU tensors. Everything between the validated front-end call and the launch
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

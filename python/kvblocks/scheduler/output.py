@@ -27,9 +27,11 @@ def _empty_pairs() -> npt.NDArray[np.int64]:
 class SchedulerOutput:
     """One step's batch.
 
-    The engine applies ``blocks_to_swap_out``, then ``blocks_to_swap_in``, then
-    ``blocks_to_copy``, then runs the forward pass over the batch, then computes logits
-    only at ``logits_indices`` and samples/ranks them row by row.
+    The engine applies the block moves of ``memory_ops`` in the order given (or, for a
+    hand-built record with no ``memory_ops``, ``blocks_to_swap_out``, then
+    ``blocks_to_swap_in``, then ``blocks_to_copy``), then runs the forward pass over the
+    batch, then computes logits only at ``logits_indices`` and samples/ranks them row by
+    row.
 
     Attributes:
         seq_ids: int64 [S] sequence ids, batch order: decodes first, then prefill chunks.

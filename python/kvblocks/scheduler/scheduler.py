@@ -490,7 +490,7 @@ class Scheduler:
         seq_ids = cols["seq_id"][rows].tolist()
         cums = cols["cum_logprob"][rows].tolist()
         kept: list[int] = []
-        for row, seq, tok, cum in zip(rows.tolist(), seq_ids, tokens.tolist(), cums):
+        for row, seq, tok, cum in zip(rows.tolist(), seq_ids, tokens.tolist(), cums, strict=True):
             state = self._owner[seq]
             if state.aborted:
                 continue
@@ -522,7 +522,7 @@ class Scheduler:
         generated = num_tokens - state.num_prompt
         cum = state.cum_logprob + logprobs
         keep: list[int] = []
-        for i, (seq, tok) in enumerate(zip(seq_ids, tokens.tolist())):
+        for i, (seq, tok) in enumerate(zip(seq_ids, tokens.tolist(), strict=True)):
             reason = state.finish_reason_for(tok)
             if reason is None and generated >= state.params.max_tokens:
                 reason = FinishReason.LENGTH
@@ -903,10 +903,12 @@ class Scheduler:
         cums: dict[int, float] = {}
         if state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
-            cums = dict(zip(state.seq_ids, self._table["cum_logprob"][rows].tolist()))
+            cums = dict(zip(state.seq_ids, self._table["cum_logprob"][rows].tolist(), strict=True))
         elif state.status is RequestStatus.SWAPPED and state.swapped_rows is not None:
             swapped = state.swapped_rows
-            cums = dict(zip(swapped["seq_id"].tolist(), swapped["cum_logprob"].tolist()))
+            cums = dict(
+                zip(swapped["seq_id"].tolist(), swapped["cum_logprob"].tolist(), strict=True)
+            )
         for seq in state.seq_ids:
             index = state.seq_index[seq]
             if state.status is RequestStatus.WAITING:

@@ -157,9 +157,11 @@ fn matrix_to_numpy<T: numpy::Element + Copy>(
     // mutable slice cannot alias. (The safe `zeros` + `readwrite()` route spends
     // microseconds per call in NumPy's dynamic borrow tracking.)
     let out = unsafe { PyArray2::<T>::new(py, [rows, cols], false) };
-    if let Ok(dst) = unsafe { out.as_slice_mut() } {
-        dst.copy_from_slice(&data);
-    }
+    // SAFETY: the array is freshly created, C-contiguous and referenced nowhere else, so
+    // this is the only view of its buffer while the slice lives.
+    let dst = unsafe { out.as_slice_mut() }
+        .map_err(|e| invalid_argument(format!("internal error: {e}")))?;
+    dst.copy_from_slice(&data);
     Ok(out)
 }
 
