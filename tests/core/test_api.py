@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import pytest
 
 import kvblocks
 from kvblocks import AllocStatus
 
-Make = Callable[..., Any]
-
-
-def run(m: Any, seq_id: int, n: int, tokens: list[int] | None = None) -> np.ndarray:
-    """Allocate ``n`` slots and commit them (plus ``tokens``): one engine round."""
-    blocks = m.allocate_slots(seq_id, n)
-    assert blocks is not None
-    m.commit(seq_id, n, tokens or [])
-    return blocks
+from .engine_round import Make, run
 
 
 def test_configuration_properties(make: Make) -> None:

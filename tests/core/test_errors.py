@@ -3,7 +3,6 @@ manager exactly as it was (tables, counts, stats, free-queue order, no new event
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,8 +18,7 @@ from kvblocks import (
 )
 
 from .core_state import expect_error
-
-Make = Callable[..., Any]
+from .engine_round import Make
 
 # Sequence ids of the busy fixture.
 RUNNING, PENDING, SWAPPED, PARENT, CHILD, WAITING, UNKNOWN = 1, 2, 3, 4, 5, 6, 99

@@ -3,7 +3,6 @@ the Rust manager and the reference model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -11,14 +10,7 @@ import pytest
 
 from kvblocks import AllocStatus
 
-Make = Callable[..., Any]
-
-
-def run(m: Any, seq_id: int, n: int, tokens: list[int] | None = None) -> np.ndarray:
-    blocks = m.allocate_slots(seq_id, n)
-    assert blocks is not None
-    m.commit(seq_id, n, tokens or [])
-    return blocks
+from .engine_round import Make, run
 
 
 def refcount_view(m: Any) -> dict[int, int]:
