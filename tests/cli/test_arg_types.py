@@ -32,7 +32,8 @@ def test_positive_float_allows_inf_but_not_nan_or_zero():
 
 
 def test_token_ids_parse_commas_and_reject_negatives_and_empties():
-    assert token_ids("1, 2,3,") == [1, 2, 3]
-    for bad in ("", ",", "1,-2", "a,b"):
+    assert token_ids("1, 2,3") == [1, 2, 3]
+    # An empty field is a missing id, not a separator to skip (issue 7, item 19).
+    for bad in ("", ",", "1,-2", "a,b", "1,,2", ",1", "1,2,", "1, ,2"):
         with pytest.raises(argparse.ArgumentTypeError, match="token ids such as 1,2,3"):
             token_ids(bad)

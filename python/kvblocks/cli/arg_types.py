@@ -44,9 +44,14 @@ def positive_float(text: str) -> float:
 
 
 def token_ids(text: str) -> list[int]:
-    """Comma-separated non-negative token ids such as ``1,2,3``."""
+    """Comma-separated non-negative token ids such as ``1,2,3``.
+
+    Every field must be an id: an empty one (``1,,2``, a leading or trailing comma) is
+    rejected rather than skipped, since it most likely stands for a missing id.
+    """
     try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
+        # int() rejects an empty or blank field, so "1,,2" fails here.
+        ids = [int(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated token ids such as 1,2,3, got {text!r}"
