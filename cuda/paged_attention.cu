@@ -14,12 +14,16 @@
 //      length cap) and turns the tile's scores into probabilities;
 //   4. P*V: every thread owns 16-byte output slices of rows (and, when rows are few, a
 //      slice of the tile's tokens); fp32 accumulators live in registers.
-// With num_splits > 1 a CTA covers one split_tokens chunk of positions and writes an
-// unnormalized fp32 partial plus (max, sum); merge_splits_kernel combines them.
+// With num_splits > 1 a CTA covers one split_tokens chunk of positions (the last split:
+// everything after it) and writes an unnormalized fp32 partial plus (max, sum);
+// merge_splits_kernel combines them. A CTA loops over query tiles when the grid has fewer
+// tiles than a chunk needs, so the host's max_seq_len / max_query_len are planning hints
+// that never drop a key or leave an output row unwritten.
 //
 // Bounds safety: block ids read from block_tables outside [0, num_blocks) are replaced
-// by the null block 0, and no position past max_blocks * block_size is read, so a bad
-// table yields wrong numbers but never an out-of-bounds access.
+// by the null block 0, no position past max_blocks * block_size is read, and
+// query_start_loc is clamped to [0, num_tokens], so a bad table or offset yields wrong
+// numbers but never an out-of-bounds access.
 #include "kv_common.cuh"
 
 namespace kvb {
@@ -64,7 +68,7 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
     const int* __restrict__ block_tables,   // [num_seqs, max_blocks]
     const int* __restrict__ seq_lens,       // [num_seqs]
     const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: decode
-    int num_heads, int num_kv_heads, int block_size, int max_blocks, int num_blocks,
+    int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks, int num_blocks,
     int heads_per_cta, int queries_per_cta, int num_splits, int split_tokens, float scale,
     float soft_cap, int sliding_window) {
   using S = kvb::AttentionShape<T, D, RMAX>;
@@ -95,219 +99,230 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
   int q_begin = seq;
   int q_len = 1;
   if (query_start_loc != nullptr) {
-    q_begin = query_start_loc[seq];
-    q_len = query_start_loc[seq + 1] - q_begin;
+    // Clamped to the query's rows: the offsets live on the device and are not validated
+    // when the host passes max_query_len, and a bad one must not read or write out of bounds.
+    q_begin = min(max(query_start_loc[seq], 0), num_tokens);
+    q_len = min(max(query_start_loc[seq + 1], q_begin), num_tokens) - q_begin;
   }
-  const int q0 = q_tile * queries_per_cta;
-  if (q0 >= q_len) return;  // uniform for the CTA, before any barrier
   const int rows = queries_per_cta * heads_per_cta;
   const int first_pos = seq_len - q_len;  // position of the chunk's first query
-
-  // Visible key range of the CTA (exclusive end), clipped to the table's capacity.
-  int kv_hi = min(seq_len, first_pos + min(q0 + queries_per_cta, q_len));
-  kv_hi = min(kv_hi, max_blocks * block_size);
-  int kv_lo = 0;
-  if (sliding_window > 0) kv_lo = max(0, first_pos + q0 - sliding_window + 1);
-  if (num_splits > 1) {
-    kv_lo = max(kv_lo, split * split_tokens);
-    kv_hi = min(kv_hi, (split + 1) * split_tokens);
-  }
-
-  // Row r: query q0 + r / heads_per_cta of the chunk, head chunk*heads_per_cta + r % hpc.
-  for (int i = tid; i < RMAX * VPR; i += NT) {
-    const int r = i / VPR;
-    const int v = i % VPR;
-    const int qi = q0 + r / heads_per_cta;
-    const int hg = chunk * heads_per_cta + r % heads_per_cta;
-    float vals[VEC];
-    if (r < rows && qi < q_len && hg < group) {
-      const long long tok = q_begin + qi;
-      const int head = kv_head * group + hg;
-      kvb::unpack<T>(kvb::load16(query + (tok * num_heads + head) * D + v * VEC), vals);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) vals[e] *= scale;
-    } else {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) vals[e] = 0.f;
+  // The grid's query tiles may be fewer than the chunk needs (the host's max_query_len is
+  // a planning hint, e.g. stale in a CUDA graph): a CTA serves every q_tiles-th tile. The
+  // loop condition is uniform over the CTA, so the barriers inside stay convergent, and a
+  // CTA past a sequence's q_len does nothing (q_len = 0 is fine).
+  const int q_step = (gridDim.x / num_splits) * queries_per_cta;
+  for (int q0 = q_tile * queries_per_cta; q0 < q_len; q0 += q_step) {
+    // Visible key range of the CTA (exclusive end), clipped to the table's capacity.
+    int kv_hi = min(seq_len, first_pos + min(q0 + queries_per_cta, q_len));
+    kv_hi = min(kv_hi, max_blocks * block_size);
+    int kv_lo = 0;
+    if (sliding_window > 0) kv_lo = max(0, first_pos + q0 - sliding_window + 1);
+    if (num_splits > 1) {
+      // The last split takes the rest of the sequence: the host plans the splits from
+      // max_seq_len, which may be below the real length (CUDA-graph replay); no key is dropped.
+      kv_lo = max(kv_lo, split * split_tokens);
+      if (split + 1 < num_splits) kv_hi = min(kv_hi, (split + 1) * split_tokens);
     }
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) q_s[r * S::kQStride + v * VEC + e] = vals[e];
-  }
-  if (tid < RMAX) {
-    m_s[tid] = KVB_NEG_INF;
-    l_s[tid] = 0.f;
-  }
 
-  // Output items: (slice, row, vector); slices split a tile's tokens when rows are few.
-  const int nslice = max(1, NT / (rows * VPR));
-  const int items = rows * VPR * nslice;
-  float acc[S::kItems][VEC];
-#pragma unroll
-  for (int k = 0; k < S::kItems; ++k) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[k][e] = 0.f;
-  }
-
-  kvb::Vec16 k_reg[S::kLoads];
-  kvb::Vec16 v_reg[S::kLoads];
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-  const long long head_stride = static_cast<long long>(block_size) * D;
-
-  auto load_tile = [&](int t0) {
-#pragma unroll
-    for (int l = 0; l < S::kLoads; ++l) {
-      const int idx = tid + l * NT;
-      const int t = idx / VPR;
-      const int j = t0 + t;
-      if (idx < TILE * VPR && j < kv_hi) {
-        int blk = table[j / block_size];
-        if (blk < 0 || blk >= num_blocks) blk = 0;  // never read outside the cache
-        const long long off = (static_cast<long long>(blk) * num_kv_heads + kv_head) * head_stride +
-                              static_cast<long long>(j % block_size) * D + (idx % VPR) * VEC;
-        k_reg[l] = kvb::load16(key_cache + off);
-        v_reg[l] = kvb::load16(value_cache + off);
-      } else {
-        k_reg[l] = kvb::zero16();
-        v_reg[l] = kvb::zero16();
-      }
-    }
-  };
-
-  if (kv_lo < kv_hi) load_tile(kv_lo);
-  for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
-    __syncthreads();  // the previous tile is fully consumed (and q_s/m_s are visible)
-#pragma unroll
-    for (int l = 0; l < S::kLoads; ++l) {
-      const int idx = tid + l * NT;
-      if (idx < TILE * VPR) {
-        const int off = (idx / VPR) * S::kRowStride + (idx % VPR) * 16;
-        kvb::store16(k_s + off, k_reg[l]);
-        kvb::store16(v_s + off, v_reg[l]);
-      }
-    }
-    __syncthreads();
-    if (t0 + TILE < kv_hi) load_tile(t0 + TILE);  // in flight during the compute below
-
-    // Scores, base 2, -inf where masked.
-    for (int i = tid; i < rows * TILE; i += NT) {
-      const int r = i / TILE;
-      const int t = i % TILE;
-      const int j = t0 + t;
+    // Row r: query q0 + r / heads_per_cta of the chunk, head chunk*heads_per_cta + r % hpc.
+    for (int i = tid; i < RMAX * VPR; i += NT) {
+      const int r = i / VPR;
+      const int v = i % VPR;
       const int qi = q0 + r / heads_per_cta;
-      const int pos = first_pos + qi;
       const int hg = chunk * heads_per_cta + r % heads_per_cta;
-      float s = KVB_NEG_INF;
-      if (qi < q_len && hg < group && j < kv_hi && j <= pos &&
-          (sliding_window <= 0 || j > pos - sliding_window)) {
-        float dot = 0.f;
-        const float* q = q_s + r * S::kQStride;
-#pragma unroll 4
-        for (int v = 0; v < VPR; ++v) {
-          float kf[VEC];
-          kvb::unpack<T>(kvb::load16(k_s + t * S::kRowStride + v * 16), kf);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) dot += q[v * VEC + e] * kf[e];
-        }
-        if (soft_cap > 0.f) dot = soft_cap * tanhf(dot / soft_cap);
-        s = dot * kvb::kLog2e;
-      }
-      s_s[r * TILE + t] = s;
-    }
-    __syncthreads();
-
-    // Online softmax, one thread per row.
-    if (tid < rows) {
-      float* srow = s_s + tid * TILE;
-      const float m_old = m_s[tid];
-      float m_new = m_old;
-      for (int t = 0; t < TILE; ++t) m_new = fmaxf(m_new, srow[t]);
-      float alpha = 1.f;
-      float sum = 0.f;
-      if (m_new == KVB_NEG_INF) {
-        for (int t = 0; t < TILE; ++t) srow[t] = 0.f;
+      float vals[VEC];
+      if (r < rows && qi < q_len && hg < group) {
+        const long long tok = q_begin + qi;
+        const int head = kv_head * group + hg;
+        kvb::unpack<T>(kvb::load16(query + (tok * num_heads + head) * D + v * VEC), vals);
+  #pragma unroll
+        for (int e = 0; e < VEC; ++e) vals[e] *= scale;
       } else {
-        alpha = exp2f(m_old - m_new);  // 0 on the first visible tile (m_old = -inf)
-        for (int t = 0; t < TILE; ++t) {
-          const float p = exp2f(srow[t] - m_new);  // exp2f(-inf) = 0 for masked keys
-          srow[t] = p;
-          sum += p;
+  #pragma unroll
+        for (int e = 0; e < VEC; ++e) vals[e] = 0.f;
+      }
+  #pragma unroll
+      for (int e = 0; e < VEC; ++e) q_s[r * S::kQStride + v * VEC + e] = vals[e];
+    }
+    if (tid < RMAX) {
+      m_s[tid] = KVB_NEG_INF;
+      l_s[tid] = 0.f;
+    }
+
+    // Output items: (slice, row, vector); slices split a tile's tokens when rows are few.
+    const int nslice = max(1, NT / (rows * VPR));
+    const int items = rows * VPR * nslice;
+    float acc[S::kItems][VEC];
+  #pragma unroll
+    for (int k = 0; k < S::kItems; ++k) {
+  #pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[k][e] = 0.f;
+    }
+
+    kvb::Vec16 k_reg[S::kLoads];
+    kvb::Vec16 v_reg[S::kLoads];
+    const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
+    const long long head_stride = static_cast<long long>(block_size) * D;
+
+    auto load_tile = [&](int t0) {
+  #pragma unroll
+      for (int l = 0; l < S::kLoads; ++l) {
+        const int idx = tid + l * NT;
+        const int t = idx / VPR;
+        const int j = t0 + t;
+        if (idx < TILE * VPR && j < kv_hi) {
+          int blk = table[j / block_size];
+          if (blk < 0 || blk >= num_blocks) blk = 0;  // never read outside the cache
+          const long long off =
+              (static_cast<long long>(blk) * num_kv_heads + kv_head) * head_stride +
+              static_cast<long long>(j % block_size) * D + (idx % VPR) * VEC;
+          k_reg[l] = kvb::load16(key_cache + off);
+          v_reg[l] = kvb::load16(value_cache + off);
+        } else {
+          k_reg[l] = kvb::zero16();
+          v_reg[l] = kvb::zero16();
         }
       }
-      m_s[tid] = m_new;
-      l_s[tid] = l_s[tid] * alpha + sum;
-      alpha_s[tid] = alpha;
-    }
-    __syncthreads();
+    };
 
-    // P * V into the register accumulators.
-#pragma unroll
+    if (kv_lo < kv_hi) load_tile(kv_lo);
+    for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
+      __syncthreads();  // the previous tile is fully consumed (and q_s/m_s are visible)
+  #pragma unroll
+      for (int l = 0; l < S::kLoads; ++l) {
+        const int idx = tid + l * NT;
+        if (idx < TILE * VPR) {
+          const int off = (idx / VPR) * S::kRowStride + (idx % VPR) * 16;
+          kvb::store16(k_s + off, k_reg[l]);
+          kvb::store16(v_s + off, v_reg[l]);
+        }
+      }
+      __syncthreads();
+      if (t0 + TILE < kv_hi) load_tile(t0 + TILE);  // in flight during the compute below
+
+      // Scores, base 2, -inf where masked.
+      for (int i = tid; i < rows * TILE; i += NT) {
+        const int r = i / TILE;
+        const int t = i % TILE;
+        const int j = t0 + t;
+        const int qi = q0 + r / heads_per_cta;
+        const int pos = first_pos + qi;
+        const int hg = chunk * heads_per_cta + r % heads_per_cta;
+        float s = KVB_NEG_INF;
+        if (qi < q_len && hg < group && j < kv_hi && j <= pos &&
+            (sliding_window <= 0 || j > pos - sliding_window)) {
+          float dot = 0.f;
+          const float* q = q_s + r * S::kQStride;
+  #pragma unroll 4
+          for (int v = 0; v < VPR; ++v) {
+            float kf[VEC];
+            kvb::unpack<T>(kvb::load16(k_s + t * S::kRowStride + v * 16), kf);
+  #pragma unroll
+            for (int e = 0; e < VEC; ++e) dot += q[v * VEC + e] * kf[e];
+          }
+          if (soft_cap > 0.f) dot = soft_cap * tanhf(dot / soft_cap);
+          s = dot * kvb::kLog2e;
+        }
+        s_s[r * TILE + t] = s;
+      }
+      __syncthreads();
+
+      // Online softmax, one thread per row.
+      if (tid < rows) {
+        float* srow = s_s + tid * TILE;
+        const float m_old = m_s[tid];
+        float m_new = m_old;
+        for (int t = 0; t < TILE; ++t) m_new = fmaxf(m_new, srow[t]);
+        float alpha = 1.f;
+        float sum = 0.f;
+        if (m_new == KVB_NEG_INF) {
+          for (int t = 0; t < TILE; ++t) srow[t] = 0.f;
+        } else {
+          alpha = exp2f(m_old - m_new);  // 0 on the first visible tile (m_old = -inf)
+          for (int t = 0; t < TILE; ++t) {
+            const float p = exp2f(srow[t] - m_new);  // exp2f(-inf) = 0 for masked keys
+            srow[t] = p;
+            sum += p;
+          }
+        }
+        m_s[tid] = m_new;
+        l_s[tid] = l_s[tid] * alpha + sum;
+        alpha_s[tid] = alpha;
+      }
+      __syncthreads();
+
+      // P * V into the register accumulators.
+  #pragma unroll
+      for (int k = 0; k < S::kItems; ++k) {
+        const int i = tid + k * NT;
+        if (i < items) {
+          const int slice = i / (rows * VPR);
+          const int rem = i % (rows * VPR);
+          const int r = rem / VPR;
+          const int v = rem % VPR;
+          const float alpha = alpha_s[r];
+  #pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[k][e] *= alpha;
+          const float* prow = s_s + r * TILE;
+          for (int t = slice; t < TILE; t += nslice) {
+            const float p = prow[t];
+            float vf[VEC];
+            kvb::unpack<T>(kvb::load16(v_s + t * S::kRowStride + v * 16), vf);
+  #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[k][e] += p * vf[e];
+          }
+        }
+      }
+    }
+
+    // Sum the token slices through shared memory, then normalize and store.
+    __syncthreads();  // the tiles are no longer read: reuse their space
+  #pragma unroll
     for (int k = 0; k < S::kItems; ++k) {
       const int i = tid + k * NT;
       if (i < items) {
-        const int slice = i / (rows * VPR);
-        const int rem = i % (rows * VPR);
-        const int r = rem / VPR;
-        const int v = rem % VPR;
-        const float alpha = alpha_s[r];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[k][e] *= alpha;
-        const float* prow = s_s + r * TILE;
-        for (int t = slice; t < TILE; t += nslice) {
-          const float p = prow[t];
-          float vf[VEC];
-          kvb::unpack<T>(kvb::load16(v_s + t * S::kRowStride + v * 16), vf);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[k][e] += p * vf[e];
+  #pragma unroll
+        for (int e = 0; e < VEC; ++e) red_s[i * VEC + e] = acc[k][e];
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < rows * VPR; i += NT) {
+      const int r = i / VPR;
+      const int v = i % VPR;
+      const int qi = q0 + r / heads_per_cta;
+      const int hg = chunk * heads_per_cta + r % heads_per_cta;
+      if (qi >= q_len || hg >= group) continue;
+      float sum[VEC];
+  #pragma unroll
+      for (int e = 0; e < VEC; ++e) sum[e] = 0.f;
+      for (int slice = 0; slice < nslice; ++slice) {
+        const float* src = red_s + (slice * rows * VPR + i) * VEC;
+  #pragma unroll
+        for (int e = 0; e < VEC; ++e) sum[e] += src[e];
+      }
+      const long long row =
+          (static_cast<long long>(q_begin) + qi) * num_heads + kv_head * group + hg;
+      if (num_splits == 1) {
+        const float l = l_s[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, not NaN
+  #pragma unroll
+        for (int e = 0; e < VEC; ++e) sum[e] *= inv;
+        kvb::store16(out + row * D + v * VEC, kvb::pack<T>(sum));
+      } else {
+        float* dst = part_out + (row * num_splits + split) * D + v * VEC;
+  #pragma unroll
+        for (int e = 0; e < VEC; e += 4) {
+          kvb::Vec16 w;
+          for (int c = 0; c < 4; ++c) w.w[c] = __float_as_uint(sum[e + c]);
+          kvb::store16(dst + e, w);
+        }
+        if (v == 0) {
+          part_ml[(row * num_splits + split) * 2] = m_s[r];
+          part_ml[(row * num_splits + split) * 2 + 1] = l_s[r];
         }
       }
     }
-  }
-
-  // Sum the token slices through shared memory, then normalize and store.
-  __syncthreads();  // the tiles are no longer read: reuse their space
-#pragma unroll
-  for (int k = 0; k < S::kItems; ++k) {
-    const int i = tid + k * NT;
-    if (i < items) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) red_s[i * VEC + e] = acc[k][e];
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < rows * VPR; i += NT) {
-    const int r = i / VPR;
-    const int v = i % VPR;
-    const int qi = q0 + r / heads_per_cta;
-    const int hg = chunk * heads_per_cta + r % heads_per_cta;
-    if (qi >= q_len || hg >= group) continue;
-    float sum[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) sum[e] = 0.f;
-    for (int slice = 0; slice < nslice; ++slice) {
-      const float* src = red_s + (slice * rows * VPR + i) * VEC;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) sum[e] += src[e];
-    }
-    const long long row = (static_cast<long long>(q_begin) + qi) * num_heads + kv_head * group + hg;
-    if (num_splits == 1) {
-      const float l = l_s[r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, not NaN
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) sum[e] *= inv;
-      kvb::store16(out + row * D + v * VEC, kvb::pack<T>(sum));
-    } else {
-      float* dst = part_out + (row * num_splits + split) * D + v * VEC;
-#pragma unroll
-      for (int e = 0; e < VEC; e += 4) {
-        kvb::Vec16 w;
-        for (int c = 0; c < 4; ++c) w.w[c] = __float_as_uint(sum[e + c]);
-        kvb::store16(dst + e, w);
-      }
-      if (v == 0) {
-        part_ml[(row * num_splits + split) * 2] = m_s[r];
-        part_ml[(row * num_splits + split) * 2 + 1] = l_s[r];
-      }
-    }
+    __syncthreads();  // the next query tile rewrites q_s, m_s, l_s and the tiles
   }
 }
 

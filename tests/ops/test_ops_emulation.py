@@ -255,3 +255,87 @@ def test_random_batches_match_reference(
     launches = []
     got = emu_decode(case, recording(launches), target_ctas=64, partition_tokens=32, **kw)
     torch.testing.assert_close(got, ref_decode(case, **kw), **tolerance(dtype))
+
+
+# ---- Launch-path regressions (issue #7 items 20-22) --------------------------------------
+
+
+def test_decode_with_a_too_small_max_seq_len_covers_every_token():
+    # CUDA-graph replay plans from a host bound; a sequence longer than that bound must still
+    # be attended in full (the last split covers the rest), not silently truncated.
+    case = make_case(20, [1000, 300], [1, 1], num_kv_heads=1, group=4, head_size=128,
+                     dtype=torch.float16)  # fmt: skip
+    launches = []
+    got = kernel_driver.run_attention(
+        recording(launches), case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.seq_lens, None, scale=None, sliding_window=None, soft_cap=None, max_query_len=1,
+        max_seq_len=600, target_ctas=1000,
+    )  # fmt: skip
+    assert launches[0].grid[0] == 3  # planned for 600 tokens: 3 splits of 256
+    torch.testing.assert_close(got, ref_decode(case), **tolerance(torch.float16))
+
+
+@pytest.mark.parametrize("max_query_len", [0, 1, 7, 16])
+def test_prefill_with_a_too_small_max_query_len_writes_every_row(max_query_len):
+    # The kernel loops over query tiles, so a host bound below the longest chunk (a stale
+    # or CUDA-graph value) still computes every output row.
+    case = make_case(21, [70, 40, 5], [50, 17, 5], num_kv_heads=2, group=2, head_size=64)
+    got = kernel_driver.run_attention(
+        emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.seq_lens, case.query_start_loc, scale=None, sliding_window=9, soft_cap=None,
+        max_query_len=max_query_len, max_seq_len=None, target_ctas=528,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref_prefill(case, sliding_window=9), **tolerance(torch.float32))
+
+
+def test_prefill_query_start_loc_past_the_tokens_is_clamped():
+    # query_start_loc lives on the device and is not validated when max_query_len is given:
+    # an end past num_tokens must not read or write outside query/out (ASan run checks it).
+    case = make_case(22, [30, 20], [10, 6], num_kv_heads=1, group=2, head_size=64)
+    bad = case.query_start_loc.clone()
+    bad[-1] = 1000
+    got = kernel_driver.run_attention(
+        emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.seq_lens, bad, scale=None, sliding_window=None, soft_cap=None, max_query_len=16,
+        max_seq_len=None, target_ctas=528,
+    )  # fmt: skip
+    want = ref_prefill(case)
+    # The first chunk is intact; the second one (clamped to the real tokens) too.
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+
+
+def _misaligned_cache_pair(dtype=torch.float16):
+    # Contiguous [blocks, heads, block, head] views 4 bytes past a 16-byte boundary.
+    shape = (4, 1, 16, 64)
+    numel = 4 * 16 * 64
+    flat = torch.zeros(2 * numel + 64, dtype=dtype)
+    shift = (16 - flat.data_ptr() % 16) // flat.element_size() % 8 + 2
+    key_cache = flat[shift : shift + numel].view(shape)
+    value_cache = flat[shift + numel : shift + 2 * numel].view(shape)
+    assert key_cache.is_contiguous() and key_cache.data_ptr() % 16 == 4
+    return key_cache, value_cache
+
+
+def test_misaligned_caches_are_rejected_before_any_launch():
+    from kvblocks.errors import InvalidArgumentError
+
+    key_cache, value_cache = _misaligned_cache_pair()
+    tables = torch.tensor([[1, 2]], dtype=torch.int32)
+    lens = torch.tensor([20], dtype=torch.int32)
+    query = torch.randn(1, 2, 64).to(torch.float16)
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        ops.paged_attention(query, key_cache, value_cache, tables, lens)
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        ops.paged_prefill_attention(
+            query, key_cache, value_cache, tables, torch.tensor([0, 1], dtype=torch.int32), lens
+        )
+    kv = torch.randn(1, 1, 64).to(torch.float16)
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        ops.reshape_and_cache(kv, kv, key_cache, value_cache, torch.tensor([3]))
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        ops.copy_blocks([(key_cache, value_cache)], [[1, 2]])
+    # The driver the CUDA backend uses refuses too (a second line of defence).
+    with pytest.raises(InvalidArgumentError, match="16-byte"):
+        kernel_driver.run_reshape_and_cache(
+            emu_launch, kv, kv, key_cache, value_cache, torch.tensor([3])
+        )

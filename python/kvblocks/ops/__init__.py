@@ -170,6 +170,11 @@ def _check_attention_args(
     check_optional_positive(soft_cap, "soft_cap")
 
 
+def _check_hint(value: int | None, name: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidArgumentError(f"{name} must be a non-negative int or None, got {value!r}")
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -191,8 +196,11 @@ def paged_attention(
     iff ``p - sliding_window < j <= p``; ``soft_cap`` applies ``cap * tanh(s / cap)``
     after scaling. A sequence with ``seq_len == 0`` (batch padding) yields zeros.
     ``max_seq_len`` (optional, CUDA only) is ``max(seq_lens)`` known on the host; giving
-    it saves a device sync when planning the split-K launch.
+    it saves a device sync when planning the split-K launch. It is a planning hint: a
+    value below the real maximum (a CUDA graph captured for shorter contexts) is still
+    correct, the last split covering the rest of each sequence, only less parallel.
     """
+    _check_hint(max_seq_len, "max_seq_len")
     _check_attention_args(
         query,
         key_cache,
@@ -248,8 +256,12 @@ def paged_prefill_attention(
     length after the chunk. Query ``i`` of a chunk of length ``q_len`` sits at position
     ``seq_len - q_len + i`` and attends causally (and within ``sliding_window``).
     Chunks of length 1 (decode) and 0 (idle sequence) are allowed. ``max_query_len``
-    (optional, CUDA only) saves a device sync when planning the launch.
+    (optional, CUDA only) saves a device sync when planning the launch; it is a planning
+    hint (the kernel loops over query tiles, so a value below the longest chunk is still
+    correct), and with it ``query_start_loc`` is not read on the host: offsets outside
+    ``[0, num_tokens]`` are then clamped by the kernel instead of being rejected.
     """
+    _check_hint(max_query_len, "max_query_len")
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
     _check_attention_args(
         query,

@@ -74,7 +74,8 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     """Validate one layer's caches and return ``(num_blocks, num_kv_heads, block_size, head)``.
 
     Both must be 4-D ``[num_blocks, num_kv_heads, block_size, head_size]``, same shape,
-    dtype and device, with a contiguous (block, head) tile so each tile is one range.
+    dtype and device, contiguous (each (block, head) tile is one range) and 16-byte
+    aligned (the kernels move 16-byte vectors; every device is checked alike).
     """
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.dim() != 4:
@@ -84,6 +85,14 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
             )
         if not cache.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous (HND block layout)")
+        # Every kernel access is a 16-byte vector; a misaligned one is a sticky CUDA error
+        # that kills the context. Caches are written in place, so they cannot be copied.
+        if cache.data_ptr() % 16:
+            raise InvalidArgumentError(
+                f"{name} must start at a 16-byte aligned address (got an offset of "
+                f"{cache.data_ptr() % 16} bytes): allocate it with allocate_kv_cache or "
+                "torch.empty, not as a view at an odd element offset"
+            )
     if key_cache.shape != value_cache.shape:
         raise InvalidArgumentError(
             f"key_cache {tuple(key_cache.shape)} and value_cache "

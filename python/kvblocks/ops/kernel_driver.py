@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvblocks.ops.checks import check_cache_pair
 from kvblocks.ops.launch_plan import (
     PARTITION_TOKENS,
     KernelLaunch,
@@ -32,6 +33,13 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
+def _check_caches(*caches: torch.Tensor) -> None:
+    """Refuse caches the kernels cannot address with 16-byte vectors (they are written
+    in place, so a copy would not do); the front-ends check this too."""
+    for cache in caches:
+        check_cache_pair(cache, cache)
+
+
 def run_reshape_and_cache(
     launch: Launcher,
     key: torch.Tensor,
@@ -41,6 +49,7 @@ def run_reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter K/V rows into the cache (validated arguments)."""
+    _check_caches(key_cache, value_cache)
     if key.shape[0] == 0:
         return
     fixed = []
@@ -73,7 +82,13 @@ def run_attention(
     target_ctas: int,
     partition_tokens: int = PARTITION_TOKENS,
 ) -> torch.Tensor:
-    """Decode (``query_start_loc is None``) or prefill attention through the kernels."""
+    """Decode (``query_start_loc is None``) or prefill attention through the kernels.
+
+    ``max_query_len`` and ``max_seq_len`` only shape the launch (query tiles, split-K):
+    values below the real ones cost parallelism, never correctness (the kernel loops
+    over query tiles and its last split covers the rest of a sequence).
+    """
+    _check_caches(key_cache, value_cache)
     num_tokens, num_heads, head_size = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -134,6 +149,7 @@ def run_copy_blocks(
 ) -> None:
     """Copy blocks in every cache; one launch when the caches are evenly spaced."""
     caches = [cache for pair in kv_caches for cache in pair]
+    _check_caches(*caches)
     device_mapping = mapping.to(caches[0].device).contiguous()
     num_blocks = caches[0].shape[0]
     block_bytes = caches[0][0].numel() * caches[0].element_size()

@@ -173,8 +173,9 @@ def attention_launches(
     args = (
         _ptr(out), _ptr(part_out), _ptr(part_ml), _ptr(query), _ptr(key_cache),
         _ptr(value_cache), _ptr(block_tables), _ptr(seq_lens), _ptr(query_start_loc),
-        np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
-        np.int32(max_blocks), np.int32(num_blocks), np.int32(plan.heads_per_cta),
+        np.int32(num_rows // num_heads), np.int32(num_heads), np.int32(num_kv_heads),
+        np.int32(block_size), np.int32(max_blocks), np.int32(num_blocks),
+        np.int32(plan.heads_per_cta),
         np.int32(plan.queries_per_cta), np.int32(plan.num_splits),
         np.int32(plan.split_tokens), np.float32(scale), np.float32(soft_cap or 0.0),
         np.int32(sliding_window or 0),
