@@ -73,12 +73,10 @@ def run(args: argparse.Namespace) -> int:
     if args.num_blocks < 2:
         raise InvalidArgumentError("--num-blocks must be >= 2 (block 0 is the reserved null block)")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise InvalidArgumentError(
-                "--plot needs matplotlib (pip install 'kvblocks[cli]')"
-            ) from None
+        from kvblocks.simulate.plot import check_plot_path
+
+        # Before the run: a long simulation must not end in an unwritable path.
+        check_plot_path(args.plot)
     config = SimulationConfig(
         workload=WorkloadConfig(
             num_requests=args.num_requests, request_rate=args.request_rate, seed=args.seed

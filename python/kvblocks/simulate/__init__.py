@@ -9,7 +9,7 @@ from kvblocks.simulate.runner import (
     SimulationResult,
     run_simulation,
 )
-from kvblocks.simulate.workload import SimRequest, WorkloadConfig, make_workload
+from kvblocks.simulate.workload import SimRequest, WorkloadConfig, iter_workload, make_workload
 
 __all__ = [
     "ContiguousReservation",
@@ -19,6 +19,7 @@ __all__ = [
     "SimulationError",
     "SimulationResult",
     "WorkloadConfig",
+    "iter_workload",
     "make_workload",
     "run_simulation",
 ]

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError, KVBlocksError
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import ModelStepResult, Request, Scheduler, SchedulerConfig
 from kvblocks.scheduler.output import SchedulerOutput
+from kvblocks.simulate.aggregates import Distribution, Timeline
 from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel
-from kvblocks.simulate.workload import SimRequest, WorkloadConfig, make_workload
+from kvblocks.simulate.workload import SimRequest, WorkloadConfig, iter_workload
 
 __all__ = ["SimulationConfig", "SimulationError", "SimulationResult", "run_simulation"]
 
@@ -56,14 +56,27 @@ class SimulationConfig:
     progress: bool = True
 
 
+_TIMELINE_COLUMNS = (
+    "kv_usage",
+    "running_seqs",
+    "waiting",
+    "prefix_hit_rate",
+    "used_blocks",
+    "contiguous_blocks",
+)
+
+
 @dataclass
 class SimulationResult:
-    """Outcome of :func:`run_simulation`: summary numbers and per-step time series.
+    """Outcome of :func:`run_simulation`: summary numbers and fixed-size aggregates.
 
-    ``timeline`` holds one entry per step: ``time_s`` (simulated clock at the step's
-    end), ``kv_usage``, ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
+    Nothing in it grows with the run: ``latency_s`` and ``step_wall_s`` are
+    :class:`~kvblocks.simulate.aggregates.Distribution` summaries (exact mean and
+    maximum, percentiles within ~1%), and ``timeline`` holds exact per-step means and
+    peaks of ``kv_usage``, ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
     ``used_blocks`` (paged) and ``contiguous_blocks`` (what prompt + max_tokens
-    reservation would hold for the same running requests).
+    reservation would hold for the same running requests), plus a plot series of at
+    most a few thousand points.
     """
 
     config: SimulationConfig
@@ -76,21 +89,18 @@ class SimulationResult:
     total_wall_s: float
     prompt_tokens: int
     generated_tokens: int
-    latencies_s: npt.NDArray[np.float64]
-    step_wall_s: npt.NDArray[np.float64]
+    latency_s: Distribution
+    step_wall_s: Distribution
     scheduler_stats: dict[str, float]
-    timeline: dict[str, npt.NDArray[np.float64]]
+    timeline: Timeline
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
         usable = self.config.num_blocks - 1
         t = self.timeline
         steps = max(self.num_steps, 1)
-        lat = self.latencies_s if self.latencies_s.size else np.zeros(1)
-        peak_used = float(t["used_blocks"].max()) if self.num_steps else 0.0
-        peak_contig = float(t["contiguous_blocks"].max()) if self.num_steps else 0.0
-        mean_used = float(t["used_blocks"].mean()) if self.num_steps else 0.0
-        mean_contig = float(t["contiguous_blocks"].mean()) if self.num_steps else 0.0
+        mean_used = t.mean("used_blocks")
+        mean_contig = t.mean("contiguous_blocks")
         stats = self.scheduler_stats
         return {
             "num_requests": self.num_requests,
@@ -105,22 +115,20 @@ class SimulationResult:
             "scheduler_requests_per_s": self.num_finished / max(self.scheduler_wall_s, 1e-12),
             "scheduler_steps_per_s": self.num_steps / max(self.scheduler_wall_s, 1e-12),
             "mean_step_us": 1e6 * self.scheduler_wall_s / steps,
-            "p99_step_us": 1e6 * float(np.percentile(self.step_wall_s, 99))
-            if self.step_wall_s.size
-            else 0.0,
+            "p99_step_us": 1e6 * self.step_wall_s.percentile(99),
             "total_wall_s": self.total_wall_s,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
-            "mean_latency_s": float(lat.mean()),
-            "p99_latency_s": float(np.percentile(lat, 99)),
-            "mean_kv_usage": float(t["kv_usage"].mean()) if self.num_steps else 0.0,
-            "peak_kv_usage": float(t["kv_usage"].max()) if self.num_steps else 0.0,
+            "mean_latency_s": self.latency_s.mean,
+            "p99_latency_s": self.latency_s.percentile(99),
+            "mean_kv_usage": t.mean("kv_usage"),
+            "peak_kv_usage": t.peak("kv_usage"),
             "prefix_hit_rate": float(stats.get("prefix_hit_rate", 0.0)),
             "preemptions_recompute": int(stats.get("num_preemptions_recompute", 0)),
             "preemptions_swap": int(stats.get("num_preemptions_swap", 0)),
             "usable_blocks": usable,
-            "peak_used_blocks": peak_used,
-            "peak_contiguous_blocks": peak_contig,
+            "peak_used_blocks": t.peak("used_blocks"),
+            "peak_contiguous_blocks": t.peak("contiguous_blocks"),
             "mean_used_blocks": mean_used,
             "mean_contiguous_blocks": mean_contig,
             "contiguous_over_paged": mean_contig / mean_used if mean_used else 0.0,
@@ -161,50 +169,45 @@ def _progress_bar(total: int, enabled: bool) -> Any:
 
 
 def run_simulation(config: SimulationConfig) -> SimulationResult:
-    """Run the workload through a fresh scheduler and block manager."""
+    """Run the workload through a fresh scheduler and block manager.
+
+    The trace is drawn lazily and only running requests are kept, so memory does not
+    grow with ``config.workload.num_requests``.
+    """
     started = time.perf_counter()
-    workload = make_workload(config.workload)
+    arrivals = iter_workload(config.workload)
     manager = KVCacheManager(
         config.num_blocks,
         config.block_size,
         num_cpu_blocks=config.num_cpu_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
     )
-    scheduler = Scheduler(manager, config.scheduler)
+    # No per-step history: the timeline below keeps what the report needs in fixed memory.
+    scheduler = Scheduler(manager, config.scheduler, record_history=False)
     reserve = ContiguousReservation(config.block_size)
-    by_id: dict[str, SimRequest] = {r.request_id: r for r in workload}
+    live: dict[str, SimRequest] = {}  # admitted, not yet finished
     rng = np.random.default_rng(config.workload.seed + 1)
     vocab = config.workload.vocab_size
     cost = config.cost_model
     clock = 0.0
     sched_wall = 0.0
-    next_arrival = 0
     idle_steps = 0
     rejected = 0
     finished = 0
     prompt_tokens = 0
     generated = 0
-    latencies: list[float] = []
-    step_wall: list[float] = []
-    series: dict[str, list[float]] = {
-        name: []
-        for name in (
-            "time_s",
-            "kv_usage",
-            "running_seqs",
-            "waiting",
-            "prefix_hit_rate",
-            "used_blocks",
-            "contiguous_blocks",
-        )
-    }
+    latency = Distribution()
+    step_wall = Distribution()
+    timeline = Timeline(_TIMELINE_COLUMNS)
     usable = config.num_blocks - 1
-    bar = _progress_bar(len(workload), config.progress)
+    num_requests = config.workload.num_requests
+    bar = _progress_bar(num_requests, config.progress)
+    upcoming = next(arrivals, None)
     try:
-        while next_arrival < len(workload) or scheduler.has_unfinished_requests():
-            while next_arrival < len(workload) and workload[next_arrival].arrival_time <= clock:
-                sim = workload[next_arrival]
-                next_arrival += 1
+        while upcoming is not None or scheduler.has_unfinished_requests():
+            while upcoming is not None and upcoming.arrival_time <= clock:
+                sim = upcoming
+                upcoming = next(arrivals, None)
                 params = SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True)
                 try:
                     scheduler.add_request(
@@ -220,9 +223,12 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                     rejected += 1
                     bar.update(1)
                     continue
+                live[sim.request_id] = sim
                 prompt_tokens += len(sim.prompt_token_ids)
             if not scheduler.has_unfinished_requests():
-                clock = workload[next_arrival].arrival_time
+                if upcoming is None:
+                    break  # the last arrivals were all rejected: nothing left to run
+                clock = upcoming.arrival_time
                 continue
             t0 = time.perf_counter()
             output = scheduler.schedule()
@@ -231,13 +237,14 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             t2 = time.perf_counter()
             done = scheduler.update(output, result)
             t3 = time.perf_counter()
-            step_wall.append((t1 - t0) + (t3 - t2))
-            sched_wall += step_wall[-1]
+            wall = (t1 - t0) + (t3 - t2)
+            step_wall.add(wall)
+            sched_wall += wall
             dt = cost.step_time(output)
             if dt == 0.0:
                 idle_steps += 1
-                if next_arrival < len(workload):
-                    clock = max(clock, workload[next_arrival].arrival_time)
+                if upcoming is not None:
+                    clock = max(clock, upcoming.arrival_time)
                 elif idle_steps > _MAX_IDLE_STEPS:
                     raise SimulationError(
                         "the scheduler made no progress for 10,000 steps; the pool is too "
@@ -249,33 +256,37 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             for out in done:
                 finished += 1
                 generated += sum(len(c.token_ids) for c in out.outputs)
-                latencies.append(clock - by_id[out.request_id].arrival_time)
+                latency.add(clock - live.pop(out.request_id).arrival_time)
             if done:
                 bar.update(len(done))
             usage = float(manager.usage())
             running = scheduler.running_request_ids()
-            series["time_s"].append(clock)
-            series["kv_usage"].append(usage)
-            series["running_seqs"].append(float(output.num_seqs))
-            series["waiting"].append(float(scheduler.stats_history[-1]["num_waiting"]))
-            series["prefix_hit_rate"].append(scheduler.counters.prefix_hit_rate)
-            series["used_blocks"].append(usage * usable)
-            series["contiguous_blocks"].append(reserve.blocks_for(by_id[r] for r in running))
+            timeline.add(
+                clock,
+                (
+                    usage,
+                    float(output.num_seqs),
+                    float(scheduler.stats()["num_waiting"]),
+                    scheduler.counters.prefix_hit_rate,
+                    usage * usable,
+                    reserve.blocks_for(live[r] for r in running),
+                ),
+            )
     finally:
         bar.close()
     return SimulationResult(
         config=config,
-        num_requests=len(workload),
+        num_requests=num_requests,
         num_finished=finished,
         num_rejected=rejected,
-        num_steps=len(step_wall),
+        num_steps=timeline.num_steps,
         simulated_time_s=clock,
         scheduler_wall_s=sched_wall,
         total_wall_s=time.perf_counter() - started,
         prompt_tokens=prompt_tokens,
         generated_tokens=generated,
-        latencies_s=np.asarray(latencies, dtype=np.float64),
-        step_wall_s=np.asarray(step_wall, dtype=np.float64),
+        latency_s=latency,
+        step_wall_s=step_wall,
         scheduler_stats=scheduler.stats(),
-        timeline={name: np.asarray(values, dtype=np.float64) for name, values in series.items()},
+        timeline=timeline,
     )

@@ -9,6 +9,7 @@ conversations that vLLM's benchmarks replay (median prompt ~150 tokens, median o
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["SimRequest", "WorkloadConfig", "make_workload"]
+__all__ = ["SimRequest", "WorkloadConfig", "iter_workload", "make_workload"]
 
 
 @dataclass(frozen=True)
@@ -97,37 +98,46 @@ def _lognormal(
     return np.clip(np.rint(draws), low, high).astype(np.int64)
 
 
-def make_workload(config: WorkloadConfig) -> list[SimRequest]:
-    """Draw the trace (deterministic for a given config)."""
+_CHUNK = 1024
+"""Requests drawn per batch of vectorised draws (bounds the generator's memory)."""
+
+
+def iter_workload(config: WorkloadConfig) -> Iterator[SimRequest]:
+    """Draw the trace lazily, in arrival order (deterministic for a given config).
+
+    The per-request parameters are drawn in batches of :data:`_CHUNK` requests from one
+    generator, so memory stays the same however long the trace is.
+    """
     rng = np.random.default_rng(config.seed)
-    n = config.num_requests
-    if math.isinf(config.request_rate):
-        arrivals = np.zeros(n)
-    else:
-        arrivals = np.cumsum(rng.exponential(1.0 / config.request_rate, size=n))
-    prompt_lens = _lognormal(
-        rng, config.prompt_median, config.prompt_sigma, 4, config.max_prompt_len, n
-    )
-    output_lens = _lognormal(
-        rng, config.output_median, config.output_sigma, 1, config.max_output_len, n
-    )
     system_prompts = rng.integers(
         0, config.vocab_size, size=(config.num_system_prompts, config.system_prompt_len)
     )
-    uses_system = rng.random(n) < config.system_prompt_share
-    which_system = rng.integers(0, config.num_system_prompts, size=n)
-    parallel = np.where(rng.random(n) < config.parallel_share, rng.integers(2, 5, size=n), 1)
-    priorities = rng.integers(0, max(config.num_priorities, 1), size=n)
-    requests = []
-    for i in range(n):
-        body = rng.integers(0, config.vocab_size, size=int(prompt_lens[i]))
-        if uses_system[i]:
-            body = np.concatenate([system_prompts[which_system[i]], body])
-        out_len = int(output_lens[i])
-        declared = max(256, 1 << (out_len - 1).bit_length())
-        requests.append(
-            SimRequest(
-                request_id=f"req-{i}",
+    clock = 0.0
+    for first in range(0, config.num_requests, _CHUNK):
+        n = min(_CHUNK, config.num_requests - first)
+        if math.isinf(config.request_rate):
+            arrivals = np.zeros(n)
+        else:
+            arrivals = clock + np.cumsum(rng.exponential(1.0 / config.request_rate, size=n))
+            clock = float(arrivals[-1])
+        prompt_lens = _lognormal(
+            rng, config.prompt_median, config.prompt_sigma, 4, config.max_prompt_len, n
+        )
+        output_lens = _lognormal(
+            rng, config.output_median, config.output_sigma, 1, config.max_output_len, n
+        )
+        uses_system = rng.random(n) < config.system_prompt_share
+        which_system = rng.integers(0, config.num_system_prompts, size=n)
+        parallel = np.where(rng.random(n) < config.parallel_share, rng.integers(2, 5, size=n), 1)
+        priorities = rng.integers(0, max(config.num_priorities, 1), size=n)
+        for i in range(n):
+            body = rng.integers(0, config.vocab_size, size=int(prompt_lens[i]))
+            if uses_system[i]:
+                body = np.concatenate([system_prompts[which_system[i]], body])
+            out_len = int(output_lens[i])
+            declared = max(256, 1 << (out_len - 1).bit_length())
+            yield SimRequest(
+                request_id=f"req-{first + i}",
                 arrival_time=float(arrivals[i]),
                 prompt_token_ids=body.astype(np.int64),
                 output_len=out_len,
@@ -135,5 +145,8 @@ def make_workload(config: WorkloadConfig) -> list[SimRequest]:
                 n=int(parallel[i]),
                 priority=int(priorities[i]),
             )
-        )
-    return requests
+
+
+def make_workload(config: WorkloadConfig) -> list[SimRequest]:
+    """The whole trace as a list (the same requests :func:`iter_workload` yields)."""
+    return list(iter_workload(config))
