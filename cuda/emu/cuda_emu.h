@@ -1,14 +1,22 @@
-// cuda_emu.h: run CUDA kernel source on CPU threads, for testing without a GPU.
+// cuda_emu.h: run CUDA kernel source on CPU, for testing without a GPU.
 //
-// One OS thread per CUDA thread of a block; the blocks of a grid run in turn on the
-// same thread team. __syncthreads is a block barrier, warp shuffles exchange values
-// through a per-warp buffer between two warp barriers. Every barrier times out
-// (KVB_EMU_TIMEOUT_MS, default 20000) and aborts with a message naming the barrier
-// and block, and a barrier reached by threads at different call kinds (e.g. some
-// threads exited while others wait in __syncthreads) aborts immediately: both are
-// kernel bugs. Shared memory is poisoned with 0xFF (NaN as floats) before every block,
-// so reading it before writing shows up as NaN. 16-byte vector accesses are
-// alignment-checked through KVB_CHECK_ALIGNED16.
+// Each CUDA thread of a block is a fiber (its own stack, ucontext switching) on the
+// launching OS thread; the blocks of a grid run in turn. A fiber runs until it waits at a
+// barrier (__syncthreads, a warp shuffle, __syncwarp, kernel exit) or finishes; the last
+// arrival releases the others. Fibers are resumed alternately in ascending and descending
+// order, so a read that misses a barrier sees stale or poisoned data either way round.
+// There is no wall-clock timeout: when no fiber can run while some have not finished, the
+// kernel has deadlocked, and that is reported at once (the warp barrier first, it is the
+// more specific), however loaded the machine. A barrier reached by threads at different
+// call kinds (e.g. some threads exited while others wait in __syncthreads) aborts
+// immediately. Shared memory is poisoned with 0xFF (NaN as floats) before every block, so
+// reading it before writing shows up as NaN. 16-byte vector accesses are alignment-checked
+// through KVB_CHECK_ALIGNED16.
+//
+// Under ThreadSanitizer (which must see real threads to report data races) every CUDA
+// thread is an OS thread instead and barriers are condition variables; there a barrier
+// that does not complete within KVB_EMU_TIMEOUT_MS (default 600000) aborts. That timeout
+// is only a backstop against a hang: deadlocks are found exactly by the fiber build.
 //
 // Kernels are launched with emu::launch(kernel, grid, block, smem_bytes, args...) or,
 // from a type-erased argument array like cuLaunchKernel, emu::launch_packed.
@@ -32,6 +40,20 @@
 #include <tuple>
 #include <utility>
 #include <vector>
+
+#if defined(__SANITIZE_THREAD__)
+#define KVB_EMU_OS_THREADS 1
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define KVB_EMU_ASAN 1
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+#ifndef KVB_EMU_OS_THREADS
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+#endif
 
 // ---- CUDA keywords ------------------------------------------------------------------
 #define __global__
@@ -177,7 +199,7 @@ namespace emu {
 
 inline int timeout_ms() {
   const char* env = std::getenv("KVB_EMU_TIMEOUT_MS");
-  return env ? std::atoi(env) : 20000;
+  return env ? std::atoi(env) : 600000;
 }
 
 enum BarrierKind { kSyncThreads = 1, kBlockExit, kBlockPoisoned, kWarpSync, kShflWrite, kShflRead };
@@ -194,8 +216,19 @@ inline const char* kind_name(int kind) {
   }
 }
 
-// A reusable barrier for a fixed number of threads, with deadlock timeout and a check
-// that every thread of one phase arrived at the same kind of barrier.
+[[noreturn]] inline void fail_divergent(const char* scope, int kind, int arrived, int waiting) {
+  char msg[256];
+  std::snprintf(msg, sizeof msg,
+                "divergent barrier in %s of block (%u,%u,%u): thread (%u,%u,%u) reached %s "
+                "while %d other thread(s) wait in %s",
+                scope, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z,
+                kind_name(kind), arrived, kind_name(waiting));
+  fail(msg);
+}
+
+#ifdef KVB_EMU_OS_THREADS
+// A reusable barrier for a fixed number of OS threads, with a (backstop) deadlock timeout
+// and a check that every thread of one phase arrived at the same kind of barrier.
 class Barrier {
  public:
   explicit Barrier(int expected, const char* scope) : expected_(expected), scope_(scope) {}
@@ -205,13 +238,7 @@ class Barrier {
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (kind_ != kind) {
-      char msg[256];
-      std::snprintf(msg, sizeof msg,
-                    "divergent barrier in %s of block (%u,%u,%u): thread (%u,%u,%u) reached %s "
-                    "while %d other thread(s) wait in %s",
-                    scope_, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y,
-                    threadIdx.z, kind_name(kind), arrived_, kind_name(kind_));
-      fail(msg);
+      fail_divergent(scope_, kind, arrived_, kind_);
     }
     const unsigned long gen = generation_;
     if (++arrived_ == expected_) {
@@ -247,6 +274,196 @@ class Barrier {
   int kind_ = 0;
   unsigned long generation_ = 0;
 };
+#else
+// Fibers of one block and the order they run in (see the file comment).
+class Scheduler {
+ public:
+  // Bytes of stack per fiber; the page below each stack is a guard (PROT_NONE).
+  static constexpr size_t kStackBytes = 256 * 1024;
+
+  struct Fiber {
+    ucontext_t ctx;
+    unsigned char* stack = nullptr;
+    uint3 idx{0, 0, 0};
+    bool runnable = false;
+    bool done = false;
+    void* fake_stack = nullptr;  // AddressSanitizer's bookkeeping while switched out
+  };
+
+  explicit Scheduler(int threads) : fibers_(threads) { reserve_stacks(threads); }
+
+  // Runs `body` on every fiber of the current block; returns once all have finished, or
+  // reports the deadlock through `on_deadlock` (which does not return).
+  template <typename Deadlock>
+  void run_block(void (*entry)(), dim3 block, Deadlock&& on_deadlock) {
+    const int n = static_cast<int>(fibers_.size());
+    for (int t = 0; t < n; ++t) {
+      Fiber& f = fibers_[t];
+      f.stack = stacks_ + static_cast<size_t>(t) * (kStackBytes + page()) + page();
+#ifdef KVB_EMU_ASAN
+      // A fiber never returns from its entry frame: clear what the last block left.
+      __asan_unpoison_memory_region(f.stack, kStackBytes);
+#endif
+      if (getcontext(&f.ctx) != 0) fail("getcontext failed");
+      f.ctx.uc_stack.ss_sp = f.stack;
+      f.ctx.uc_stack.ss_size = kStackBytes;
+      f.ctx.uc_link = nullptr;
+      makecontext(&f.ctx, entry, 0);
+      f.idx = {static_cast<unsigned>(t % block.x), static_cast<unsigned>((t / block.x) % block.y),
+               static_cast<unsigned>(t / (static_cast<long>(block.x) * block.y))};
+      f.runnable = true;
+      f.done = false;
+    }
+    current_ = -1;
+    dir_ = 1;
+    switch_to(0);
+    for (const Fiber& f : fibers_) {
+      if (!f.done) on_deadlock();
+    }
+  }
+
+  int current() const { return current_; }
+  void wake(int fiber) { fibers_[fiber].runnable = true; }
+
+  // The current fiber waits (or has finished): run another one, or go back to the
+  // launching context when none can run.
+  void block_current(bool finished) {
+    Fiber& me = fibers_[current_];
+    me.runnable = false;
+    me.done = finished;
+    const int next = pick();
+    switch_to(next);
+  }
+
+  // Called first thing on a fiber's own stack.
+  void fiber_started() { finish_switch(nullptr); }
+
+ private:
+  static size_t page() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+
+  void reserve_stacks(int threads) {
+    // One mapping for the team, reused by every launch (launches are serialized).
+    static unsigned char* pool = nullptr;
+    static int pool_threads = 0;
+    if (threads > pool_threads) {
+      const size_t stride = kStackBytes + page();
+      if (pool != nullptr) munmap(pool, stride * pool_threads);
+      void* mem = mmap(nullptr, stride * threads, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (mem == MAP_FAILED) fail("cannot map fiber stacks");
+      pool = static_cast<unsigned char*>(mem);
+      pool_threads = threads;
+      for (int t = 0; t < threads; ++t) mprotect(pool + t * stride, page(), PROT_NONE);
+    }
+    stacks_ = pool;
+  }
+
+  // Next runnable fiber, sweeping up then down the thread indices; -1 if none.
+  int pick() {
+    const int n = static_cast<int>(fibers_.size());
+    for (int i = current_ + dir_; i >= 0 && i < n; i += dir_) {
+      if (fibers_[i].runnable) return i;
+    }
+    dir_ = -dir_;
+    for (int i = dir_ > 0 ? 0 : n - 1; i >= 0 && i < n; i += dir_) {
+      if (fibers_[i].runnable) return i;
+    }
+    return -1;
+  }
+
+  // From the current context (a fiber, or the launcher when current_ < 0) to fiber
+  // `next` (the launcher when next < 0).
+  void switch_to(int next) {
+    const int from = current_;
+    ucontext_t* from_ctx = from < 0 ? &main_ : &fibers_[from].ctx;
+    ucontext_t* to_ctx = next < 0 ? &main_ : &fibers_[next].ctx;
+    current_ = next;
+    if (next >= 0) {
+      threadIdx = fibers_[next].idx;  // the per-thread registers of the fiber to run
+    }
+#ifdef KVB_EMU_ASAN
+    void** fake = from < 0 ? &main_fake_ : &fibers_[from].fake_stack;
+    const bool dying = from >= 0 && fibers_[from].done;
+    if (next < 0) {
+      __sanitizer_start_switch_fiber(dying ? nullptr : fake, main_bottom_, main_size_);
+    } else {
+      __sanitizer_start_switch_fiber(dying ? nullptr : fake, fibers_[next].stack, kStackBytes);
+    }
+#endif
+    if (swapcontext(from_ctx, to_ctx) != 0) fail("swapcontext failed");
+    finish_switch(from < 0 ? main_fake_ : fibers_[from].fake_stack);
+  }
+
+  void finish_switch([[maybe_unused]] void* fake) {
+#ifdef KVB_EMU_ASAN
+    const void* bottom = nullptr;
+    size_t size = 0;
+    __sanitizer_finish_switch_fiber(fake, &bottom, &size);
+    if (current_ >= 0 && main_bottom_ == nullptr) {
+      main_bottom_ = bottom;  // the first switch into a fiber comes from the launcher
+      main_size_ = size;
+    }
+#endif
+  }
+
+  std::vector<Fiber> fibers_;
+  unsigned char* stacks_ = nullptr;
+  ucontext_t main_;
+  int current_ = -1;
+  int dir_ = 1;
+  void* main_fake_ = nullptr;
+  const void* main_bottom_ = nullptr;
+  size_t main_size_ = 0;
+};
+
+inline thread_local Scheduler* tl_sched = nullptr;
+
+// A reusable barrier for a fixed number of fibers: the last arrival wakes the others.
+// Checks that every thread of one phase arrived at the same kind of barrier.
+class Barrier {
+ public:
+  explicit Barrier(int expected, const char* scope) : expected_(expected), scope_(scope) {
+    waiters_.reserve(expected);
+  }
+
+  // `finished`: the caller's kernel has returned; it is not resumed once released.
+  void wait(int kind, bool finished = false) {
+    if (arrived_ == 0) {
+      kind_ = kind;
+    } else if (kind_ != kind) {
+      fail_divergent(scope_, kind, arrived_, kind_);
+    }
+    if (++arrived_ == expected_) {
+      arrived_ = 0;
+      for (int f : waiters_) tl_sched->wake(f);
+      waiters_.clear();
+      if (finished) tl_sched->block_current(true);
+      return;
+    }
+    if (!finished) waiters_.push_back(tl_sched->current());
+    tl_sched->block_current(finished);
+  }
+
+  // Aborts with this barrier's state if threads wait in it.
+  void report_if_waiting() const {
+    if (arrived_ == 0) return;
+    char msg[256];
+    std::snprintf(msg, sizeof msg,
+                  "deadlock: %s in %s of block (%u,%u,%u) can never complete: %d of %d threads "
+                  "arrived and no other thread can run",
+                  kind_name(kind_), scope_, blockIdx.x, blockIdx.y, blockIdx.z, arrived_,
+                  expected_);
+    fail(msg);
+  }
+
+ private:
+  int expected_;
+  const char* scope_;
+  int arrived_ = 0;
+  int kind_ = 0;
+  std::vector<int> waiters_;
+};
+#endif
 
 struct Warp {
   explicit Warp(int lanes) : lanes(lanes), barrier(lanes, "a warp") {}
@@ -278,7 +495,11 @@ struct Team {
 };
 
 inline thread_local Team* tl_team = nullptr;
-inline thread_local int tl_linear = 0;
+
+// The calling CUDA thread's index within its block.
+inline int linear_tid() {
+  return static_cast<int>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+}
 
 inline unsigned char* dynamic_smem() { return tl_team->smem; }
 
@@ -293,8 +514,8 @@ inline void check_aligned16(const void* ptr, const char* file, int line) {
   }
 }
 
-inline Warp& my_warp() { return *tl_team->warps[tl_linear / 32]; }
-inline int my_lane() { return tl_linear % 32; }
+inline Warp& my_warp() { return *tl_team->warps[linear_tid() / 32]; }
+inline int my_lane() { return linear_tid() % 32; }
 
 inline void check_mask(unsigned mask, const char* what) {
   const Warp& w = my_warp();
@@ -321,7 +542,8 @@ T exchange(T var, int src) {
   return out;
 }
 
-// Run `body` for every thread of every block of `grid`.
+#ifdef KVB_EMU_OS_THREADS
+// Run `body` for every thread of every block of `grid`: one OS thread per CUDA thread.
 inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   static std::mutex launch_mutex;
   std::lock_guard<std::mutex> guard(launch_mutex);
@@ -334,7 +556,6 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::functi
   for (long t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       tl_team = &team;
-      tl_linear = static_cast<int>(t);
       threadIdx = {static_cast<unsigned>(t % block.x),
                    static_cast<unsigned>((t / block.x) % block.y),
                    static_cast<unsigned>(t / (static_cast<long>(block.x) * block.y))};
@@ -355,6 +576,51 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::functi
   }
   for (auto& th : pool) th.join();
 }
+#else
+inline thread_local const std::function<void()>* tl_body = nullptr;
+
+// Entry of every fiber: the kernel, then kernel exit (a block-wide barrier).
+inline void fiber_entry() {
+  tl_sched->fiber_started();
+  (*tl_body)();
+  tl_team->block_barrier.wait(kBlockExit, /*finished=*/true);
+  fail("a finished fiber was resumed");  // unreachable
+}
+
+// Run `body` for every thread of every block of `grid`: the block's threads are fibers
+// on the calling OS thread, blocks run one after another.
+inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
+  static std::mutex launch_mutex;
+  std::lock_guard<std::mutex> guard(launch_mutex);
+  const long threads = static_cast<long>(block.x) * block.y * block.z;
+  if (threads < 1 || threads > 1024) fail("block must have 1..1024 threads");
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  Team team(static_cast<int>(threads), smem_bytes);
+  Scheduler sched(static_cast<int>(threads));
+  tl_team = &team;
+  tl_sched = &sched;
+  tl_body = &body;
+  blockDim = block;
+  gridDim = grid;
+  auto deadlock = [&] {
+    for (const auto& w : team.warps) w->barrier.report_if_waiting();
+    team.block_barrier.report_if_waiting();
+    fail("deadlock: threads neither finished nor wait at a barrier");
+  };
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = {x, y, z};
+        if (team.smem) std::memset(team.smem, 0xff, team.smem_bytes);
+        sched.run_block(fiber_entry, block, deadlock);
+      }
+    }
+  }
+  tl_team = nullptr;
+  tl_sched = nullptr;
+  tl_body = nullptr;
+}
+#endif
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,

@@ -44,6 +44,7 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_shuffle_kernel),
     KVB_ENTRY(0, emu_block_kernel),
     KVB_ENTRY(0, emu_bug_kernel),
+    KVB_ENTRY(0, emu_slow_thread_kernel),
     KVB_ATTN_ALL_D(float),
     KVB_ATTN_ALL_D(__half),
     KVB_ATTN_ALL_D(__nv_bfloat16),

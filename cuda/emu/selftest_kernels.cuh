@@ -29,7 +29,7 @@ extern "C" __global__ void emu_block_kernel(int* counter, float* fsum, int* maxv
 }
 
 // Bugs the emulator must report: mode 0 thread 0 exits early while the others wait in
-// __syncthreads; mode 1 half a warp shuffles (never completes: timeout); mode 2 a
+// __syncthreads; mode 1 half a warp shuffles (never completes: deadlock); mode 2 a
 // misaligned 16-byte load.
 extern "C" __global__ void emu_bug_kernel(int mode, unsigned char* buf) {
   if (mode == 0) {
@@ -41,4 +41,12 @@ extern "C" __global__ void emu_bug_kernel(int mode, unsigned char* buf) {
     kvb::Vec16 v = kvb::load16(buf + 4);
     buf[0] = static_cast<unsigned char>(v.w[0]);
   }
+}
+
+// A slow thread is not a deadlock: thread 0 sleeps `sleep_ms` before the barrier that every
+// other thread already waits in (a loaded machine looks like this), then all write.
+extern "C" __global__ void emu_slow_thread_kernel(int sleep_ms, int* out) {
+  if (threadIdx.x == 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+  __syncthreads();
+  out[blockIdx.x * blockDim.x + threadIdx.x] = 1;
 }

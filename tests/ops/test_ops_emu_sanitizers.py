@@ -63,7 +63,7 @@ def test_emulated_kernels_are_clean_under_sanitizers(flavor):
         # -s: the sanitizer report goes to stderr, which capture would swallow on abort.
         [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
          str(HERE / "test_ops_emulation.py"), "-k", selection],
-        env=env, capture_output=True, text=True, timeout=540, cwd=HERE.parents[1],
+        env=env, capture_output=True, text=True, timeout=3600, cwd=HERE.parents[1],
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     assert " passed" in proc.stdout
