@@ -30,6 +30,9 @@ def test_parallel_sampling_draws_n_from_the_prompt_row_then_forks(make_manager) 
     assert out.blocks_to_copy.shape == (2, 2)
     src = set(out.blocks_to_copy[:, 0].tolist())
     assert len(src) == 1 and not src & set(out.blocks_to_copy[:, 1].tolist())
+    # memory_ops carries every move of the step, not only steps that swap.
+    assert [kind for kind, _ in out.memory_ops] == ["copy"]
+    assert out.memory_ops[0][1].tolist() == out.blocks_to_copy.tolist()
     assert len({tuple(row) for row in out.block_tables[:, :2].tolist()}) == 3
     assert len(set(out.block_tables[:, 0].tolist())) == 1  # the full first block stays shared
     sched.update(out, fake_step(out))

@@ -172,3 +172,15 @@ def test_lookahead_slots_are_reserved_for_decodes(make_manager) -> None:
     assert (out.block_tables[0] != 0).sum() == 2
     sched.update(out, fake_step(out))
     run_to_completion(sched)
+
+
+def test_abort_before_an_n_request_forks_returns_n_completions(make_manager) -> None:
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig(max_num_batched_tokens=3))
+    sched.add_request(Request("w", PROMPT, SamplingParams(n=3)))
+    sched.add_request(Request("p", PROMPT, SamplingParams(n=3)))
+    out = sched.schedule()  # "p" waits, "w" has its first chunk of three tokens
+    sched.update(out, fake_step(out))
+    for rid in ("w", "p"):
+        result = sched.abort_request(rid)
+        assert [c.index for c in result.outputs] == [0, 1, 2]
+        assert all(c.token_ids == [] and c.finish_reason == "abort" for c in result.outputs)

@@ -70,14 +70,74 @@ def test_parallel_sampling_is_swapped_and_keeps_its_samples(make_manager) -> Non
     assert tokens_of(outputs) == tokens_of(baseline)
 
 
-def test_multi_sequence_request_without_cpu_pool_ends_early_with_length(rust_manager) -> None:
+def test_multi_sequence_request_without_cpu_pool_finishes_every_sequence(make_manager) -> None:
+    # Issue #7 item 7: these used to end early with reason "length" (silent truncation).
+    # Without a CPU pool the forked sequences are recomputed one by one instead.
     reqs = [
         Request(f"r{i}", list(range(1, 7)), SamplingParams(max_tokens=30, n=3)) for i in range(3)
     ]
-    _, outputs, _ = _run(rust_manager(16, 4, watermark=0.0), reqs)
-    assert set(outputs) == {"r0", "r1", "r2"}
-    cut = [c for o in outputs.values() for c in o.outputs if len(c.token_ids) < 30]
-    assert cut and all(c.finish_reason == FinishReason.LENGTH for c in cut)
+    _, baseline, _ = _run(make_manager(256, 4), reqs)
+    sched, outputs, _ = _run(make_manager(16, 4, watermark=0.0), reqs)
+    assert sched.stats()["num_preemptions_recompute"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    assert all(len(c.token_ids) == 30 for o in outputs.values() for c in o.outputs)
+
+
+def test_n8_requests_in_a_pool_without_cpu_blocks_are_not_truncated(make_manager) -> None:
+    # The issue's case: n = 8 in a 100-block pool without CPU blocks ended with 9, 13, 21
+    # and 30 of 30 tokens, all reported as "length".
+    rng = np.random.default_rng(3)
+    reqs = [
+        Request(f"r{i}", rng.integers(1, 90, 8), SamplingParams(max_tokens=30, n=8))
+        for i in range(4)
+    ]
+    _, baseline, _ = _run(make_manager(1024, 4), reqs)
+    sched, outputs, _ = _run(make_manager(100, 4), reqs)
+    assert sched.stats()["num_preemptions"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    reasons = {c.finish_reason for o in outputs.values() for c in o.outputs}
+    assert all(len(c.token_ids) == 30 for o in outputs.values() for c in o.outputs), reasons
+
+
+def test_beam_search_without_cpu_pool_is_recomputed_not_truncated(make_manager) -> None:
+    reqs = [
+        Request(f"b{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=24, beam_width=3))
+        for i in range(4)
+    ]
+    _, baseline, _ = _run(make_manager(512, 4), reqs)
+    sched, outputs, _ = _run(make_manager(30, 4, watermark=0.0), reqs)
+    assert sched.stats()["num_preemptions_recompute"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    for o in outputs.values():
+        assert [c.finish_reason for c in o.outputs] == [
+            c.finish_reason for c in baseline[o.request_id].outputs
+        ]
+
+
+def test_a_recompute_longer_than_the_token_budget_is_admitted_without_chunking(
+    make_manager,
+) -> None:
+    # Issue #7 item 6: with chunked prefill off, a preempted sequence whose prompt plus
+    # generated tokens exceed max_num_batched_tokens was never admitted again and
+    # schedule() returned empty steps forever.
+    reqs = [
+        Request(
+            f"r{i}",
+            list(range(1 + 20 * i, 13 + 20 * i)),
+            SamplingParams(max_tokens=20, ignore_eos=True),
+        )
+        for i in range(2)
+    ]
+    cfg = {"max_num_batched_tokens": 16, "enable_chunked_prefill": False}
+    _, baseline, _ = _run(make_manager(64, 4, enable_prefix_caching=False), reqs, **cfg)
+    mgr = make_manager(10, 4, enable_prefix_caching=False)
+    sched = Scheduler(mgr, SchedulerConfig(**cfg))
+    for r in reqs:
+        sched.add_request(r)
+    outputs, steps = run_to_completion(sched, max_steps=500, check=mgr.check_invariants)
+    assert sched.stats()["num_preemptions_recompute"] > 0
+    assert tokens_of(outputs) == tokens_of(baseline)
+    assert all(s.num_tokens <= 16 for s in steps)
 
 
 def test_a_sequence_that_outgrows_the_whole_pool_finishes_with_length(make_manager) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sched_fake_model import run_to_completion
 
 from kvblocks.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
@@ -55,3 +56,26 @@ def test_history_keeps_the_latest_rows_only() -> None:
         history.append({"step": float(step)})
     assert len(history) == 3 and history[0]["step"] == 2.0 and history[-1]["step"] == 4.0
     assert history.column("step").tolist() == [2.0, 3.0, 4.0]
+
+
+def test_readmissions_do_not_inflate_the_prefix_hit_rate(make_manager) -> None:
+    # Issue #7 item 8: three unrelated prompts reported ~40% prefix-cache hits because
+    # every recompute readmission (which finds its own blocks cached) was counted again.
+    mgr = make_manager(12, 4, watermark=0.0)
+    sched = Scheduler(mgr, SchedulerConfig())
+    for i in range(3):
+        prompt = [20 * i + j + 1 for j in range(10)]
+        sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
+    outputs, _ = run_to_completion(sched)
+    stats = sched.stats()
+    assert stats["num_preemptions_recompute"] > 0
+    assert stats["prefix_hit_rate"] == 0.0 and stats["num_cached_tokens_admitted"] == 0
+    assert stats["num_prompt_tokens_admitted"] == 30
+    assert all(o.num_cached_tokens == 0 for o in outputs.values())
+    # Readmissions are reported on their own: they recompute prompt + generated tokens
+    # and find their own full blocks cached.
+    assert stats["num_readmitted_tokens"] > 0
+    assert 0 < stats["num_readmitted_cached_tokens"] <= stats["num_readmitted_tokens"]
+    assert stats["readmission_hit_rate"] == pytest.approx(
+        stats["num_readmitted_cached_tokens"] / stats["num_readmitted_tokens"]
+    )

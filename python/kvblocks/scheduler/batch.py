@@ -84,6 +84,7 @@ def build_step(
     extra_counts: list[int] = []
     extra_sampling: list[tuple[float, float, int, int]] = []
     extra_request_ids: list[str] = []
+    extra_index: list[int] = []
     for j, (state, start, length) in enumerate(chunks):
         if start + length < len(state.tokens):
             continue  # not the prompt's last chunk: nothing to sample
@@ -96,21 +97,23 @@ def build_step(
             count = 0
             beam_width = max(beam_width, params.beam_width)
         else:
-            count = params.n if not state.multi else 1
+            count = state.prompt_sample_count
         special = special or count != 1
         extra_counts.append(count)
         seed = -1 if params.seed is None else params.seed
         extra_sampling.append((params.temperature, params.top_p, params.top_k, seed))
         extra_request_ids.append(state.request.request_id)
+        extra_index.append(state.seq_index.get(state.seq_ids[0], 0))
     if extra_counts:
         sample_counts = np.concatenate([sample_counts, np.array(extra_counts, np.int32)])
         ext = np.array(extra_sampling, dtype=np.float64).reshape(-1, 4)
         temperature = np.concatenate([temperature, ext[:, 0].astype(np.float32)])
         top_p = np.concatenate([top_p, ext[:, 1].astype(np.float32)])
         top_k = np.concatenate([top_k, ext[:, 2].astype(np.int32)])
-        # A prompt row samples for the request's first sequence (index 0); an n > 1
-        # prompt row's draws i = 0..n-1 go to the sequences of index i.
-        seq_index = np.concatenate([seq_index, np.zeros(len(extra_counts), np.int32)])
+        # A prompt row samples for the request's first sequence (index 0), or for the
+        # sequence a recomputed part continues; an n > 1 prompt row's draws i = 0..n-1
+        # go to the sequences of index i.
+        seq_index = np.concatenate([seq_index, np.array(extra_index, np.int32)])
         seeds = np.concatenate([seeds, np.array([e[3] for e in extra_sampling], np.int64)])
         dec_request_ids = dec_request_ids + extra_request_ids
     logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]

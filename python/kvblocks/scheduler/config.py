@@ -29,11 +29,13 @@ class SchedulerConfig:
             cache-aware order as in SGLang).
         preemption_mode: ``None`` (auto: recompute single-sequence requests, swap
             multi-sequence ones), ``"recompute"`` or ``"swap"``. Multi-sequence requests
-            always swap (recompute would lose the forked sequences); see
-            docs/scheduler-engine-interface.md for what happens when the CPU pool is short.
+            swap when the CPU pool has room, else are recomputed (``n > 1``: each sequence
+            on its own; beam search: from the prompt); see
+            docs/scheduler-engine-interface.md.
         enable_chunked_prefill: split prompts longer than the remaining token budget
             across steps. Off: a prompt is scheduled whole or waits (and a prompt longer
-            than ``max_num_batched_tokens`` is rejected at ``add_request``).
+            than ``max_num_batched_tokens`` is rejected at ``add_request``); only a
+            preempted sequence recomputed with more tokens than the budget is chunked.
         num_lookahead_tokens: extra slots reserved per decode step (speculative decoding).
     """
 

@@ -81,10 +81,12 @@ class SchedulerOutput:
         memory_ops: the same swap/copy pairs as ``blocks_to_swap_out``,
             ``blocks_to_swap_in`` and ``blocks_to_copy``, as ``(kind, pairs)`` groups in the
             order the block manager issued them (kind ``"swap_out"``, ``"swap_in"`` or
-            ``"copy"``). A step that preempts can free blocks, reuse them as copy-on-write
-            destinations and swap those out again, so only this order is always correct;
-            when it is non-empty the engine applies it instead of the three arrays (added
-            after the first version; empty in hand-built records).
+            ``"copy"``; the pairs of a copy group also mean "in this order"). A step that
+            preempts can free blocks, reuse them as copy-on-write destinations and swap
+            those out again, so only this order is always correct. The scheduler puts
+            every move of the step here (empty only when no block moves); when it is
+            non-empty the engine applies it instead of the three arrays (added after the
+            first version; empty in hand-built records).
     """
 
     seq_ids: npt.NDArray[np.int64]

@@ -21,7 +21,8 @@ class FinishReason(str, enum.Enum):
     """Why a sequence stopped. A ``str`` enum: ``FinishReason.EOS == "eos"``."""
 
     LENGTH = "length"
-    """Reached ``max_tokens`` (or could not grow: the sequence alone fills the whole pool)."""
+    """Reached ``max_tokens``, or could not grow: the sequence alone (the beams of a beam
+    search together) needs more blocks than the whole pool has."""
     STOP = "stop"
     """Sampled one of ``stop_token_ids``."""
     EOS = "eos"
@@ -136,8 +137,9 @@ class RequestOutput:
         request_id: the request's id.
         prompt_token_ids: the prompt.
         outputs: the returned sequences, ``n`` of them, ordered by ``index``.
-        num_cached_tokens: prompt tokens served from the prefix cache at (the latest)
-            admission, instead of being computed.
+        num_cached_tokens: prompt tokens served from the prefix cache at the request's
+            first admission, instead of being computed (readmissions after a preemption
+            are not counted).
         finished: every sequence has finished.
     """
 

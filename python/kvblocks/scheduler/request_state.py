@@ -28,6 +28,7 @@ class RequestStatus(enum.Enum):
     PREFILL = "prefill"  # admitted, prompt (or recomputed sequence) partly computed
     RUNNING = "running"  # decoding; its sequences are rows of the table
     SWAPPED = "swapped"
+    SPLIT = "split"  # forked request recomputed as one part per sequence (see parts)
     FINISHED = "finished"
 
 
@@ -50,7 +51,15 @@ class RequestState:
         self.num_computed = 0
         self.num_cached_tokens = 0
         self.cum_logprob = 0.0  # of the single sequence while it is not in the table
-        self.multi = False  # forked into several sequences: swap-only preemption
+        self.multi = False  # forked into several sequences
+        # Admitted at least once: later admissions are recompute readmissions, counted
+        # apart from first admissions in the prefix-cache statistics.
+        self.admitted = False
+        # An n > 1 request preempted without swap space continues as one single-sequence
+        # part per live sequence (prompt + that sequence's own tokens, recomputed); the
+        # parts finish into this request. A part points back to it through ``parent``.
+        self.parts: list[RequestState] = []
+        self.parent: RequestState | None = None
         # Step at which the waiting sequence was registered with the manager or its prefix
         # probe refreshed, -1 if it is not registered. The manager caps a sequence's cache
         # hit at registration, so the probe is refreshed before admission (see _register).
@@ -64,6 +73,34 @@ class RequestState:
         self.eos = -1 if eos is None or params.ignore_eos else int(eos)
         self.stop_set = frozenset(params.stop_token_ids)
         self.beam_stops = self.stop_set | ({self.eos} if self.eos >= 0 else set())
+
+    @property
+    def width(self) -> int:
+        """Sequences this request runs once its prompt is computed (1 for a part)."""
+        if self.parent is not None:
+            return 1
+        if self.multi:
+            return len(self.seq_ids)
+        return self.params.num_sequences
+
+    @property
+    def prompt_sample_count(self) -> int:
+        """Tokens the last prompt chunk's row draws: ``n`` before an ``n > 1`` fork, else 1."""
+        if self.parent is not None or self.multi:
+            return 1
+        return self.params.n
+
+    def make_part(
+        self, seq_id: int, tokens: npt.NDArray[np.int64], cum_logprob: float
+    ) -> RequestState:
+        """A single-sequence part of this request that recomputes ``tokens`` for ``seq_id``."""
+        part = RequestState(self.request, self.counter, self.key, seq_id)
+        part.parent = self
+        part.tokens = tokens
+        part.cum_logprob = cum_logprob
+        part.seq_index = {seq_id: self.seq_index[seq_id]}
+        part.admitted = True
+        return part
 
     def finish_reason_for(self, token: int) -> FinishReason | None:
         """Stop reason of sampling ``token`` (EOS, stop token) or None."""

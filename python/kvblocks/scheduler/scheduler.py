@@ -5,7 +5,9 @@ Each step, in this order:
 1. **Decodes.** Every running decoding sequence gets one token, in priority order, with
    one ``allocate_slots_batch`` call. When the pool runs short the least important
    running request is preempted (recompute or swap) and the call resumes where it
-   stopped; a request that is itself the least important preempts itself.
+   stopped; a request that is itself the least important preempts itself. A forked
+   request that cannot be swapped is recomputed: ``n > 1`` sequence by sequence (parts),
+   beam search from its prompt.
 2. **Prefill chunks** of requests admitted in earlier steps continue.
 3. **Swapped** requests come back (unless this step preempted), before anything new.
 4. **Admission** of waiting requests in policy order (fcfs, priority, lpm) while the
@@ -32,7 +34,7 @@ from kvblocks.errors import (
     InvalidArgumentError,
     SequenceStateError,
 )
-from kvblocks.scheduler.batch import StepPlan, build_step
+from kvblocks.scheduler.batch import StepPlan, build_step, stack_pairs
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
@@ -50,7 +52,7 @@ class Scheduler:
 
     Args:
         manager: a :class:`kvblocks.KVCacheManager` (or the pure-Python
-            ``ReferenceKVCacheManager``); the scheduler owns every sequence in it.
+            ``ReferenceKVCacheManager`` of the tests); the scheduler owns every sequence in it.
         config: limits and policies.
         record_history: append one statistics row per step to :attr:`stats_history`.
 
@@ -93,6 +95,7 @@ class Scheduler:
         # Swap/copy groups in issue order (see SchedulerOutput.memory_ops).
         self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
+        self._num_split = 0  # requests in SPLIT state (their parts sit in the queues)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -176,6 +179,8 @@ class Scheduler:
             return None
         output = self._abort_output(state)
         state.aborted = True
+        for part in state.parts:
+            part.aborted = True
         self.counters.num_requests_aborted += 1
         if self._in_flight is not None:
             self._pending_aborts.append(state)
@@ -222,11 +227,9 @@ class Scheduler:
         start = 0
         while start < end:
             ids = table["seq_id"]
-            start += int(
-                mgr.allocate_slots_batch(
-                    ids[start:end], 1, num_lookahead_tokens=cfg.num_lookahead_tokens
-                )
-            )
+            start += mgr.allocate_slots_batch(
+                ids[start:end], 1, num_lookahead_tokens=cfg.num_lookahead_tokens
+            ).num_served
             if start >= end:
                 break
             self._make_room_for(self._owner[int(ids[start])], start)
@@ -270,8 +273,9 @@ class Scheduler:
                     break
                 if not mgr.can_swap_in(state.seq_ids):
                     if len(table) == 0 and not self._prefilling and not chunks:
-                        # Nothing else holds GPU blocks, so it can never come back.
-                        self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+                        # Nothing else holds GPU blocks, so it can never come back whole
+                        # (the watermark): recompute it instead.
+                        self._recompute_any(state)
                         continue
                     break
                 self._drain_copies()
@@ -291,7 +295,7 @@ class Scheduler:
             for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
-                if live + state.params.num_sequences > cfg.max_num_seqs and live > 0:
+                if live + state.width > cfg.max_num_seqs and live > 0:
                     break
                 admitted = self._admit(state, budget)
                 if admitted is None:
@@ -301,7 +305,7 @@ class Scheduler:
                 chunks.append((state, state.num_computed, admitted))
                 budget -= admitted
                 num_seqs += 1
-                live += state.params.num_sequences
+                live += state.width
 
         output, plan = build_step(
             mgr,
@@ -319,10 +323,14 @@ class Scheduler:
             lambda seq: self._owner[seq].params.beam_width,
         )
         self._finished_ids = []
+        # memory_ops carries every move of the step, so an engine can apply it alone.
+        if len(output.blocks_to_copy):
+            self._memory_ops.append(("copy", output.blocks_to_copy))
         if self._memory_ops:
-            early = [pairs for kind, pairs in self._memory_ops if kind == "copy"]
-            output.memory_ops = [*self._memory_ops, ("copy", output.blocks_to_copy)]
-            output.blocks_to_copy = np.concatenate([*early, output.blocks_to_copy])
+            output.memory_ops = self._memory_ops
+            output.blocks_to_copy = stack_pairs(
+                [pairs for kind, pairs in self._memory_ops if kind == "copy"]
+            )
         self._in_flight = plan
         self.counters.num_steps += 1
         self.counters.num_prefill_tokens += output.num_prefill_tokens
@@ -695,8 +703,11 @@ class Scheduler:
             self.manager.commit(seq, 0)
         if others:
             self._preempt(needy)
+        elif needy.multi and not needy.params.use_beam_search:
+            # Its forked sequences fill the pool together; one by one they may not.
+            self._split(needy)
         else:
-            self._early_outputs.append(self._finish_running(needy, FinishReason.LENGTH))
+            self._end_early(needy, FinishReason.LENGTH)
 
     def _pick_victim(self) -> RequestState | None:
         victim = None
@@ -710,15 +721,92 @@ class Scheduler:
 
     def _preempt(self, state: RequestState) -> None:
         mode = self.config.preemption_mode
-        if state.multi or mode == "swap":
-            if state.status is RequestStatus.RUNNING and self._swap_out(state):
-                return
-            if state.multi:
-                # Recompute would lose the forked sequences and the CPU pool is short:
-                # the request ends here with what it has.
-                self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
-                return
-        self._recompute(state)
+        swap = state.multi or mode == "swap"
+        if swap and state.status is RequestStatus.RUNNING and self._swap_out(state):
+            return
+        self._recompute_any(state)
+
+    def _recompute_any(self, state: RequestState) -> None:
+        """Give up the request's blocks (GPU or CPU) and compute it again later.
+
+        A single sequence is recomputed (prompt + its tokens). The sequences of an
+        ``n > 1`` request are independent after the fork, so each continues as its own
+        part (:meth:`_split`); beam search ranks its beams together and restarts from
+        the prompt (:meth:`_restart`; the search is deterministic given the model).
+        """
+        if not state.multi:
+            self._recompute(state)
+        elif state.params.use_beam_search:
+            self._restart(state)
+        else:
+            self._split(state)
+
+    def _take_live_seqs(self, state: RequestState) -> list[tuple[int, float]]:
+        """Remove a running or swapped request's sequences from the table or the swapped
+        queue; return ``(seq_id, cumulative_logprob)`` of each (blocks are still held)."""
+        if state.status is RequestStatus.RUNNING:
+            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
+            seqs = self._table["seq_id"][rows].tolist()
+            cums = self._table["cum_logprob"][rows].tolist()
+            self._table.update(rows, [])
+        else:
+            assert state.status is RequestStatus.SWAPPED and state.swapped_rows is not None
+            self._swapped.remove(state)
+            seqs = state.swapped_rows["seq_id"].tolist()
+            cums = state.swapped_rows["cum_logprob"].tolist()
+            state.swapped_rows = None
+        return list(zip(seqs, cums, strict=True))
+
+    def _queue(self, state: RequestState) -> None:
+        """Put a single-sequence state (not registered with the manager) in the waiting queue."""
+        state.registered_step = -1
+        if self.policy.name == "lpm":
+            self._register(state)
+        state.num_computed = 0
+        state.status = RequestStatus.WAITING
+        self._waiting.push(state)
+
+    def _split(self, state: RequestState) -> None:
+        """Recompute an ``n > 1`` request's live sequences one by one, as parts.
+
+        Each part is a single-sequence request of the prompt plus its sequence's own
+        tokens, with the request's key (so it is re-admitted before later arrivals) and
+        the sequence's id and completion index; with prefix caching the shared prompt is
+        computed once. The request finishes when its last part does.
+        """
+        mgr = self.manager
+        for seq, cum in self._take_live_seqs(state):
+            part = state.make_part(seq, np.asarray(mgr.token_ids(seq), dtype=np.int64), cum)
+            mgr.free(seq)
+            self._owner[seq] = part
+            state.parts.append(part)
+            self._queue(part)
+        state.seq_ids = []
+        state.status = RequestStatus.SPLIT
+        self._num_split += 1
+        self.counters.num_preemptions_recompute += 1
+
+    def _restart(self, state: RequestState) -> None:
+        """Free a beam-search request's sequences and queue it again from its prompt."""
+        mgr = self.manager
+        live = self._take_live_seqs(state)
+        for seq, _ in live:
+            mgr.free(seq)
+        first = live[0][0]
+        for seq in state.all_seq_ids:
+            if seq != first and self._owner.get(seq) is state:
+                del self._owner[seq]
+                self._free_seq_ids.append(seq)
+        state.all_seq_ids = [first]
+        state.seq_ids = [first]
+        state.seq_index = {first: 0}
+        state.tokens = np.asarray(state.request.prompt_token_ids)
+        state.cum_logprob = 0.0
+        state.multi = False
+        state.hypotheses = []
+        state.outputs = {}
+        self._queue(state)
+        self.counters.num_preemptions_recompute += 1
 
     def _swap_out(self, state: RequestState) -> bool:
         mgr = self.manager
@@ -746,20 +834,13 @@ class Scheduler:
         """Free the single sequence's blocks and queue it to be computed again."""
         mgr = self.manager
         seq = state.seq_ids[0]
-        if state.status is RequestStatus.RUNNING:
-            rows = self._table.rows_of(np.array([seq], dtype=np.int64))
-            state.cum_logprob = float(self._table["cum_logprob"][rows[0]])
-            state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
-            self._table.update(rows, [])
-        else:
+        if state.status is RequestStatus.PREFILL:
             self._prefilling.remove(state)
+        else:
+            ((_, state.cum_logprob),) = self._take_live_seqs(state)
+            state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
         mgr.free(seq)
-        state.registered_step = -1
-        if self.policy.name == "lpm":
-            self._register(state)
-        state.num_computed = 0
-        state.status = RequestStatus.WAITING
-        self._waiting.push(state)
+        self._queue(state)
         self.counters.num_preemptions_recompute += 1
 
     # -- admission -----------------------------------------------------------------------
@@ -772,25 +853,38 @@ class Scheduler:
             self._register(state)  # claim against the cache as it is now
         status = mgr.can_allocate(seq, num_lookahead_tokens=0)
         if status == AllocStatus.NEVER:
-            self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+            self._end_early(state, FinishReason.LENGTH)
             return 0
         if status != AllocStatus.OK:
             return None
         cached = int(mgr.num_computed_tokens(seq))
         length = len(state.tokens) - cached
         if length > budget:
-            if not self.config.enable_chunked_prefill:
+            # Without chunked prefill a prompt is computed whole or waits (add_request
+            # rejects prompts over the budget); but a recomputed sequence (prompt +
+            # generated tokens) may exceed the budget and could never be computed
+            # whole, so it is chunked like a long prompt with chunked prefill on.
+            whole = length <= self.config.max_num_batched_tokens
+            if not self.config.enable_chunked_prefill and whole:
                 return None
             length = budget
         if mgr.allocate_slots(seq, length) is None:
             return None
         state.num_computed = int(mgr.num_computed_tokens(seq))
-        state.num_cached_tokens = state.num_computed
         self._waiting.remove(state)
         state.status = RequestStatus.PREFILL
         _insort(self._prefilling, state)
-        self.counters.num_prompt_tokens_admitted += len(state.tokens)
-        self.counters.num_cached_tokens_admitted += state.num_computed
+        counters = self.counters
+        if state.admitted:
+            # A recompute readmission mostly finds its own blocks cached: counted apart,
+            # so the prefix hit rate reflects what prompts share.
+            counters.num_readmitted_tokens += len(state.tokens)
+            counters.num_readmitted_cached_tokens += state.num_computed
+        else:
+            state.admitted = True
+            state.num_cached_tokens = state.num_computed
+            counters.num_prompt_tokens_admitted += len(state.tokens)
+            counters.num_cached_tokens_admitted += state.num_computed
         return length
 
     def _allocate_prefill(self, state: RequestState, length: int) -> bool:
@@ -802,7 +896,7 @@ class Scheduler:
             if victim is state:
                 if len(self._table) == 0 and len(self._prefilling) == 1:
                     self._preempted = True
-                    self._early_outputs.append(self._finish_running(state, FinishReason.LENGTH))
+                    self._end_early(state, FinishReason.LENGTH)
                 return False
             self._preempted = True
             self._preempt(victim)
@@ -828,7 +922,7 @@ class Scheduler:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _num_live_seqs(self) -> int:
-        return len(self._table) + sum(s.params.num_sequences for s in self._prefilling)
+        return len(self._table) + sum(s.width for s in self._prefilling)
 
     def _cut_at_request_boundary(self, end: int) -> int:
         """Do not split a multi-sequence request across the batch limit."""
@@ -864,14 +958,37 @@ class Scheduler:
         self._release_seq(state, seq)
         if state.seq_ids:
             return None
+        if state.parent is not None:
+            return self._finish_part(state, state.outputs)
         return self._finish_request(state)
 
-    def _finish_running(self, state: RequestState, reason: FinishReason) -> RequestOutput:
-        """End a request early (cannot fit / cannot be preempted) with what it has."""
+    def _finish_part(
+        self, part: RequestState, outputs: dict[int, CompletionOutput]
+    ) -> RequestOutput | None:
+        """A part's sequence ended with ``outputs``; returns the request's output if it
+        was the last part."""
+        parent = part.parent
+        assert parent is not None
+        parent.outputs.update(outputs)
+        parent.parts.remove(part)
+        self._drop_request(part)
+        if parent.parts:
+            return None
+        self._num_split -= 1
+        return self._finish_request(parent)
+
+    def _end_early(self, state: RequestState, reason: FinishReason) -> None:
+        """End a request (or part) that cannot fit with what it has; its output (the
+        request's, once its last part ended) is returned by the next ``update``."""
         output = self._abort_output(state, reason)
+        if state.parent is not None:
+            done = self._finish_part(state, {c.index: c for c in output.outputs})
+            if done is not None:
+                self._early_outputs.append(done)
+            return
         self._drop_request(state)
         self.counters.num_requests_finished += 1
-        return output
+        self._early_outputs.append(output)
 
     def _finish_request(self, state: RequestState) -> RequestOutput:
         params = state.params
@@ -900,6 +1017,8 @@ class Scheduler:
         """The request's output as it stands, every unfinished sequence ending with ``reason``."""
         mgr = self.manager
         outputs = dict(state.outputs)
+        for part in state.parts:
+            outputs.update({c.index: c for c in self._abort_output(part, reason).outputs})
         cums: dict[int, float] = {}
         if state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
@@ -918,6 +1037,10 @@ class Scheduler:
             outputs[index] = CompletionOutput(
                 index, tokens, cums.get(seq, state.cum_logprob), reason
             )
+        if state.parent is None and not state.params.use_beam_search:
+            # An n > 1 request that has not forked yet: the other samples are empty.
+            for index in range(state.params.n):
+                outputs.setdefault(index, CompletionOutput(index, [], 0.0, reason))
         ordered = [outputs[i] for i in sorted(outputs)]
         if state.params.use_beam_search:
             hyps = [Hypothesis(o.token_ids, o.cumulative_logprob, reason) for o in ordered]
@@ -948,6 +1071,11 @@ class Scheduler:
             self._prefilling.remove(state)
         elif state.status is RequestStatus.SWAPPED:
             self._swapped.remove(state)
+        elif state.status is RequestStatus.SPLIT:
+            for part in state.parts:
+                self._drop_request(part)
+            state.parts = []
+            self._num_split -= 1
         elif state.status is RequestStatus.RUNNING:
             rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
             rows = rows[rows >= 0]
@@ -968,7 +1096,8 @@ class Scheduler:
                 del self._owner[seq]
                 self._free_seq_ids.append(seq)
         state.all_seq_ids = []
-        self._finished_ids.append(rid)
+        if state.parent is None:
+            self._finished_ids.append(rid)
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -978,12 +1107,18 @@ class Scheduler:
         return out
 
     def _gauges(self) -> dict[str, float]:
-        running = len(self._requests) - len(self._waiting) - len(self._swapped)
+        waiting, swapped = len(self._waiting), len(self._swapped)
+        if self._num_split:
+            # Parts of a split request are queued on their own; the request counts as
+            # running until its last part finishes.
+            waiting = sum(1 for s in self._waiting if s.parent is None)
+            swapped = sum(1 for s in self._swapped if s.parent is None)
+        running = len(self._requests) - waiting - swapped
         return {
             "num_running": float(running),
             "num_running_seqs": float(len(self._table) + len(self._prefilling)),
-            "num_waiting": float(len(self._waiting)),
-            "num_swapped": float(len(self._swapped)),
+            "num_waiting": float(waiting),
+            "num_swapped": float(swapped),
             "kv_usage": float(self.manager.usage()),
             "num_free_blocks": float(self.manager.num_free_blocks()),
         }

@@ -23,6 +23,8 @@ class SchedulerCounters:
     num_preemptions_swap: int = 0
     num_prompt_tokens_admitted: int = 0
     num_cached_tokens_admitted: int = 0
+    num_readmitted_tokens: int = 0
+    num_readmitted_cached_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_generated_tokens: int = 0
@@ -34,16 +36,28 @@ class SchedulerCounters:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """Share of admitted prompt tokens served from the prefix cache."""
+        """Share of prompt tokens served from the prefix cache at first admission.
+
+        Readmissions after a recompute preemption are counted apart
+        (``readmission_hit_rate``): they mostly find their own blocks cached.
+        """
         if self.num_prompt_tokens_admitted == 0:
             return 0.0
         return self.num_cached_tokens_admitted / self.num_prompt_tokens_admitted
+
+    @property
+    def readmission_hit_rate(self) -> float:
+        """Share of the tokens of recompute readmissions served from the prefix cache."""
+        if self.num_readmitted_tokens == 0:
+            return 0.0
+        return self.num_readmitted_cached_tokens / self.num_readmitted_tokens
 
     def as_dict(self) -> dict[str, float]:
         """The counters plus the derived rates."""
         out: dict[str, float] = {k: float(v) for k, v in asdict(self).items()}
         out["num_preemptions"] = float(self.num_preemptions)
         out["prefix_hit_rate"] = self.prefix_hit_rate
+        out["readmission_hit_rate"] = self.readmission_hit_rate
         return out
 
 
