@@ -1,0 +1,314 @@
+"""KV-content oracle, level (b): the scheduler driven exactly like an engine.
+
+Random configurations (policies, both preemption modes and auto, chunked prefill on/off,
+lookahead slots, prefix caching, sliding windows, CPU pools, n > 1, beam search, stop
+tokens, EOS, aborts before and during a step) run against an emulated KV memory
+(:mod:`oracle.kv_memory`). Every step the harness
+
+1. applies ``SchedulerOutput.memory_ops`` in order (copy pairs one after the other, as
+   the interface document says they mean);
+2. writes the KV id of every scheduled token through ``slot_mapping`` (and garbage into
+   the lookahead slots of decodes), failing if two sequences write one slot;
+3. reads every scheduled sequence's whole context back through its ``block_tables`` row
+   and ``seq_lens`` entry and compares it with the KV ids of that sequence's own tokens;
+4. samples with the deterministic fake model and calls ``update``.
+
+Every request must be rejected at ``add_request`` (with a message) or finish with a
+reason, within a bounded number of steps; no completion may be cut short without a
+reason that says so (``"length"`` means exactly ``max_tokens`` tokens).
+
+``KVBLOCKS_ORACLE_SCALE`` (an integer, default 1) multiplies the number of
+configurations (300 at scale 1) for long runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from sched_fake_model import fake_step, next_tokens
+
+from kvblocks import InvalidArgumentError, KVCacheManager
+from kvblocks.scheduler import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
+
+SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
+NUM_BATCHES = 10
+CONFIGS_PER_BATCH = 30 * SCALE  # 300 configurations per run at scale 1
+MAX_STEPS = 3000
+EOS = 7
+
+
+class Config:
+    """One random configuration: pool, scheduler limits and a workload."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.block_size = int(rng.choice([1, 2, 4, 8, 16]))
+        # Mostly pools of 24-200 tokens (preemption without rejecting most prompts),
+        # sometimes of a few blocks.
+        tokens = int(rng.integers(24, 200)) if rng.random() < 0.8 else 0
+        self.num_blocks = max(int(rng.integers(4, 12)), min(tokens // self.block_size + 2, 64))
+        self.num_cpu_blocks = int(rng.choice([0, 0, 6, 24, 128]))
+        self.caching = bool(rng.random() < 0.7)
+        self.watermark = float(rng.choice([0.0, 0.0, 0.1]))
+        self.window = int(rng.integers(3, 40)) if rng.random() < 0.15 else None
+        self.sched = SchedulerConfig(
+            max_num_batched_tokens=int(rng.integers(4, 96)),
+            max_num_seqs=int(rng.integers(2, 24)),
+            policy=str(rng.choice(["fcfs", "priority", "lpm"])),
+            preemption_mode=[None, "recompute", "swap"][int(rng.integers(0, 3))],
+            enable_chunked_prefill=bool(rng.random() < 0.5),
+            num_lookahead_tokens=int(rng.choice([0, 0, 0, 1, 3])),
+        )
+        shared = rng.integers(1, 97, 40).tolist()
+        salts = [None, None, "a", b"b"]
+        self.arrivals: dict[int, list[Request]] = {}
+        self.abort_at: dict[str, tuple[int, bool]] = {}  # rid -> (step, in flight)
+        for i in range(int(rng.integers(1, 25))):
+            body = rng.integers(1, 97, int(rng.integers(1, 24))).tolist()
+            if rng.random() < 0.6:
+                body = shared[: int(rng.integers(0, 40))] + body
+            kind = int(rng.integers(0, 8))
+            params = SamplingParams(
+                max_tokens=int(rng.integers(1, 40)),
+                n=int(rng.integers(2, 5)) if kind in (0, 1) else 1,
+                beam_width=int(rng.integers(2, 4)) if kind == 2 else 1,
+                stop_token_ids=tuple(rng.integers(0, 97, int(rng.integers(1, 3))).tolist())
+                if kind == 3
+                else (),
+                ignore_eos=bool(rng.random() < 0.5),
+                seed=int(rng.integers(0, 100)) if rng.random() < 0.3 else None,
+            )
+            request = Request(
+                f"r{i}",
+                body,
+                params,
+                priority=int(rng.integers(0, 3)),
+                cache_salt=salts[int(rng.integers(0, 4))],
+                lora_id=int(rng.integers(1, 3)) if rng.random() < 0.15 else None,
+                eos_token_id=EOS if rng.random() < 0.8 else None,
+            )
+            self.arrivals.setdefault(int(rng.integers(0, 40)), []).append(request)
+            if rng.random() < 0.1:
+                self.abort_at[request.request_id] = (
+                    int(rng.integers(0, 80)),
+                    bool(rng.random() < 0.5),
+                )
+
+    def manager(self) -> KVCacheManager:
+        """A fresh block manager for this configuration."""
+        return KVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            num_cpu_blocks=self.num_cpu_blocks,
+            enable_prefix_caching=self.caching,
+            watermark=self.watermark,
+            sliding_window=self.window,
+            record_events=False,
+        )
+
+
+def _namespace(request: Request) -> object:
+    # The KV of a token depends on the cache salt and the LoRA adapter as well.
+    return (request.cache_salt, request.lora_id)
+
+
+class Harness:
+    """Drives one scheduler like an engine over an emulated KV memory."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.mgr = cfg.manager()
+        self.sched = Scheduler(self.mgr, cfg.sched, record_history=False)
+        self.mem = KVMemory(cfg.num_blocks, cfg.num_cpu_blocks, cfg.block_size)
+        self.prefix_ids = PrefixIds()
+        self.requests: dict[str, Request] = {}
+        self.rejected: dict[str, str] = {}
+        self.outputs: dict[str, RequestOutput] = {}
+        self.aborted: set[str] = set()
+
+    # -- one step -----------------------------------------------------------------------
+    def apply_memory_ops(self, out) -> None:
+        ops = out.memory_ops
+        if not ops:
+            for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
+                assert len(getattr(out, name)) == 0, f"{name} has pairs but memory_ops is empty"
+        for kind, pairs in ops:
+            pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+            if kind == "copy":
+                for pair in pairs:  # pairs of a copy group mean "in this order"
+                    self.mem.copy(pair[None, :])
+            else:
+                self.mem.apply(kind, pairs)
+
+    def run_step(self, step: int) -> None:
+        cfg, sched, mgr, mem = self.cfg, self.sched, self.mgr, self.mem
+        out = sched.schedule()
+        assert out.num_tokens <= cfg.sched.max_num_batched_tokens
+        assert out.num_seqs <= cfg.sched.max_num_seqs
+        self.apply_memory_ops(out)
+        bs = cfg.block_size
+        writes = []
+        contexts = []
+        qsl = out.query_start_loc
+        for i, seq in enumerate(out.seq_ids.tolist()):
+            request = sched._owner[seq].request
+            tokens = mgr.token_ids(seq).tolist()
+            seq_len = int(out.seq_lens[i])
+            n = int(out.num_scheduled_tokens[i])
+            assert n >= 1 and seq_len <= len(tokens), (seq, seq_len, len(tokens))
+            ids = self.prefix_ids.ids(tokens[:seq_len], _namespace(request))
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            pos = out.positions[lo:hi]
+            assert pos.tolist() == list(range(seq_len - n, seq_len)), (seq, pos, seq_len)
+            assert out.input_token_ids[lo:hi].tolist() == tokens[seq_len - n : seq_len]
+            slots = out.slot_mapping[lo:hi]
+            values = [ids[p] for p in pos.tolist()]
+            table = out.block_tables[i]
+            if i < out.num_decode_seqs and cfg.sched.num_lookahead_tokens:
+                # Draft tokens of a speculative step: the engine writes their KV too.
+                look = np.arange(seq_len, seq_len + cfg.sched.num_lookahead_tokens)
+                if (look // bs).max() >= len(table) or (table[look // bs] == 0).any():
+                    raise ContentError(f"sequence {seq}: lookahead slots are not reserved")
+                slots = np.concatenate([slots, table[look // bs] * bs + look % bs])
+                values = values + [GARBAGE] * len(look)
+            writes.append((seq, slots, values))
+            contexts.append((seq, table, ids, seq_len))
+        mem.write_step(writes)
+        for seq, table, ids, seq_len in contexts:
+            mem.check(seq, table, ids, seq_len, window=cfg.window)
+        in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
+        for rid in in_flight:
+            self.abort(rid)
+        for result in sched.update(out, fake_step(out)):
+            self.finish(result)
+        mgr.check_invariants()
+
+    # -- requests -----------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        try:
+            self.sched.add_request(request)
+        except InvalidArgumentError as exc:
+            assert str(exc), "a rejection must say why"
+            self.rejected[request.request_id] = str(exc)
+        else:
+            self.requests[request.request_id] = request
+
+    def abort(self, rid: str) -> None:
+        result = self.sched.abort_request(rid)
+        if result is not None:
+            self.aborted.add(rid)
+            self.finish(result)
+
+    def finish(self, result: RequestOutput) -> None:
+        rid = result.request_id
+        assert rid in self.requests and rid not in self.outputs, f"{rid} finished twice"
+        self.outputs[rid] = result
+
+    def run(self) -> None:
+        cfg = self.cfg
+        last_arrival = max(cfg.arrivals)
+        for step in range(MAX_STEPS):
+            for request in cfg.arrivals.get(step, []):
+                self.add(request)
+            for rid, (at, in_flight) in cfg.abort_at.items():
+                if at == step and not in_flight:
+                    self.abort(rid)
+            if self.sched.has_unfinished_requests():
+                self.run_step(step)
+            elif step > last_arrival:
+                break
+        else:
+            raise AssertionError(f"no progress after {MAX_STEPS} steps (hang)")
+        self.check_outputs()
+
+    # -- end of run ---------------------------------------------------------------------
+    def pool_is_full(self, request: Request, tokens: list[int]) -> bool:
+        """Could the whole pool not hold this sequence one token longer?
+
+        ``"length"`` short of ``max_tokens`` is the documented end of a sequence that
+        alone needs more blocks than the pool has (minus the watermark, which applies
+        when a preempted sequence is admitted again): the pool is its context limit.
+        The sequences of an ``n > 1`` request are recomputed one by one, so each must
+        have hit that limit on its own; the beams of a beam search run together, so
+        together they must need more blocks than the pool has (counted with only the
+        prompt's full blocks shared: an upper bound of what they hold).
+        """
+        cfg = self.cfg
+        usable = cfg.num_blocks - 1 - int(np.floor(cfg.watermark * cfg.num_blocks))
+        prompt = request.num_prompt_tokens
+        need = -(-(prompt + len(tokens) + cfg.sched.num_lookahead_tokens) // cfg.block_size)
+        params = request.sampling_params
+        if params.use_beam_search:
+            shared = prompt // cfg.block_size
+            need = shared + params.beam_width * (need - shared)
+        return need > usable
+
+    def check_outputs(self) -> None:
+        mgr = self.mgr
+        assert not self.sched.has_unfinished_requests()
+        assert len(mgr) == 0 and mgr.num_free_blocks() == mgr.num_blocks - 1
+        assert set(self.outputs) == set(self.requests), "a request never finished"
+        for rid, result in self.outputs.items():
+            request = self.requests[rid]
+            params = request.sampling_params
+            assert [c.index for c in result.outputs] == list(range(params.n)), (rid, result)
+            prompt = request.prompt_token_ids.tolist()  # type: ignore[union-attr]
+            assert result.prompt_token_ids == prompt, rid
+            stops = set(params.stop_token_ids)
+            eos = None if params.ignore_eos else request.eos_token_id
+            for c in result.outputs:
+                toks = c.token_ids
+                assert c.finish_reason is not None
+                assert len(toks) <= params.max_tokens
+                if c.finish_reason == FinishReason.ABORT:
+                    assert rid in self.aborted
+                    continue
+                if c.finish_reason == FinishReason.LENGTH:
+                    assert len(toks) == params.max_tokens or self.pool_is_full(request, toks), (
+                        f"{rid}[{c.index}]: {len(toks)} of {params.max_tokens} tokens "
+                        "reported as 'length' (silently truncated)"
+                    )
+                elif c.finish_reason == FinishReason.STOP:
+                    assert toks and toks[-1] in stops
+                else:
+                    assert c.finish_reason == FinishReason.EOS
+                    assert toks and toks[-1] == eos
+                if params.use_beam_search:
+                    continue
+                # Every token follows from the sequence's own content (fake model), and
+                # no earlier token should have stopped it.
+                assert not (set(toks[:-1]) & (stops | {eos})), f"{rid}: ran past a stop"
+                last, pos = prompt[-1], len(prompt) - 1
+                for k, tok in enumerate(toks):
+                    want = int(next_tokens(np.int64(last), np.int64(pos), c.index if k == 0 else 0))
+                    assert tok == want, f"{rid}[{c.index}] token {k}: {tok} != {want}"
+                    last, pos = tok, pos + 1
+
+
+def run_config(seed: int) -> Harness:
+    """Run one configuration to the end; raise with the seed on any failure."""
+    cfg = Config(seed)
+    harness = Harness(cfg)
+    try:
+        harness.run()
+    except (AssertionError, ContentError) as exc:
+        raise AssertionError(f"configuration seed={seed}: {exc}") from exc
+    return harness
+
+
+@pytest.mark.parametrize("batch", range(NUM_BATCHES))
+def test_scheduler_content_oracle(batch: int) -> None:
+    """Every scheduled context reads back its own tokens' KV; every request ends."""
+    for k in range(CONFIGS_PER_BATCH):
+        run_config(batch * CONFIGS_PER_BATCH + k)
