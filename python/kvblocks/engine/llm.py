@@ -137,6 +137,7 @@ class LLM:
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=config.uniform_sliding_window(),
+            record_events=False,  # nothing drains them: they would pile up
         )
         self.scheduler = Scheduler(self.manager, scheduler_config)
         self.runner = ModelRunner(

@@ -181,6 +181,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         config.block_size,
         num_cpu_blocks=config.num_cpu_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
+        record_events=False,  # nothing drains them: they would pile up
     )
     # No per-step history: the timeline below keeps what the report needs in fixed memory.
     scheduler = Scheduler(manager, config.scheduler, record_history=False)
