@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import kvblocks
-from kvblocks.reference_manager import ReferenceKVCacheManager
+from oracle.reference_manager import ReferenceKVCacheManager
 
 IMPLS = {"rust": kvblocks.KVCacheManager, "reference": ReferenceKVCacheManager}
 BLOCK_SIZE = 16
@@ -148,7 +148,7 @@ def _running_manager(impl: str) -> Any:
         prompt = rng.integers(0, 50_000, size=int(rng.integers(32, 512)))
         m.add_sequence(sid, prompt)
     prefill = np.array([m.num_tokens(s) for s in ids.tolist()], dtype=np.int64)
-    assert m.allocate_slots_batch(ids, prefill) == NUM_RUNNING
+    assert m.allocate_slots_batch(ids, prefill).num_served == NUM_RUNNING
     m.commit_batch(ids, prefill, rng.integers(0, 50_000, size=NUM_RUNNING))
     return m
 
@@ -160,7 +160,7 @@ def test_decode_step_1024(benchmark: Any, record: Any, impl: str) -> None:
     sampled = np.arange(NUM_RUNNING, dtype=np.int64) % 50_000
 
     def step() -> None:
-        served = m.allocate_slots_batch(ids, 1)
+        served = m.allocate_slots_batch(ids, 1).num_served
         assert served == NUM_RUNNING
         m.block_tables(ids)
         m.slot_mapping(ids)

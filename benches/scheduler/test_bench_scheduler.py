@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvblocks import KVCacheManager
-from kvblocks.reference_manager import ReferenceKVCacheManager
 from kvblocks.scheduler import ModelStepResult, Request, SamplingParams, Scheduler, SchedulerConfig
+from oracle.reference_manager import ReferenceKVCacheManager
 
 SIZES = (64, 256, 1024, 4096)
 ROUNDS = 60

@@ -9,6 +9,7 @@ continuous-batching scheduler in :mod:`kvblocks.scheduler` and the model runner 
 from kvblocks._core import (
     AllBlocksCleared,
     AllocStatus,
+    BatchAllocation,
     BlockRemoved,
     BlockStored,
     KVCacheManager,
@@ -27,6 +28,7 @@ from kvblocks.errors import (
 __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
+    "BatchAllocation",
     "BlockRemoved",
     "BlockStored",
     "DuplicateSequenceError",

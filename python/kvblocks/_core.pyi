@@ -33,6 +33,7 @@ _IntOrArray = int | Sequence[int] | npt.NDArray[np.integer]
 __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
+    "BatchAllocation",
     "BlockRemoved",
     "BlockStored",
     "KVCacheManager",
@@ -55,6 +56,32 @@ class AllocStatus:
     def __ne__(self, other: object, /) -> bool: ...
     def __int__(self) -> int: ...
     def __hash__(self) -> int: ...
+
+@final
+class BatchAllocation:
+    """What one :meth:`KVCacheManager.allocate_slots_batch` call did for the sequences it
+    served.
+
+    Serving an earlier entry can evict blocks of a later entry's cached prefix, so the
+    cached tokens are reported as claimed, not as probed before the call.
+    """
+
+    @property
+    def num_served(self) -> int:
+        """Sequences served: the first ``num_served`` of the batch, in order."""
+    @property
+    def num_cached_tokens(self) -> npt.NDArray[np.int64]:
+        """``[num_served]`` cached prompt tokens each served sequence claimed in this call
+        (non-zero only on a sequence's first allocation)."""
+    @property
+    def block_ids(self) -> npt.NDArray[np.int32]:
+        """Block ids taken from the free pool, sequence after sequence; per sequence as
+        :meth:`KVCacheManager.allocate_slots` returns them (a copy-on-write replacement of
+        table entry ``num_computed // block_size`` first, then appended blocks)."""
+    @property
+    def block_indptr(self) -> npt.NDArray[np.int64]:
+        """``[num_served + 1]`` offsets: sequence ``i`` got
+        ``block_ids[block_indptr[i]:block_indptr[i + 1]]``."""
 
 @final
 class BlockStored:
@@ -224,13 +251,15 @@ class KVCacheManager:
         """
     def allocate_slots_batch(
         self, seq_ids: _SeqIds, num_new_tokens: _IntOrArray, *, num_lookahead_tokens: int = 0
-    ) -> int:
-        """``allocate_slots`` for many sequences in one call; returns how many succeeded.
+    ) -> BatchAllocation:
+        """``allocate_slots`` for many sequences in one call.
 
         Sequences are served in order and the call stops at the first one the pool cannot
-        serve: the first ``k`` (the return value) have their slots, the rest are untouched,
-        so a scheduler can preempt and retry from ``k``. Arguments are validated for the
-        whole batch before anything changes.
+        serve: the first ``k`` (``result.num_served``) have their slots, the rest are
+        untouched, so a scheduler can preempt and retry from ``k``. The result also gives,
+        per served sequence, the cached tokens it claimed and the blocks it got (what an
+        engine needs to keep its own block table). Arguments are validated for the whole
+        batch before anything changes.
         """
     def commit(
         self, seq_id: int, num_new_computed_tokens: int, new_token_ids: _TokenIds = ()
@@ -253,10 +282,16 @@ class KVCacheManager:
         All-or-nothing: every entry is validated before any sequence changes.
         """
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Make ``child_id`` share every block and token of ``parent_id`` (refcounts + 1).
+        """Make ``child_id`` share the tokens of ``parent_id`` and the blocks holding its
+        computed KV (refcounts + 1).
 
-        Commit the parent's KV first; forking a sequence between ``allocate_slots`` and
-        ``commit`` raises :class:`SequenceStateError`.
+        Only the first ``ceil(num_computed_tokens / block_size)`` blocks are shared: spare
+        blocks past the computed tokens (left by lookahead, or by a commit smaller than the
+        reservation) stay the parent's. The one block both may then write, the partially
+        filled last one, is copied by whichever calls ``allocate_slots`` (copy-on-write),
+        so no write lands in a block another sequence holds. Commit the parent's KV first;
+        forking a sequence between ``allocate_slots`` and ``commit`` raises
+        :class:`SequenceStateError`.
         """
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
         """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``."""
@@ -285,14 +320,23 @@ class KVCacheManager:
     def block_tables(
         self, seq_ids: _SeqIds, *, max_blocks: int | None = None
     ) -> npt.NDArray[np.int32]:
-        """2-D block tables, padded with the null block to the longest (or ``max_blocks``)."""
+        """2-D block tables, padded with the null block to the longest (or ``max_blocks``).
+
+        ``max_blocks`` must be at least the longest table and at most ``num_blocks`` (or
+        the longest table, when released window entries make it longer); else
+        :class:`InvalidArgumentError`.
+        """
     def slot_mapping(
         self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
     ) -> npt.NDArray[np.int64]:
         """Cache slots (``block * block_size + offset``) of the tokens computed this step.
 
         For each sequence the tokens ``[computed, computed + n)`` where ``n`` is its entry of
-        ``num_tokens`` (default: every known but uncomputed token), concatenated.
+        ``num_tokens`` (default: every known but uncomputed token), concatenated. Only the
+        slots reserved by the pending ``allocate_slots`` (``computed + num_new_tokens +
+        num_lookahead_tokens``) can be mapped: they are the slots no other sequence reads
+        or writes. Mapping more, or with no reservation pending (e.g. after ``commit``),
+        raises :class:`SequenceStateError`.
         """
 
     # -- prefix cache, events, stats -------------------------------------------------

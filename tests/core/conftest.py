@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvblocks
-from kvblocks.reference_manager import ReferenceKVCacheManager
+from oracle.reference_manager import ReferenceKVCacheManager
 
 IMPLEMENTATIONS = {
     "rust": kvblocks.KVCacheManager,

@@ -1,7 +1,7 @@
 """Full observable state of a block manager, for "a failing call changes nothing" checks.
 
 Works on both :class:`kvblocks.KVCacheManager` and
-:class:`kvblocks.reference_manager.ReferenceKVCacheManager`.
+:class:`oracle.reference_manager.ReferenceKVCacheManager`.
 """
 
 from __future__ import annotations

@@ -113,11 +113,11 @@ def test_batch_calls(make: Make) -> None:
     m = make(16, 4)
     for sid in range(3):
         m.add_sequence(sid, [sid] * 5)
-    assert m.allocate_slots_batch(np.arange(3), 5) == 3
+    assert m.allocate_slots_batch(np.arange(3), 5).num_served == 3
     m.commit_batch(np.arange(3), np.array([5, 5, 5]), np.array([7, -1, 8]))
     assert [m.num_tokens(s) for s in range(3)] == [6, 5, 6]
     assert [m.num_computed_tokens(s) for s in range(3)] == [5, 5, 5]
-    assert m.allocate_slots_batch([0, 2], 1) == 2
+    assert m.allocate_slots_batch([0, 2], 1).num_served == 2
     m.commit_batch([0, 2], 1)
     assert [m.num_computed_tokens(s) for s in range(3)] == [6, 5, 6]
 
@@ -126,7 +126,7 @@ def test_allocate_batch_stops_at_first_unserved(make: Make) -> None:
     m = make(5, 4)  # 4 usable blocks
     for sid in range(3):
         m.add_sequence(sid, list(range(6)))  # 2 blocks each
-    assert m.allocate_slots_batch([0, 1, 2], 6) == 2
+    assert m.allocate_slots_batch([0, 1, 2], 6).num_served == 2
     assert m.num_free_blocks() == 0
     assert m.num_computed_tokens(2) == 0
     assert m.block_tables([0, 1]).tolist() == [[1, 2], [3, 4]]

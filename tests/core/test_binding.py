@@ -20,7 +20,10 @@ def test_every_integer_dtype_is_accepted(dtype: str) -> None:
     m = KVCacheManager(16, 4)
     m.add_sequence(1, np.arange(6, dtype=dtype))
     assert m.token_ids(1).tolist() == list(range(6))
-    assert m.allocate_slots_batch(np.array([1], dtype=dtype), np.array([6], dtype=dtype)) == 1
+    assert (
+        m.allocate_slots_batch(np.array([1], dtype=dtype), np.array([6], dtype=dtype)).num_served
+        == 1
+    )
     m.commit_batch(np.array([1], dtype=dtype), np.array([6], dtype=dtype))
     assert m.block_tables(np.array([1], dtype=dtype)).tolist() == [[1, 2]]
 
@@ -39,7 +42,7 @@ def test_lists_tuples_and_ranges() -> None:
     m = KVCacheManager(16, 4)
     m.add_sequence(1, (5, 6, 7))
     m.add_sequence(2, range(3))
-    assert m.allocate_slots_batch((1, 2), [3, 3]) == 2
+    assert m.allocate_slots_batch((1, 2), [3, 3]).num_served == 2
     m.commit_batch(range(1, 3), 3, [8, -1])
     assert m.token_ids(1).tolist() == [5, 6, 7, 8]
     m.add_sequence(3, np.array([], dtype=np.float64))  # an empty array of any dtype is empty
@@ -169,7 +172,7 @@ def test_threads_hammering_one_manager() -> None:
             for _ in range(5):
                 news = m.probe_prefixes(ids)
                 assert (news >= 0).all()
-            assert m.allocate_slots_batch(ids, 3000 - m.probe_prefixes(ids)) == 80
+            assert m.allocate_slots_batch(ids, 3000 - m.probe_prefixes(ids)).num_served == 80
             m.commit_batch(ids, 3000 - m.probe_prefixes(ids), np.ones(80, dtype=np.int64))
             assert m.block_tables(ids).shape[0] == 80
             for sid in ids.tolist():

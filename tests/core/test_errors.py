@@ -185,7 +185,7 @@ def test_allocate_none_leaves_state_unchanged(busy: Any) -> None:
     before = snapshot(busy)
     assert busy.allocate_slots(60, busy.num_tokens(60) - busy.num_computed_tokens(60)) is None
     assert_no_side_effects(busy, before)
-    assert busy.allocate_slots_batch([60], 200) == 0
+    assert busy.allocate_slots_batch([60], 200).num_served == 0
     assert_no_side_effects(busy, before)
 
 
@@ -269,8 +269,13 @@ def test_can_swap_out_reports_short_cpu_pool_without_raising(busy: Any) -> None:
         (InvalidArgumentError, lambda m: m.block_tables([RUNNING], max_blocks=1)),
         (InvalidArgumentError, lambda m: m.block_tables([RUNNING], max_blocks=-1)),
         (InvalidArgumentError, lambda m: m.block_tables(np.zeros((2, 2), dtype=np.int64))),
-        (InvalidArgumentError, lambda m: m.slot_mapping([RUNNING], [3])),  # 2 slots left
-        (InvalidArgumentError, lambda m: m.slot_mapping([PENDING], [9])),
+        # Only the pending reservation can be mapped (none for RUNNING: it committed).
+        (SequenceStateError, lambda m: m.slot_mapping([RUNNING], [3])),
+        (SequenceStateError, lambda m: m.slot_mapping([RUNNING], [1])),
+        (SequenceStateError, lambda m: m.slot_mapping([PENDING], [9])),
+        # max_blocks beyond num_blocks: no table can be that wide (2**61 used to panic).
+        (InvalidArgumentError, lambda m: m.block_tables([RUNNING], max_blocks=10_000)),
+        (InvalidArgumentError, lambda m: m.block_tables([RUNNING], max_blocks=2**61)),
         (InvalidArgumentError, lambda m: m.slot_mapping([PENDING], [1, 1])),
         (InvalidArgumentError, lambda m: m.slot_mapping([PENDING], -1)),
         (SequenceStateError, lambda m: m.slot_mapping([SWAPPED], 0)),

@@ -78,7 +78,7 @@ def test_beam_search_many_forks_one_copy_each(make: Make) -> None:
         m.fork(0, child)
     for sid in range(4):
         m.commit(sid, 0, [sid])
-    assert m.allocate_slots_batch(np.arange(4), 1) == 4
+    assert m.allocate_slots_batch(np.arange(4), 1).num_served == 4
     cows = m.take_copy_on_writes()
     # Three of the four sharers get a private copy of block 2; the last keeps it.
     assert cows.shape == (3, 2) and set(cows[:, 0].tolist()) == {2}
@@ -269,7 +269,7 @@ def test_duplicate_content_keeps_the_existing_cached_block(make: Make) -> None:
     run(m, 2, 5)  # same content as 1's first block: stays uncached
     m.add_sequence(3, [7] * 5)
     m.add_sequence(4, [7] * 5)
-    assert m.allocate_slots_batch([3, 4], 5) == 2  # neither is cached yet
+    assert m.allocate_slots_batch([3, 4], 5).num_served == 2  # neither is cached yet
     m.commit_batch([3, 4], 5)
     events = m.take_events()
     stored = [e for e in events if type(e).__name__.endswith("BlockStored")]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvblocks
-from kvblocks.reference_manager import ReferenceKVCacheManager
+from oracle.reference_manager import ReferenceKVCacheManager
 
 from .core_state import snapshot
 
@@ -37,6 +37,9 @@ def _normalise(value: Any) -> Any:
         return (str(value.dtype), value.shape, value.tolist())
     if isinstance(value, kvblocks.AllocStatus):
         return int(value)
+    if hasattr(value, "block_indptr"):  # BatchAllocation / RefBatchAllocation
+        fields = ("num_served", "num_cached_tokens", "block_ids", "block_indptr")
+        return tuple(_normalise(getattr(value, f)) for f in fields)
     return value
 
 
@@ -222,7 +225,7 @@ class ManagerComparison(RuleBasedStateMachine):
         )
         if outcome[0] != "ok":
             return
-        served = outcome[1]
+        served = outcome[1][0]
         self.both(lambda m: m.block_tables(arr[:served]))
         self.both(lambda m: m.slot_mapping(arr[:served]))
         tokens = np.array([self._fresh_token() for _ in range(served)], dtype=np.int64)

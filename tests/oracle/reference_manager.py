@@ -1,11 +1,15 @@
-"""A pure-Python model of :class:`kvblocks.KVCacheManager`.
+"""A pure-Python model of :class:`kvblocks.KVCacheManager`: a test oracle and benchmark baseline.
+
+Not part of the installed package. The content oracle (``kv_memory.py`` beside this file)
+is the primary check of the manager; this model is kept for what the oracle cannot see:
+exact block ids, free-queue (eviction) order, events and counters.
 
 :class:`ReferenceKVCacheManager` implements the API of ``kvblocks/_core.pyi`` with the
-semantics of ``SEMANTICS.md`` in plain Python: dicts, lists and an ``OrderedDict`` as the
-free queue. It hands out exactly the same block ids as the Rust core (same free-queue
-ordering rules), so tests compare the two step by step, and it is the baseline of the
-benchmarks in ``benches/core``. Its hashes are SHA-256 digests rather than the core's
-BLAKE3/xxh3 ones: the values differ but which blocks hit does not.
+semantics documented there and in the core crate, in plain Python: dicts, lists and an
+``OrderedDict`` as the free queue. It hands out exactly the same block ids as the Rust core
+(same free-queue ordering rules), so tests compare the two step by step, and it is the
+baseline of the benchmarks in ``benches/core``. Its hashes are SHA-256 digests rather than
+the core's BLAKE3/xxh3 ones: the values differ but which blocks hit does not.
 
 It is written for clarity, not speed; use :class:`kvblocks.KVCacheManager` in engines.
 """
@@ -48,6 +52,16 @@ _MAX_BLOCKS = 2**26
 _HASH_ALGOS = ("blake3", "xxh3_128")
 # The root "parent" of a sequence's first block; any fixed value distinct from real digests.
 _ROOT_HASH = b"\x00" * 32
+
+
+@dataclass(frozen=True)
+class RefBatchAllocation:
+    """``BatchAllocation`` of the reference model."""
+
+    num_served: int
+    num_cached_tokens: npt.NDArray[np.int64]
+    block_ids: npt.NDArray[np.int32]
+    block_indptr: npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -633,8 +647,8 @@ class ReferenceKVCacheManager:
 
     def allocate_slots_batch(
         self, seq_ids: object, num_new_tokens: object, *, num_lookahead_tokens: int = 0
-    ) -> int:
-        """``allocate_slots`` for many sequences; returns how many succeeded (in order)."""
+    ) -> RefBatchAllocation:
+        """``allocate_slots`` for many sequences; reports what the served prefix got."""
         ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
         news = _per_seq(num_new_tokens, len(ids), "num_new_tokens", 0, _MAX_COUNT)
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
@@ -642,14 +656,23 @@ class ReferenceKVCacheManager:
         for sid, seq, new in zip(ids, seqs, news, strict=True):
             self._require_resident(seq, "allocate slots for")
             self._plan_allocation(sid, seq, new, lookahead)
-        served = 0
+        cached: list[int] = []
+        blocks: list[int] = []
+        indptr = [0]
         for sid, seq, new in zip(ids, seqs, news, strict=True):
             plan = self._plan_allocation(sid, seq, new, lookahead)
             if plan[4] > len(self._free):
                 break
-            self._apply_allocation(sid, seq, new, lookahead, plan)
-            served += 1
-        return served
+            first = not seq.allocated
+            blocks += self._apply_allocation(sid, seq, new, lookahead, plan)
+            cached.append(seq.num_cached_tokens if first else 0)
+            indptr.append(len(blocks))
+        return RefBatchAllocation(
+            num_served=len(cached),
+            num_cached_tokens=np.array(cached, dtype=np.int64),
+            block_ids=np.array(blocks, dtype=np.int32),
+            block_indptr=np.array(indptr, dtype=np.int64),
+        )
 
     def _check_commit(self, sid: int, seq: _Sequence, num_new: int) -> None:
         reserved = seq.num_computed if seq.reserved is None else seq.reserved
@@ -740,7 +763,7 @@ class ReferenceKVCacheManager:
             self._apply_commit(seq, new, [tok] if tok >= 0 else [])
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Make ``child_id`` share every block and token of ``parent_id``."""
+        """Make ``child_id`` share the tokens and computed blocks of ``parent_id``."""
         cid = _check_int(child_id, "child_id", 0, _MAX_SEQ_ID)
         pid, parent = self._get(parent_id)
         if cid in self._seqs:
@@ -752,7 +775,9 @@ class ReferenceKVCacheManager:
                 f"cannot fork sequence {pid}: it has allocated but uncommitted slots "
                 "(commit its KV first)"
             )
-        for block in parent.block_table:
+        # Spare blocks past the computed tokens stay the parent's (else both would write them).
+        shared = parent.block_table[: -(-parent.num_computed // self._block_size)]
+        for block in shared:
             if block != _NULL_BLOCK:
                 self._refcount[block] += 1
         self._seqs[cid] = _Sequence(
@@ -763,7 +788,7 @@ class ReferenceKVCacheManager:
             lora_id=parent.lora_id,
             hashes=list(parent.hashes),
             probe_cap=parent.probe_cap,
-            block_table=list(parent.block_table),
+            block_table=list(shared),
             num_computed=parent.num_computed,
             reserved=None,
             allocated=parent.allocated,
@@ -888,6 +913,10 @@ class ReferenceKVCacheManager:
                 raise InvalidArgumentError(
                     f"max_blocks ({max_blocks}) is smaller than the longest block table ({width})"
                 )
+            if max_blocks > max(width, self._num_blocks):
+                raise InvalidArgumentError(
+                    f"max_blocks ({max_blocks}) exceeds num_blocks and the longest table"
+                )
             width = max_blocks
         out = np.zeros((len(ids), width), dtype=np.int32)
         for row, table in enumerate(tables):
@@ -906,10 +935,11 @@ class ReferenceKVCacheManager:
         for i, (sid, seq) in enumerate(zip(ids, seqs, strict=True)):
             n = len(seq.token_ids) - seq.num_computed if given is None else given[i]
             end = seq.num_computed + n
-            if end > len(seq.block_table) * bs:
-                raise InvalidArgumentError(
+            reserved = seq.num_computed if seq.reserved is None else seq.reserved
+            if end > reserved:
+                raise SequenceStateError(
                     f"sequence {sid}: slots up to token {end} requested but only "
-                    f"{len(seq.block_table) * bs} are allocated"
+                    f"{reserved} are reserved"
                 )
             spans.append((seq, end))
         out: list[int] = []

@@ -155,7 +155,10 @@ fn bench_decode_step(c: &mut Criterion) {
                     }
                     let (m, ids) = &mut state;
                     let start = Instant::now();
-                    let served = m.allocate_slots_batch(ids, BatchArg::Scalar(1), 0).unwrap();
+                    let served = m
+                        .allocate_slots_batch(ids, BatchArg::Scalar(1), 0)
+                        .unwrap()
+                        .num_served;
                     let tables = m.block_tables(ids, None).unwrap();
                     let slots = m.slot_mapping(ids, None).unwrap();
                     m.commit_batch(ids, BatchArg::Scalar(1), Some(BatchArg::Each(&new_tokens)))

@@ -105,8 +105,9 @@ impl ManagerConfig {
         }
         if self.num_blocks > MAX_BLOCKS || self.num_cpu_blocks > MAX_BLOCKS {
             return Err(KvError::InvalidArgument(format!(
-                "num_blocks and num_cpu_blocks must be <= {MAX_BLOCKS} (the pools keep ~13 bytes \
-                 of host memory per block), got {} and {}",
+                "num_blocks and num_cpu_blocks must be <= {MAX_BLOCKS} (the manager keeps 13 \
+                 bytes of host memory per block, plus up to ~80 per GPU block with prefix \
+                 caching), got {} and {}",
                 self.num_blocks, self.num_cpu_blocks
             )));
         }

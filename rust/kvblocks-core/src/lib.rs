@@ -42,6 +42,7 @@
 //! * `seq_ids()` is sorted ascending.
 
 mod alloc_status;
+mod batch_allocation;
 mod batch_arg;
 mod block_hash;
 mod block_pool;
@@ -55,6 +56,7 @@ mod sequence;
 mod stats;
 
 pub use alloc_status::AllocStatus;
+pub use batch_allocation::BatchAllocation;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};

@@ -4,16 +4,27 @@ use rustc_hash::FxHashMap;
 
 use crate::block_hash::BlockHash;
 
-/// What a cached block carries: its hash and the inputs it was computed from.
+/// What a cached block carries: its hash (and, in debug builds, what it hashes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CacheEntry {
     /// The block's hash (its key in the map).
     pub hash: BlockHash,
+    /// The inputs of the hash, so `check_invariants` can re-hash the block. Debug builds
+    /// only: a block's tokens cost ~200 bytes per cached block and a copy on every
+    /// commit, for a check no release path needs.
+    #[cfg(debug_assertions)]
+    pub origin: BlockOrigin,
+}
+
+/// The inputs a cached block's hash was computed from (debug builds only).
+#[cfg(debug_assertions)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockOrigin {
     /// Hash of the previous block of the chain, `None` for a first block.
     pub parent: Option<BlockHash>,
     /// Digest of the extra keys the block was hashed under.
     pub namespace: BlockHash,
-    /// The block's tokens, kept to re-check the hash in `check_invariants`.
+    /// The block's tokens.
     pub tokens: Box<[u32]>,
 }
 
@@ -140,10 +151,22 @@ mod tests {
         let ns = h.namespace(None, None);
         CacheEntry {
             hash: h.block(None, &ns, &[token]),
-            parent: None,
-            namespace: ns,
-            tokens: vec![token].into(),
+            #[cfg(debug_assertions)]
+            origin: BlockOrigin {
+                parent: None,
+                namespace: ns,
+                tokens: vec![token].into(),
+            },
         }
+    }
+
+    /// The per-block figure the README and `ManagerConfig::validate` state: a release
+    /// arena slot is the hash and nothing else (debug builds add the re-hash inputs).
+    #[cfg(not(debug_assertions))]
+    #[test]
+    fn a_release_arena_slot_is_just_the_hash() {
+        assert_eq!(std::mem::size_of::<Option<CacheEntry>>(), 34);
+        assert_eq!(std::mem::size_of::<(BlockHash, u32)>(), 40);
     }
 
     #[test]

@@ -574,6 +574,76 @@ fn cow_short_pool_returns_none_unchanged() {
     assert!(m == before);
 }
 
+/// Regression (issue 7, defect 1): spare blocks past the computed tokens (from lookahead
+/// or a commit smaller than its reservation) were shared by `fork`, and copy-on-write
+/// only looked at one block, so parent and child wrote the same slots.
+#[test]
+fn fork_does_not_share_spare_blocks() {
+    let mut m = manager(16, 4);
+    m.add_sequence(1, &toks(0, 12), None, None).unwrap();
+    m.allocate_slots(1, 4, 8).unwrap().unwrap(); // 3 blocks, 1 of them computed below
+    m.commit(1, 4, &[]).unwrap();
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.block_table(2).unwrap().len(), 1);
+    m.check_invariants().unwrap();
+    m.allocate_slots(1, 8, 0).unwrap().unwrap();
+    m.allocate_slots(2, 8, 0).unwrap().unwrap();
+    let a = m.slot_mapping(&[1], None).unwrap();
+    let b = m.slot_mapping(&[2], None).unwrap();
+    assert!(
+        a.iter().all(|s| !b.contains(s)),
+        "{a:?} and {b:?} share slots"
+    );
+    m.check_invariants().unwrap();
+}
+
+/// Regression (issue 7, defect 2): after `fork` + `commit(child, 0, [t])` with no
+/// `allocate_slots`, `slot_mapping` mapped both sequences onto the shared block.
+#[test]
+fn slot_mapping_needs_a_reservation() {
+    let mut m = manager(16, 4);
+    prefill(&mut m, 1, &toks(0, 6));
+    m.commit(1, 0, &[9]).unwrap();
+    m.fork(1, 2).unwrap();
+    m.commit(2, 0, &[7]).unwrap();
+    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[1], None), is_state);
+    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[2], None), is_state);
+    m.allocate_slots(1, 1, 0).unwrap().unwrap();
+    m.allocate_slots(2, 2, 0).unwrap().unwrap();
+    let (a, b) = (
+        m.slot_mapping(&[1], None).unwrap(),
+        m.slot_mapping(&[2], None).unwrap(),
+    );
+    assert_ne!(a, b);
+}
+
+/// A batch reports the prefix each sequence claimed as made: serving an earlier entry
+/// can evict a later entry's probed prefix (issue 7, defect 4).
+#[test]
+fn allocate_batch_reports_claims_and_new_blocks() {
+    let mut m = manager(16, 4); // 15 usable
+    prefill(&mut m, 1, &toks(0, 9)); // blocks 1, 2 cached, 3 not
+    prefill(&mut m, 5, &toks(200, 9)); // blocks 4, 5 cached, 6 not
+    m.free(1).unwrap();
+    m.free(5).unwrap(); // free queue: 11 uncached blocks, then 2, 1, 5, 4
+    m.add_sequence(2, &toks(100, 48), None, None).unwrap();
+    m.add_sequence(3, &toks(0, 9), None, None).unwrap();
+    assert_eq!(m.num_computed_tokens(3).unwrap(), 8);
+    // Sequence 2 takes 12 blocks: the 11 uncached and block 2, evicting half of the
+    // prefix sequence 3 probed.
+    let got = m
+        .allocate_slots_batch(&[2, 3], BatchArg::Each(&[48, 1]), 0)
+        .unwrap();
+    assert_eq!(got.num_served, 2);
+    assert_eq!(got.num_cached_tokens, vec![0, 4]);
+    assert_eq!(m.num_cached_tokens(3).unwrap(), 4);
+    assert_eq!(got.block_indptr, vec![0, 12, 13]); // claimed block + 1 new
+    let t3 = m.block_table(3).unwrap();
+    let mine = &got.block_ids[got.block_indptr[1] as usize..got.block_indptr[2] as usize];
+    assert_eq!(mine, &t3[t3.len() - mine.len()..]);
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn fork_errors() {
     let mut m = manager(8, 4);
@@ -662,16 +732,20 @@ fn allocate_batch_serves_a_prefix() {
             .unwrap();
     }
     let ids = [0, 1, 2, 3];
-    let n = m
+    let got = m
         .allocate_slots_batch(&ids, BatchArg::Scalar(6), 0)
         .unwrap();
-    assert_eq!(n, 2);
+    assert_eq!(got.num_served, 2);
+    assert_eq!(got.num_cached_tokens, vec![0, 0]);
+    assert_eq!(got.block_indptr, vec![0, 2, 4]);
+    assert_eq!(got.block_ids.len(), 4);
     assert_eq!(m.block_table(2).unwrap(), Vec::<i32>::new());
     assert_eq!(m.num_free_blocks(), 1);
     let per: Vec<i64> = vec![4, 4];
     assert_eq!(
         m.allocate_slots_batch(&[2, 3], BatchArg::Each(&per), 0)
-            .unwrap(),
+            .unwrap()
+            .num_served,
         1
     );
     m.check_invariants().unwrap();
@@ -711,7 +785,10 @@ fn allocate_batch_validates_everything_first() {
         |m| m.allocate_slots_batch(&[0, 1, 2], short.into(), 0),
         is_invalid,
     );
-    assert_eq!(m.allocate_slots_batch(&[], 1.into(), 0).unwrap(), 0);
+    assert_eq!(
+        m.allocate_slots_batch(&[], 1.into(), 0).unwrap().num_served,
+        0
+    );
 }
 
 #[test]
@@ -726,7 +803,12 @@ fn commit_batch_appends_one_token_each_all_or_nothing() {
     assert_eq!(m.num_tokens(0).unwrap(), 6);
     assert_eq!(m.num_tokens(1).unwrap(), 5);
     assert_eq!(m.token_ids(2).unwrap()[5], 12);
-    assert_eq!(m.allocate_slots_batch(&[0, 2], 1.into(), 0).unwrap(), 2);
+    assert_eq!(
+        m.allocate_slots_batch(&[0, 2], 1.into(), 0)
+            .unwrap()
+            .num_served,
+        2
+    );
     let counts: &[i64] = &[1, 2];
     assert_fails_unchanged(
         &mut m,
@@ -946,7 +1028,7 @@ fn slot_mapping_covers_uncomputed_tokens() {
     m.add_sequence(1, &toks(0, 6), None, None).unwrap();
     m.add_sequence(2, &toks(0, 3), None, None).unwrap();
     // before allocation there is no slot for the prompt
-    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[1], None), is_invalid);
+    assert_fails_unchanged(&mut m, |m| m.slot_mapping(&[1], None), is_state);
     m.allocate_slots(1, 6, 0).unwrap().unwrap(); // [1,2]
     m.allocate_slots(2, 3, 0).unwrap().unwrap(); // [3]
     let s = m.slot_mapping(&[1, 2], None).unwrap();
@@ -960,7 +1042,7 @@ fn slot_mapping_covers_uncomputed_tokens() {
     assert_fails_unchanged(
         &mut m,
         |m| m.slot_mapping(&[1, 2], Some(too_many.into())),
-        is_invalid,
+        is_state,
     );
     let neg: &[i64] = &[-1, 1];
     assert_fails_unchanged(

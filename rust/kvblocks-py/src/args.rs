@@ -16,6 +16,8 @@ pub(crate) const SEQ_ID_END: i128 = 1 << 63;
 pub(crate) const TOKEN_ID_END: i128 = 1 << 32;
 /// Bound for counts (tokens, blocks): anything that fits an `int64`.
 pub(crate) const COUNT_END: i128 = 1 << 63;
+/// Most elements pre-allocated from an iterable's `__len__` (beyond it, the vector grows).
+const PREALLOC_HINT_MAX: usize = 1 << 16;
 
 /// One Python int in `[lo, hi)`; bools and non-ints are rejected.
 pub(crate) fn int_in(obj: &Bound<'_, PyAny>, name: &str, lo: i128, hi: i128) -> PyResult<i128> {
@@ -198,7 +200,8 @@ pub(crate) fn int_vec<T: IntTarget>(
             type_name(obj)
         )));
     };
-    let len = obj.len().unwrap_or(0);
+    // `__len__` is only a hint (it can lie, or not exist): pre-allocate within reason.
+    let len = obj.len().unwrap_or(0).min(PREALLOC_HINT_MAX);
     ints_in(iter, len, name, lo, hi)
 }
 

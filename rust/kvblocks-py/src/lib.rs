@@ -6,6 +6,7 @@
 
 mod alloc_status;
 mod args;
+mod batch_allocation;
 mod errors;
 mod events;
 mod manager;
@@ -17,6 +18,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<alloc_status::AllocStatus>()?;
+    m.add_class::<batch_allocation::BatchAllocation>()?;
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;

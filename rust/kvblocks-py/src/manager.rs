@@ -14,6 +14,7 @@ use pyo3::types::PyDict;
 
 use crate::alloc_status::AllocStatus;
 use crate::args::{self, PerSeq, COUNT_END, TOKEN_ID_END};
+use crate::batch_allocation::BatchAllocation;
 use crate::errors::{invalid_argument, IntoPyResult};
 use crate::events::event_to_py;
 
@@ -125,7 +126,10 @@ impl KVCacheManager {
 const COPY_MAX_ELEMENTS: usize = 1 << 14;
 
 /// A 1-D NumPy array holding `values`.
-fn to_numpy<T: numpy::Element>(py: Python<'_>, values: Vec<T>) -> Bound<'_, PyArray1<T>> {
+pub(crate) fn to_numpy<T: numpy::Element>(
+    py: Python<'_>,
+    values: Vec<T>,
+) -> Bound<'_, PyArray1<T>> {
     if values.len() <= COPY_MAX_ELEMENTS {
         PyArray1::from_slice(py, &values)
     } else {
@@ -461,7 +465,7 @@ impl KVCacheManager {
         Ok(taken.map(|blocks| to_numpy(py, blocks)))
     }
 
-    /// ``allocate_slots`` for many sequences in one call; returns how many succeeded.
+    /// ``allocate_slots`` for many sequences in one call; reports what the served ones got.
     #[pyo3(
         signature = (seq_ids, num_new_tokens, *, num_lookahead_tokens = None),
         text_signature = "(self, seq_ids, num_new_tokens, *, num_lookahead_tokens=0)"
@@ -472,14 +476,16 @@ impl KVCacheManager {
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<usize> {
+    ) -> PyResult<BatchAllocation> {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
         let new = PerSeq::extract(num_new_tokens, "num_new_tokens", 0, COUNT_END)?;
         let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
-        self.run(py, Work::for_batch(ids.len()), |m| {
-            m.allocate_slots_batch(&ids, new.as_batch_arg(), lookahead)
-        })
-        .py_err()
+        let done = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.allocate_slots_batch(&ids, new.as_batch_arg(), lookahead)
+            })
+            .py_err()?;
+        Ok(BatchAllocation::new(py, done))
     }
 
     /// The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens.

@@ -2,6 +2,7 @@
 
 use super::KVCacheManager;
 use crate::alloc_status::AllocStatus;
+use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
 use crate::NULL_BLOCK;
@@ -70,14 +71,17 @@ impl KVCacheManager {
         let slot = self.slot_of(seq_id)?;
         self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
         let mut taken = Vec::new();
-        if self.serve_allocation(slot, num_new_tokens, num_lookahead_tokens, Some(&mut taken)) {
+        if self
+            .serve_allocation(slot, num_new_tokens, num_lookahead_tokens, &mut taken)
+            .is_some()
+        {
             Ok(Some(taken))
         } else {
             Ok(None)
         }
     }
 
-    /// `allocate_slots` for many sequences; returns how many (a prefix) were served.
+    /// `allocate_slots` for many sequences; reports what the served prefix got.
     ///
     /// Every entry is validated before anything changes; then sequences are served in
     /// order until the first one the pool cannot serve.
@@ -86,21 +90,33 @@ impl KVCacheManager {
         seq_ids: &[u64],
         num_new_tokens: BatchArg<'_>,
         num_lookahead_tokens: usize,
-    ) -> Result<usize> {
+    ) -> Result<BatchAllocation> {
         num_new_tokens.check_len(seq_ids.len(), "num_new_tokens")?;
         let slots = self.batch_slots(seq_ids)?;
         for (i, &slot) in slots.iter().enumerate() {
             let new = Self::count_arg(num_new_tokens.get(i), "num_new_tokens")?;
             self.validate_allocation(slot as usize, new, num_lookahead_tokens)?;
         }
+        let mut out = BatchAllocation {
+            num_served: 0,
+            num_cached_tokens: Vec::with_capacity(slots.len()),
+            block_ids: Vec::new(),
+            block_indptr: Vec::with_capacity(slots.len() + 1),
+        };
+        out.block_indptr.push(0);
         for (i, &slot) in slots.iter().enumerate() {
             // Validated above; a negative count cannot reach here.
             let new = num_new_tokens.get(i) as usize;
-            if !self.serve_allocation(slot as usize, new, num_lookahead_tokens, None) {
-                return Ok(i);
-            }
+            let Some(claimed) =
+                self.serve_allocation(slot as usize, new, num_lookahead_tokens, &mut out.block_ids)
+            else {
+                break;
+            };
+            out.num_served += 1;
+            out.num_cached_tokens.push(claimed as i64);
+            out.block_indptr.push(out.block_ids.len() as i64);
         }
-        Ok(slots.len())
+        Ok(out)
     }
 
     /// Drain the queued copy-on-write `(src, dst)` block pairs.
@@ -167,22 +183,22 @@ impl KVCacheManager {
         (plan, append + cow as usize + claim_from_free)
     }
 
-    /// Serve a validated request if the pool can; false (nothing changed) if it cannot.
+    /// Serve a validated request if the pool can: appends the blocks it takes to
+    /// `taken` and returns the cached tokens it claimed; `None` (nothing changed) if the
+    /// pool is short.
     fn serve_allocation(
         &mut self,
         slot: usize,
         new: usize,
         lookahead: usize,
-        mut taken: Option<&mut Vec<i32>>,
-    ) -> bool {
+        taken: &mut Vec<i32>,
+    ) -> Option<usize> {
         let (plan, need) = self.plan_allocation(slot, new, lookahead);
         if need > self.pools.gpu.num_free() {
-            return false;
+            return None;
         }
         let bs = self.config.block_size;
-        if let Some(t) = taken.as_deref_mut() {
-            t.reserve(plan.append + plan.cow as usize);
-        }
+        taken.reserve(plan.append + plan.cow as usize);
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
         if !seq.allocated {
@@ -214,27 +230,19 @@ impl KVCacheManager {
             let i = seq.num_computed / bs;
             let src = seq.table[i];
             // The plan counted this block as available.
-            let Some(dst) = pools.pop_gpu() else {
-                return false;
-            };
+            let dst = pools.pop_gpu()?;
             pools.gpu.decref(src);
             seq.table[i] = dst;
             self.cow_queue.push([src as i64, dst as i64]);
             pools.counters.cow_copies += 1;
-            if let Some(t) = taken.as_deref_mut() {
-                t.push(dst as i32);
-            }
+            taken.push(dst as i32);
         }
         for _ in 0..plan.append {
-            let Some(b) = pools.pop_gpu() else {
-                return false;
-            };
+            let b = pools.pop_gpu()?;
             seq.table.push(b);
-            if let Some(t) = taken.as_deref_mut() {
-                t.push(b as i32);
-            }
+            taken.push(b as i32);
         }
         seq.reserved = Some(plan.reserved);
-        true
+        Some(plan.claim * bs)
     }
 }

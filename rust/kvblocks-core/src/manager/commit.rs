@@ -134,9 +134,12 @@ impl KVCacheManager {
                     block,
                     CacheEntry {
                         hash,
-                        parent,
-                        namespace: seq.namespace,
-                        tokens: tokens.into(),
+                        #[cfg(debug_assertions)]
+                        origin: crate::prefix_cache::BlockOrigin {
+                            parent,
+                            namespace: seq.namespace,
+                            tokens: tokens.into(),
+                        },
                     },
                 );
                 if !pools.record_events {

@@ -61,10 +61,16 @@ impl KVCacheManager {
         Ok(cap * bs)
     }
 
-    /// Make `child_id` share every block and token of `parent_id` (refcounts + 1).
+    /// Make `child_id` share the parent's tokens and the blocks holding its computed
+    /// tokens (refcounts + 1).
     ///
-    /// Errors: `UnknownSequence(parent)`, `DuplicateSequence(child)`, `SequenceState` if
-    /// the parent is swapped or has an allocated-but-uncommitted reservation.
+    /// The child gets only the first `ceil(num_computed / block_size)` table entries:
+    /// spare blocks past the computed tokens (left by lookahead, or by a commit smaller
+    /// than its reservation) stay the parent's alone, so the only block the two can both
+    /// write next is the partially filled last one, which the next `allocate_slots` of
+    /// either side copies first (copy-on-write). Errors: `UnknownSequence(parent)`,
+    /// `DuplicateSequence(child)`, `SequenceState` if the parent is swapped or has an
+    /// allocated-but-uncommitted reservation.
     pub fn fork(&mut self, parent_id: u64, child_id: u64) -> Result<()> {
         let parent = self.seq(parent_id)?;
         if self.index.contains_key(&child_id) {
@@ -79,6 +85,10 @@ impl KVCacheManager {
         }
         let mut child = parent.clone();
         child.id = child_id;
+        // Spare blocks hold no computed KV; sharing them would let both sides write them.
+        child
+            .table
+            .truncate(parent.num_computed.div_ceil(self.config.block_size));
         for &b in &child.table {
             if b != crate::NULL_BLOCK {
                 self.pools.gpu.incref(b);

@@ -27,25 +27,37 @@ impl KVCacheManager {
 
     /// 2-D block tables padded with the null block to the longest (or `max_blocks`).
     ///
-    /// `InvalidArgument` if a table is longer than `max_blocks`.
+    /// `InvalidArgument` if a table is longer than `max_blocks`, if `max_blocks` exceeds
+    /// both `num_blocks` and the longest table (no table can use more columns), or if
+    /// the matrix cannot be allocated.
     pub fn block_tables(&self, seq_ids: &[u64], max_blocks: Option<usize>) -> Result<BlockTables> {
         let seqs = self.resident_batch(seq_ids, "block_tables")?;
         let longest = seqs.iter().map(|s| s.table.len()).max().unwrap_or(0);
+        // Released window entries can make a table longer than the pool.
+        let widest = longest.max(self.config.num_blocks);
         let cols = match max_blocks {
             None => longest,
-            Some(m) if m >= longest => m,
-            Some(m) => {
+            Some(m) if m < longest => {
                 return Err(KvError::InvalidArgument(format!(
                     "max_blocks is {m} but a block table has {longest} blocks; expected \
                      max_blocks >= the longest table"
                 )))
             }
+            Some(m) if m > widest => {
+                return Err(KvError::InvalidArgument(format!(
+                    "max_blocks is {m}; expected at most {widest} (num_blocks, or the longest \
+                     table if longer)"
+                )))
+            }
+            Some(m) => m,
         };
         let rows = seq_ids.len();
-        let len = rows.checked_mul(cols).ok_or_else(|| {
-            KvError::InvalidArgument(format!("block tables of {rows} x {cols} are too large"))
-        })?;
-        let mut data = vec![crate::NULL_BLOCK as i32; len];
+        let too_large =
+            || KvError::InvalidArgument(format!("block tables of {rows} x {cols} are too large"));
+        let len = rows.checked_mul(cols).ok_or_else(too_large)?;
+        let mut data = Vec::new();
+        data.try_reserve_exact(len).map_err(|_| too_large())?;
+        data.resize(len, crate::NULL_BLOCK as i32);
         for (r, seq) in seqs.iter().enumerate() {
             let table = &seq.table;
             let row = &mut data[r * cols..r * cols + table.len()];
@@ -63,7 +75,9 @@ impl KVCacheManager {
     /// Cache slots (`block * block_size + offset`) of tokens `[computed, computed + n)`
     /// of each sequence, concatenated; `n` defaults to every known but uncomputed token.
     ///
-    /// `InvalidArgument` if a slot would lie beyond the allocated table.
+    /// Only slots reserved by the pending `allocate_slots` (computed + new + lookahead)
+    /// can be mapped: those are the slots no other sequence can read or write. Mapping
+    /// past them (or with no pending reservation) is `SequenceState`.
     pub fn slot_mapping(
         &self,
         seq_ids: &[u64],
@@ -81,17 +95,19 @@ impl KVCacheManager {
                 Some(arg) => Self::count_arg(arg.get(i), "num_tokens")?,
                 None => seq.tokens.len() - seq.num_computed,
             };
-            let capacity = seq.table.len() * bs;
+            let reserved = seq.reserved.unwrap_or(seq.num_computed);
             if seq
                 .num_computed
                 .checked_add(n)
-                .is_none_or(|end| end > capacity)
+                .is_none_or(|end| end > reserved)
             {
-                return Err(KvError::InvalidArgument(format!(
-                    "slot_mapping: sequence {id} has {} computed tokens and slots for {capacity}, \
-                     so at most {} tokens can be mapped, got {n}; call allocate_slots first",
+                return Err(KvError::SequenceState(format!(
+                    "slot_mapping: sequence {id} has {} computed tokens and {} reserved slots, \
+                     so at most {} tokens can be mapped, got {n}; call allocate_slots for the \
+                     tokens of this step first",
                     seq.num_computed,
-                    capacity - seq.num_computed.min(capacity)
+                    reserved,
+                    reserved - seq.num_computed
                 )));
             }
             total += n;

@@ -1,0 +1,377 @@
+"""Level (a) of the content oracle: the block manager drives an emulated KV memory.
+
+Every operation is applied as an engine applies it (see ``tests/oracle/kv_memory.py``):
+``allocate_slots`` is followed by the copy-on-write copies it queued, then the model
+step's writes through ``slot_mapping`` (lookahead slots get garbage), and ``commit`` may
+then take fewer tokens than were written. After every operation each resident sequence
+must read exactly the KV of its own tokens through its block table, and no write may land
+in a block that another live sequence holds. Nothing here models the manager's rules:
+the claimed prefix, the copies and the swaps are judged by what the memory holds.
+
+Budget: ``ORACLE_EXAMPLES * ORACLE_STEPS`` random operations per run (at least 10,000),
+multiplied by the environment variable ``KVBLOCKS_ORACLE_SCALE`` for long runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import kvblocks
+from kvblocks import KVCacheManager
+from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
+
+SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
+MIN_OPERATIONS = 10_000 * SCALE
+ORACLE_EXAMPLES = 200 * SCALE
+ORACLE_STEPS = 90
+
+#: What the runs reached, summed over examples: operations that changed something, and
+#: the events whose content effects the oracle exists to check.
+COVERAGE: Counter[str] = Counter()
+
+# A small vocabulary and a few shared stems make prefix-cache hits and duplicates common.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 1, 2, 3, 4]]
+NAMESPACES = [(None, None), ("salt", None), (None, 3)]
+
+
+class ContentOracle(RuleBasedStateMachine):
+    """Random manager operations, each checked against what the KV memory holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m: KVCacheManager
+        self.mem: KVMemory
+        self.ids = PrefixIds()
+        self.next_id = 0
+        # Per held sequence: its tokens and namespace (the oracle's own record, never
+        # read back from the manager), and the pending reservation's size, if any.
+        self.tokens: dict[int, list[int]] = {}
+        self.ns: dict[int, tuple[str | None, int | None]] = {}
+        self.computed: dict[int, int] = {}
+        self.allocated: set[int] = set()
+        self.swapped: set[int] = set()
+        self.pending: dict[int, int] = {}
+        # Token lists seen so far: new prompts often repeat one, for prefix-cache hits.
+        self.history: list[tuple[list[int], tuple[str | None, int | None]]] = []
+        self.ops = 0
+
+    @initialize(
+        num_blocks=st.integers(4, 30),
+        block_size=st.sampled_from([1, 2, 4, 16]),
+        num_cpu_blocks=st.integers(0, 12),
+        caching=st.booleans(),
+        hash_algo=st.sampled_from(["blake3", "xxh3_128"]),
+        window=st.sampled_from([None, None, 3, 8, 20]),
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, hash_algo, window):
+        self.bs = block_size
+        self.window = window
+        self.m = KVCacheManager(
+            num_blocks,
+            block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=caching,
+            hash_algo=hash_algo,
+            watermark=0.0,
+            sliding_window=window,
+            record_events=False,
+        )
+        self.mem = KVMemory(num_blocks, num_cpu_blocks, block_size)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _expected(self, sid: int) -> list[int]:
+        return self.ids.ids(self.tokens[sid], self.ns[sid])
+
+    def _resident(self) -> list[int]:
+        return sorted(self.allocated - self.swapped)
+
+    def _idle(self) -> list[int]:
+        """Resident, allocated sequences without a pending reservation."""
+        return [s for s in self._resident() if s not in self.pending]
+
+    def _write_reserved(self, served: dict[int, tuple[int, int]]) -> None:
+        """The model step: write ``new`` tokens' KV and ``lookahead`` garbage slots of every
+        served sequence through ``slot_mapping``, all in one step."""
+        writes = []
+        for sid, (new, lookahead) in served.items():
+            n = new + lookahead
+            slots = self.m.slot_mapping([sid], [n])
+            assert len(slots) == n
+            c = self.computed[sid]
+            values = self._expected(sid)[c : c + new] + [GARBAGE] * lookahead
+            writes.append((sid, slots, values))
+        # A write must not land in a block any other live sequence holds.
+        held: dict[int, int] = {}
+        for other in self._resident():
+            for b in self.m.block_table(other).tolist():
+                if b != 0:
+                    held.setdefault(b, other)
+                    if held[b] != other:
+                        held[b] = -1  # shared
+        for sid, slots, _ in writes:
+            for b in np.unique(np.asarray(slots) // self.bs).tolist():
+                if held.get(b) != sid:
+                    raise ContentError(
+                        f"sequence {sid} writes block {b}, which sequence "
+                        f"{held.get(b)} (-1: several) also holds"
+                    )
+        self.mem.write_step(writes)
+
+    def _copy_on_writes(self) -> None:
+        pairs = self.m.take_copy_on_writes()
+        COVERAGE["copy_on_write"] += len(pairs)
+        self.mem.copy(pairs)
+
+    def _after_allocate(self, sid: int, new: int, lookahead: int) -> None:
+        COVERAGE["ops"] += 1
+        COVERAGE["lookahead"] += lookahead > 0
+        if sid not in self.allocated:
+            self.allocated.add(sid)
+            self.computed[sid] = self.m.num_computed_tokens(sid)
+            COVERAGE["prefix_hit"] += self.computed[sid] > 0
+        self.pending[sid] = new
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(
+        data=st.data(),
+        stem=st.sampled_from(STEMS),
+        extra=st.lists(st.integers(0, 11), max_size=12),
+        cut=st.integers(1, 8),
+        ns=st.sampled_from(NAMESPACES),
+    )
+    def add(self, data, stem, extra, cut, ns):
+        tokens = stem[:cut] + extra
+        if self.history and data.draw(st.booleans()):
+            # Another sequence's tokens (possibly with its KV cached), maybe extended.
+            seen, ns = data.draw(st.sampled_from(self.history))
+            tokens = seen[: data.draw(st.integers(1, len(seen)))] + extra[:4]
+        sid = self.next_id
+        self.next_id += 1
+        self.m.add_sequence(sid, tokens, cache_salt=ns[0], lora_id=ns[1])
+        COVERAGE["ops"] += 1
+        self.tokens[sid] = list(tokens)
+        self.ns[sid] = ns
+        self.history = [*self.history[-15:], (list(tokens), ns)]
+
+    def _allocatable(self) -> list[int]:
+        return [s for s in self.tokens if s not in self.swapped and s not in self.pending]
+
+    @rule(data=st.data(), lookahead=st.sampled_from([0, 0, 1, 3, 8]))
+    def allocate(self, data, lookahead):
+        candidates = [s for s in self.tokens if s not in self.swapped and s not in self.pending]
+        if not candidates:
+            return
+        sid = data.draw(st.sampled_from(candidates))
+        computed = self.m.num_computed_tokens(sid)
+        left = len(self.tokens[sid]) - computed
+        new = data.draw(st.integers(0, left))
+        got = self.m.allocate_slots(sid, new, num_lookahead_tokens=lookahead)
+        if got is None:
+            return
+        self._copy_on_writes()
+        self._after_allocate(sid, new, lookahead)
+        self._write_reserved({sid: (new, lookahead)})
+
+    @rule(data=st.data(), lookahead=st.sampled_from([0, 1, 4]))
+    def allocate_batch(self, data, lookahead):
+        candidates = [s for s in self.tokens if s not in self.swapped and s not in self.pending]
+        if not candidates:
+            return
+        sids = data.draw(st.lists(st.sampled_from(candidates), min_size=1, unique=True))
+        news = []
+        for s in sids:
+            left = len(self.tokens[s]) - self.m.num_computed_tokens(s)
+            news.append(data.draw(st.integers(0, left)))
+        result = self.m.allocate_slots_batch(
+            np.array(sids), np.array(news), num_lookahead_tokens=lookahead
+        )
+        served = result.num_served
+        # Every served sequence reports the cached tokens it claimed and its new blocks.
+        assert len(result.num_cached_tokens) == served
+        assert len(result.block_indptr) == served + 1
+        self._copy_on_writes()
+        for i, s in enumerate(sids[:served]):
+            first = s not in self.allocated
+            self._after_allocate(s, news[i], lookahead)
+            claimed = int(result.num_cached_tokens[i])
+            assert claimed == (self.computed[s] if first else 0), (s, claimed)
+            table = self.m.block_table(s).tolist()
+            new_blocks = result.block_ids[result.block_indptr[i] : result.block_indptr[i + 1]]
+            assert set(new_blocks.tolist()) <= set(table)
+        self._write_reserved({s: (news[i], lookahead) for i, s in enumerate(sids[:served])})
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data(), sample=st.booleans())
+    def commit(self, data, sample):
+        sid = data.draw(st.sampled_from(sorted(self.pending)))
+        wrote = self.pending.pop(sid)
+        k = data.draw(st.integers(0, wrote))
+        new_tokens = [data.draw(st.integers(0, 11))] if sample else []
+        self.m.commit(sid, k, new_tokens)
+        COVERAGE["ops"] += 1
+        COVERAGE["partial_commit"] += k < wrote
+        self.computed[sid] += k
+        self.tokens[sid] += new_tokens
+
+    @precondition(lambda self: self.pending)
+    @rule(data=st.data())
+    def commit_batch(self, data):
+        sids = data.draw(st.lists(st.sampled_from(sorted(self.pending)), min_size=1, unique=True))
+        ks = [data.draw(st.integers(0, self.pending[s])) for s in sids]
+        toks = [data.draw(st.integers(-1, 11)) for _ in sids]
+        self.m.commit_batch(np.array(sids), np.array(ks), np.array(toks))
+        COVERAGE["ops"] += 1
+        for s, k, t in zip(sids, ks, toks, strict=True):
+            del self.pending[s]
+            self.computed[s] += k
+            if t >= 0:
+                self.tokens[s].append(t)
+
+    @precondition(lambda self: self._resident())
+    @rule(data=st.data(), token=st.integers(0, 11))
+    def fork(self, data, token):
+        """Fork, then each side appends its own sampled token (the documented protocol);
+        forking a sequence with a pending reservation must be refused."""
+        candidates = self._resident()
+        parent = data.draw(st.sampled_from(candidates))
+        child = self.next_id
+        if parent in self.pending:
+            with pytest.raises(kvblocks.SequenceStateError):
+                self.m.fork(parent, child)
+            return
+        self.next_id += 1
+        self.m.fork(parent, child)
+        COVERAGE["ops"] += 1
+        COVERAGE["fork"] += 1
+        self.tokens[child] = list(self.tokens[parent])
+        self.ns[child] = self.ns[parent]
+        self.computed[child] = self.computed[parent]
+        self.allocated.add(child)
+        if data.draw(st.booleans()):
+            self.m.commit(parent, 0, [token])
+            self.tokens[parent].append(token)
+            self.m.commit(child, 0, [(token + 1) % 12])
+            self.tokens[child].append((token + 1) % 12)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), reset=st.integers(0, 7))
+    def free(self, data, reset):
+        """Free a sequence; now and then try to reset the prefix cache (it succeeds only
+        when no block is in use)."""
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.free(sid)
+        COVERAGE["ops"] += 1
+        for d in (self.tokens, self.ns, self.computed, self.pending):
+            d.pop(sid, None)
+        self.allocated.discard(sid)
+        self.swapped.discard(sid)
+        if reset == 0:
+            COVERAGE["cache_reset"] += self.m.reset_prefix_cache()
+
+    @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        idle = self._idle()
+        sids = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=3, unique=True))
+        if not self.m.can_swap_out(sids):
+            with pytest.raises(kvblocks.OutOfBlocksError):
+                self.m.swap_out(sids)
+            return
+        self.mem.swap_out(self.m.swap_out(sids))
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_out"] += 1
+        self.swapped.update(sids)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        sids = data.draw(
+            st.lists(st.sampled_from(sorted(self.swapped)), min_size=1, max_size=3, unique=True)
+        )
+        try:
+            rows = self.m.swap_in(sids)
+        except kvblocks.OutOfBlocksError:
+            return
+        self.mem.swap_in(rows)
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_in"] += 1
+        self.swapped.difference_update(sids)
+
+    @precondition(lambda self: any(s not in self.allocated for s in self.tokens))
+    @rule()
+    def refresh(self):
+        self.m.refresh_prefixes([s for s in self.tokens if s not in self.allocated])
+        COVERAGE["ops"] += 1
+
+    # -- the check ---------------------------------------------------------------------------
+
+    @invariant()
+    def every_sequence_reads_its_own_kv(self):
+        if not hasattr(self, "m"):
+            return
+        self.ops += 1
+        for sid in self._resident():
+            computed = self.m.num_computed_tokens(sid)
+            assert computed == self.computed[sid], (sid, computed, self.computed[sid])
+            table = self.m.block_table(sid)
+            self.mem.check(sid, table, self._expected(sid), computed, self.window)
+            COVERAGE["window_release"] += self.window is not None and bool((table == 0).any())
+        for sid in self.tokens:
+            assert self.m.num_tokens(sid) == len(self.tokens[sid])
+
+    @precondition(lambda self: hasattr(self, "m"))
+    @invariant()
+    def structure_holds(self):
+        self.m.check_invariants()
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            COVERAGE["eviction"] += self.m.stats()["evictions"]
+
+
+def test_every_sequence_reads_its_own_kv() -> None:
+    """At least ``MIN_OPERATIONS`` random operations, every content effect reached."""
+    COVERAGE.clear()
+    # Hypothesis decides how long each run is: repeat until the budget is spent.
+    for _ in range(10):
+        run_state_machine_as_test(
+            ContentOracle,
+            settings=settings(
+                max_examples=ORACLE_EXAMPLES,
+                stateful_step_count=ORACLE_STEPS,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+        if COVERAGE["ops"] >= MIN_OPERATIONS:
+            break
+    assert COVERAGE["ops"] >= MIN_OPERATIONS, COVERAGE
+    reached = (
+        "copy_on_write",
+        "prefix_hit",
+        "eviction",
+        "swap_out",
+        "swap_in",
+        "fork",
+        "lookahead",
+        "partial_commit",
+        "window_release",
+        "cache_reset",
+    )
+    assert all(COVERAGE[what] > 0 for what in reached), COVERAGE

@@ -1,0 +1,219 @@
+"""An emulated KV memory: what an engine's GPU and CPU caches hold, slot by slot.
+
+The content oracle of the test suite. A block manager is correct when every sequence's
+attention reads exactly the KV of its own tokens; a model of the manager's rules cannot
+show that (it repeats the rules' mistakes), so this module keeps what the memory *holds*
+and the tests drive it exactly as an engine does:
+
+- a token's KV is written through the slot mapping the manager returns;
+- copy-on-write pairs, swap rows and ``SchedulerOutput.memory_ops`` are applied in the
+  order the API documents, as the block copies they are;
+- lookahead (draft) slots are written with :data:`GARBAGE`, as a rejected draft would.
+
+What a slot holds is an integer naming a token prefix: the KV of position ``p`` of a
+sequence depends exactly on ``tokens[:p + 1]`` (and on the extra keys — cache salt, LoRA
+id — which change the model's K/V), so :class:`PrefixIds` interns ``(namespace,
+tokens[:p + 1])`` to one id. Two positions hold equal KV iff their ids are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+#: A slot that was never written.
+UNWRITTEN = -2
+#: A slot written with the KV of a lookahead/draft token (never valid context).
+GARBAGE = -1
+
+NULL_BLOCK = 0
+
+
+@dataclass
+class PrefixIds:
+    """Interns ``(namespace, token prefix)`` to small integers (``>= 0``)."""
+
+    _ids: dict[tuple[object, int, int], int] = field(default_factory=dict)
+
+    def ids(self, tokens: Sequence[int], namespace: object = None) -> list[int]:
+        """The id of every prefix ``tokens[:p + 1]``, for ``p`` in ``range(len(tokens))``."""
+        out = []
+        parent = -1
+        for t in tokens:
+            key = (namespace, parent, int(t))
+            parent = self._ids.setdefault(key, len(self._ids))
+            out.append(parent)
+        return out
+
+
+class ContentError(AssertionError):
+    """What the memory holds is not what a sequence must read."""
+
+
+class KVMemory:
+    """GPU and CPU KV memory of ``block_size`` slots per block, holding prefix ids."""
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.gpu = np.full((num_gpu_blocks, block_size), UNWRITTEN, dtype=np.int64)
+        self.cpu = np.full((max(num_cpu_blocks, 0), block_size), UNWRITTEN, dtype=np.int64)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def write(self, slots: npt.ArrayLike, values: npt.ArrayLike) -> None:
+        """Write ``values`` at GPU ``slots`` (``block * block_size + offset``), as the
+        model step's ``reshape_and_cache`` does.
+
+        Raises ContentError if a slot is out of range, in the null block, or listed twice
+        (two tokens of one step writing one slot is a race on a GPU).
+        """
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        values = np.asarray(values, dtype=np.int64).reshape(-1)
+        if slots.shape != values.shape:
+            raise ValueError(f"{slots.shape[0]} slots for {values.shape[0]} values")
+        if slots.size == 0:
+            return
+        flat = self.gpu.reshape(-1)
+        if slots.min() < 0 or slots.max() >= flat.size:
+            raise ContentError(f"slot out of range: {slots.min()}..{slots.max()}")
+        if (slots < self.block_size).any():
+            raise ContentError(
+                f"a write lands in the null block: slots {slots[slots < self.block_size].tolist()}"
+            )
+        uniq, counts = np.unique(slots, return_counts=True)
+        if (counts > 1).any():
+            raise ContentError(f"slots written twice in one step: {uniq[counts > 1].tolist()}")
+        flat[slots] = values
+
+    def write_step(self, writes: Iterable[tuple[object, npt.ArrayLike, npt.ArrayLike]]) -> None:
+        """One model step's writes ``(owner, slots, values)`` for several sequences.
+
+        Raises ContentError naming both owners when two sequences write the same slot:
+        in one step that is a race; across live sequences it is the corruption a block
+        manager must never allow.
+        """
+        owner_of: dict[int, object] = {}
+        all_slots: list[np.ndarray] = []
+        all_values: list[np.ndarray] = []
+        for owner, slots, values in writes:
+            s = np.asarray(slots, dtype=np.int64).reshape(-1)
+            for slot in s.tolist():
+                other = owner_of.setdefault(slot, owner)
+                if other != owner:
+                    raise ContentError(
+                        f"sequences {other} and {owner} both write slot {slot} "
+                        f"(block {slot // self.block_size}) in one step"
+                    )
+            all_slots.append(s)
+            all_values.append(np.asarray(values, dtype=np.int64).reshape(-1))
+        if all_slots:
+            self.write(np.concatenate(all_slots), np.concatenate(all_values))
+
+    # -- block moves ---------------------------------------------------------------------
+
+    @staticmethod
+    def _pairs(pairs: npt.ArrayLike) -> np.ndarray:
+        return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+    def copy(self, pairs: npt.ArrayLike) -> None:
+        """Copy-on-write ``(src, dst)`` GPU block copies, as one ``copy_blocks`` launch.
+
+        The pairs of one launch run in parallel, so every source is read before any
+        destination is written; a destination that is also a source (or listed twice), or
+        the null block as a destination, is a ContentError.
+        """
+        p = self._pairs(pairs)
+        if p.size == 0:
+            return
+        src, dst = p[:, 0], p[:, 1]
+        if (dst == NULL_BLOCK).any():
+            raise ContentError(f"copy into the null block: {p.tolist()}")
+        if len(np.unique(dst)) != len(dst) or np.intersect1d(src, dst).size:
+            raise ContentError(f"copy pairs overlap within one launch: {p.tolist()}")
+        self.gpu[dst] = self.gpu[src]
+
+    def swap_out(self, rows: npt.ArrayLike) -> None:
+        """``(gpu, cpu)`` block copies."""
+        p = self._pairs(rows)
+        if p.size:
+            self.cpu[p[:, 1]] = self.gpu[p[:, 0]]
+
+    def swap_in(self, rows: npt.ArrayLike) -> None:
+        """``(cpu, gpu)`` block copies."""
+        p = self._pairs(rows)
+        if p.size == 0:
+            return
+        if (p[:, 1] == NULL_BLOCK).any():
+            raise ContentError(f"swap-in into the null block: {p.tolist()}")
+        self.gpu[p[:, 1]] = self.cpu[p[:, 0]]
+
+    def apply(self, kind: str, pairs: npt.ArrayLike) -> None:
+        """One ``(kind, pairs)`` group of ``SchedulerOutput.memory_ops``."""
+        if kind == "copy":
+            self.copy(pairs)
+        elif kind == "swap_out":
+            self.swap_out(pairs)
+        elif kind == "swap_in":
+            self.swap_in(pairs)
+        else:
+            raise ValueError(f"unknown memory op {kind!r}")
+
+    def apply_memory_ops(self, ops: Iterable[tuple[str, npt.ArrayLike]]) -> None:
+        """Every group of ``SchedulerOutput.memory_ops``, in order."""
+        for kind, pairs in ops:
+            self.apply(kind, pairs)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def read(self, block_table: npt.ArrayLike, num_tokens: int) -> np.ndarray:
+        """What attention reads for positions ``0 .. num_tokens - 1`` through a table."""
+        table = np.asarray(block_table, dtype=np.int64).reshape(-1)
+        pos = np.arange(num_tokens)
+        if num_tokens and pos[-1] // self.block_size >= table.size:
+            raise ContentError(
+                f"{num_tokens} tokens need {pos[-1] // self.block_size + 1} blocks, "
+                f"the table has {table.size}"
+            )
+        return self.gpu[table[pos // self.block_size], pos % self.block_size]
+
+    def check(
+        self,
+        name: object,
+        block_table: npt.ArrayLike,
+        expected: Sequence[int],
+        num_computed: int,
+        window: int | None = None,
+    ) -> None:
+        """Positions ``p < num_computed`` must hold ``expected[p]``.
+
+        With a sliding ``window``, positions no future query can see may have been
+        released: their table entry must be the null block, and they are not read.
+        """
+        table = np.asarray(block_table, dtype=np.int64).reshape(-1)
+        got = self.read(table, num_computed)
+        want = np.asarray(expected[:num_computed], dtype=np.int64)
+        ok = got == want
+        if window is not None:
+            released = table[np.arange(num_computed) // self.block_size] == NULL_BLOCK
+            if released.any():
+                last = int(np.flatnonzero(released).max())
+                # Released blocks are a leading run no future query (at num_computed or
+                # later) can attend to.
+                if last + 1 > num_computed - window + 1:
+                    raise ContentError(
+                        f"sequence {name}: position {last} released but still inside the "
+                        f"window of {window} at {num_computed} computed tokens"
+                    )
+                ok |= released
+        elif num_computed and (table[: (num_computed - 1) // self.block_size + 1] == 0).any():
+            raise ContentError(f"sequence {name}: the null block stands in its computed prefix")
+        if not ok.all():
+            p = int(np.flatnonzero(~ok)[0])
+            raise ContentError(
+                f"sequence {name}: position {p} (block {table[p // self.block_size]}, "
+                f"offset {p % self.block_size}) holds {got[p]}, expected {want[p]} "
+                f"({int((~ok).sum())} of {num_computed} positions wrong)"
+            )
