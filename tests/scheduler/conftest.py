@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvblocks import KVCacheManager
-from kvblocks.reference_manager import ReferenceKVCacheManager
+from oracle.reference_manager import ReferenceKVCacheManager
 
 ManagerFactory = Callable[..., Any]
 

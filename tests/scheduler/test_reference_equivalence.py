@@ -7,8 +7,8 @@ import numpy as np
 from sched_fake_model import fake_step
 
 from kvblocks import KVCacheManager
-from kvblocks.reference_manager import ReferenceKVCacheManager
 from kvblocks.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from oracle.reference_manager import ReferenceKVCacheManager
 
 ARRAYS = (
     "seq_ids",

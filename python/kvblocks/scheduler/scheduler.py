@@ -414,7 +414,9 @@ class Scheduler:
         commit_tokens = np.full(output.num_seqs, -1, dtype=np.int64)
         commit_tokens[plan.row_seq_pos] = row_tok
         mgr.commit_batch(output.seq_ids, output.num_scheduled_tokens, commit_tokens)
-        self.counters.num_generated_tokens += int((row_tok >= 0).sum())
+        # Every drawn token: one per ordinary row, n for a prompt row that forks n samples
+        # (beam tokens are counted in _beam_step).
+        self.counters.num_generated_tokens += int(counts.sum()) if plan.special else len(row_tok)
 
         remove_rows: list[npt.NDArray[np.int64]] = []
         add_rows: list[Rows] = []
@@ -627,6 +629,7 @@ class Scheduler:
         params = state.params
         width = params.beam_width
         choices, ended = select_beams(cums, topk_ids, topk_lps, width, state.beam_stops)
+        self.counters.num_generated_tokens += len(choices) + len(ended)
         start = state.num_prompt
         tokens_of: dict[int, list[int]] = {}
 
