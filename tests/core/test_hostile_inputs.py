@@ -1,0 +1,120 @@
+"""No Python input may kill the interpreter (issue 7, defect 3).
+
+Each case runs in a subprocess, because what it guards against is an abort (a failed
+huge allocation, SIGABRT) or a Rust panic surfacing as ``PanicException``, neither of
+which a test in this process could survive or catch reliably. A case passes when the
+call returns or raises a ``KVBlocksError`` (or ``TypeError``/``ValueError``) and the
+process exits normally.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import kvblocks
+
+    class Lying:
+        '''An iterable whose __len__ claims far more items than it yields.'''
+        def __init__(self, n, items=(1, 2, 3)):
+            self.n, self.items = n, items
+        def __len__(self):
+            return self.n
+        def __iter__(self):
+            return iter(self.items)
+
+    m = kvblocks.KVCacheManager(16, 4, num_cpu_blocks=4)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.allocate_slots(1, 5)
+
+    def attempt(call):
+        try:
+            call()
+        except (kvblocks.KVBlocksError, TypeError, ValueError):
+            pass
+        except BaseException as e:  # PanicException derives from BaseException
+            print(f"ESCAPED {type(e).__module__}.{type(e).__name__}: {e}")
+            sys.exit(3)
+    """
+)
+
+CASES = {
+    "max_blocks=2**33": "m.block_tables([1], max_blocks=2**33)",
+    "max_blocks=2**61": "m.block_tables([1], max_blocks=2**61)",
+    "max_blocks=2**63-1": "m.block_tables([1], max_blocks=2**63 - 1)",
+    "len 2**40 tokens": "m.add_sequence(2, Lying(2**40))",
+    "len maxsize tokens": "m.add_sequence(3, Lying(sys.maxsize))",
+    "len maxsize ids": "m.block_tables(Lying(sys.maxsize, (1,)))",
+    "len maxsize commit": "m.commit(1, 0, Lying(sys.maxsize))",
+    "len maxsize batch counts": "m.slot_mapping([1], Lying(sys.maxsize, (1,)))",
+    "lookahead 2**62": "m.allocate_slots(1, 0, num_lookahead_tokens=2**62)",
+    "can_allocate lookahead 2**63-1": (
+        "m.add_sequence(4, [1]); m.can_allocate(4, num_lookahead_tokens=2**63 - 1)"
+    ),
+    "huge pool": "kvblocks.KVCacheManager(2**62, 2**62)",
+    "slot_mapping 2**62": "m.slot_mapping([1], [2**62])",
+}
+
+
+def run_case(code: str) -> subprocess.CompletedProcess[str]:
+    script = PRELUDE + f"\nattempt(lambda: exec({code!r}))\nprint('survived')\n"
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("code", CASES.values(), ids=CASES.keys())
+def test_hostile_input_raises_instead_of_aborting(code: str) -> None:
+    done = run_case(code)
+    assert done.returncode == 0 and "survived" in done.stdout, (
+        f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}"
+    )
+
+
+FUZZ = textwrap.dedent(
+    """
+    import random
+    rng = random.Random(7)
+    values = [
+        -1, 0, 1, 2, 5, 2**31, 2**32, 2**33, 2**61, 2**63 - 1, 2**63, 2**64, -2**63, 10**30,
+        1.5, float("nan"), True, None, "x", b"x", [], [1], [1, 1], [-1], [2**40], [[1]],
+        np.array([1, 2]), np.array([[1]]), np.array([1.5]), np.array([2**62]),
+        np.array([], dtype=np.float64), np.uint64(2**64 - 1), Lying(2**40), Lying(sys.maxsize),
+    ]
+    methods = {
+        "add_sequence": 2, "allocate_slots": 3, "allocate_slots_batch": 3, "commit": 3,
+        "commit_batch": 3, "fork": 2, "free": 1, "swap_out": 1, "swap_in": 1,
+        "block_table": 1, "block_tables": 1, "slot_mapping": 2, "can_allocate": 1,
+        "can_swap_out": 1, "can_swap_in": 1, "refresh_prefixes": 1, "probe_prefixes": 1,
+        "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1,
+    }
+    for _ in range(6000):
+        name = rng.choice(sorted(methods))
+        args = [rng.choice(values) for _ in range(methods[name])]
+        kwargs = {}
+        if name == "block_tables" and rng.random() < 0.5:
+            kwargs["max_blocks"] = rng.choice(values)
+        if name in ("allocate_slots", "allocate_slots_batch") and rng.random() < 0.5:
+            kwargs["num_lookahead_tokens"] = rng.choice(values)
+        attempt(lambda: getattr(m, name)(*args, **kwargs))
+    m.check_invariants()
+    print('survived')
+    """
+)
+
+
+def test_random_hostile_arguments_never_escape() -> None:
+    """Every method with random extreme, mistyped and lying arguments."""
+    done = subprocess.run(
+        [sys.executable, "-c", PRELUDE + FUZZ], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "survived" in done.stdout, (
+        f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}"
+    )
