@@ -1,23 +1,24 @@
 """The CuPy backend's plumbing, with a stand-in CuPy whose kernels run on the emulator.
 
-No GPU here: the fake module records how kernels are compiled and launched (name
-expressions, include dirs, torch's stream) and executes each launch with the CPU
-emulation on the CPU tensors' memory, so the backend is checked end to end.
+No GPU here: the fake module records how kernels are loaded and launched (cubins from
+the kernel cache, compiled for real by NVRTC; torch's stream) and executes each launch
+with the CPU emulation on the CPU tensors' memory, so the backend is checked end to end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from emu_runtime import emu_launch
 from ops_cases import make_case
 
-from kvblocks.ops import cuda_backend, reference
-from kvblocks.ops.cuda_sources import cuda_dir
+from kvblocks.ops import cuda_backend, kernel_cache, reference
 from kvblocks.ops.launch_plan import KernelLaunch
 
 
@@ -45,14 +46,22 @@ class FakeCupy(types.ModuleType):
                 fake.current_stream = None
 
         class RawModule:
-            def __init__(self, code, options=(), name_expressions=None):
-                fake.modules.append((options, name_expressions))
+            def __init__(self, code=None, options=(), name_expressions=None, path=None):
+                # The backend loads cubins from the kernel cache by path; the sidecar
+                # metadata names the instantiation, which the emulator launches.
+                assert path is not None and code is None, "compiled outside the cache"
+                self.binary = Path(path).read_bytes()
+                self.meta = json.loads(Path(path).with_suffix(".json").read_text())
+                fake.modules.append(self.meta)
 
             def get_function(self, name):
+                assert name == self.meta["lowered"], (name, self.meta)
+                expr = self.meta["name"]
+
                 def kernel(grid, block, args, shared_mem=0):
                     assert fake.current_stream == 1234, "launched off torch's stream"
-                    fake.launches.append(name)
-                    emu_launch(KernelLaunch(name, grid, block, shared_mem, tuple(args)))
+                    fake.launches.append(expr)
+                    emu_launch(KernelLaunch(expr, grid, block, shared_mem, tuple(args)))
 
                 return kernel
 
@@ -64,8 +73,14 @@ class FakeCupy(types.ModuleType):
         )
 
 
+@pytest.fixture(scope="module")
+def kernel_cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
-def fake_cupy(monkeypatch):
+def fake_cupy(monkeypatch, kernel_cache_dir):
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(kernel_cache_dir))
     fake = FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -76,7 +91,9 @@ def fake_cupy(monkeypatch):
         torch.cuda, "get_device_properties",
         lambda index: types.SimpleNamespace(multi_processor_count=1),
     )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     cuda_backend._function.cache_clear()
+    cuda_backend._arch.cache_clear()
     cuda_backend._target_ctas.cache_clear()
     yield fake
     cuda_backend._function.cache_clear()
@@ -99,9 +116,13 @@ def test_decode_through_the_backend(fake_cupy):
         "paged_attention_kernel<__half, 128, 8>",
         "merge_splits_kernel<__half, 128>",
     ]
-    options, names = fake_cupy.modules[0]
-    assert names == ["paged_attention_kernel<__half, 128, 8>"]
-    assert f"-I{cuda_dir()}" in options and "-std=c++17" in options
+    # Each instantiation is a cubin for the device's architecture from the kernel cache.
+    assert [m["name"] for m in fake_cupy.modules] == fake_cupy.launches
+    assert all(m["arch"] == "sm_90" for m in fake_cupy.modules)
+    assert all(
+        (kernel_cache.cache_dir() / m["file"]).read_bytes()[:4] == b"\x7fELF"
+        for m in fake_cupy.modules
+    )
     assert fake_cupy.streams and all(ptr == 1234 for ptr, _ in fake_cupy.streams)
 
 
@@ -125,4 +146,5 @@ def test_prefill_and_cache_ops_through_the_backend(fake_cupy):
     cuda_backend.copy_blocks([(case.key_cache, case.value_cache)], torch.tensor([[2, 3]]))
     assert torch.equal(case.key_cache[3], case.key_cache[2])
     assert fake_cupy.launches[-2:] == ["reshape_and_cache_kernel", "copy_blocks_kernel"]
-    assert fake_cupy.modules[-1][1] is None  # extern "C" kernels need no name expressions
+    # extern "C" kernels keep their names.
+    assert fake_cupy.modules[-1]["lowered"] == "copy_blocks_kernel"

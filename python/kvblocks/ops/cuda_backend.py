@@ -2,27 +2,23 @@
 
 Imported only when an op receives CUDA tensors, so CPU installs never import CuPy.
 Kernels run on torch's current stream, take the tensors' memory zero-copy (raw device
-addresses), and each template instantiation is compiled on first use (CuPy caches the
-binaries on disk). Workspaces come from torch's stream-ordered caching allocator, never
-from CuPy.
+addresses), and each template instantiation is compiled on first use into the disk cache
+of :mod:`kvblocks.ops.kernel_cache` (a cubin per instantiation and architecture, reused
+by every later process; :func:`kvblocks.ops.precompile` fills it ahead of time).
+Workspaces come from torch's stream-ordered caching allocator, never from CuPy.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
 
 from kvblocks.errors import KVBlocksError
-from kvblocks.ops import kernel_driver
-from kvblocks.ops.cuda_sources import (
-    ATTENTION_SOURCE,
-    CACHE_OPS_SOURCE,
-    cuda_dir,
-    cuda_include_dirs,
-    read_source,
-)
+from kvblocks.ops import kernel_cache, kernel_driver
+from kvblocks.ops.cuda_sources import nvrtc_options, read_source
 from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
 
 __all__ = ["copy_blocks", "paged_attention", "paged_prefill_attention", "reshape_and_cache"]
@@ -38,30 +34,44 @@ def _cupy() -> Any:
     return cupy
 
 
-def _source_of(name: str) -> str:
-    return (
-        CACHE_OPS_SOURCE
-        if name in ("reshape_and_cache_kernel", "copy_blocks_kernel")
-        else (ATTENTION_SOURCE)
-    )
+@functools.cache
+def _nvrtc_available() -> bool:
+    try:
+        from cuda.bindings import nvrtc  # noqa: F401
+    except ImportError:
+        warnings.warn(
+            "cuda-bindings is not installed: kvblocks compiles its kernels through CuPy in "
+            "every process (no disk cache); pip install cuda-bindings to cache them",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return False
+    return True
+
+
+@functools.cache
+def _arch(device: int) -> str:
+    from kvblocks.ops.nvrtc_build import supported_archs
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return kernel_cache.arch_for_capability(major, minor, supported_archs())
 
 
 @functools.cache
 def _function(device: int, name: str) -> Any:
-    """Compile (once per device) the module instantiating kernel ``name``."""
+    """Load (once per device) the module holding kernel ``name``, from the disk cache
+    (:mod:`kvblocks.ops.kernel_cache`), compiling it there on a miss."""
     cupy = _cupy()
-    major = cupy.cuda.runtime.runtimeGetVersion() // 1000
-    # Only headers matching CuPy's CUDA major version; CuPy adds its own otherwise.
-    includes = [
-        d for d in cuda_include_dirs() if d == cuda_dir() or d.parent.name == f"cu{major}"
-        or (major == 12 and d.parent.name == "cuda_runtime")
-    ]  # fmt: skip
-    options = ("-std=c++17", *[f"-I{d}" for d in includes])  # see cuda_sources.nvrtc_options
-    templated = "<" in name
     with cupy.cuda.Device(device):
+        if _nvrtc_available():
+            entry = kernel_cache.get_kernel(name, _arch(device))
+            return cupy.RawModule(path=str(entry.path)).get_function(entry.lowered_name)
+        # Without cuda-bindings: CuPy's NVRTC, with the headers of CuPy's CUDA version.
+        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+        templated = "<" in name
         module = cupy.RawModule(
-            code=read_source(_source_of(name)),
-            options=options,
+            code=read_source(kernel_cache.source_of(name)),
+            options=tuple(nvrtc_options(cuda_major=major)),
             name_expressions=[name] if templated else None,
         )
         return module.get_function(name)

@@ -81,11 +81,21 @@ def cuda_include_dirs() -> list[Path]:
     return dirs
 
 
-def nvrtc_options(arch: str | None = None) -> list[str]:
-    """NVRTC options shared by CuPy and the compile tests (``arch`` like ``sm_90``)."""
+def nvrtc_options(arch: str | None = None, cuda_major: int | None = None) -> list[str]:
+    """NVRTC options shared by the CUDA backend and the compile tests.
+
+    ``arch`` like ``sm_90`` (cubin) or ``compute_90`` (PTX). With ``cuda_major``, only
+    the wheel headers of that CUDA major version are used (they must match NVRTC's).
+    """
+    dirs = cuda_include_dirs()
+    if cuda_major is not None:
+        dirs = [
+            d for d in dirs if d == cuda_dir() or d.parent.name == f"cu{cuda_major}"
+            or (cuda_major == 12 and d.parent.name in ("cuda_runtime", "cuda_nvrtc"))
+        ]  # fmt: skip
     # No --use_fast_math: approximate tanhf would cost soft-capped fp32 its 1e-5 accuracy,
     # and the kernels are bound by memory, not by the exp/tanh throughput.
-    opts = ["-std=c++17", *[f"-I{d}" for d in cuda_include_dirs()]]
+    opts = ["-std=c++17", *[f"-I{d}" for d in dirs]]
     if arch is not None:
         opts.append(f"-arch={arch}")
     return opts

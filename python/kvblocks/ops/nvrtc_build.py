@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 
 from kvblocks.ops.cuda_sources import nvrtc_options, read_source
 
-__all__ = ["CompileResult", "KernelResources", "NvrtcCompileError", "compile_source"]
+__all__ = [
+    "CompileResult",
+    "KernelResources",
+    "NvrtcCompileError",
+    "Program",
+    "compile_program",
+    "compile_source",
+    "nvrtc_version",
+    "supported_archs",
+]
 
 
 class NvrtcCompileError(RuntimeError):
@@ -48,36 +57,86 @@ def _check(result: tuple, what: str, log: str = "") -> tuple:
     return result[1:]
 
 
+@dataclass
+class Program:
+    """A compiled program: the binary (a cubin for ``sm_XX``, PTX for ``compute_XX``),
+    NVRTC's log, and the lowered (mangled) name of each name expression."""
+
+    binary: bytes
+    log: str
+    lowered: dict[str, str]
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """``(major, minor)`` of the NVRTC library ``cuda.bindings`` loads."""
+    from cuda.bindings import nvrtc
+
+    major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return int(major), int(minor)
+
+
+def supported_archs() -> list[int]:
+    """Compute capabilities (``90`` for sm_90) this NVRTC can emit cubins for."""
+    from cuda.bindings import nvrtc
+
+    (archs,) = _check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+    return [int(a) for a in archs]
+
+
+def compile_program(
+    source: str, name_expressions: list[str], options: list[str], *, code: str | None = None
+) -> Program:
+    """Compile ``source`` (a file in ``cuda/``, or ``code`` under that name) with ``options``.
+
+    An ``-arch=sm_XX`` option yields a cubin, ``-arch=compute_XX`` PTX. Raises
+    :class:`NvrtcCompileError` with the log on any error.
+    """
+    from cuda.bindings import nvrtc
+
+    text = read_source(source) if code is None else code
+    (prog,) = _check(
+        nvrtc.nvrtcCreateProgram(text.encode(), source.encode(), 0, [], []),
+        "nvrtcCreateProgram",
+    )
+    try:
+        for expr in name_expressions:
+            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), f"add {expr}")
+        opts = [o.encode() for o in options]
+        compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
+        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        _check(compiled, f"compiling {source}", log)
+        ptx = any(o.startswith("-arch=compute_") for o in options)
+        if ptx:
+            (size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "PTX size")
+            binary = b" " * size
+            _check(nvrtc.nvrtcGetPTX(prog, binary), "PTX")
+        else:
+            (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
+            binary = b" " * size
+            _check(nvrtc.nvrtcGetCUBIN(prog, binary), "cubin")
+        lowered = {}
+        for expr in name_expressions:
+            (name,) = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), f"lower {expr}")
+            lowered[expr] = name.decode() if isinstance(name, bytes) else name
+        return Program(bytes(binary), log, lowered)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
 def compile_source(source: str, arch: str, name_expressions: list[str]) -> CompileResult:
     """Compile ``source`` (a file in ``cuda/``) to a cubin for ``arch`` (``sm_80``...).
 
     Every name expression is instantiated; raises :class:`NvrtcCompileError` with the
     log on any error.
     """
-    from cuda.bindings import nvrtc
-
-    (prog,) = _check(
-        nvrtc.nvrtcCreateProgram(read_source(source).encode(), source.encode(), 0, [], []),
-        "nvrtcCreateProgram",
+    program = compile_program(
+        source, name_expressions, [*nvrtc_options(arch), "--ptxas-options=-v"]
     )
-    try:
-        for expr in name_expressions:
-            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode()), f"add {expr}")
-        opts = [o.encode() for o in (*nvrtc_options(arch), "--ptxas-options=-v")]
-        compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        buf = b" " * size
-        _check(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
-        log = buf.rstrip(b"\x00 ").decode(errors="replace")
-        _check(compiled, f"compiling {source} for {arch}", log)
-        (cubin_bytes,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        lowered = {}
-        for expr in name_expressions:
-            (name,) = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), f"lower {expr}")
-            lowered[name.decode() if isinstance(name, bytes) else name] = expr
-        return CompileResult(log, cubin_bytes, _parse_ptxas(log, lowered))
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    by_lowered = {low: expr for expr, low in program.lowered.items()}
+    return CompileResult(program.log, len(program.binary), _parse_ptxas(program.log, by_lowered))
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
