@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "as_token_ids"]
 
 _MAX_TOKEN_ID = 2**32
 
@@ -111,13 +113,39 @@ def _as_float(name: str, value: object) -> float:
     return result
 
 
-def _as_token_tuple(values: Iterable[int]) -> tuple[int, ...]:
+def as_token_ids(values: object, what: str = "token ids") -> list[int]:
+    """Validate a sequence of token ids and return it as a list of Python ints.
+
+    Accepts Python ints and NumPy integer scalars or 1-D integer arrays. Floats (even
+    integral ones), bools and strings are rejected rather than converted, as the block
+    manager does: ``int(1.9)`` would silently run a different prompt.
+
+    Raises:
+        InvalidArgumentError: ``values`` is not an iterable of integers (``what`` names
+            it in the message) or an array of another dtype or rank.
+    """
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not np.issubdtype(values.dtype, np.integer):
+            raise InvalidArgumentError(
+                f"{what} must be integers, got a {values.ndim}-D array of {values.dtype}"
+            )
+        return [int(v) for v in values.tolist()]
+    if isinstance(values, (str, bytes)):
+        raise InvalidArgumentError(f"{what} must be integers, got {values!r}")
     try:
-        tokens = tuple(int(v) for v in values)
-    except (TypeError, ValueError) as exc:
+        items = list(values)  # type: ignore[call-overload]
+    except TypeError:
         raise InvalidArgumentError(
-            f"stop_token_ids must be an iterable of ints, got {values!r}"
-        ) from exc
+            f"{what} must be a sequence of integers, got {values!r}"
+        ) from None
+    for v in items:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"{what} must be integers, got {v!r} in {values!r}")
+    return [int(v) for v in items]
+
+
+def _as_token_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    tokens = tuple(as_token_ids(values, "stop_token_ids"))
     for token in tokens:
         if not 0 <= token < _MAX_TOKEN_ID:
             raise InvalidArgumentError(f"stop token id {token} is outside [0, 2**32)")

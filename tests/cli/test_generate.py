@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,13 @@ def test_text_prompt_without_tokenizer_is_an_error(tmp_path: Path, capsys) -> No
 
 @pytest.mark.parametrize(
     "argv",
-    [["--prompt-ids", "1,x"], ["--max-tokens", "0"], ["--block-size", "12"], ["--bogus"]],
+    [
+        ["--prompt-ids", "1,x"],
+        ["--prompt-ids", "1,,2"],  # an empty field is a missing id (issue 7, item 19)
+        ["--max-tokens", "0"],
+        ["--block-size", "12"],
+        ["--bogus"],
+    ],
 )
 def test_bad_options_exit_nonzero_without_traceback(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -126,3 +134,55 @@ def test_console_script_help_in_a_subprocess() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--prompt-ids" in proc.stdout
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvblocks.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("tpu", "unknown device"),
+        ("meta", "not supported"),
+        ("cuda:99", "cuda"),
+        pytest.param(
+            "cuda",
+            "no CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU"),
+        ),
+    ],
+)
+def test_unusable_device_is_one_line(device: str, message: str) -> None:
+    """Issue 7, item 16: no torch traceback for a device torch cannot use."""
+    proc = _run_cli("generate", "--device", device, "--max-tokens", "2", "--num-blocks", "16")
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.strip()
+    assert err.startswith("kvblocks generate: error:") and len(err.splitlines()) == 1, err
+    assert message in err
+
+
+def test_n2_json_counts_agree_and_are_ints(capsys) -> None:
+    """Issue 7, item 17: one count of generated tokens, printed as integers."""
+    argv = ["--prompt-ids", "1,2,3", "--n", "2", "--temperature", "1", "--seed", "1"]
+    assert _main([*argv, "--max-tokens", "8", "--ignore-eos", "--json", "--device", "cpu"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["engine"]["generated_tokens"] == 16
+    assert stats["scheduler"]["num_generated_tokens"] == 16
+    assert isinstance(stats["engine"]["steps"], int)
+    assert all(isinstance(v, int) for k, v in stats["scheduler"].items() if k.startswith("num_"))
+
+
+def test_max_model_len_option(capsys) -> None:
+    argv = ["--prompt-ids", "1,2,3", "--max-tokens", "10", "--max-model-len", "5", "--json"]
+    assert _main([*argv, "--device", "cpu", "--num-blocks", "16"]) == 0
+    completion = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
+    assert len(completion["token_ids"]) == 2 and completion["finish_reason"] == "length"
+    assert _main(["--prompt-ids", "1,2,3", "--max-model-len", "3", "--device", "cpu"]) == 1
+    assert "max_model_len" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,138 @@ def test_beam_search_equals_dense_beam_search(tiny_llama: LlamaForCausalLM) -> N
         for c, (_, cum) in zip(out.outputs, expected, strict=True):
             assert c.cumulative_logprob == pytest.approx(cum, abs=1e-3)
     assert llm.manager.stats()["cow_copies"] > 0
+
+
+class _StepFault(Exception):
+    """Raised by a wrapped step to stand for an engine error."""
+
+
+def _fail_on_step(llm: LLM, step: int, exc: BaseException) -> None:
+    """Make the ``step``-th ``runner.execute`` call raise ``exc`` (an error or Ctrl-C)."""
+    execute = llm.runner.execute
+    calls = 0
+
+    def faulty(out):
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            raise exc
+        return execute(out)
+
+    llm.runner.execute = faulty  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("exc", [_StepFault("boom"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+@pytest.mark.parametrize("step", [1, 3])
+def test_generate_recovers_from_an_exception_in_a_step(
+    tiny_llama: LlamaForCausalLM, exc: BaseException, step: int
+) -> None:
+    """Issue 7, item 9: after an exception mid-step, the next generate works (and is right)."""
+    prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[2]]
+    params = [GREEDY, SamplingParams(max_tokens=12, n=2, temperature=0.9, seed=4), GREEDY]
+    llm = LLM(tiny_llama, num_blocks=64, device="cpu")
+    _fail_on_step(llm, step, exc)
+    with pytest.raises(type(exc)):
+        llm.generate(prompts, params)
+    # Nothing of the failed call is left behind.
+    assert not llm.scheduler.has_unfinished_requests()
+    assert len(llm.manager) == 0
+    llm.manager.check_invariants()
+    again = llm.generate(prompts, params)
+    fresh = LLM(tiny_llama, num_blocks=64, device="cpu").generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [
+        [c.token_ids for c in o.outputs] for o in fresh
+    ]
+    greedy = dense_greedy_generate(tiny_llama, [prompts[0], prompts[2]], GREEDY.max_tokens)
+    assert _tokens([again[0], again[2]]) == greedy
+
+
+def test_max_model_len_rejects_long_prompts_and_stops_generation(
+    tiny_llama: LlamaForCausalLM,
+) -> None:
+    """Issue 7, item 11: prompt + generated tokens never exceed max_model_len."""
+    llm = LLM(tiny_llama, num_blocks=64, device="cpu", max_model_len=20)
+    assert llm.max_model_len == 20
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        llm.generate([_prompt(20, 1)], GREEDY)
+    assert not llm.scheduler.has_unfinished_requests()
+    prompt = _prompt(15, 2)
+    out = llm.generate([prompt, _prompt(3, 3)], GREEDY)
+    expected = dense_greedy_generate(tiny_llama, [prompt, _prompt(3, 3)], GREEDY.max_tokens)
+    assert out[0].token_ids == expected[0][:5] and out[0].finish_reason == "length"
+    assert out[1].token_ids == expected[1] and out[1].finish_reason == "length"
+    beams = llm.generate([prompt], SamplingParams(max_tokens=12, beam_width=2, n=2))
+    assert all(len(c.token_ids) <= 5 for c in beams[0].outputs)
+
+
+def test_max_model_len_defaults_to_the_config_and_is_validated() -> None:
+    model = build_tiny_model(tiny_config("llama", max_position_embeddings=24))
+    llm = LLM(model, num_blocks=64, device="cpu")
+    assert llm.max_model_len == 24
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        llm.generate([_prompt(30, 1)], GREEDY)
+    assert len(llm.generate([_prompt(20, 1)], GREEDY)[0].token_ids) == 4
+    for bad in (0, 25, 2.5, True):
+        with pytest.raises(InvalidArgumentError, match="max_model_len"):
+            LLM(model, num_blocks=64, device="cpu", max_model_len=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1.9, 2.7],
+        [1, 2.0],
+        [True, 3],
+        ["1", "2"],
+        np.array([1.0, 2.0]),
+        np.array([1, 2], dtype=bool),
+        np.array([[1.5, 2.5]]),
+    ],
+)
+def test_non_integer_token_ids_are_rejected(tiny_llama: LlamaForCausalLM, prompt) -> None:
+    """Issue 7, item 13: float ids were silently truncated (``[1.9, 2.7]`` ran as ``[1, 2]``)."""
+    llm = LLM(tiny_llama, num_blocks=32, device="cpu")
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        llm.generate(prompt if isinstance(prompt, np.ndarray) else [prompt], GREEDY)
+    assert not llm.scheduler.has_unfinished_requests()
+    # Integer NumPy types are token ids.
+    ids = [np.array([1, 2], dtype=np.int32), [np.int64(1), np.uint8(2)]]
+    expected = dense_greedy_generate(tiny_llama, [[1, 2]], GREEDY.max_tokens)[0]
+    assert _tokens(llm.generate(ids, GREEDY)) == [expected, expected]
+
+
+def test_non_integer_stop_token_ids_are_rejected() -> None:
+    for bad in ((1.5,), (True,), ("3",), np.array([2.0])):
+        with pytest.raises(InvalidArgumentError, match="stop_token_ids"):
+            SamplingParams(stop_token_ids=bad)  # type: ignore[arg-type]
+    assert SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids == (3, 4)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:99", "not a device", "meta"])
+def test_unusable_devices_are_clear_errors(device: str) -> None:
+    """Issue 7, item 16: a device torch cannot use is an InvalidArgumentError, not a torch error."""
+    model = build_tiny_model()  # not the shared fixture: a failed move must not touch it
+    with pytest.raises(InvalidArgumentError, match="device"):
+        LLM(model, num_blocks=32, device=device)
+    assert next(model.parameters()).device.type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_is_a_clear_error() -> None:
+    with pytest.raises(InvalidArgumentError, match="no CUDA GPU"):
+        LLM(build_tiny_model(), num_blocks=32, device="cuda")
+
+
+def test_generated_token_counts_agree(tiny_llama: LlamaForCausalLM) -> None:
+    """Issue 7, item 17: the engine's and the scheduler's generated-token counts agree."""
+    llm = LLM(tiny_llama, num_blocks=64, device="cpu")
+    params = SamplingParams(max_tokens=8, n=2, temperature=1.0, seed=1, ignore_eos=True)
+    outputs = llm.generate([[1, 2, 3], [4, 5]], params)
+    stats = llm.stats()
+    assert stats["engine"]["generated_tokens"] == 2 * 2 * 8
+    assert stats["scheduler"]["num_generated_tokens"] == stats["engine"]["generated_tokens"]
+    assert sum(len(c.token_ids) for o in outputs for c in o.outputs) == 32
+    for section in ("engine", "scheduler"):
+        for name, value in stats[section].items():
+            if name.startswith("num_") or name in ("steps", "computed_tokens", "generated_tokens"):
+                assert type(value) is int, (section, name, value)

@@ -73,6 +73,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     eng.add_argument("--max-num-seqs", type=positive_int, default=256)
     eng.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
+    eng.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="most tokens per sequence, prompt included (default: the model's "
+        "max_position_embeddings)",
+    )
     eng.add_argument("--device", default=None, help="cpu or cuda (default: cuda if usable)")
     eng.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
     eng.add_argument(
@@ -123,6 +130,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         device=args.device,
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         seed=args.engine_seed,
+        max_model_len=args.max_model_len,
     )
     prompts: list[Any] = list(args.prompt) + list(args.prompt_ids)
     if not prompts:

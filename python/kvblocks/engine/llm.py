@@ -26,7 +26,7 @@ from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
 from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
-from kvblocks.sampling_params import SamplingParams
+from kvblocks.sampling_params import SamplingParams, as_token_ids
 from kvblocks.scheduler import Request, RequestOutput, Scheduler, SchedulerConfig
 
 __all__ = ["LLM", "Prompt"]
@@ -46,6 +46,40 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None:
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """The engine's device; anything but a usable CPU or CUDA device is a one-line error."""
+    if device is None:
+        return _default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"unknown device {str(device)!r}; expected 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise InvalidArgumentError(
+            f"device {str(device)!r} is not supported; expected 'cpu', 'cuda' or 'cuda:N'"
+        )
+    if not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"device {str(device)!r}: torch sees no CUDA GPU (torch.cuda.is_available() is "
+            "False); use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and not 0 <= dev.index < count:
+        raise InvalidArgumentError(
+            f"device {str(device)!r}: there are {count} CUDA devices (cuda:0..cuda:{count - 1})"
+        )
+    if importlib.util.find_spec("cupy") is None:
+        raise InvalidArgumentError(
+            f"device {str(device)!r}: the CUDA kernels need CuPy "
+            "(pip install 'kvblocks[cuda12]' or 'kvblocks[cuda13]')"
+        )
+    return dev
 
 
 def _default_dtype(model_dtype: str | None, device: torch.device) -> torch.dtype:
@@ -79,6 +113,14 @@ class LLM:
         dtype: default float32 on CPU; the checkpoint's float16/bfloat16 (else
             bfloat16) on CUDA.
         seed: seed of the engine's sampling generator (and of the tiny model's weights).
+        max_model_len: most tokens a sequence may hold, prompt and generated tokens
+            together; default the model's ``max_position_embeddings`` (the most it
+            allows). A longer prompt (or one that leaves no room for a token) is
+            rejected; generation stops there with ``finish_reason="length"``.
+
+    Raises:
+        InvalidArgumentError: a bad argument, or a device torch cannot use (unknown, no
+            CUDA GPU, no CuPy for the CUDA kernels).
     """
 
     def __init__(
@@ -98,6 +140,7 @@ class LLM:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 0,
+        max_model_len: int | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -110,7 +153,7 @@ class LLM:
             preemption_mode=preemption_mode,
             enable_chunked_prefill=enable_chunked_prefill,
         )
-        dev = torch.device(device) if device is not None else _default_device()
+        dev = _resolve_device(device)
         self.model = self._build_model(model, dev, dtype, seed)
         param = next(self.model.parameters())
         self.device = param.device
@@ -120,6 +163,7 @@ class LLM:
             self.tokenizer = load_tokenizer(model)
         config = self.model.config
         self.eos_token_ids = config.eos_token_ids
+        self.max_model_len = _check_max_model_len(max_model_len, config.max_position_embeddings)
         block_bytes = kv_block_bytes(self.model, block_size, self.dtype)
         if num_blocks is None:
             num_blocks = self._default_num_blocks(block_bytes)
@@ -139,6 +183,7 @@ class LLM:
             sliding_window=config.uniform_sliding_window(),
             record_events=False,  # nothing drains them: they would pile up
         )
+        self._scheduler_config = scheduler_config
         self.scheduler = Scheduler(self.manager, scheduler_config)
         self.runner = ModelRunner(
             self.model,
@@ -148,7 +193,8 @@ class LLM:
             seed=seed,
         )
         self._next_request = 0
-        self.run_stats: dict[str, float] = {}
+        self._mid_step = False  # between schedule() and update() (see _run_until_done)
+        self.run_stats: dict[str, int | float] = {}
 
     @staticmethod
     def _build_model(
@@ -204,23 +250,33 @@ class LLM:
             ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise InvalidArgumentError(
-                    f"a prompt must be a str or a sequence of token ids, got {prompt!r}"
-                ) from None
+            ids = as_token_ids(prompt, "prompt token ids")
             text = None
         if not ids:
             raise InvalidArgumentError("a prompt must have at least one token")
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgumentError(
+                f"a prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                "(the prompt plus at least one generated token)"
+            )
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return text, ids
 
-    def _request_params(self, params: SamplingParams) -> tuple[SamplingParams, int | None]:
-        """The EOS token of a request; extra EOS ids of the model become stop tokens."""
+    def _request_params(
+        self, params: SamplingParams, prompt_len: int
+    ) -> tuple[SamplingParams, int | None]:
+        """A request's parameters as the scheduler runs them, and its EOS token.
+
+        ``max_tokens`` is capped so that prompt + generated tokens stay within
+        ``max_model_len`` (the scheduler then finishes the sequence there with
+        ``"length"``); extra EOS ids of the model become stop tokens.
+        """
+        room = self.max_model_len - prompt_len
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
         if not self.eos_token_ids or params.ignore_eos:
             return params, None
         extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
@@ -260,7 +316,7 @@ class LLM:
         encoded = [self._encode(p) for p in items]
         requests: list[Request] = []
         for (_text, ids), params in zip(encoded, params_list, strict=True):
-            req_params, eos = self._request_params(params)
+            req_params, eos = self._request_params(params, len(ids))
             requests.append(
                 Request(
                     request_id=str(self._next_request + len(requests)),
@@ -270,17 +326,20 @@ class LLM:
                 )
             )
         self._next_request += len(requests)
-        added: list[str] = []
+        request_ids = [r.request_id for r in requests]
+        finished: dict[str, RequestOutput] = {}
+        self._mid_step = False
+        start = time.perf_counter()
         try:
             for req in requests:
                 self.scheduler.add_request(req)
-                added.append(req.request_id)
-        except Exception:
-            for rid in added:
-                self.scheduler.abort_request(rid)
-            raise
-        start = time.perf_counter()
-        finished, steps, computed = self._run_until_done({r.request_id for r in requests})
+            steps, computed = self._run_until_done(set(request_ids), finished)
+        finally:
+            # Whatever stopped the loop (an error, Ctrl-C), nothing of this call may stay
+            # queued: the next generate() must find an idle, consistent engine.
+            unfinished = [rid for rid in request_ids if rid not in finished]
+            if unfinished or self._mid_step:
+                self._abandon(unfinished)
         elapsed = time.perf_counter() - start
         outputs = [
             self._to_output(finished[req.request_id], text)
@@ -288,32 +347,62 @@ class LLM:
         ]
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         self.run_stats = {
-            "steps": float(steps),
-            "computed_tokens": float(computed),
-            "generated_tokens": float(generated),
+            "steps": steps,
+            "computed_tokens": computed,
+            "generated_tokens": generated,
             "elapsed_s": elapsed,
             "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
         }
         return outputs
 
-    def _run_until_done(self, request_ids: set[str]) -> tuple[dict[str, RequestOutput], int, int]:
-        """Step until the scheduler is empty; return the outputs, steps and computed tokens."""
-        finished: dict[str, RequestOutput] = {}
+    def _abandon(self, request_ids: list[str]) -> None:
+        """Withdraw a failed call's requests and leave the engine ready for the next one.
+
+        Between ``schedule()`` and ``update()`` (``self._mid_step``) the scheduler cannot
+        take another step, and the KV memory may not hold what the manager's tables say
+        (a forward pass or a swap-in cut short). Then every sequence is freed, the prefix
+        cache is dropped (its blocks may hold unfinished KV) and a fresh scheduler,
+        carrying on the counters, takes over.
+        """
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+        self.runner.sampler.forget(request_ids)
+        if not self._mid_step:
+            return
+        old = self.scheduler
+        for seq in self.manager.seq_ids().tolist():
+            self.manager.free(int(seq))
+        self.manager.take_copy_on_writes()  # pairs for sequences that no longer exist
+        self.manager.reset_prefix_cache()
+        self.scheduler = Scheduler(self.manager, self._scheduler_config)
+        self.scheduler.counters = old.counters
+        self.scheduler.stats_history = old.stats_history
+        self._mid_step = False
+
+    def _run_until_done(
+        self, request_ids: set[str], finished: dict[str, RequestOutput]
+    ) -> tuple[int, int]:
+        """Step until the scheduler is empty, filling ``finished``; return steps and tokens.
+
+        ``self._mid_step`` is true from before ``schedule()`` until ``update()`` has
+        returned, so an exception anywhere in a step is known to have interrupted it.
+        """
         idle = steps = computed = 0
         while self.scheduler.has_unfinished_requests():
+            self._mid_step = True
             out = self.scheduler.schedule()
             result = self.runner.execute(out)
+            done = self.scheduler.update(out, result)
+            self._mid_step = False
+            for output in done:
+                finished[output.request_id] = output
             moved = (
                 len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in) + len(out.blocks_to_copy)
             )
             steps += 1
             computed += out.num_tokens
-            for done in self.scheduler.update(out, result):
-                finished[done.request_id] = done
             idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
             if idle >= _MAX_IDLE_STEPS:
-                for rid in request_ids - finished.keys():
-                    self.scheduler.abort_request(rid)
                 raise OutOfBlocksError(
                     f"the engine made no progress in {_MAX_IDLE_STEPS} steps: the KV cache "
                     f"({self.manager.num_blocks} blocks, {self.manager.num_cpu_blocks} CPU "
@@ -322,7 +411,7 @@ class LLM:
         missing = request_ids - finished.keys()
         if missing:
             raise OutOfBlocksError(f"requests {sorted(missing)} never finished")
-        return finished, steps, computed
+        return steps, computed
 
     def _to_output(self, result: RequestOutput, prompt: str | None) -> GenerationOutput:
         completions = [
@@ -345,9 +434,32 @@ class LLM:
 
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters."""
+        """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters.
+
+        Counts are ints (the scheduler's ``num_*`` entries included), rates and times
+        floats. ``engine["generated_tokens"]`` counts the tokens of the returned
+        completions; the scheduler's ``num_generated_tokens`` counts every sampled token,
+        so with beam search it also includes the tokens of discarded beams.
+        """
+        scheduler = {
+            name: int(value) if name.startswith("num_") else value
+            for name, value in self.scheduler.stats().items()
+        }
         return {
             "engine": dict(self.run_stats),
-            "scheduler": dict(self.scheduler.stats()),
+            "scheduler": scheduler,
             "cache": dict(self.manager.stats()),
         }
+
+
+def _check_max_model_len(value: int | None, model_limit: int) -> int:
+    """``max_model_len`` validated against the model's position limit (default: the limit)."""
+    if value is None:
+        return model_limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise InvalidArgumentError(f"max_model_len must be an int >= 2, got {value!r}")
+    if value > model_limit:
+        raise InvalidArgumentError(
+            f"max_model_len={value} exceeds the model's max_position_embeddings ({model_limit})"
+        )
+    return value
