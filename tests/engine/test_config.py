@@ -119,3 +119,66 @@ def test_missing_field_and_missing_file(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(InvalidArgumentError, match="not valid JSON"):
         ModelConfig.from_file(tmp_path)
+
+
+def _v5_layout(raw: dict) -> dict:
+    """The same config as transformers >= 5 writes it: one ``rope_parameters`` dict."""
+    out = {k: v for k, v in raw.items() if k not in ("rope_theta", "rope_scaling")}
+    scaling = raw.get("rope_scaling") or {"rope_type": "default"}
+    out["rope_parameters"] = {**scaling, "rope_theta": raw["rope_theta"]}
+    return out
+
+
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_rope_is_read_from_both_layouts(layout: str) -> None:
+    """Issue 7, item 12: transformers 5's rope_parameters used to be ignored (theta 10000)."""
+    raw = LLAMA3_8B if layout == "v4" else _v5_layout(LLAMA3_8B)
+    c = ModelConfig.from_hf_dict(raw)
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    plain = {**LLAMA3_8B, "rope_scaling": None}
+    c = ModelConfig.from_hf_dict(plain if layout == "v4" else _v5_layout(plain))
+    assert c.rope_theta == 500000.0 and c.rope_scaling is None
+    linear = {**LLAMA3_8B, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    c = ModelConfig.from_hf_dict(linear if layout == "v4" else _v5_layout(linear))
+    assert c.rope_scaling == RopeScaling("linear", 2.0)
+
+
+def test_rope_layout_precedence_and_defaults() -> None:
+    v5 = _v5_layout(LLAMA3_8B)
+    # A theta inside rope_parameters wins over a stale top-level one (as in transformers 5).
+    assert ModelConfig.from_hf_dict({**v5, "rope_theta": 10000.0}).rope_theta == 500000.0
+    # No theta anywhere: the Llama default.
+    del v5["rope_parameters"]["rope_theta"]
+    assert ModelConfig.from_hf_dict(v5).rope_theta == 10000.0
+    # llama3 without original_max_position_embeddings: max_position_embeddings (transformers 5).
+    params = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e6}
+    c = ModelConfig.from_hf_dict({**v5, "rope_parameters": params})
+    assert c.rope_scaling is not None
+    assert c.rope_scaling.original_max_position_embeddings == LLAMA3_8B["max_position_embeddings"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "type 'longrope'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+            "one entry per layer type",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"rope_parameters": "llama3"}, "must be an object"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -1}}, "rope_theta must be"),
+    ],
+)
+def test_unsupported_rope_is_rejected(change: dict, message: str) -> None:
+    base = {k: v for k, v in LLAMA3_8B.items() if k not in ("rope_scaling", "rope_theta")}
+    with pytest.raises(InvalidArgumentError, match=message):
+        ModelConfig.from_hf_dict({**base, **change})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from kvblocks.engine.config import RopeScaling
 from kvblocks.engine.dense import dense_logits
-from kvblocks.engine.loader import save_checkpoint
+from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 
@@ -44,6 +45,45 @@ def test_matches_transformers(config, tmp_path: Path) -> None:
     with torch.no_grad():
         expected = hf(ids).logits
     torch.testing.assert_close(dense_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, RopeScaling("linear", 4.0), LLAMA3_SCALING],
+    ids=["theta-only", "linear", "llama3"],
+)
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_rope_layouts_match_transformers(scaling, layout: str, tmp_path: Path) -> None:
+    """Issue 7, item 12: a config in either layout loads with the rope HF computes.
+
+    ``v4`` is ``rope_theta`` + ``rope_scaling`` at the top level (what transformers 4
+    writes), ``v5`` one ``rope_parameters`` dict (transformers 5). A large theta and
+    100 positions make a wrong theta or a dropped scaling visible in the logits.
+    """
+    transformers = pytest.importorskip("transformers")
+    major = int(transformers.__version__.split(".")[0])
+    if layout == "v5" and major < 5:
+        pytest.skip("transformers < 5 does not read rope_parameters (parsed in test_config)")
+    config = tiny_config("llama", rope_theta=500000.0, rope_scaling=scaling)
+    model = build_tiny_model(config)
+    save_checkpoint(model, tmp_path)
+    if layout == "v5":
+        path = tmp_path / "config.json"
+        raw = json.loads(path.read_text())
+        params = raw.pop("rope_scaling") or {"rope_type": "default"}
+        raw["rope_parameters"] = {**params, "rope_theta": raw.pop("rope_theta")}
+        path.write_text(json.dumps(raw))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.float32, attn_implementation="eager"
+        )
+    ids = _ids(2, 100)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    torch.testing.assert_close(dense_logits(loaded, ids), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_batch_rows_are_independent(tiny_llama: LlamaForCausalLM) -> None:

@@ -27,13 +27,17 @@ _ARCHITECTURES = {
 }
 
 
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary-embedding frequency scaling (``rope_scaling`` in ``config.json``).
+    """Rotary-embedding frequency scaling (``rope_scaling`` or ``rope_parameters``).
 
     ``rope_type`` is ``"linear"`` (positions divided by ``factor``) or ``"llama3"``
     (Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp
-    in between).
+    in between). Other types (YaRN, dynamic NTK, LongRoPE, ...) are rejected, never
+    silently run as unscaled rope.
     """
 
     rope_type: str
@@ -43,17 +47,36 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> RopeScaling | None:
-        """Parse the HF ``rope_scaling`` dict; ``None`` or ``"default"`` means no scaling."""
+    def from_dict(
+        cls,
+        raw: dict[str, Any] | None,
+        *,
+        default_original_max_position_embeddings: int = 8192,
+        key: str = "rope_scaling",
+    ) -> RopeScaling | None:
+        """Parse an HF rope dict; ``None`` or type ``"default"`` means no scaling.
+
+        Reads both layouts: transformers 4's ``rope_scaling`` and transformers 5's
+        ``rope_parameters`` (the same keys, plus ``rope_theta``, which
+        :meth:`ModelConfig.from_hf_dict` reads). ``key`` names the field in errors;
+        ``default_original_max_position_embeddings`` is used when a ``llama3`` dict
+        lacks that entry.
+        """
         if raw is None:
             return None
         rope_type = raw.get("rope_type", raw.get("type", "default"))
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise InvalidArgumentError(
+                f"{key} type {rope_type!r} is not supported; expected one of "
+                f"{', '.join(repr(t) for t in _SUPPORTED_ROPE_TYPES)}"
+            )
+        partial = raw.get("partial_rotary_factor", 1.0)
+        if partial is not None and float(partial) != 1.0:
+            raise InvalidArgumentError(
+                f"{key}: partial_rotary_factor={partial} is not supported; expected 1.0"
+            )
         if rope_type == "default":
             return None
-        if rope_type not in ("linear", "llama3"):
-            raise InvalidArgumentError(
-                f"rope_scaling type {rope_type!r} is not supported; expected 'linear' or 'llama3'"
-            )
         factor = float(raw.get("factor", 1.0))
         if factor <= 0:
             raise InvalidArgumentError(f"rope_scaling factor must be > 0, got {factor}")
@@ -64,7 +87,11 @@ class RopeScaling:
             factor=factor,
             low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                raw.get(
+                    "original_max_position_embeddings", default_original_max_position_embeddings
+                )
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +231,8 @@ class ModelConfig:
                 )
             if raw.get("mlp_bias", False):
                 raise InvalidArgumentError("mlp_bias=true is not supported; expected false")
+            max_positions = int(raw.get("max_position_embeddings", 4096))
+            rope_theta, rope_scaling = _rope_from_hf(raw, max_positions)
             return cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -214,9 +243,9 @@ class ModelConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim) if head_dim else hidden // heads,
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
-                rope_scaling=RopeScaling.from_dict(raw.get("rope_scaling")),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=attention_bias,
                 sliding_window=int(sliding_window) if sliding_window else None,
@@ -229,7 +258,7 @@ class ModelConfig:
             raise InvalidArgumentError(
                 f"config.json lacks the required field {exc.args[0]!r}"
             ) from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, InvalidArgumentError):
                 raise
             raise InvalidArgumentError(f"config.json has a malformed field: {exc}") from None
@@ -278,3 +307,40 @@ class ModelConfig:
             raw["sliding_window"] = self.sliding_window
             raw["max_window_layers"] = self.max_window_layers
         return raw
+
+
+def _rope_from_hf(raw: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from either ``config.json`` layout.
+
+    transformers 4 writes ``rope_theta`` and ``rope_scaling`` at the top level;
+    transformers 5 writes one ``rope_parameters`` dict holding ``rope_type``,
+    ``rope_theta`` and the scaling fields. As transformers 5 does, a non-null
+    ``rope_scaling`` takes precedence over ``rope_parameters``, and a ``rope_theta``
+    inside the dict over the top-level one. Per-layer-type rope dicts are rejected.
+    """
+    key = "rope_scaling"
+    params = raw.get("rope_scaling")
+    if params is None:
+        key = "rope_parameters"
+        params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise InvalidArgumentError(f"{key} must be an object, got {params!r}")
+    if params is not None and any(isinstance(v, dict) for v in params.values()):
+        raise InvalidArgumentError(
+            f"{key} with one entry per layer type ({', '.join(sorted(params))}) is not "
+            "supported; expected a single rope configuration"
+        )
+    theta = raw.get("rope_theta")
+    if params is not None and params.get("rope_theta") is not None:
+        theta = params["rope_theta"]
+    if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise InvalidArgumentError(
+            f"partial_rotary_factor={raw['partial_rotary_factor']} is not supported; expected 1.0"
+        )
+    rope_theta = float(theta) if theta is not None else 10000.0
+    if not rope_theta > 0:
+        raise InvalidArgumentError(f"rope_theta must be > 0, got {theta!r}")
+    scaling = RopeScaling.from_dict(
+        params, default_original_max_position_embeddings=max_positions, key=key
+    )
+    return rope_theta, scaling
