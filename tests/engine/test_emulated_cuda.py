@@ -11,6 +11,7 @@ reference.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import types
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from kvblocks.engine import LLM, LlamaForCausalLM
 from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
-from kvblocks.ops import cuda_backend, reference
+from kvblocks.ops import cuda_backend, kernel_cache, reference
 from kvblocks.ops.launch_plan import KernelLaunch
 from kvblocks.sampling_params import SamplingParams
 
@@ -42,13 +43,19 @@ def _fake_cupy(launches: list[str]) -> types.ModuleType:
             return None
 
     class RawModule:
-        def __init__(self, code: str, options=(), name_expressions=None) -> None:
-            pass
+        def __init__(self, code=None, options=(), name_expressions=None, path=None) -> None:
+            # The backend loads cubins from its kernel cache by path; the sidecar metadata
+            # names the instantiation, which the emulator launches.
+            assert path is not None and code is None, "compiled outside the kernel cache"
+            self.meta = json.loads(Path(path).with_suffix(".json").read_text())
 
         def get_function(self, name: str):
+            assert name == self.meta["lowered"], (name, self.meta)
+            expr = self.meta["name"]
+
             def kernel(grid, block, args, shared_mem=0):
-                launches.append(name)
-                emu_runtime.emu_launch(KernelLaunch(name, grid, block, shared_mem, tuple(args)))
+                launches.append(expr)
+                emu_runtime.emu_launch(KernelLaunch(expr, grid, block, shared_mem, tuple(args)))
 
             return kernel
 
@@ -61,10 +68,17 @@ def _fake_cupy(launches: list[str]) -> types.ModuleType:
     return cupy
 
 
+@pytest.fixture(scope="module")
+def kernel_cache_dir(tmp_path_factory) -> Path:
+    """One kernel cache for the module: each instantiation is compiled (NVRTC) once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
 @pytest.fixture
-def emulated_kernels(monkeypatch) -> list[str]:
+def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     """Route the CPU ops through the CUDA backend on the emulator; yields the launch log."""
     launches: list[str] = []
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(kernel_cache_dir))
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(launches))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
@@ -76,6 +90,7 @@ def emulated_kernels(monkeypatch) -> list[str]:
         "get_device_properties",
         lambda index: types.SimpleNamespace(multi_processor_count=1),
     )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
     def decode(q, kc, vc, bt, sl, *, scale=None, sliding_window=None, soft_cap=None):
         return cuda_backend.paged_attention(
@@ -94,6 +109,7 @@ def emulated_kernels(monkeypatch) -> list[str]:
     monkeypatch.setattr(reference, "reshape_and_cache", cuda_backend.reshape_and_cache)
     monkeypatch.setattr(reference, "copy_blocks", cuda_backend.copy_blocks)
     cuda_backend._function.cache_clear()
+    cuda_backend._arch.cache_clear()
     cuda_backend._target_ctas.cache_clear()
     yield launches
     cuda_backend._function.cache_clear()
