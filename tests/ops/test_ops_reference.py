@@ -217,6 +217,16 @@ def test_attention_argument_errors():
         ops.paged_prefill_attention(
             *args[:4], torch.tensor([0, 2], dtype=torch.int32), case.seq_lens
         )
+    # The planning hints must be non-negative ints (any such value is correct).
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(InvalidArgumentError, match="max_seq_len"):
+            ops.paged_attention(*args, max_seq_len=bad)
+        with pytest.raises(InvalidArgumentError, match="max_query_len"):
+            ops.paged_prefill_attention(
+                *args[:4], torch.tensor([0, 1], dtype=torch.int32), case.seq_lens,
+                max_query_len=bad,
+            )  # fmt: skip
+    assert ops.paged_attention(*args, max_seq_len=0).shape == case.query.shape
 
 
 def test_importing_ops_needs_no_cupy_or_gpu():
