@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvblocks
 from kvblocks import AllocStatus
 
 from .engine_round import Make, run
@@ -354,3 +355,38 @@ def test_block_stored_events_chain_parents(make: Make) -> None:
     assert first.parent_block_hash is None
     assert second.parent_block_hash == first.block_hashes[-1]
     assert second.token_ids == [3, 4]
+
+
+# -- what a write may touch (issue 7, defects 1 and 2) -----------------------------------
+
+
+def test_fork_after_lookahead_never_lets_two_sequences_write_one_slot(make: Make) -> None:
+    """The issue's repro: spare blocks from lookahead used to stay shared after ``fork``."""
+    m = make(16, 4)
+    m.add_sequence(1, list(range(12)))
+    m.allocate_slots(1, 4, num_lookahead_tokens=8)
+    m.commit(1, 4)
+    m.fork(1, 2)
+    assert m.allocate_slots(1, 8) is not None
+    assert m.allocate_slots(2, 8) is not None
+    one, two = set(m.slot_mapping([1]).tolist()), set(m.slot_mapping([2]).tolist())
+    assert len(one) == len(two) == 8
+    assert not one & two
+    m.check_invariants()
+
+
+def test_slot_mapping_covers_only_the_reservation(make: Make) -> None:
+    """After ``fork`` + ``commit(child, 0, [t])`` without ``allocate_slots`` the parent and
+    the child used to map the same slot of their shared block."""
+    m = make(16, 4)
+    m.add_sequence(1, list(range(6)))
+    run(m, 1, 6, [9])
+    m.fork(1, 2)
+    m.commit(2, 0, [7])
+    for sid in (1, 2):
+        with pytest.raises(kvblocks.SequenceStateError):
+            m.slot_mapping([sid])
+    m.allocate_slots(1, 1, num_lookahead_tokens=2)
+    with pytest.raises(kvblocks.SequenceStateError):
+        m.slot_mapping([1], [4])  # one token + two lookahead slots reserved
+    assert len(m.slot_mapping([1], [3])) == 3
