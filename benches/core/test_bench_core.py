@@ -69,7 +69,7 @@ def test_alloc_free_16_blocks_batched(benchmark: Any, record: Any, impl: str) ->
             ids = np.arange(r * batch, (r + 1) * batch, dtype=np.int64)
             for sid in ids.tolist():
                 add(sid, (sid,))
-            assert alloc_batch(ids, 1, num_lookahead_tokens=lookahead) == batch
+            assert alloc_batch(ids, 1, num_lookahead_tokens=lookahead).num_served == batch
             for sid in ids.tolist():
                 free(sid)
 
