@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import run_cli
 
 from kvblocks.cli import main
 
@@ -123,8 +124,6 @@ def test_help_lists_the_options(capsys) -> None:
 
 
 def test_console_script_help_in_a_subprocess() -> None:
-    import subprocess
-    import sys
 
     proc = subprocess.run(
         [sys.executable, "-m", "kvblocks.cli", "generate", "--help"],
@@ -134,16 +133,6 @@ def test_console_script_help_in_a_subprocess() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--prompt-ids" in proc.stdout
-
-
-def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblocks.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize(
@@ -161,7 +150,7 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 )
 def test_unusable_device_is_one_line(device: str, message: str) -> None:
     """Issue 7, item 16: no torch traceback for a device torch cannot use."""
-    proc = _run_cli("generate", "--device", device, "--max-tokens", "2", "--num-blocks", "16")
+    proc = run_cli("generate", "--device", device, "--max-tokens", "2", "--num-blocks", "16")
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("kvblocks generate: error:") and len(err.splitlines()) == 1, err

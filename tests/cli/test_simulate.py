@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import run_cli
 
 from kvblocks.cli import main
 
@@ -117,21 +118,10 @@ def test_a_broken_generate_module_does_not_break_simulate(monkeypatch, capsys) -
     assert "unavailable" in capsys.readouterr().err
 
 
-def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    """``python -m kvblocks.cli ARGV`` in a subprocess (what a user sees, tracebacks included)."""
-    return subprocess.run(
-        [sys.executable, "-m", "kvblocks.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_every_late_arrival_rejected_ends_the_run() -> None:
     """Issue 7, item 14: the last arrivals all rejected used to index past the trace."""
     argv = ["simulate", "--num-blocks", "3", "--num-requests", "5", "--seed", "5", "--json"]
-    proc = _run_cli(*argv)
+    proc = run_cli(*argv)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     s = json.loads(proc.stdout)["summary"]
     assert s["num_finished"] + s["num_rejected"] == 5 and s["num_rejected"] > 0
@@ -149,7 +139,7 @@ def test_bad_plot_path_fails_before_the_run(tmp_path: Path, name: str, message: 
     """Issue 7, item 15: a bad --plot path is one error line, before any simulation."""
     path = tmp_path / name
     # Enough requests that running first would take a while.
-    proc = _run_cli("simulate", "--num-requests", "100000", "--plot", str(path))
+    proc = run_cli("simulate", "--num-requests", "100000", "--plot", str(path))
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("kvblocks simulate: error:") and len(err.splitlines()) == 1, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,20 +31,25 @@ def _ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def _hf_logits(transformers: Any, path: Path, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of Hugging Face's own implementation loaded from the checkpoint at ``path``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
+    with torch.no_grad():
+        return hf(ids).logits
+
+
 @pytest.mark.parametrize("config", FAMILIES)
 def test_matches_transformers(config, tmp_path: Path) -> None:
     """Same checkpoint, same logits as HF's reference implementation (eager attention)."""
     transformers = pytest.importorskip("transformers")
     model = build_tiny_model(config)
     save_checkpoint(model, tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path, dtype=torch.float32, attn_implementation="eager"
-        )
     ids = _ids(2, 30)
-    with torch.no_grad():
-        expected = hf(ids).logits
+    expected = _hf_logits(transformers, tmp_path, ids)
     torch.testing.assert_close(dense_logits(model, ids), expected, rtol=1e-4, atol=1e-4)
 
 
@@ -75,14 +81,8 @@ def test_rope_layouts_match_transformers(scaling, layout: str, tmp_path: Path) -
         path.write_text(json.dumps(raw))
     loaded = load_checkpoint(tmp_path)
     assert loaded.config == config
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path, dtype=torch.float32, attn_implementation="eager"
-        )
     ids = _ids(2, 100)
-    with torch.no_grad():
-        expected = hf(ids).logits
+    expected = _hf_logits(transformers, tmp_path, ids)
     torch.testing.assert_close(dense_logits(loaded, ids), expected, rtol=1e-4, atol=1e-4)
 
 
