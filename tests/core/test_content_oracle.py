@@ -243,15 +243,15 @@ class ContentOracle(RuleBasedStateMachine):
             if t >= 0:
                 self.tokens[s].append(t)
 
-    @precondition(lambda self: self._resident())
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), token=st.integers(0, 11))
     def fork(self, data, token):
-        """Fork, then each side appends its own sampled token (the documented protocol);
-        forking a sequence with a pending reservation must be refused."""
-        candidates = self._resident()
-        parent = data.draw(st.sampled_from(candidates))
+        """Fork any held sequence — waiting, running, mid-prefill — then each side appends
+        its own sampled token (the documented protocol). Forking a sequence with a pending
+        reservation, or a swapped-out one, must be refused."""
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
         child = self.next_id
-        if parent in self.pending:
+        if parent in self.pending or parent in self.swapped:
             with pytest.raises(kvblocks.SequenceStateError):
                 self.m.fork(parent, child)
             return
@@ -261,6 +261,8 @@ class ContentOracle(RuleBasedStateMachine):
         COVERAGE["fork"] += 1
         self.tokens[child] = list(self.tokens[parent])
         self.ns[child] = self.ns[parent]
+        if parent not in self.allocated:
+            return  # both claim the cached prefix at their first allocation
         self.computed[child] = self.computed[parent]
         self.allocated.add(child)
         if data.draw(st.booleans()):
