@@ -150,21 +150,24 @@ class KVMemory:
             raise ContentError(f"swap-in into the null block: {p.tolist()}")
         self.gpu[p[:, 1]] = self.cpu[p[:, 0]]
 
-    def apply(self, kind: str, pairs: npt.ArrayLike) -> None:
-        """One ``(kind, pairs)`` group of ``SchedulerOutput.memory_ops``."""
-        if kind == "copy":
-            self.copy(pairs)
-        elif kind == "swap_out":
-            self.swap_out(pairs)
-        elif kind == "swap_in":
-            self.swap_in(pairs)
-        else:
-            raise ValueError(f"unknown memory op {kind!r}")
-
     def apply_memory_ops(self, ops: Iterable[tuple[str, npt.ArrayLike]]) -> None:
-        """Every group of ``SchedulerOutput.memory_ops``, in order."""
+        """Every group of ``SchedulerOutput.memory_ops``, in order.
+
+        As the interface document specifies, the pairs of a ``"copy"`` group also mean
+        "in this order" (an engine splits conflicting pairs into consecutive launches),
+        unlike the pairs of one :meth:`copy` launch, which run in parallel.
+        """
         for kind, pairs in ops:
-            self.apply(kind, pairs)
+            p = self._pairs(pairs)
+            if kind == "copy":
+                for pair in p:
+                    self.copy(pair[None, :])
+            elif kind == "swap_out":
+                self.swap_out(p)
+            elif kind == "swap_in":
+                self.swap_in(p)
+            else:
+                raise ValueError(f"unknown memory op {kind!r}")
 
     # -- reads ---------------------------------------------------------------------------
 

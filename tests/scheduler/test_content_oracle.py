@@ -5,8 +5,8 @@ lookahead slots, prefix caching, sliding windows, CPU pools, n > 1, beam search,
 tokens, EOS, aborts before and during a step) run against an emulated KV memory
 (:mod:`oracle.kv_memory`). Every step the harness
 
-1. applies ``SchedulerOutput.memory_ops`` in order (copy pairs one after the other, as
-   the interface document says they mean);
+1. applies ``SchedulerOutput.memory_ops`` in order (``KVMemory.apply_memory_ops``: copy
+   pairs one after the other, as the interface document says they mean);
 2. writes the KV id of every scheduled token through ``slot_mapping`` (and garbage into
    the lookahead slots of decodes), failing if two sequences write one slot;
 3. reads every scheduled sequence's whole context back through its ``block_tables`` row
@@ -143,13 +143,7 @@ class Harness:
         if not ops:
             for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
                 assert len(getattr(out, name)) == 0, f"{name} has pairs but memory_ops is empty"
-        for kind, pairs in ops:
-            pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
-            if kind == "copy":
-                for pair in pairs:  # pairs of a copy group mean "in this order"
-                    self.mem.copy(pair[None, :])
-            else:
-                self.mem.apply(kind, pairs)
+        self.mem.apply_memory_ops(ops)
 
     def run_step(self, step: int) -> None:
         cfg, sched, mgr, mem = self.cfg, self.sched, self.mgr, self.mem
