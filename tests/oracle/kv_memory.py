@@ -91,26 +91,25 @@ class KVMemory:
     def write_step(self, writes: Iterable[tuple[object, npt.ArrayLike, npt.ArrayLike]]) -> None:
         """One model step's writes ``(owner, slots, values)`` for several sequences.
 
-        Raises ContentError naming both owners when two sequences write the same slot:
-        in one step that is a race; across live sequences it is the corruption a block
-        manager must never allow.
+        Raises ContentError naming both owners when two sequences write the same slot
+        (one sequence writing a slot twice is named too): in one step that is a race;
+        across live sequences it is the corruption a block manager must never allow.
         """
-        owner_of: dict[int, object] = {}
-        all_slots: list[np.ndarray] = []
-        all_values: list[np.ndarray] = []
-        for owner, slots, values in writes:
-            s = np.asarray(slots, dtype=np.int64).reshape(-1)
-            for slot in s.tolist():
-                other = owner_of.setdefault(slot, owner)
-                if other != owner:
-                    raise ContentError(
-                        f"sequences {other} and {owner} both write slot {slot} "
-                        f"(block {slot // self.block_size}) in one step"
-                    )
-            all_slots.append(s)
-            all_values.append(np.asarray(values, dtype=np.int64).reshape(-1))
-        if all_slots:
-            self.write(np.concatenate(all_slots), np.concatenate(all_values))
+        writes = list(writes)
+        if not writes:
+            return
+        slots = [np.asarray(w[1], dtype=np.int64).reshape(-1) for w in writes]
+        values = [np.asarray(w[2], dtype=np.int64).reshape(-1) for w in writes]
+        flat = np.concatenate(slots)
+        uniq, counts = np.unique(flat, return_counts=True)
+        if (counts > 1).any():
+            slot = int(uniq[counts > 1][0])
+            owners = [w[0] for w, s in zip(writes, slots, strict=True) if slot in s]
+            what = f"sequences {owners[0]} and {owners[1]}" if len(owners) > 1 else owners[0]
+            raise ContentError(
+                f"{what} write slot {slot} (block {slot // self.block_size}) twice in one step"
+            )
+        self.write(flat, np.concatenate(values))
 
     # -- block moves ---------------------------------------------------------------------
 
