@@ -542,13 +542,24 @@ T exchange(T var, int src) {
   return out;
 }
 
+// Launches run one after another, as kernels on one CUDA stream do, in both back-ends.
+inline std::mutex& launch_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// Threads per block of a launch; a block of 0 or more than 1024 threads is an error.
+inline long threads_per_block(dim3 block) {
+  const long threads = static_cast<long>(block.x) * block.y * block.z;
+  if (threads < 1 || threads > 1024) fail("block must have 1..1024 threads");
+  return threads;
+}
+
 #ifdef KVB_EMU_OS_THREADS
 // Run `body` for every thread of every block of `grid`: one OS thread per CUDA thread.
 inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
-  static std::mutex launch_mutex;
-  std::lock_guard<std::mutex> guard(launch_mutex);
-  const long threads = static_cast<long>(block.x) * block.y * block.z;
-  if (threads < 1 || threads > 1024) fail("block must have 1..1024 threads");
+  std::lock_guard<std::mutex> guard(launch_mutex());
+  const long threads = threads_per_block(block);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   Team team(static_cast<int>(threads), smem_bytes);
   std::vector<std::thread> pool;
@@ -590,10 +601,8 @@ inline void fiber_entry() {
 // Run `body` for every thread of every block of `grid`: the block's threads are fibers
 // on the calling OS thread, blocks run one after another.
 inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
-  static std::mutex launch_mutex;
-  std::lock_guard<std::mutex> guard(launch_mutex);
-  const long threads = static_cast<long>(block.x) * block.y * block.z;
-  if (threads < 1 || threads > 1024) fail("block must have 1..1024 threads");
+  std::lock_guard<std::mutex> guard(launch_mutex());
+  const long threads = threads_per_block(block);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   Team team(static_cast<int>(threads), smem_bytes);
   Scheduler sched(static_cast<int>(threads));
