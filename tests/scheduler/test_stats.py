@@ -34,6 +34,9 @@ def test_stats_dict_and_history(make_manager) -> None:
     assert stats["num_steps"] == len(steps) == len(sched.stats_history)
     assert stats["num_requests_finished"] == 4 and stats["num_generated_tokens"] == 24
     assert 0.0 < stats["prefix_hit_rate"] < 1.0
+    # Counts are ints (they print as "steps": 4, not 4.0), rates floats.
+    assert all(type(v) is int for k, v in stats.items() if k.startswith("num_")), stats
+    assert type(stats["kv_usage"]) is float and type(stats["prefix_hit_rate"]) is float
     series = sched.stats_history.as_arrays()
     assert series["num_batched_tokens"].sum() == sum(s.num_tokens for s in steps)
     assert series["kv_usage"].max() > 0.0 and series["kv_usage"][-1] >= 0.0

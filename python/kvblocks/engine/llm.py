@@ -436,18 +436,14 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters.
 
-        Counts are ints (the scheduler's ``num_*`` entries included), rates and times
-        floats. ``engine["generated_tokens"]`` counts the tokens of the returned
-        completions; the scheduler's ``num_generated_tokens`` counts every sampled token,
-        so with beam search it also includes the tokens of discarded beams.
+        Counts are ints, rates and times floats. ``engine["generated_tokens"]`` counts the
+        tokens of the returned completions; the scheduler's ``num_generated_tokens`` counts
+        every sampled token, so with beam search it also includes the tokens of discarded
+        beams.
         """
-        scheduler = {
-            name: int(value) if name.startswith("num_") else value
-            for name, value in self.scheduler.stats().items()
-        }
         return {
             "engine": dict(self.run_stats),
-            "scheduler": scheduler,
+            "scheduler": self.scheduler.stats(),
             "cache": dict(self.manager.stats()),
         }
 

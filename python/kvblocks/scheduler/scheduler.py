@@ -1103,13 +1103,16 @@ class Scheduler:
             self._finished_ids.append(rid)
 
     # -- statistics ------------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
-        """Current gauges (queue lengths, KV usage) and the cumulative counters."""
+    def stats(self) -> dict[str, int | float]:
+        """Current gauges (queue lengths, KV usage) and the cumulative counters.
+
+        Counts (``num_*``) are ints; rates and ``kv_usage`` are floats.
+        """
         out = self.counters.as_dict()
         out.update(self._gauges())
         return out
 
-    def _gauges(self) -> dict[str, float]:
+    def _gauges(self) -> dict[str, int | float]:
         waiting, swapped = len(self._waiting), len(self._swapped)
         if self._num_split:
             # Parts of a split request are queued on their own; the request counts as
@@ -1118,17 +1121,18 @@ class Scheduler:
             swapped = sum(1 for s in self._swapped if s.parent is None)
         running = len(self._requests) - waiting - swapped
         return {
-            "num_running": float(running),
-            "num_running_seqs": float(len(self._table) + len(self._prefilling)),
-            "num_waiting": float(waiting),
-            "num_swapped": float(swapped),
+            "num_running": running,
+            "num_running_seqs": len(self._table) + len(self._prefilling),
+            "num_waiting": waiting,
+            "num_swapped": swapped,
             "kv_usage": float(self.manager.usage()),
-            "num_free_blocks": float(self.manager.num_free_blocks()),
+            "num_free_blocks": int(self.manager.num_free_blocks()),
         }
 
     def _stats_row(self, output: SchedulerOutput) -> dict[str, float]:
         counters = self.counters
-        row = self._gauges()
+        # History rows are a float time series (StatsHistory.column).
+        row = {name: float(value) for name, value in self._gauges().items()}
         row["step"] = float(counters.num_steps)
         row["num_batched_tokens"] = float(output.num_tokens)
         row["num_prefill_tokens"] = float(output.num_prefill_tokens)

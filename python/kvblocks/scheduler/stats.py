@@ -52,10 +52,10 @@ class SchedulerCounters:
             return 0.0
         return self.num_readmitted_cached_tokens / self.num_readmitted_tokens
 
-    def as_dict(self) -> dict[str, float]:
-        """The counters plus the derived rates."""
-        out: dict[str, float] = {k: float(v) for k, v in asdict(self).items()}
-        out["num_preemptions"] = float(self.num_preemptions)
+    def as_dict(self) -> dict[str, int | float]:
+        """The counters (ints) plus the derived rates (floats)."""
+        out: dict[str, int | float] = dict(asdict(self))
+        out["num_preemptions"] = self.num_preemptions
         out["prefix_hit_rate"] = self.prefix_hit_rate
         out["readmission_hit_rate"] = self.readmission_hit_rate
         return out

@@ -91,7 +91,7 @@ class SimulationResult:
     generated_tokens: int
     latency_s: Distribution
     step_wall_s: Distribution
-    scheduler_stats: dict[str, float]
+    scheduler_stats: dict[str, int | float]
     timeline: Timeline
 
     def summary(self) -> dict[str, Any]:
