@@ -24,6 +24,7 @@ from kvblocks.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
+from kvblocks.page_tables import FlashAttentionPageTable, FlashInferPageTable
 
 __all__ = [
     "AllBlocksCleared",
@@ -32,6 +33,8 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DuplicateSequenceError",
+    "FlashAttentionPageTable",
+    "FlashInferPageTable",
     "InvalidArgumentError",
     "InvariantViolationError",
     "KVBlocksError",
