@@ -3,7 +3,8 @@
 The block manager (:class:`KVCacheManager`) is compiled Rust; the GPU kernels live in
 :mod:`kvblocks.ops` (CUDA through CuPy on a GPU, a torch reference on the CPU); the
 continuous-batching scheduler in :mod:`kvblocks.scheduler` and the model runner in
-:mod:`kvblocks.engine`. Importing kvblocks needs neither torch, CuPy nor a GPU.
+:mod:`kvblocks.engine`; :class:`SamplingParams` describes one request's generation. Importing
+kvblocks needs neither torch, CuPy nor a GPU.
 """
 
 from kvblocks._core import (
@@ -25,6 +26,7 @@ from kvblocks.errors import (
     UnknownSequenceError,
 )
 from kvblocks.page_tables import FlashAttentionPageTable, FlashInferPageTable
+from kvblocks.sampling_params import SamplingParams
 
 __all__ = [
     "AllBlocksCleared",
@@ -40,6 +42,7 @@ __all__ = [
     "KVBlocksError",
     "KVCacheManager",
     "OutOfBlocksError",
+    "SamplingParams",
     "SequenceStateError",
     "UnknownSequenceError",
     "__version__",
