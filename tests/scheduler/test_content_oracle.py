@@ -184,7 +184,7 @@ class Harness:
         in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
         for rid in in_flight:
             self.abort(rid)
-        for result in sched.update(out, fake_step(out)):
+        for result in sched.update(out, fake_step(out)).finished:
             self.finish(result)
         mgr.check_invariants()
 

@@ -22,7 +22,10 @@ fork, beam step).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,10 +42,17 @@ from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
-from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestOutput
+from kvblocks.scheduler.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
 from kvblocks.scheduler.seq_table import Rows, SequenceTable
-from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
+from kvblocks.scheduler.stats import LatencyStats, SchedulerCounters, StatsHistory
+from kvblocks.scheduler.step_outputs import DecodeDeltas, StepOutputs
 
 __all__ = ["Scheduler"]
 
@@ -55,6 +65,8 @@ class Scheduler:
             ``ReferenceKVCacheManager`` of the tests); the scheduler owns every sequence in it.
         config: limits and policies.
         record_history: append one statistics row per step to :attr:`stats_history`.
+        clock: the time source of the request metrics (:class:`RequestMetrics`), in
+            seconds; default ``time.monotonic``. A simulator passes its model time.
 
     Sequence ids are assigned by the scheduler (the request's first sequence, then
     forks); ids of finished requests are reused.
@@ -66,8 +78,12 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         record_history: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
         self.manager = manager
+        self._clock = clock
         self.config = config if config is not None else SchedulerConfig()
         if not isinstance(self.config, SchedulerConfig):
             raise InvalidArgumentError(
@@ -77,6 +93,11 @@ class Scheduler:
         self.record_history = record_history
         self.counters = SchedulerCounters()
         self.stats_history = StatsHistory()
+        self.latency = LatencyStats()
+        # Records of sequences that started or finished in the update in progress, by
+        # request id then completion index (the decode tokens are kept as columns).
+        self._step_events: dict[str, dict[int, CompletionOutput]] = {}
+        self._update_time: float | None = None  # the clock, read once per update
         self._requests: dict[str, RequestState] = {}
         self._owner: dict[int, RequestState] = {}
         self._waiting = WaitingQueue()
@@ -154,7 +175,10 @@ class Scheduler:
             else float(self.counters.num_steps)
         )
         key = self.policy.key(request.priority, arrival, self._counter)
-        state = RequestState(request, self._counter, key, seq_id)
+        metrics = RequestMetrics(
+            float(request.arrival_time) if request.arrival_time is not None else self._now()
+        )
+        state = RequestState(request, self._counter, key, seq_id, metrics)
         self._counter += 1
         self._requests[rid] = state
         self._owner[seq_id] = state
@@ -178,6 +202,9 @@ class Scheduler:
         if state is None or state.aborted:
             return None
         output = self._abort_output(state)
+        metrics = state.metrics
+        metrics.finished_time = self._now()
+        metrics.num_generated_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
         state.aborted = True
         for part in state.parts:
             part.aborted = True
@@ -340,12 +367,21 @@ class Scheduler:
         return output
 
     # -- update --------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, result: ModelStepResult) -> list[RequestOutput]:
-        """Apply the engine's results for ``output``; return the requests that finished.
+    def update(self, output: SchedulerOutput, result: ModelStepResult) -> StepOutputs:
+        """Apply the engine's results for ``output``; return every request's news.
 
         Appends each sampling row's token(s), commits the computed KV, applies stop
-        conditions (``max_tokens``, stop tokens, EOS), forks ``n > 1`` and beam-search
-        sequences, and frees finished requests.
+        conditions (``max_tokens``, stop tokens, EOS; not before ``min_tokens``), forks
+        ``n > 1`` and beam-search sequences, and frees finished requests.
+
+        Returns:
+            a :class:`StepOutputs`: a sequence of :class:`RequestOutput`, one per request
+            that produced tokens or finished in this step (each running sequence's token
+            in ``new_token_ids``; a finished request's final record), with
+            ``.finished`` the finished requests' records alone. Concatenating a
+            sequence's ``new_token_ids`` over the steps gives its final ``token_ids``
+            (beam search: only the final record, with the whole beams). A request
+            aborted while the step was in flight produces nothing here.
 
         Raises:
             SequenceStateError: ``output`` is not the last ``schedule()`` result.
@@ -380,12 +416,24 @@ class Scheduler:
         self._in_flight = None
         finished: list[RequestOutput] = self._early_outputs
         self._early_outputs = []
+        self._step_events = {}
+        self._update_time = self._now()
+        states = dict(self._requests)  # the step's records outlive finished requests
+        decode: DecodeDeltas | None = None
         if output.num_seqs:
-            self._apply_results(output, plan, sampled, logprobs, result, finished)
+            decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
         for state in self._pending_aborts:
             self._drop_request(state)
         self._pending_aborts = []
-        return finished
+        events, self._step_events = self._step_events, {}
+        self._update_time = None
+        return StepOutputs(finished, events, decode, states)
+
+    def _now(self) -> float:
+        """The clock: read once per ``update`` (every event of a step shares its time)."""
+        if self._update_time is not None:
+            return self._update_time
+        return float(self._clock())
 
     def _apply_results(
         self,
@@ -395,9 +443,10 @@ class Scheduler:
         logprobs: npt.NDArray[np.float64],
         result: ModelStepResult,
         finished: list[RequestOutput],
-    ) -> None:
+    ) -> DecodeDeltas | None:
         mgr = self.manager
         table = self._table
+        decode: DecodeDeltas | None = None
         counts = output.sample_counts
         num_decode = output.num_decode_seqs
         if plan.special:
@@ -437,6 +486,7 @@ class Scheduler:
             generated = cols["num_generated"][rows] + 1
             cols["num_generated"][rows] = generated
             cols["cum_logprob"][rows] += lp
+            decode = self._decode_deltas(rows, tok, generated)
             done = (generated >= cols["max_tokens"][rows]) | (tok == cols["eos"][rows])
             if self._stop_tokens.size:
                 done |= cols["has_stop"][rows] & np.isin(tok, self._stop_tokens)
@@ -455,6 +505,9 @@ class Scheduler:
             if row is None:
                 continue
             self._prefilling.remove(state)
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = self._now()
             params = state.params
             if params.use_beam_search:
                 assert result.topk_token_ids is not None and result.topk_logprobs is not None
@@ -488,6 +541,27 @@ class Scheduler:
         if remove_rows or add_rows:
             remove = np.concatenate(remove_rows) if remove_rows else None
             table.update(remove, add_rows)
+        return decode
+
+    def _decode_deltas(
+        self,
+        rows: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+        generated: npt.NDArray[np.int64],
+    ) -> DecodeDeltas:
+        """The decode rows' new tokens as columns (rows of aborted requests left out)."""
+        cols = self._table.cols
+        if self._pending_aborts:
+            aborted = [s for a in self._pending_aborts for p in (a, *a.parts) for s in p.seq_ids]
+            keep = ~np.isin(cols["seq_id"][rows], np.array(aborted, dtype=np.int64))
+            rows, tokens, generated = rows[keep], tokens[keep], generated[keep]
+        return DecodeDeltas(
+            request_ids=cols["request_id"][rows],
+            seq_index=cols["seq_index"][rows],
+            token_ids=np.array(tokens, dtype=np.int64),
+            cum_logprobs=cols["cum_logprob"][rows],
+            num_generated=np.array(generated, dtype=np.int64),
+        )
 
     def _finish_decode_rows(
         self,
@@ -504,8 +578,8 @@ class Scheduler:
             state = self._owner[seq]
             if state.aborted:
                 continue
-            reason = state.finish_reason_for(tok)
             generated = int(cols["num_generated"][row])
+            reason = state.finish_reason_for(tok, generated)
             if reason is None:
                 if generated < state.params.max_tokens:
                     continue  # a stop token of another request
@@ -532,12 +606,15 @@ class Scheduler:
         generated = num_tokens - state.num_prompt
         cum = state.cum_logprob + logprobs
         keep: list[int] = []
+        events = self._step_events.setdefault(state.request.request_id, {})
         for i, (seq, tok) in enumerate(zip(seq_ids, tokens.tolist(), strict=True)):
-            reason = state.finish_reason_for(tok)
+            reason = state.finish_reason_for(tok, generated)
             if reason is None and generated >= state.params.max_tokens:
                 reason = FinishReason.LENGTH
             if reason is None:
                 keep.append(i)
+                index = state.seq_index[seq]
+                events[index] = CompletionOutput(index, [], float(cum[i]), None, [tok], generated)
                 continue
             out = self._finish_seq(state, seq, reason, float(cum[i]))
             if out is not None:
@@ -788,6 +865,7 @@ class Scheduler:
         state.status = RequestStatus.SPLIT
         self._num_split += 1
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     def _restart(self, state: RequestState) -> None:
         """Free a beam-search request's sequences and queue it again from its prompt."""
@@ -810,6 +888,7 @@ class Scheduler:
         state.outputs = {}
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     def _swap_out(self, state: RequestState) -> bool:
         mgr = self.manager
@@ -825,6 +904,7 @@ class Scheduler:
         state.status = RequestStatus.SWAPPED
         _insort(self._swapped, state)
         self.counters.num_preemptions_swap += 1
+        state.metrics.num_preemptions += 1
         return True
 
     def _drain_copies(self) -> None:
@@ -845,6 +925,7 @@ class Scheduler:
         mgr.free(seq)
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self, state: RequestState, budget: int) -> int | None:
@@ -886,6 +967,8 @@ class Scheduler:
         else:
             state.admitted = True
             state.num_cached_tokens = state.num_computed
+            state.metrics.first_scheduled_time = self._now()
+            state.metrics.num_cached_tokens = state.num_computed
             counters.num_prompt_tokens_admitted += len(state.tokens)
             counters.num_cached_tokens_admitted += state.num_computed
         return length
@@ -957,7 +1040,11 @@ class Scheduler:
         """One sequence stopped; returns the request's output if it was the last one."""
         tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
         index = state.seq_index[seq]
-        state.outputs[index] = CompletionOutput(index, tokens, cum, reason)
+        # Called only for a sequence that just sampled its last token.
+        completion = CompletionOutput(index, tokens, cum, reason, tokens[-1:])
+        state.outputs[index] = completion
+        state.output_step[index] = self.counters.num_steps
+        self._step_events.setdefault(state.request.request_id, {})[index] = completion
         self._release_seq(state, seq)
         if state.seq_ids:
             return None
@@ -973,6 +1060,7 @@ class Scheduler:
         parent = part.parent
         assert parent is not None
         parent.outputs.update(outputs)
+        parent.output_step.update(part.output_step)
         parent.parts.remove(part)
         self._drop_request(part)
         if parent.parts:
@@ -984,7 +1072,10 @@ class Scheduler:
         """End a request (or part) that cannot fit with what it has; its output (the
         request's, once its last part ended) is returned by the next ``update``."""
         output = self._abort_output(state, reason)
-        if state.parent is not None:
+        if state.parent is None:
+            state.metrics.finished_time = self._now()
+            self._record_finish(state, output)
+        else:
             done = self._finish_part(state, {c.index: c for c in output.outputs})
             if done is not None:
                 self._early_outputs.append(done)
@@ -998,21 +1089,35 @@ class Scheduler:
         if params.use_beam_search:
             best = rank_hypotheses(state.hypotheses, params.length_penalty)[: params.n]
             outputs = [
-                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason, list(h.token_ids))
                 for i, h in enumerate(best)
             ]
         else:
-            outputs = [state.outputs[i] for i in sorted(state.outputs)]
+            step = self.counters.num_steps
+            outputs = [
+                c if state.output_step.get(i) == step else dataclasses.replace(c, new_token_ids=[])
+                for i, c in sorted(state.outputs.items())
+            ]
         state.status = RequestStatus.FINISHED
         self._forget(state)
         self.counters.num_requests_finished += 1
-        return RequestOutput(
+        output = RequestOutput(
             request_id=state.request.request_id,
-            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            prompt_token_ids=state.prompt_list,
             outputs=outputs,
             num_cached_tokens=state.num_cached_tokens,
             finished=True,
         )
+        state.metrics.finished_time = self._now()
+        self._record_finish(state, output)
+        return output
+
+    def _record_finish(self, state: RequestState, output: RequestOutput) -> None:
+        """Complete the request's metrics, attach them and add them to the statistics."""
+        metrics = state.metrics
+        metrics.num_generated_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        output.metrics = metrics
+        self.latency.add(metrics)
 
     def _abort_output(
         self, state: RequestState, reason: FinishReason = FinishReason.ABORT
@@ -1049,16 +1154,18 @@ class Scheduler:
             hyps = [Hypothesis(o.token_ids, o.cumulative_logprob, reason) for o in ordered]
             hyps += state.hypotheses
             best = rank_hypotheses(hyps, state.params.length_penalty)[: state.params.n]
+            # Beams were never streamed: their record carries them whole.
             ordered = [
-                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason, list(h.token_ids))
                 for i, h in enumerate(best)
             ]
         return RequestOutput(
             request_id=state.request.request_id,
-            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            prompt_token_ids=state.prompt_list,
             outputs=ordered,
             num_cached_tokens=state.num_cached_tokens,
             finished=True,
+            metrics=state.metrics,
         )
 
     def _drop_request(self, state: RequestState) -> None:
@@ -1104,12 +1211,16 @@ class Scheduler:
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
-        """Current gauges (queue lengths, KV usage) and the cumulative counters.
+        """Current gauges (queue lengths, KV usage), the cumulative counters and the
+        latency summary of finished requests (:meth:`LatencyStats.summary`: mean and
+        percentiles of queue time, TTFT, TPOT and end-to-end latency, in seconds of the
+        scheduler's clock).
 
-        Counts (``num_*``) are ints; rates and ``kv_usage`` are floats.
+        Counts (``num_*``) are ints; rates, times and ``kv_usage`` are floats.
         """
         out = self.counters.as_dict()
         out.update(self._gauges())
+        out.update(self.latency.summary())
         return out
 
     def _gauges(self) -> dict[str, int | float]:
