@@ -61,6 +61,11 @@ class FlashInferPageTable:
         qo_indptr: int32 [S+1] query prefix sums (the step's ``query_start_loc``) for the
             prefill wrapper; ``None`` when none was given (decode: one query each).
         page_size: tokens per page (the manager's ``block_size``).
+
+    With a sliding window, blocks the manager released stay in the table as the null block
+    and are exported in place (positions must not shift): run the kernel with the window
+    (FlashInfer's ``window_left``) so that it never reads them. The same holds for
+    FlashAttention's ``window_size``.
     """
 
     kv_indptr: _I32
