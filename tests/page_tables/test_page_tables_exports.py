@@ -198,3 +198,17 @@ def test_lengths_at_capacity_are_accepted() -> None:
     lens = _i32(16, 16, 16, 16)
     pt = flashinfer_page_table(TABLE, lens, BS)
     assert int(pt.kv_indptr[-1]) == 16
+
+
+def test_non_contiguous_table_gives_contiguous_exports() -> None:
+    wide = np.zeros((4, 9), dtype=np.int32)
+    wide[:, ::2][:, :4] = TABLE  # the table as a strided view
+    view = wide[:, ::2][:, :4]
+    assert not view.flags.c_contiguous
+    fi = flashinfer_page_table(view, LENS, BS, QSL)
+    _assert_exact(fi.kv_indices, _i32(5, 6, 7, 1, 2))
+    fa = flash_attention_page_table(view, LENS, BS, QSL)
+    _assert_exact(fa.block_table, TABLE)
+    full = np.asfortranarray(np.arange(1, 13, dtype=np.int32).reshape(3, 4))
+    fi = flashinfer_page_table(full, np.array([16, 13, 14], dtype=np.int32), BS)
+    _assert_exact(fi.kv_indices, np.arange(1, 13, dtype=np.int32))
