@@ -298,3 +298,40 @@ def test_bad_clock_is_rejected(rust_manager) -> None:
 
     with pytest.raises(InvalidArgumentError):
         Scheduler(rust_manager(64, 4), clock=3.0)  # type: ignore[arg-type]
+
+
+def _summary(step: StepOutputs) -> list[tuple]:
+    return [
+        (
+            r.request_id,
+            r.finished,
+            tuple(r.prompt_token_ids),
+            [(c.index, c.new_token_ids, c.finish_reason, c.num_tokens) for c in r.outputs],
+        )
+        for r in step
+    ]
+
+
+def test_records_read_late_are_the_records_of_their_step(rust_manager) -> None:
+    # The records are built when read: reading a step's outputs after later steps (rows
+    # removed, added, reordered; ids of finished requests reused) must give the same.
+    def build() -> Scheduler:
+        sched = Scheduler(rust_manager(24, 4, watermark=0.0))
+        for r in _requests(6, max_tokens=10, n=2):
+            sched.add_request(r)
+        return sched
+
+    eager, late = build(), build()
+    eager_seen, late_held = [], []
+    step = 0
+    while eager.has_unfinished_requests():
+        out_e, out_l = eager.schedule(), late.schedule()
+        eager_seen.append(_summary(eager.update(out_e, fake_step(out_e))))
+        late_held.append(late.update(out_l, fake_step(out_l)))
+        step += 1
+        if step == 3:  # reuse a finished id? add fresh requests under new ids midway
+            for sched in (eager, late):
+                sched.add_request(Request("x", [5, 6, 7], SamplingParams(max_tokens=3)))
+        assert step < 1000
+    assert late.stats()["num_preemptions"] > 0
+    assert [_summary(s) for s in late_held] == eager_seen

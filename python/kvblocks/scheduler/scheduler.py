@@ -555,12 +555,14 @@ class Scheduler:
             aborted = [s for a in self._pending_aborts for p in (a, *a.parts) for s in p.seq_ids]
             keep = ~np.isin(cols["seq_id"][rows], np.array(aborted, dtype=np.int64))
             rows, tokens, generated = rows[keep], tokens[keep], generated[keep]
+        # rows and generated are fresh arrays; tokens may be a view of the engine's result.
         return DecodeDeltas(
-            request_ids=cols["request_id"][rows],
-            seq_index=cols["seq_index"][rows],
-            token_ids=np.array(tokens, dtype=np.int64),
-            cum_logprobs=cols["cum_logprob"][rows],
-            num_generated=np.array(generated, dtype=np.int64),
+            rows,
+            cols["request_id"],
+            cols["seq_index"],
+            np.array(tokens, dtype=np.int64),
+            cols["cum_logprob"][rows],
+            generated,
         )
 
     def _finish_decode_rows(
