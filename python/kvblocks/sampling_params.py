@@ -189,10 +189,12 @@ def _as_stop_strings(values: object) -> tuple[str, ...]:
     if isinstance(values, bytes):
         raise InvalidArgumentError(f"stop must be strings, got {values!r}")
     try:
-        items = tuple(values)  # type: ignore[call-overload]
+        items: tuple[object, ...] = tuple(values)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidArgumentError(f"stop must be a sequence of strings, got {values!r}") from None
+    strings: list[str] = []
     for item in items:
         if not isinstance(item, str) or not item:
             raise InvalidArgumentError(f"stop strings must be non-empty str, got {item!r}")
-    return items
+        strings.append(item)
+    return tuple(strings)
