@@ -215,6 +215,10 @@ def test_logprobs_match_the_models_log_softmax(llm: LLM) -> None:
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
     (plain,) = llm.generate([prompts[0]], SamplingParams(max_tokens=2))
     assert plain.outputs[0].logprobs is None
+    (zero,) = llm.generate([prompts[0]], SamplingParams(max_tokens=3, logprobs=0))
+    entries = zero.outputs[0].logprobs
+    assert entries is not None and [e.top_token_ids for e in entries] == [[], [], []]
+    assert sum(e.logprob for e in entries) == pytest.approx(zero.outputs[0].cumulative_logprob)
 
 
 def test_logprobs_per_sample_with_n(llm: LLM) -> None:

@@ -457,8 +457,14 @@ class LLM:
                 if not self.scheduler.has_unfinished_requests():
                     break
                 self._mid_step = True
+                # logprobs=0 still wants the drawn token's log-prob: keep at least 1.
                 self.runner.sampler.num_logprobs = max(
-                    (run.params.logprobs or 0 for run in runs if not run.finished), default=0
+                    (
+                        max(run.params.logprobs, 1)
+                        for run in runs
+                        if not run.finished and run.params.logprobs is not None
+                    ),
+                    default=0,
                 )
                 out = self.scheduler.schedule()
                 result = self.runner.execute(out)
