@@ -89,9 +89,9 @@ def test_capacity_search_lists_its_probes() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--prompt-len", "lognormal:abc"], "--prompt-len"),
-        (["--output-len", "weibull:1,2"], "--output-len"),
-        (["--prompt-len", "uniform:9,3"], "--prompt-len"),
+        (["--prompt-len", "lognormal:abc"], "--prompt-len: expected lognormal:MEAN,SIGMA"),
+        (["--output-len", "weibull:1,2"], "--output-len: expected lognormal:MEAN,SIGMA"),
+        (["--prompt-len", "uniform:9,3"], "--prompt-len: uniform needs 0 <= low <= high"),
         (["--multi-turn-share", "1.5"], "--multi-turn-share"),
         (["--system-prompt-share", "-0.1"], "--system-prompt-share"),
         (["--think-time", "-1"], "--think-time"),

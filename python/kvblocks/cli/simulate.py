@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=positive_int, default=300, help="default: 300")
+    w.add_argument("--num-requests", type=positive_int, default=200, help="default: 200")
     w.add_argument(
         "--request-rate",
         type=positive_float,

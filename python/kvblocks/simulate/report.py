@@ -12,7 +12,7 @@ __all__ = ["format_json", "format_table"]
 
 
 def _ms(seconds: float) -> str:
-    return f"{1e3 * seconds:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+    return f"{1e3 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _percentiles(s: dict[str, Any], name: str) -> str:
@@ -30,17 +30,24 @@ def _capacity_text(server: ServerReport) -> str:
     return f"{cap.requests_per_s:.2f} req/s (saturation estimate)"
 
 
-def _workload_text(plan: PlanResult) -> str:
+def _workload_rows(plan: PlanResult) -> list[tuple[str, str]]:
     res = plan.paged
     w = res.config.workload
     admitted = max(res.num_admitted, 1)
     history = 100 * res.history_tokens / max(res.prompt_tokens, 1)
-    return (
-        f"prompt {w.prompt_len} (+ system prompt for {100 * w.system_prompt_share:.0f}%), "
-        f"output {w.output_len}; {100 * w.multi_turn_share:.0f}% of conversations multi-turn "
-        f"(2..{w.max_turns} turns, think {w.think_time_s:g} s): mean prompt "
-        f"{res.prompt_tokens / admitted:.0f} tokens, {history:.0f}% of them earlier turns"
-    )
+    return [
+        (
+            "workload",
+            f"messages {w.prompt_len} (+ a shared system prompt for "
+            f"{100 * w.system_prompt_share:.0f}%), outputs {w.output_len}",
+        ),
+        (
+            "conversations",
+            f"{100 * w.multi_turn_share:.0f}% multi-turn (2..{w.max_turns} turns, think "
+            f"{w.think_time_s:g} s): mean prompt {res.prompt_tokens / admitted:.0f} tokens, "
+            f"{history:.0f}% from earlier turns",
+        ),
+    ]
 
 
 def format_table(plan: PlanResult) -> str:
@@ -59,14 +66,14 @@ def format_table(plan: PlanResult) -> str:
     )
     paged = plan.servers[0]
     rows: list[tuple[str, str]] = [
-        ("workload", _workload_text(plan)),
+        *_workload_rows(plan),
         ("requests finished / rejected", f"{s['num_finished']} / {s['num_rejected']}"),
         ("scheduling steps", f"{s['num_steps']}"),
         (
             "throughput, simulated clock",
             f"{s['simulated_requests_per_s']:.2f} req/s, "
             f"{s['simulated_output_tokens_per_s']:.0f} output tok/s "
-            f"({s['simulated_time_s']:.1f} s simulated)",
+            f"over the whole run, drain included ({s['simulated_time_s']:.1f} s simulated)",
         ),
         ("queueing delay p50 / p90 / p99", _percentiles(s, "queue_delay")),
         ("time to first token p50 / p90 / p99", _percentiles(s, "ttft")),

@@ -153,13 +153,13 @@ class SimulationResult:
 def _fake_model(output: SchedulerOutput, rng: np.random.Generator, vocab: int) -> ModelStepResult:
     total = int(output.sample_counts.sum())
     tokens = rng.integers(0, vocab, size=total, dtype=np.int64)
-    logprobs = np.zeros(total, dtype=np.float32)
     topk_ids = topk_lps = None
     if output.beam_topk:
         rows, k = output.num_sample_rows, output.beam_topk
         topk_ids = rng.integers(0, vocab, size=(rows, k), dtype=np.int64)
         topk_lps = -np.sort(rng.random((rows, k)), axis=1).astype(np.float32)
-    return ModelStepResult(tokens, logprobs, topk_ids, topk_lps)
+    # No sampled log-probs: nothing reads them, and the scheduler takes None as zeros.
+    return ModelStepResult(tokens, None, topk_ids, topk_lps)
 
 
 @dataclass
