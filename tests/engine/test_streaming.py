@@ -144,6 +144,7 @@ def test_stop_string_across_token_boundaries(
         stop=("zzzzzzzz", stop),
         include_stop_str_in_output=include,
     )
+    aborted_before = engine.stats()["scheduler"]["num_requests_aborted"]
     records = list(engine.stream([prompt], params))
     _, texts, final = _collect(records)
     (out,) = final.values()
@@ -154,6 +155,8 @@ def test_stop_string_across_token_boundaries(
     assert texts[out.request_id, 0] == c.text  # nothing streamed had to be taken back
     (again,) = engine.generate([prompt], params)
     assert again.text == c.text and again.token_ids == c.token_ids
+    # A stop string ends the request as finished, not aborted, in the scheduler.
+    assert engine.stats()["scheduler"]["num_requests_aborted"] == aborted_before
 
 
 def test_stop_string_on_one_of_n_samples(pair_llm: LLM) -> None:

@@ -335,3 +335,27 @@ def test_records_read_late_are_the_records_of_their_step(rust_manager) -> None:
         assert step < 1000
     assert late.stats()["num_preemptions"] > 0
     assert [_summary(s) for s in late_held] == eager_seen
+
+
+def test_abort_with_a_reason_of_the_callers_counts_as_finished(rust_manager) -> None:
+    now = [0.0]
+    sched = Scheduler(rust_manager(64, 4), clock=lambda: now[0])
+    for r in _requests(2, max_tokens=30):
+        sched.add_request(r)
+    for t in range(1, 5):
+        now[0] = float(t)
+        out = sched.schedule()
+        sched.update(out, fake_step(out))
+    from kvblocks.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        sched.abort_request("r0", "bored")
+    stopped = sched.abort_request("r0", FinishReason.STOP)
+    assert stopped is not None and stopped.outputs[0].finish_reason == FinishReason.STOP
+    assert stopped.metrics.finished_time == 4.0
+    aborted = sched.abort_request("r1")
+    assert aborted.outputs[0].finish_reason == FinishReason.ABORT
+    stats = sched.stats()
+    assert (stats["num_requests_finished"], stats["num_requests_aborted"]) == (1, 1)
+    assert stats["e2e_latency_mean_s"] == 4.0  # r0 only: aborted requests are left out
+    assert not sched.has_unfinished_requests()

@@ -31,6 +31,7 @@ from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
 from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
 from kvblocks.sampling_params import SamplingParams, as_token_ids
 from kvblocks.scheduler import (
+    FinishReason,
     ModelStepResult,
     Request,
     RequestOutput,
@@ -550,7 +551,7 @@ class LLM:
         changed = run.absorb(record, logprobs, self.tokenizer)
         if run.stopped_all() and not record.finished:
             # Every completion matched a stop string: the scheduler can let it go.
-            aborted = self.scheduler.abort_request(record.request_id)
+            aborted = self.scheduler.abort_request(record.request_id, FinishReason.STOP)
             if aborted is not None:
                 run.absorb(aborted, {}, self.tokenizer, new_step=False)
             run.finished = True

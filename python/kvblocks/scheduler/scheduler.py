@@ -192,23 +192,43 @@ class Scheduler:
             union = set(self._stop_tokens.tolist()) | set(state.stop_set)
             self._stop_tokens = np.array(sorted(union), dtype=np.int64)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort an unfinished request and return its output so far (reason ``"abort"``).
+    def abort_request(
+        self, request_id: str, reason: FinishReason | str = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """Abort an unfinished request and return its output so far.
+
+        Its unfinished sequences end with ``reason``: ``"abort"`` (the default; counted in
+        ``num_requests_aborted``), or another reason for a request the caller ends on a
+        condition of its own, e.g. ``"stop"`` for an engine's stop string (counted as
+        finished, with its latencies in the statistics).
 
         Returns ``None`` for an unknown or already finished request id. If a step is in
         flight, the request's blocks are released at the next ``update``.
+
+        Raises:
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if state is None or state.aborted:
             return None
-        output = self._abort_output(state)
-        metrics = state.metrics
-        metrics.finished_time = self._now()
-        metrics.num_generated_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        output = self._abort_output(state, reason)
+        state.metrics.finished_time = self._now()
         state.aborted = True
         for part in state.parts:
             part.aborted = True
-        self.counters.num_requests_aborted += 1
+        if reason == FinishReason.ABORT:
+            self.counters.num_requests_aborted += 1
+            metrics = state.metrics
+            metrics.num_generated_tokens = max(
+                (len(c.token_ids) for c in output.outputs), default=0
+            )
+        else:
+            self.counters.num_requests_finished += 1
+            self._record_finish(state, output)
         if self._in_flight is not None:
             self._pending_aborts.append(state)
         else:
