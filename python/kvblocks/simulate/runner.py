@@ -304,7 +304,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                     entry = awaiting_token.pop(rid)
                     entry.first_token_time = clock
                     metrics.first_token(clock - entry.sim.arrival_time)
-            done = [out for out in outputs if out.finished]
+            # The finished requests' final records (full token_ids), without building the
+            # running requests' per-step records.
+            done = outputs.finished
             for out in done:
                 finished += 1
                 generated += sum(len(c.token_ids) for c in out.outputs)
