@@ -93,3 +93,23 @@ def test_search_rejects_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError):
         search_capacity(_paged, toy_config(), CAPACITY, max_probes=0)
     assert search_capacity(_paged, toy_config(), 0.0).requests_per_s == 0.0
+
+
+@pytest.mark.parametrize("probe", [_paged, _contiguous])
+def test_saturated_runs_serve_follow_ups_before_new_conversations(probe) -> None:  # type: ignore[no-untyped-def]
+    """Two two-turn conversations, one request at a time, 90 ms each, no think time.
+
+    Follow-ups first: c0.0, c0.1, c1.0, c1.1 -> queueing delays 0, 0, 0.18, 0 s.
+    Arrival order: c0.0, c1.0, c0.1, c1.1 -> 0, 0.09, 0.09, 0.09 s.
+    """
+    import dataclasses
+
+    base = toy_config(num_requests=4)
+    workload = dataclasses.replace(
+        base.workload, multi_turn_share=1.0, max_turns=2, think_time_s=0.0
+    )
+    plain = dataclasses.replace(base, workload=workload)
+    first = dataclasses.replace(plain, follow_ups_first=True)
+    assert probe(first)[0].queue_delay.mean == pytest.approx(0.18 / 4)
+    assert probe(plain)[0].queue_delay.mean == pytest.approx(0.27 / 4)
+    assert saturated_config(plain, 4).follow_ups_first

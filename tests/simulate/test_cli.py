@@ -52,7 +52,7 @@ def test_report_shows_percentiles_capacity_and_the_baselines() -> None:
         "time per output token p50 / p90 / p99",
         "latency stable at this rate",
         "capacity (stable latency)",
-        "saturation estimate",
+        "saturation estimate; --capacity search",
         "contiguous, max_tokens",
         "contiguous, exact (lower bound)",
         "saturated: mean / peak batch (seqs)",

@@ -75,6 +75,7 @@ def saturated_config(config: SimulationConfig, num_requests: int) -> SimulationC
         workload=workload,
         progress=False,
         stop_at_window=True,
+        follow_ups_first=True,
     )
 
 

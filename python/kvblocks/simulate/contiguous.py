@@ -137,6 +137,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
     metrics = RequestMetrics(num_requests)
     window = ThroughputWindow(num_requests)
     waiting: deque[tuple[SimRequest, int]] = deque()
+    follow_ups: deque[tuple[SimRequest, int]] = deque()  # ahead of waiting, if asked
     running: list[_Running] = []  # in admission order
     reserved = 0
     seqs = 0
@@ -151,8 +152,11 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
             if reservation_tokens(sim, rule) > capacity or sim.n > max_seqs:
                 rejected += 1 + len(sim.next_turns)
                 continue
-            waiting.append((sim, index))
-        if not running and not waiting:
+            if config.follow_ups_first and sim.turn:
+                follow_ups.append((sim, index))
+            else:
+                waiting.append((sim, index))
+        if not running and not waiting and not follow_ups:
             upcoming = arrivals.next_time()
             if upcoming is None:
                 break
@@ -176,12 +180,12 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
                 context += r.context + chunk
                 r.prefill_left -= chunk
                 r.context += chunk
-        while waiting and budget > 0:
-            sim, index = waiting[0]
+        while (queue := follow_ups or waiting) and budget > 0:
+            sim, index = queue[0]
             need = reservation_tokens(sim, rule)
             if reserved + need > capacity or seqs + sim.n > max_seqs:
                 break  # FCFS: nobody overtakes the head of the queue
-            waiting.popleft()
+            queue.popleft()
             reserved += need
             seqs += sim.n
             metrics.scheduled(index, step_start - sim.arrival_time)
@@ -232,7 +236,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
             if follow is not None:
                 arrivals.push(follow)
         running = still
-        window.step(clock - step_start, finished_now, bool(waiting))
+        window.step(clock - step_start, finished_now, bool(waiting or follow_ups))
         if config.stop_at_window and window.closed:
             break
     return ContiguousResult(

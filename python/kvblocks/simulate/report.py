@@ -27,7 +27,7 @@ def _capacity_text(server: ServerReport) -> str:
         return (
             f"{cap.requests_per_s:.2f} req/s (search; saturation {cap.estimate_requests_per_s:.2f})"
         )
-    return f"{cap.requests_per_s:.2f} req/s (saturation estimate)"
+    return f"at most {cap.requests_per_s:.2f} req/s (saturation estimate; --capacity search)"
 
 
 def _workload_rows(plan: PlanResult) -> list[tuple[str, str]]:

@@ -29,6 +29,9 @@ from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 __all__ = ["SimulationConfig", "SimulationError", "SimulationResult", "run_simulation"]
 
 _MAX_IDLE_STEPS = 10_000
+_FOLLOW_UP_HEAD_START = 1e9
+"""Seconds subtracted from a follow-up's arrival time under ``follow_ups_first``: earlier
+than any conversation start, so arrival-ordered policies admit it first."""
 
 
 class SimulationError(KVBlocksError):
@@ -47,6 +50,10 @@ class SimulationConfig:
         progress: show a tqdm progress bar on stderr.
         stop_at_window: end the run as soon as the throughput window closes (90% of the
             requests finished): a capacity estimate needs no drain.
+        follow_ups_first: queue a conversation's later turns ahead of conversations that
+            have not started (saturated runs: with every conversation queued at t=0, plain
+            arrival order would serve all the short first turns before any long follow-up,
+            so the measured mix would not be the trace's).
     """
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -58,6 +65,7 @@ class SimulationConfig:
     cost_model: CostModel = field(default_factory=CostModel)
     progress: bool = True
     stop_at_window: bool = False
+    follow_ups_first: bool = False
 
 
 _TIMELINE_COLUMNS = (
@@ -238,6 +246,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         while True:
             while (sim := arrivals.pop_due(clock)) is not None:
                 params = SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True)
+                queue_time = sim.arrival_time
+                if config.follow_ups_first and sim.turn:
+                    queue_time -= _FOLLOW_UP_HEAD_START
                 index = arrived
                 arrived += 1
                 try:
@@ -246,7 +257,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                             sim.request_id,
                             sim.prompt_token_ids,
                             params,
-                            sim.arrival_time,
+                            queue_time,
                             priority=sim.priority,
                         )
                     )
