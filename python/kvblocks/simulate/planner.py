@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate.capacity import (
@@ -43,8 +44,8 @@ class ServerReport:
     """
 
     name: str
-    at_rate: dict[str, object]
-    saturated: dict[str, object] | None = None
+    at_rate: dict[str, Any]
+    saturated: dict[str, Any] | None = None
     capacity: CapacityResult | None = None
 
 
@@ -63,17 +64,17 @@ class PlanResult:
     capacity_mode: str = "estimate"
 
 
-_Run = Callable[[SimulationConfig], tuple[RequestMetrics, float, dict[str, object]]]
+_Run = Callable[[SimulationConfig], tuple[RequestMetrics, float, dict[str, Any]]]
 """Runs one server on a configuration: metrics, saturated completion rate, summary."""
 
 
-def _run_paged(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, object]]:
+def _run_paged(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, Any]]:
     result = run_simulation(config)
     return result.metrics, result.saturated_requests_per_s, result.summary()
 
 
 def _contiguous_runner(rule: str) -> _Run:
-    def run(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, object]]:
+    def run(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, Any]]:
         result = run_contiguous(config, rule)
         return result.metrics, result.saturated_requests_per_s, result.summary()
 
