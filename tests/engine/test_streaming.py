@@ -165,7 +165,11 @@ def test_stop_string_on_one_of_n_samples(pair_llm: LLM) -> None:
     first = base.outputs[0].text
     stop = first[5:8]
     assert stop not in base.outputs[1].text[: len(base.outputs[1].text)]
+    generated_before = pair_llm.stats()["scheduler"]["num_generated_tokens"]
     (out,) = pair_llm.generate([[4, 5, 6]], SamplingParams(**{**params.__dict__, "stop": (stop,)}))
+    # The stopped sample stopped decoding too (Scheduler.finish_sequence), not only its text.
+    generated = pair_llm.stats()["scheduler"]["num_generated_tokens"] - generated_before
+    assert generated == sum(len(c.token_ids) for c in out.outputs)
     assert out.outputs[0].finish_reason == FinishReason.STOP
     assert out.outputs[0].text == first[: first.find(stop)]
     assert out.outputs[1].token_ids == base.outputs[1].token_ids

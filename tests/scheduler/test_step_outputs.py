@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from sched_fake_model import fake_step
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler import (
     FinishReason,
     Request,
@@ -294,8 +295,6 @@ def test_arrival_time_given_by_the_caller(rust_manager) -> None:
 
 
 def test_bad_clock_is_rejected(rust_manager) -> None:
-    from kvblocks.errors import InvalidArgumentError
-
     with pytest.raises(InvalidArgumentError):
         Scheduler(rust_manager(64, 4), clock=3.0)  # type: ignore[arg-type]
 
@@ -346,8 +345,6 @@ def test_abort_with_a_reason_of_the_callers_counts_as_finished(rust_manager) -> 
         now[0] = float(t)
         out = sched.schedule()
         sched.update(out, fake_step(out))
-    from kvblocks.errors import InvalidArgumentError
-
     with pytest.raises(InvalidArgumentError):
         sched.abort_request("r0", "bored")
     stopped = sched.abort_request("r0", FinishReason.STOP)
@@ -359,3 +356,48 @@ def test_abort_with_a_reason_of_the_callers_counts_as_finished(rust_manager) -> 
     assert (stats["num_requests_finished"], stats["num_requests_aborted"]) == (1, 1)
     assert stats["e2e_latency_mean_s"] == 4.0  # r0 only: aborted requests are left out
     assert not sched.has_unfinished_requests()
+
+
+def test_finish_sequence_refusals(rust_manager) -> None:
+    sched = Scheduler(rust_manager(64, 4))
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))
+    stream = Stream(sched)
+    for _ in range(4):
+        stream.step()
+    assert sched.finish_sequence("a", 7) is None  # no such completion
+    assert sched.finish_sequence("zz", 0) is None
+    out = sched.schedule()
+    assert sched.finish_sequence("a", 1) is None  # not while a step is in flight
+    sched.update(out, fake_step(out))
+    with pytest.raises(InvalidArgumentError):
+        sched.finish_sequence("a", 1, "bored")
+
+
+def test_finish_one_sequence_of_several(rust_manager) -> None:
+    sched = Scheduler(rust_manager(64, 4))
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))
+    stream = Stream(sched)
+    for _ in range(4):
+        stream.step()
+    used = sched.manager.num_free_blocks()
+    done = sched.finish_sequence("a", 1, FinishReason.STOP)
+    assert done is not None and done.finish_reason == FinishReason.STOP
+    assert done.token_ids == stream.deltas["a", 1] and len(done.token_ids) == 4
+    assert sched.manager.num_free_blocks() > used  # its own tail block went back
+    assert sched.finish_sequence("a", 1) is None  # already finished
+    stream.run()
+    stream.check_deltas()
+    final = stream.final["a"]
+    assert final.outputs[1].finish_reason == FinishReason.STOP
+    assert final.outputs[1].token_ids == done.token_ids
+    assert [len(c.token_ids) for c in final.outputs] == [12, 4, 12]
+    sched.manager.check_invariants()
+    assert len(sched.manager) == 0
+
+
+def test_finish_sequence_refuses_the_last_one(rust_manager) -> None:
+    sched = Scheduler(rust_manager(64, 4))
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=12)))
+    stream = Stream(sched)
+    stream.step()
+    assert sched.finish_sequence("a", 0) is None  # use abort_request for the whole request

@@ -549,6 +549,10 @@ class LLM:
         if run is None or run.finished:
             return
         changed = run.absorb(record, logprobs, self.tokenizer)
+        for index in run.take_stopped():
+            # One sample of several matched a stop string: free it now if the
+            # scheduler can (else its further tokens are ignored).
+            self.scheduler.finish_sequence(record.request_id, index, FinishReason.STOP)
         if run.stopped_all() and not record.finished:
             # Every completion matched a stop string: the scheduler can let it go.
             aborted = self.scheduler.abort_request(record.request_id, FinishReason.STOP)

@@ -57,10 +57,12 @@ class RequestRun:
         self.finished = False
         self.completions: dict[int, _CompletionState] = {}
         self.metrics: RequestMetrics | None = None
+        self._prompt_ids: list[int] = np.asarray(request.prompt_token_ids).tolist()
         self.num_cached_tokens = 0
         # While a stop string may still match, its first len - 1 characters are held back
         # so that no streamed text ever has to be taken back.
         self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self._stopped: list[int] = []
 
     def _completion(self, index: int, tokenizer: Tokenizer | None) -> _CompletionState:
         comp = self.completions.get(index)
@@ -144,6 +146,12 @@ class RequestRun:
         comp.text = comp.text[: max(end, comp.sent)]
         comp.finish_reason = FinishReason.STOP
         comp.stop_reason = stop
+        self._stopped.append(comp.index)
+
+    def take_stopped(self) -> list[int]:
+        """Completions that matched a stop string since the last call."""
+        stopped, self._stopped = self._stopped, []
+        return stopped
 
     def stopped_all(self) -> bool:
         """Every completion of the request has ended here (stop strings)."""
@@ -178,7 +186,7 @@ class RequestRun:
         return GenerationOutput(
             request_id=self.request.request_id,
             prompt=self.prompt,
-            prompt_token_ids=np.asarray(self.request.prompt_token_ids).tolist(),
+            prompt_token_ids=self._prompt_ids,  # shared by the request's records
             outputs=completions,
             num_cached_tokens=int(self.num_cached_tokens),
             finished=self.finished,

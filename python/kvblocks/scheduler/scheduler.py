@@ -235,6 +235,49 @@ class Scheduler:
             self._drop_request(state)
         return output
 
+    def finish_sequence(
+        self, request_id: str, index: int, reason: FinishReason | str = FinishReason.STOP
+    ) -> CompletionOutput | None:
+        """End one decoding sequence of an ``n > 1`` request that keeps others running.
+
+        For an engine condition on one completion (a stop string of one sample): the
+        sequence's blocks are released now instead of decoding on until the request ends.
+        Works between steps on a decoding (not swapped, split or beam-search) request whose
+        other sequences still run; returns the sequence's final record, or ``None`` when
+        that does not hold (the caller then ignores the sequence's further tokens, or
+        ends the whole request with :meth:`abort_request`).
+
+        Raises:
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
+        """
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+        state = self._requests.get(request_id)
+        if (
+            state is None
+            or state.aborted
+            or self._in_flight is not None
+            or state.status is not RequestStatus.RUNNING
+            or state.params.use_beam_search
+            or len(state.seq_ids) < 2
+        ):
+            return None
+        seqs = [seq for seq in state.seq_ids if state.seq_index.get(seq) == index]
+        if not seqs:
+            return None
+        seq = seqs[0]
+        rows = self._table.rows_of(np.array([seq], dtype=np.int64))
+        cum = float(self._table["cum_logprob"][rows[0]])
+        tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
+        completion = CompletionOutput(index, tokens, cum, reason)
+        state.outputs[index] = completion
+        state.output_step[index] = self.counters.num_steps
+        self._table.update(rows, [])
+        self._release_seq(state, seq)
+        return completion
+
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting, running or swapped (or output is pending)."""
         return bool(self._requests) or bool(self._early_outputs)
@@ -1146,7 +1189,11 @@ class Scheduler:
     ) -> RequestOutput:
         """The request's output as it stands, every unfinished sequence ending with ``reason``."""
         mgr = self.manager
-        outputs = dict(state.outputs)
+        # Sequences that finished in earlier steps sent their last tokens then.
+        outputs = {
+            i: dataclasses.replace(c, new_token_ids=[]) if c.new_token_ids else c
+            for i, c in state.outputs.items()
+        }
         for part in state.parts:
             outputs.update({c.index: c for c in self._abort_output(part, reason).outputs})
         cums: dict[int, float] = {}
