@@ -10,6 +10,7 @@ cores (the Rust crates of the unpacked sdist compile fresh each time), so it run
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -19,6 +20,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+import kvblocks._core as tree_core
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -145,6 +148,21 @@ def test_wheel_installs_into_a_clean_venv_and_runs_the_readme_tour(
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "[1 2 3]" in run.stdout
+
+    # The wheel's extension has the API of the one built from the tree (a stale build of an
+    # older source would not).
+    api = (
+        "import json, kvblocks._core as c; "
+        "print(json.dumps([sorted(dir(c)), sorted(dir(c.KVCacheManager))]))"
+    )
+    installed = subprocess.run(
+        [str(python), "-c", api], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert installed.returncode == 0, installed.stderr
+    assert json.loads(installed.stdout) == [
+        sorted(dir(tree_core)),
+        sorted(dir(tree_core.KVCacheManager)),
+    ]
 
     # The console script is installed, and the clean venv (no torch) gets the extras hint.
     version = subprocess.run(
