@@ -69,7 +69,7 @@ test: build test-rust lint test-python
 
 # Only the distribution test (also part of test-python): build, install in a fresh venv, run.
 test-wheel: build
-	$(PY) -m pytest -q -m wheel tests/packaging
+	$(PY) -m pytest -q -m wheel tests/distribution
 
 bench-rust:
 	cargo bench -p kvblocks-core
