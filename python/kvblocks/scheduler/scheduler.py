@@ -210,7 +210,7 @@ class Scheduler:
         """
         try:
             reason = FinishReason(reason)
-        except ValueError:
+        except (TypeError, ValueError):
             raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if state is None or state.aborted:
@@ -252,7 +252,7 @@ class Scheduler:
         """
         try:
             reason = FinishReason(reason)
-        except ValueError:
+        except (TypeError, ValueError):
             raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if (
@@ -476,20 +476,23 @@ class Scheduler:
                 f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, "
                 f"{output.beam_topk}] are required"
             )
+        now = float(self._clock())  # before any change: a failing clock changes nothing
         self._in_flight = None
         finished: list[RequestOutput] = self._early_outputs
         self._early_outputs = []
         self._step_events = {}
-        self._update_time = self._now()
+        self._update_time = now
         states = dict(self._requests)  # the step's records outlive finished requests
         decode: DecodeDeltas | None = None
-        if output.num_seqs:
-            decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
-        for state in self._pending_aborts:
-            self._drop_request(state)
-        self._pending_aborts = []
+        try:
+            if output.num_seqs:
+                decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
+            for state in self._pending_aborts:
+                self._drop_request(state)
+            self._pending_aborts = []
+        finally:
+            self._update_time = None
         events, self._step_events = self._step_events, {}
-        self._update_time = None
         return StepOutputs(finished, events, decode, states)
 
     def _now(self) -> float:
