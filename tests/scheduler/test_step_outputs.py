@@ -411,7 +411,15 @@ def test_a_failing_clock_changes_nothing(rust_manager) -> None:
             raise RuntimeError("clock down")
         return 1.0
 
-    sched = Scheduler(rust_manager(64, 4), clock=clock)
+    manager = rust_manager(64, 4)
+    sched = Scheduler(manager, clock=clock)
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    assert len(manager) == 0 and not sched.has_unfinished_requests()
+    fail[0] = False
     sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
     out = sched.schedule()
     fail[0] = True
