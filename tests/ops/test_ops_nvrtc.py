@@ -72,3 +72,24 @@ def test_packaged_source_links_cover_every_cuda_file():
     for name in sources:
         assert (links / name).read_bytes() == (repo_cuda / name).read_bytes(), name
     assert cuda_sources.cuda_dir() == repo_cuda
+
+
+def test_compiling_leaves_the_interpreters_shared_bytes_alone():
+    """NVRTC writes its log and binary into the buffers it is given. A warning-free compile
+    has a one-byte log (its NUL), and ``b" " * 1`` is CPython's shared one-byte singleton:
+    writing into it turned every ``b" "`` of the process into ``b"\\x00"`` (seen as a
+    detokenizer emitting NULs after the emulated-kernel tests). Checked in a child so a
+    regression cannot poison this process."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kvblocks.ops import nvrtc_build\n"
+        "p = nvrtc_build.compile_program('tiny.cu', [], ['-arch=sm_90'],\n"
+        "                                code='__global__ void k(int* x) { *x = 1; }')\n"
+        "assert p.log == '', repr(p.log)\n"
+        "assert bytes([32])[0] == 32, 'the one-byte bytes singleton was overwritten'\n"
+        "assert isinstance(p.binary, bytes) and p.binary[:4] == b'\\x7fELF'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

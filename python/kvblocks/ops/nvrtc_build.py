@@ -104,18 +104,21 @@ def compile_program(
         opts = [o.encode() for o in options]
         compiled = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        buf = b" " * size
+        # NVRTC writes into these buffers: they must be fresh mutable memory. ``b" " * 1``
+        # is CPython's shared one-byte singleton, so an empty log (just its NUL) turned every
+        # b" " in the process into b"\x00".
+        buf = bytearray(size)
         _check(nvrtc.nvrtcGetProgramLog(prog, buf), "log")
-        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         _check(compiled, f"compiling {source}", log)
         ptx = any(o.startswith("-arch=compute_") for o in options)
         if ptx:
             (size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "PTX size")
-            binary = b" " * size
+            binary = bytearray(size)
             _check(nvrtc.nvrtcGetPTX(prog, binary), "PTX")
         else:
             (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-            binary = b" " * size
+            binary = bytearray(size)
             _check(nvrtc.nvrtcGetCUBIN(prog, binary), "cubin")
         lowered = {}
         for expr in name_expressions:
