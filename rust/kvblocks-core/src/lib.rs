@@ -40,12 +40,17 @@
 //!   (their tables hold CPU ids, which must not reach the model step).
 //! * Batch methods reject a sequence id listed twice (`InvalidArgument`).
 //! * `seq_ids()` is sorted ascending.
+//! * `sync_block_table` keeps a caller's persistent block table up to date by writing
+//!   only the entries that changed since the last sync (see its docs for when a row is
+//!   written whole); the Python names are `update_block_table` (in place) and
+//!   `block_table_delta` (the writes only).
 
 mod alloc_status;
 mod batch_allocation;
 mod batch_arg;
 mod block_hash;
 mod block_pool;
+mod block_table_delta;
 mod config;
 mod error;
 mod events;
@@ -59,6 +64,7 @@ pub use alloc_status::AllocStatus;
 pub use batch_allocation::BatchAllocation;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
+pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};

@@ -172,6 +172,7 @@ impl KVCacheManager {
                     let b = std::mem::replace(&mut seq.table[i], NULL_BLOCK);
                     pools.release_gpu(b);
                 }
+                seq.dirty_from = seq.dirty_from.min(seq.num_released_blocks);
                 seq.num_released_blocks = outside;
             }
         }

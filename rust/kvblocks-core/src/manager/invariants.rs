@@ -90,6 +90,13 @@ impl KVCacheManager {
                     )));
                 }
             }
+            if seq.dirty_from > seq.table.len() {
+                return Err(violation(format!(
+                    "sequence {id}: first changed table entry {} is past its {} entries",
+                    seq.dirty_from,
+                    seq.table.len()
+                )));
+            }
             if seq.num_released_blocks > seq.table.len() {
                 return Err(violation(format!(
                     "sequence {id}: released more blocks than held"

@@ -39,6 +39,8 @@ pub struct KVCacheManager {
     cow_queue: Vec<[i64; 2]>,
     watermark_blocks: usize,
     scratch: BatchScratch,
+    /// Sequence last written into each row of the caller's block table (`sync_block_table`).
+    row_owner: FxHashMap<u32, u64>,
 }
 
 impl KVCacheManager {
@@ -64,6 +66,7 @@ impl KVCacheManager {
             cow_queue: Vec::new(),
             watermark_blocks,
             scratch: BatchScratch::default(),
+            row_owner: FxHashMap::default(),
             config,
         })
     }
@@ -177,3 +180,4 @@ mod queries;
 mod sequences;
 mod step_inputs;
 mod swap;
+mod table_sync;

@@ -55,6 +55,8 @@ impl KVCacheManager {
             num_registered_blocks: 0,
             num_released_blocks: 0,
             swapped: false,
+            dirty_from: 0,
+            synced_row: None,
         };
         self.index.insert(seq_id, self.slots.len() as u32);
         self.slots.push(seq);
@@ -85,6 +87,9 @@ impl KVCacheManager {
         }
         let mut child = parent.clone();
         child.id = child_id;
+        // A new table: it reaches a caller's table only through a whole-row write.
+        child.dirty_from = 0;
+        child.synced_row = None;
         // Spare blocks hold no computed KV; sharing them would let both sides write them.
         child
             .table
