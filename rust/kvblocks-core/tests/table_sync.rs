@@ -177,7 +177,9 @@ fn bad_calls_fail_and_change_nothing() {
     prefill(&mut m, 2, &toks(20, 10));
     let mut buf = vec![7i32; 4 * 8];
     let is_arg = |e: &KvError| matches!(e, KvError::InvalidArgument(_));
-    let cases: Vec<(Vec<u64>, Vec<i64>, usize, usize, usize)> = vec![
+    // (seq ids, rows, num_rows, num_cols, buffer length)
+    type Case = (Vec<u64>, Vec<i64>, usize, usize, usize);
+    let cases: Vec<Case> = vec![
         (vec![1, 2], vec![0], 4, 8, 32),    // lengths differ
         (vec![1], vec![4], 4, 8, 32),       // row out of range
         (vec![1], vec![-1], 4, 8, 32),      // negative row
