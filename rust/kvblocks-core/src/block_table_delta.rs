@@ -1,5 +1,8 @@
 //! The result of `sync_block_table`: what changed in a caller-kept block table.
 
+use crate::error::{KvError, Result};
+use crate::NULL_BLOCK;
+
 /// Entries written into a caller's persistent `[num_rows, num_cols]` block table by one
 /// `sync_block_table` call, in CSR form, so a device copy can be patched with the same
 /// writes (a scatter) instead of being uploaded whole.
@@ -31,5 +34,45 @@ impl BlockTableDelta {
     /// True when nothing was written.
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()
+    }
+
+    /// Apply the writes to a row-major `[num_rows, num_cols]` table (what an engine does
+    /// to its copy). `InvalidArgument`, with `table` unchanged, if the table is not
+    /// `num_rows * num_cols` long or an entry does not fit it.
+    pub fn apply(&self, table: &mut [i32], num_rows: usize, num_cols: usize) -> Result<()> {
+        let n = self.rows.len();
+        let bad = || KvError::InvalidArgument("block table delta does not fit the table".into());
+        if self.start_cols.len() != n
+            || self.reset.len() != n
+            || self.indptr.len() != n + 1
+            || Some(table.len()) != num_rows.checked_mul(num_cols)
+        {
+            return Err(bad());
+        }
+        let mut spans = Vec::with_capacity(n);
+        for k in 0..n {
+            let row = usize::try_from(self.rows[k]).map_err(|_| bad())?;
+            let start = usize::try_from(self.start_cols[k]).map_err(|_| bad())?;
+            let lo = usize::try_from(self.indptr[k]).map_err(|_| bad())?;
+            let hi = usize::try_from(self.indptr[k + 1]).map_err(|_| bad())?;
+            if row >= num_rows
+                || lo > hi
+                || hi > self.block_ids.len()
+                || start + (hi - lo) > num_cols
+            {
+                return Err(bad());
+            }
+            spans.push((row * num_cols, start, lo, hi));
+        }
+        for (k, (base, start, lo, hi)) in spans.into_iter().enumerate() {
+            let row = &mut table[base..base + num_cols];
+            let end = start + (hi - lo);
+            row[start..end].copy_from_slice(&self.block_ids[lo..hi]);
+            if self.reset[k] {
+                row[..start].fill(NULL_BLOCK as i32);
+                row[end..].fill(NULL_BLOCK as i32);
+            }
+        }
+        Ok(())
     }
 }

@@ -48,7 +48,8 @@ impl Table {
         Ok(d)
     }
 
-    /// What an engine does with a delta on its device copy.
+    /// What an engine does with a delta on its device copy (written out here rather
+    /// than through `BlockTableDelta::apply`, which the buffer path uses).
     fn apply(&mut self, d: &BlockTableDelta) {
         for k in 0..d.len() {
             let base = d.rows[k] as usize * self.cols;
@@ -211,6 +212,30 @@ fn bad_calls_fail_and_change_nothing() {
         |e| matches!(e, KvError::SequenceState(_)),
     );
     assert!(buf.iter().all(|&x| x == 7));
+    // A zero-width table with empty tables is fine.
+    m.add_sequence(5, &toks(0, 3), None, None).unwrap();
+    let d = m
+        .sync_block_table(&[5], &[0], 1, 0, Some(&mut []), false)
+        .unwrap();
+    assert_eq!(d.reset, vec![true]);
+}
+
+#[test]
+fn apply_rejects_a_delta_that_does_not_fit() {
+    let d = BlockTableDelta {
+        rows: vec![1],
+        start_cols: vec![2],
+        indptr: vec![0, 2],
+        block_ids: vec![5, 6],
+        reset: vec![false],
+    };
+    let mut t = vec![0i32; 8];
+    assert!(d.apply(&mut t, 2, 3).is_err()); // 2 + 2 ids past 3 columns
+    assert!(d.apply(&mut t, 1, 8).is_err()); // row 1 of 1
+    assert!(d.apply(&mut t, 3, 3).is_err()); // wrong length
+    assert!(t.iter().all(|&x| x == 0));
+    d.apply(&mut t, 2, 4).unwrap();
+    assert_eq!(t, vec![0, 0, 0, 0, 0, 0, 5, 6]);
 }
 
 /// One random operation on a small manager.

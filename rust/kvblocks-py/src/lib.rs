@@ -7,6 +7,7 @@
 mod alloc_status;
 mod args;
 mod batch_allocation;
+mod block_table_delta;
 mod errors;
 mod events;
 mod manager;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<alloc_status::AllocStatus>()?;
     m.add_class::<batch_allocation::BatchAllocation>()?;
+    m.add_class::<block_table_delta::BlockTableDelta>()?;
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;

@@ -15,7 +15,6 @@
 use super::KVCacheManager;
 use crate::block_table_delta::BlockTableDelta;
 use crate::error::{KvError, Result};
-use crate::NULL_BLOCK;
 
 impl KVCacheManager {
     /// Bring rows `rows[i]` of a persistent `[num_rows, num_cols]` block table up to date
@@ -36,7 +35,7 @@ impl KVCacheManager {
         rows: &[i64],
         num_rows: usize,
         num_cols: usize,
-        mut buffer: Option<&mut [i32]>,
+        buffer: Option<&mut [i32]>,
         full: bool,
     ) -> Result<BlockTableDelta> {
         if rows.len() != seq_ids.len() {
@@ -103,20 +102,11 @@ impl KVCacheManager {
             let start = if whole { 0 } else { seq.dirty_from };
             let len = seq.table.len();
             if whole || start < len {
-                let ids = &seq.table[start..len];
-                if let Some(buf) = buffer.as_deref_mut() {
-                    let base = row as usize * num_cols;
-                    let dst = &mut buf[base + start..base + num_cols];
-                    for (d, &b) in dst.iter_mut().zip(ids) {
-                        *d = b as i32;
-                    }
-                    if whole {
-                        dst[len..].fill(NULL_BLOCK as i32);
-                    }
-                }
                 delta.rows.push(row as i32);
                 delta.start_cols.push(start as i32);
-                delta.block_ids.extend(ids.iter().map(|&b| b as i32));
+                delta
+                    .block_ids
+                    .extend(seq.table[start..len].iter().map(|&b| b as i32));
                 delta.indptr.push(delta.block_ids.len() as i64);
                 delta.reset.push(whole);
             }
@@ -125,6 +115,10 @@ impl KVCacheManager {
                 seq.synced_row = Some(row);
                 self.row_owner.insert(row, seq.id);
             }
+        }
+        if let Some(buf) = buffer {
+            // Every entry was checked against the table's shape above.
+            delta.apply(buf, num_rows, num_cols)?;
         }
         Ok(delta)
     }
