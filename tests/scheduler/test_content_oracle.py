@@ -9,8 +9,12 @@ tokens, EOS, aborts before and during a step) run against an emulated KV memory
    pairs one after the other, as the interface document says they mean);
 2. writes the KV id of every scheduled token through ``slot_mapping`` (and garbage into
    the lookahead slots of decodes), failing if two sequences write one slot;
-3. reads every scheduled sequence's whole context back through its ``block_tables`` row
-   and ``seq_lens`` entry and compares it with the KV ids of that sequence's own tokens;
+3. reads every scheduled sequence's whole context back through its row of the engine's
+   copy of the persistent block table (``block_table[block_table_rows[i]]``), a copy kept
+   only by applying ``block_table_delta`` each step (rebuilt whole only when
+   ``block_table_reallocated``), and its ``seq_lens`` entry, and compares it with the KV
+   ids of that sequence's own tokens; that copy must equal the scheduler's rows, and the
+   compatibility ``block_tables`` must equal them too;
 4. samples with the deterministic fake model and calls ``update``.
 
 Every request must be rejected at ``add_request`` (with a message) or finish with a
@@ -136,6 +140,32 @@ class Harness:
         self.rejected: dict[str, str] = {}
         self.outputs: dict[str, RequestOutput] = {}
         self.aborted: set[str] = set()
+        # The engine's (device) copy of the persistent block table, patched by deltas.
+        self.table: np.ndarray | None = None
+
+    def sync_table(self, out) -> np.ndarray:
+        """Bring the engine's copy up to date from the step's delta alone; return the
+        scheduled sequences' rows of it."""
+        if out.block_table_reallocated or self.table is None:
+            assert out.block_table_reallocated, "the first step must announce a new table"
+            self.table = np.array(out.block_table, copy=True)
+        else:
+            assert self.table.shape == out.block_table.shape
+            d = out.block_table_delta
+            for k in range(len(d)):
+                row, start = int(d.rows[k]), int(d.start_cols[k])
+                ids = d.block_ids[d.indptr[k] : d.indptr[k + 1]]
+                if d.reset[k]:
+                    self.table[row] = 0
+                self.table[row, start : start + len(ids)] = ids
+        rows = out.block_table_rows
+        assert len(rows) == out.num_seqs and len(set(rows.tolist())) == len(rows)
+        mine = self.table[rows]
+        np.testing.assert_array_equal(mine, out.block_table[rows])
+        legacy = out.block_tables
+        np.testing.assert_array_equal(legacy, mine[:, : legacy.shape[1]])
+        assert not mine[:, legacy.shape[1] :].any()
+        return mine
 
     # -- one step -----------------------------------------------------------------------
     def apply_memory_ops(self, out) -> None:
@@ -155,6 +185,7 @@ class Harness:
         writes = []
         contexts = []
         qsl = out.query_start_loc
+        tables = self.sync_table(out)
         for i, seq in enumerate(out.seq_ids.tolist()):
             request = sched._owner[seq].request
             tokens = mgr.token_ids(seq).tolist()
@@ -168,7 +199,7 @@ class Harness:
             assert out.input_token_ids[lo:hi].tolist() == tokens[seq_len - n : seq_len]
             slots = out.slot_mapping[lo:hi]
             values = [ids[p] for p in pos.tolist()]
-            table = out.block_tables[i]
+            table = tables[i]
             if i < out.num_decode_seqs and cfg.sched.num_lookahead_tokens:
                 # Draft tokens of a speculative step: the engine writes their KV too.
                 look = np.arange(seq_len, seq_len + cfg.sched.num_lookahead_tokens)

@@ -36,6 +36,7 @@ from kvblocks.errors import (
 )
 from kvblocks.scheduler.batch import StepPlan, build_step, stack_pairs
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
+from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
@@ -83,6 +84,13 @@ class Scheduler:
         self._prefilling: list[RequestState] = []  # key order
         self._swapped: list[RequestState] = []  # key order
         self._table = SequenceTable()
+        # Rows are taken back wherever a sequence leaves the GPU (free, swap_out).
+        self._block_table = PersistentBlockTable(
+            manager,
+            self.config.max_num_seqs,
+            manager.block_size,
+            self.config.num_lookahead_tokens,
+        )
         self._next_seq_id = 0
         self._free_seq_ids: list[int] = []
         self._counter = 0
@@ -321,6 +329,7 @@ class Scheduler:
             swap_in_maps,
             self._finished_ids,
             lambda seq: self._owner[seq].params.beam_width,
+            self._block_table,
         )
         self._finished_ids = []
         # memory_ops carries every move of the step, so an engine can apply it alone.
@@ -781,6 +790,7 @@ class Scheduler:
         for seq, cum in self._take_live_seqs(state):
             part = state.make_part(seq, np.asarray(mgr.token_ids(seq), dtype=np.int64), cum)
             mgr.free(seq)
+            self._block_table.release((seq,))
             self._owner[seq] = part
             state.parts.append(part)
             self._queue(part)
@@ -795,6 +805,7 @@ class Scheduler:
         live = self._take_live_seqs(state)
         for seq, _ in live:
             mgr.free(seq)
+            self._block_table.release((seq,))
         first = live[0][0]
         for seq in state.all_seq_ids:
             if seq != first and self._owner.get(seq) is state:
@@ -819,6 +830,7 @@ class Scheduler:
         rows = self._table.rows_of(np.array(seqs, dtype=np.int64))
         self._drain_copies()
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
+        self._block_table.release(seqs)
         self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
         state.swapped_rows = self._table.take(rows)
         self._table.update(rows, [])
@@ -843,6 +855,7 @@ class Scheduler:
             ((_, state.cum_logprob),) = self._take_live_seqs(state)
             state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
         mgr.free(seq)
+        self._block_table.release((seq,))
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
 
@@ -948,6 +961,7 @@ class Scheduler:
 
     def _release_seq(self, state: RequestState, seq: int) -> None:
         self.manager.free(seq)
+        self._block_table.release((seq,))
         if seq in state.seq_ids:
             state.seq_ids.remove(seq)
 
@@ -1086,6 +1100,7 @@ class Scheduler:
                 self._table.update(rows, [])
         for seq in state.seq_ids:
             mgr.free(seq)
+            self._block_table.release((seq,))
         state.seq_ids = []
         state.status = RequestStatus.FINISHED
         self._forget(state)
