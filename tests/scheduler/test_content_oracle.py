@@ -218,6 +218,9 @@ class Harness:
         for result in sched.update(out, fake_step(out)):
             self.finish(result)
         mgr.check_invariants()
+        # Only sequences on the GPU hold block-table rows (swapped or freed ones gave
+        # theirs back).
+        assert sched._block_table.num_held <= sched._num_live_seqs()
 
     # -- requests -----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -256,6 +259,8 @@ class Harness:
         else:
             raise AssertionError(f"no progress after {MAX_STEPS} steps (hang)")
         self.check_outputs()
+        # Every block-table row came back (finished, aborted, preempted or swapped out).
+        assert self.sched._block_table.num_held == 0, self.sched._block_table.num_held
 
     # -- end of run ---------------------------------------------------------------------
     def pool_is_full(self, request: Request, tokens: list[int]) -> bool:
