@@ -35,8 +35,8 @@ __all__ = [
     "AllocStatus",
     "BatchAllocation",
     "BlockRemoved",
-    "BlockTableDelta",
     "BlockStored",
+    "BlockTableDelta",
     "KVCacheManager",
     "__version__",
 ]

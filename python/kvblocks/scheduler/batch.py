@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -146,7 +146,8 @@ def build_step(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        block_tables=block_tables,
+        # None: gathered from block_table on first read (SchedulerOutput.block_tables).
+        block_tables=cast("npt.NDArray[np.int32]", block_tables),
         logits_indices=logits_indices,
         sample_seq_ids=seq_ids[plan_row_pos],
         sample_request_ids=dec_request_ids,

@@ -69,11 +69,10 @@ class TableWrites:
 def delta_indices(delta: TableDelta) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(row, col)`` index arrays of every id in ``delta.block_ids``, for one scatter
     ``table[row, col] = block_ids`` (after clearing the rows ``delta.rows[delta.reset]``)."""
-    counts = np.diff(np.asarray(delta.indptr, dtype=np.int64))
+    indptr = np.asarray(delta.indptr, dtype=np.int64)
+    counts: npt.NDArray[np.int64] = indptr[1:] - indptr[:-1]
     rows = np.repeat(np.asarray(delta.rows, dtype=np.int64), counts)
-    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
-        np.asarray(delta.indptr[:-1], dtype=np.int64), counts
-    )
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(indptr[:-1], counts)
     cols = np.repeat(np.asarray(delta.start_cols, dtype=np.int64), counts) + within
     return rows, cols
 

@@ -151,7 +151,11 @@ class SchedulerOutput:
     slot_mapping: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
-    block_tables: _GatheredBlockTables = _GatheredBlockTables()
+    if TYPE_CHECKING:
+        # What readers get; the scheduler passes None (see _GatheredBlockTables).
+        block_tables: npt.NDArray[np.int32]
+    else:
+        block_tables: _GatheredBlockTables = _GatheredBlockTables()
     logits_indices: npt.NDArray[np.int64]
     sample_seq_ids: npt.NDArray[np.int64]
     sample_request_ids: list[str]
