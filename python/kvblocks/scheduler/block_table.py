@@ -126,11 +126,13 @@ class PersistentBlockTable:
 
     def assign(self, seq_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
         """Rows of ``seq_ids`` (int32), giving a free row to each sequence without one."""
-        if len(seq_ids) and int(seq_ids.max()) >= len(self._row_of):
+        try:
+            rows = self._row_of[seq_ids]
+        except IndexError:  # a sequence id past the map (ids are small and reused)
             grown = np.full(max(2 * len(self._row_of), int(seq_ids.max()) + 1), -1, np.int32)
             grown[: len(self._row_of)] = self._row_of
             self._row_of = grown
-        rows = self._row_of[seq_ids]
+            rows = self._row_of[seq_ids]
         for i in np.flatnonzero(rows < 0).tolist():
             if not self._free:
                 self._grow(rows=2 * self.table.shape[0])
