@@ -212,6 +212,20 @@ fn bad_calls_fail_and_change_nothing() {
         |e| matches!(e, KvError::SequenceState(_)),
     );
     assert!(buf.iter().all(|&x| x == 7));
+    // A huge, sparse table (delta only): far-apart rows are fine, repeats are not, and
+    // rows past int32 are refused.
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.sync_block_table(&[1, 2], &[1 << 30, 1 << 30], usize::MAX, 8, None, false),
+        is_arg,
+    );
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.sync_block_table(&[1], &[1 << 31], usize::MAX, 8, None, false),
+        is_arg,
+    );
+    m.sync_block_table(&[1], &[1 << 30], usize::MAX, 8, None, false)
+        .unwrap();
     // A zero-width table with empty tables is fine.
     m.add_sequence(5, &toks(0, 3), None, None).unwrap();
     let d = m

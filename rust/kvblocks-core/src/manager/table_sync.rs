@@ -53,23 +53,18 @@ impl KVCacheManager {
                 )));
             }
         }
-        // Rows are bounded by the caller's table, so a bitmap finds repeats cheaply.
-        let row_limit = num_rows.min(u32::MAX as usize);
-        let mut seen = vec![0u64; row_limit.div_ceil(64)];
+        // Delta rows are int32.
+        let row_limit = num_rows.min(i32::MAX as usize);
+        let mut max_row = 0usize;
         for &r in rows {
             let Some(row) = usize::try_from(r).ok().filter(|&x| x < row_limit) else {
                 return Err(KvError::InvalidArgument(format!(
                     "row {r} is outside the block table's rows [0, {num_rows})"
                 )));
             };
-            let (word, bit) = (row / 64, 1u64 << (row % 64));
-            if seen[word] & bit != 0 {
-                return Err(KvError::InvalidArgument(format!(
-                    "row {row} is listed twice; expected one sequence per row"
-                )));
-            }
-            seen[word] |= bit;
+            max_row = max_row.max(row);
         }
+        Self::check_distinct_rows(rows, max_row)?;
         let slots = self.batch_slots(seq_ids)?;
         let mut total = 0usize;
         for &slot in &slots {
@@ -121,5 +116,34 @@ impl KVCacheManager {
             delta.apply(buf, num_rows, num_cols)?;
         }
         Ok(delta)
+    }
+
+    /// `InvalidArgument` if a row is listed twice (rows are in `[0, max_row]`).
+    fn check_distinct_rows(rows: &[i64], max_row: usize) -> Result<()> {
+        let twice = |row: i64| {
+            KvError::InvalidArgument(format!(
+                "row {row} is listed twice; expected one sequence per row"
+            ))
+        };
+        // A bitmap over the rows used is the cheap case (a table's rows); rows far apart
+        // (a huge, sparse table) are sorted instead so memory stays O(len(rows)).
+        if max_row / 64 <= rows.len().max(1024) {
+            let mut seen = vec![0u64; max_row / 64 + 1];
+            for &r in rows {
+                let row = r as usize;
+                let (word, bit) = (row / 64, 1u64 << (row % 64));
+                if seen[word] & bit != 0 {
+                    return Err(twice(r));
+                }
+                seen[word] |= bit;
+            }
+        } else {
+            let mut sorted = rows.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(twice(w[0]));
+            }
+        }
+        Ok(())
     }
 }
