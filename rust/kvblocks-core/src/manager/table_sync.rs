@@ -59,7 +59,7 @@ impl KVCacheManager {
         for &r in rows {
             let Some(row) = usize::try_from(r).ok().filter(|&x| x < row_limit) else {
                 return Err(KvError::InvalidArgument(format!(
-                    "row {r} is outside the block table's rows [0, {num_rows})"
+                    "row {r} is outside the block table's rows [0, {row_limit}) (rows are int32)"
                 )));
             };
             max_row = max_row.max(row);
