@@ -35,4 +35,7 @@ pub struct Sequence {
     pub num_released_blocks: usize,
     /// Whether the blocks live in the CPU pool.
     pub swapped: bool,
+    /// Table range the pending reservation fills with known-hash blocks (see
+    /// `manager::in_flight`); empty without a reservation.
+    pub in_flight: std::ops::Range<usize>,
 }
