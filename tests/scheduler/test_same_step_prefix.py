@@ -144,9 +144,13 @@ def test_an_aborted_writer_does_not_strand_the_copy(make_manager) -> None:
     assert len(outputs["b"].outputs[0].token_ids) == 3
 
 
+class _Req:
+    """A stand-in request (weak-referenceable)."""
+
+
 def test_holds_are_bounded_when_the_prefix_stops_growing() -> None:
     hold = PrefixHold(max_stalls=1)
-    req = object()
+    req = _Req()
     assert hold.should_hold(req, 0, 32)  # first hold
     assert hold.should_hold(req, 32, 32)  # grew: held again
     assert hold.should_hold(req, 32, 32)  # one stall allowed
@@ -156,10 +160,10 @@ def test_holds_are_bounded_when_the_prefix_stops_growing() -> None:
     assert not hold.should_hold(req, 48, 0)  # nothing in flight: never held
     assert len(hold) == 0
     hold.should_hold(req, 0, 16)
-    hold.prune(lambda r: r is not req)
+    hold.release(req)
     assert len(hold) == 0
     hold.should_hold(req, 0, 16)
-    hold.release(req)
+    del req  # a request that ends while held is forgotten with it
     assert len(hold) == 0
 
 

@@ -16,7 +16,8 @@ Each step, in this order:
    blocks another sequence is computing in this very step (``probe_in_flight``) is held
    back to the next step, where it claims them from the prefix cache instead of
    computing them again: never into an empty step, without using budget (later
-   requests are admitted past it), and only while its cached prefix keeps growing
+   requests are admitted past it; after ``max_num_seqs`` holds the step's admission
+   stops), and only while its cached prefix keeps growing
    (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`).
 
 Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
@@ -302,7 +303,7 @@ class Scheduler:
         # 4. admission of waiting requests.
         if not self._preempted and not self._swapped and self._waiting and budget > 0:
             live = self._num_live_seqs()
-            self._prefix_hold.prune(lambda s: s.status is RequestStatus.WAITING)
+            held = 0
             # lpm's order comes from one batch refresh of every waiting sequence's probe.
             for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
@@ -313,7 +314,12 @@ class Scheduler:
                 if admitted is None:
                     break
                 if admitted == _HELD:
-                    continue  # its prefix is being computed now: next step it is cached
+                    # Its prefix is being computed now: next step it is cached. Held
+                    # requests use no budget, so the scan is bounded by their number.
+                    held += 1
+                    if held >= cfg.max_num_seqs:
+                        break
+                    continue
                 if admitted == 0:
                     continue  # finished at admission (can never fit)
                 chunks.append((state, state.num_computed, admitted))

@@ -15,7 +15,8 @@ The rule (:meth:`PrefixHold.should_hold`), applied at admission:
 - only when something else is scheduled this step (a request is never held back
   into an empty step);
 - a held request keeps its place in the waiting queue and uses no budget: requests
-  after it are admitted as if it were not there;
+  after it are admitted as if it were not there (the scheduler stops a step's admission
+  after ``max_num_seqs`` holds, so a long queue of copies is not scanned whole);
 - holds are bounded: a request is held again only while its cached prefix keeps
   growing; after :attr:`PrefixHold.max_stalls` holds in a row without growth (the
   writer was aborted, preempted or committed less) it is admitted normally.
@@ -23,9 +24,8 @@ The rule (:meth:`PrefixHold.should_hold`), applied at admission:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = ["PrefixHold"]
 
@@ -41,13 +41,16 @@ class _Held:
 class PrefixHold:
     """Which waiting requests to hold back a step for a prefix computed in this step.
 
+    Requests are tracked by weak reference: one that ends while held (aborted, or
+    finished at admission) is forgotten with it.
+
     Args:
         max_stalls: holds in a row allowed without the request's cached prefix growing.
     """
 
     def __init__(self, max_stalls: int = 1) -> None:
         self.max_stalls = max_stalls
-        self._held: dict[object, _Held] = {}
+        self._held: weakref.WeakKeyDictionary[object, _Held] = weakref.WeakKeyDictionary()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -56,7 +59,7 @@ class PrefixHold:
         """Whether to hold ``request`` back this step (and record the hold).
 
         Args:
-            request: the waiting request (any hashable identity).
+            request: the waiting request (hashable, weak-referenceable).
             cached: prompt tokens its cached prefix covers now.
             in_flight: prompt tokens right past that prefix being computed this step by
                 another sequence (``KVCacheManager.probe_in_flight``); 0 never holds.
@@ -81,8 +84,3 @@ class PrefixHold:
     def release(self, request: object) -> None:
         """Forget ``request`` (admitted, finished or aborted)."""
         self._held.pop(request, None)
-
-    def prune(self, keep: Callable[[Any], bool]) -> None:
-        """Forget every request for which ``keep(request)`` is false."""
-        if self._held:
-            self._held = {r: h for r, h in self._held.items() if keep(r)}
