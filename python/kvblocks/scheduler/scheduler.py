@@ -17,8 +17,9 @@ Each step, in this order:
    back to the next step, where it claims them from the prefix cache instead of
    computing them again: never into an empty step, without using budget (later
    requests are admitted past it; after ``max_num_seqs`` holds the step's admission
-   stops), and only while its cached prefix keeps growing
-   (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`).
+   stops), and only while its cached prefix keeps growing between holds
+   (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`; see
+   docs/scheduler-engine-interface.md, *Same-step prefix sharing*).
 
 Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
 over a thousand sequences is a few vectorised operations and a few Rust calls; Python

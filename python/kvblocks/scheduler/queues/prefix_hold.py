@@ -17,9 +17,9 @@ The rule (:meth:`PrefixHold.should_hold`), applied at admission:
 - a held request keeps its place in the waiting queue and uses no budget: requests
   after it are admitted as if it were not there (the scheduler stops a step's admission
   after ``max_num_seqs`` holds, so a long queue of copies is not scanned whole);
-- holds are bounded: a request is held again only while its cached prefix keeps
-  growing; after :attr:`PrefixHold.max_stalls` holds in a row without growth (the
-  writer was aborted, preempted or committed less) it is admitted normally.
+- holds are bounded: each hold must find the request's cached prefix grown since its
+  previous hold, except :attr:`PrefixHold.max_stalls` in a row; otherwise (the writer
+  was aborted, preempted or committed less) it is admitted normally.
 """
 
 from __future__ import annotations
