@@ -258,6 +258,32 @@ class KVCacheManager:
         Returns the new ``num_computed_tokens`` of each listed sequence, in order (int64).
         """
 
+    def probe_in_flight(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Prompt tokens past each waiting sequence's cached prefix being computed now.
+
+        A block enters the prefix cache only at ``commit``, after the model wrote its KV,
+        so a request admitted in the same step as the one computing its prefix would
+        compute that prefix again. For each listed waiting (not yet allocated) sequence
+        this returns ``block_size`` times the number of consecutive blocks right after
+        its current hit (``num_computed_tokens``) whose content — same tokens, same
+        preceding blocks, same cache salt and LoRA id — a pending reservation of another
+        sequence fills completely: blocks between that sequence's ``allocate_slots`` and
+        its ``commit``, counting only its ``num_new_tokens`` (not lookahead slots) and only
+        blocks whose hashes are known (prompt blocks, and blocks hashed by earlier
+        commits). Like the hit, the count never reaches the prompt's last token. With
+        chunked prefill only the chunk being computed is in flight.
+
+        Nothing is claimed or registered: the blocks enter the cache only if their writer
+        commits them (an aborted, preempted or short commit leaves them out), so a
+        scheduler that holds the sequence back a step and then calls
+        ``refresh_prefixes`` claims only KV that was written. 0 with prefix caching off.
+
+        Read-only; ids may repeat. An unknown id raises ``UnknownSequenceError``; an
+        allocated or swapped-out sequence raises ``SequenceStateError``.
+
+        Returns the in-flight token count of each listed sequence, in order (int64).
+        """
+
     def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 

@@ -359,6 +359,40 @@ class ContentOracle(RuleBasedStateMachine):
         """Leave a sequence out of the next few syncs (an unscheduled sequence)."""
         self.lagging[data.draw(st.sampled_from(sorted(self.row_of)))] = steps
 
+    @precondition(lambda self: any(s not in self.allocated for s in self.tokens))
+    @rule()
+    def probe_in_flight(self):
+        """Blocks reported in flight for a waiting sequence must hold, right now, the KV of
+        that sequence's own tokens in the table of a sequence whose pending reservation
+        wrote them and has not committed them: claimed after that commit, they are KV the
+        waiting sequence can read."""
+        waiting = [s for s in self.tokens if s not in self.allocated]
+        got = self.m.probe_in_flight(waiting).tolist()
+        COVERAGE["ops"] += 1
+        bs = self.bs
+        for sid, n in zip(waiting, got, strict=True):
+            hit = self.m.num_computed_tokens(sid)
+            assert n % bs == 0 and n >= 0, (sid, n)
+            # Like the hit, never the prompt's last token.
+            assert hit + n <= max(len(self.tokens[sid]) - 1, 0) // bs * bs, (sid, hit, n)
+            want = self._expected(sid)
+            for j in range(hit // bs, (hit + n) // bs):
+                block_ids = want[j * bs : (j + 1) * bs]
+                writers = [
+                    p
+                    for p, new in self.pending.items()
+                    if p not in self.swapped
+                    and self.computed[p] < (j + 1) * bs <= self.computed[p] + new
+                    and self.mem.read(self.m.block_table(p), (j + 1) * bs)[j * bs :].tolist()
+                    == block_ids
+                ]
+                if not writers:
+                    raise ContentError(
+                        f"sequence {sid}: block {j} reported in flight, but no pending "
+                        f"reservation wrote its KV"
+                    )
+                COVERAGE["in_flight"] += 1
+
     # -- the check ---------------------------------------------------------------------------
 
     def _sync_table(self) -> list[int]:
@@ -471,5 +505,6 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "table_incremental",
         "table_rewrite",
         "table_row_reused",
+        "in_flight",
     )
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE

@@ -42,6 +42,7 @@ from kvblocks.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from kvblocks.scheduler.queues.prefix_hold import PrefixHold
 from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
@@ -342,3 +343,20 @@ def test_scheduler_content_oracle(batch: int) -> None:
     """Every scheduled context reads back its own tokens' KV; every request ends."""
     for k in range(CONFIGS_PER_BATCH):
         run_config(batch * CONFIGS_PER_BATCH + k)
+
+
+def test_the_oracle_reaches_same_step_prefix_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests held back for a prefix computed in the same step (then claimed from the
+    cache) occur in the oracle's workloads, so the runs above judge them by content."""
+    holds = {True: 0, False: 0}
+    original = PrefixHold.should_hold
+
+    def counting(self: PrefixHold, request: object, cached: int, in_flight: int) -> bool:
+        held = original(self, request, cached, in_flight)
+        holds[held] += in_flight > 0
+        return held
+
+    monkeypatch.setattr(PrefixHold, "should_hold", counting)
+    for seed in range(CONFIGS_PER_BATCH):
+        run_config(seed)
+    assert holds[True] > 0, holds

@@ -12,7 +12,14 @@ Each step, in this order:
 3. **Swapped** requests come back (unless this step preempted), before anything new.
 4. **Admission** of waiting requests in policy order (fcfs, priority, lpm) while the
    token budget, ``max_num_seqs`` and the block pool (``can_allocate``, watermark) allow;
-   the cached prefix is skipped, long prompts are chunked.
+   the cached prefix is skipped, long prompts are chunked. A request whose next prompt
+   blocks another sequence is computing in this very step (``probe_in_flight``) is held
+   back to the next step, where it claims them from the prefix cache instead of
+   computing them again: never into an empty step, without using budget (later
+   requests are admitted past it; after ``max_num_seqs`` holds the step's admission
+   stops), and only while its cached prefix keeps growing between holds
+   (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`; see
+   docs/scheduler-engine-interface.md, *Same-step prefix sharing*).
 
 Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
 over a thousand sequences is a few vectorised operations and a few Rust calls; Python
@@ -40,12 +47,16 @@ from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
+from kvblocks.scheduler.queues.prefix_hold import PrefixHold
 from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestOutput
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
 from kvblocks.scheduler.seq_table import Rows, SequenceTable
 from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
 
 __all__ = ["Scheduler"]
+
+#: ``_admit``: the request waits for a prefix being computed in this step.
+_HELD = -1
 
 
 class Scheduler:
@@ -104,6 +115,8 @@ class Scheduler:
         self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
         self._num_split = 0  # requests in SPLIT state (their parts sit in the queues)
+        self._prefix_hold = PrefixHold()
+        self._prefix_caching = bool(manager.enable_prefix_caching)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -299,15 +312,23 @@ class Scheduler:
         # 4. admission of waiting requests.
         if not self._preempted and not self._swapped and self._waiting and budget > 0:
             live = self._num_live_seqs()
+            held = 0
             # lpm's order comes from one batch refresh of every waiting sequence's probe.
             for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
                 if live + state.width > cfg.max_num_seqs and live > 0:
                     break
-                admitted = self._admit(state, budget)
+                admitted = self._admit(state, budget, may_hold=num_seqs > 0)
                 if admitted is None:
                     break
+                if admitted == _HELD:
+                    # Its prefix is being computed now: next step it is cached. Held
+                    # requests use no budget, so the scan is bounded by their number.
+                    held += 1
+                    if held >= cfg.max_num_seqs:
+                        break
+                    continue
                 if admitted == 0:
                     continue  # finished at admission (can never fit)
                 chunks.append((state, state.num_computed, admitted))
@@ -860,9 +881,10 @@ class Scheduler:
         self.counters.num_preemptions_recompute += 1
 
     # -- admission -----------------------------------------------------------------------
-    def _admit(self, state: RequestState, budget: int) -> int | None:
+    def _admit(self, state: RequestState, budget: int, *, may_hold: bool = False) -> int | None:
         """Try to admit ``state`` with up to ``budget`` tokens; the chunk length, 0 if it
-        finished (can never fit), None if it must wait."""
+        finished (can never fit), None if it must wait, ``_HELD`` if it waits for a prefix
+        being computed in this step (only with ``may_hold``: something else is scheduled)."""
         mgr = self.manager
         seq = state.seq_ids[0]
         if state.registered_step != self.counters.num_steps:
@@ -874,6 +896,8 @@ class Scheduler:
         if status != AllocStatus.OK:
             return None
         cached = int(mgr.num_computed_tokens(seq))
+        if may_hold and self._wait_for_prefix(state, seq, cached):
+            return _HELD
         length = len(state.tokens) - cached
         if length > budget:
             # Without chunked prefill a prompt is computed whole or waits (add_request
@@ -888,6 +912,7 @@ class Scheduler:
             return None
         state.num_computed = int(mgr.num_computed_tokens(seq))
         self._waiting.remove(state)
+        self._prefix_hold.release(state)
         state.status = RequestStatus.PREFILL
         _insort(self._prefilling, state)
         counters = self.counters
@@ -902,6 +927,19 @@ class Scheduler:
             counters.num_prompt_tokens_admitted += len(state.tokens)
             counters.num_cached_tokens_admitted += state.num_computed
         return length
+
+    def _wait_for_prefix(self, state: RequestState, seq: int, cached: int) -> bool:
+        """Whether the prompt blocks right past ``state``'s cached prefix are being
+        computed in this step by another sequence, so that it should wait a step for them
+        (see :class:`PrefixHold` for the bounds)."""
+        if not self._prefix_caching:
+            return False
+        bs = self.manager.block_size
+        # The hit never covers the last token: no further whole block can be shared.
+        if (len(state.tokens) - 1) // bs <= cached // bs:
+            return False
+        ahead = int(self.manager.probe_in_flight([seq])[0])
+        return self._prefix_hold.should_hold(state, cached, ahead)
 
     def _allocate_prefill(self, state: RequestState, length: int) -> bool:
         """Slots for the next chunk of a request being prefilled; may preempt later ones."""

@@ -25,7 +25,9 @@
 //!   lazy: a freed cached block keeps its hash (and counts as free) until it is popped
 //!   for reuse, which records a `BlockRemoved` event. `BlockStored` events cover runs of
 //!   consecutive blocks stored by one `commit` (a duplicate block ends a run);
-//!   `BlockRemoved` events carry one hash each.
+//!   `BlockRemoved` events carry one hash each. Blocks enter the cache only at `commit`;
+//!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
+//!   computing, so a scheduler can hold a request back a step instead of recomputing them.
 //! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
 //!   `i32`/`i64` in the step inputs.
 //!

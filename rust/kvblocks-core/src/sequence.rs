@@ -40,4 +40,7 @@ pub struct Sequence {
     pub dirty_from: usize,
     /// Row of the caller's table this sequence was last synced to (`None`: never).
     pub synced_row: Option<u32>,
+    /// Table range the pending reservation fills with known-hash blocks (see
+    /// `manager::in_flight`); empty without a reservation.
+    pub in_flight: std::ops::Range<usize>,
 }

@@ -495,6 +495,19 @@ impl KVCacheManager {
         Ok(to_numpy(py, out))
     }
 
+    /// Prompt tokens right past each waiting sequence's cached prefix that other
+    /// sequences are computing now (reserved, not yet committed).
+    fn probe_in_flight<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| {
+            m.probe_in_flight(ids)
+        })?;
+        Ok(to_numpy(py, out))
+    }
+
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
     #[pyo3(
         signature = (seq_id, *, num_lookahead_tokens = None),

@@ -244,6 +244,7 @@ impl KVCacheManager {
             taken.push(b as i32);
         }
         seq.reserved = Some(plan.reserved);
+        self.track_in_flight(slot, new);
         Some(plan.claim * bs)
     }
 }

@@ -94,6 +94,9 @@ impl KVCacheManager {
         let bs = self.config.block_size;
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
+        // The reservation ends here, whatever it computed: blocks it did not fill are
+        // no longer being written.
+        self.in_flight.untrack(seq);
         seq.tokens.extend_from_slice(new_tokens);
         seq.num_computed += n;
         seq.reserved = None;

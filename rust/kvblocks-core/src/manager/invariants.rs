@@ -134,6 +134,7 @@ impl KVCacheManager {
         check_pool(&self.pools.gpu, &gpu_refs, "GPU")?;
         check_pool(&self.pools.cpu, &cpu_refs, "CPU")?;
         self.check_writable_blocks()?;
+        self.check_in_flight()?;
         self.check_cache()
     }
 
