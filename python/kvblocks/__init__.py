@@ -3,7 +3,8 @@
 The block manager (:class:`KVCacheManager`) is compiled Rust; the GPU kernels live in
 :mod:`kvblocks.ops` (CUDA through CuPy on a GPU, a torch reference on the CPU); the
 continuous-batching scheduler in :mod:`kvblocks.scheduler` and the model runner in
-:mod:`kvblocks.engine`. Importing kvblocks needs neither torch, CuPy nor a GPU.
+:mod:`kvblocks.engine`; :class:`SamplingParams` describes one request's generation. Importing
+kvblocks needs neither torch, CuPy nor a GPU.
 """
 
 from kvblocks._core import (
@@ -24,6 +25,8 @@ from kvblocks.errors import (
     SequenceStateError,
     UnknownSequenceError,
 )
+from kvblocks.page_tables import FlashAttentionPageTable, FlashInferPageTable
+from kvblocks.sampling_params import SamplingParams
 
 __all__ = [
     "AllBlocksCleared",
@@ -32,11 +35,14 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DuplicateSequenceError",
+    "FlashAttentionPageTable",
+    "FlashInferPageTable",
     "InvalidArgumentError",
     "InvariantViolationError",
     "KVBlocksError",
     "KVCacheManager",
     "OutOfBlocksError",
+    "SamplingParams",
     "SequenceStateError",
     "UnknownSequenceError",
     "__version__",

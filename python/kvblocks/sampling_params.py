@@ -41,6 +41,18 @@ class SamplingParams:
         stop_token_ids: sampling one of these finishes the sequence (reason ``"stop"``);
             the stop token is kept in the output.
         ignore_eos: keep generating after the request's EOS token.
+        min_tokens: EOS and ``stop_token_ids`` do not finish a sequence (nor stop strings
+            match) before it has generated this many tokens; the tokens are still
+            sampled and kept (the sampler does not mask them). ``<= max_tokens``; not
+            with beam search.
+        stop: stop strings (``kvblocks.engine.LLM`` only; the scheduler sees tokens): the
+            sequence finishes (reason ``"stop"``) as soon as its detokenised text
+            contains one; the text is cut before it and the token ids end with the token
+            that completed it.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        logprobs: ``kvblocks.engine.LLM`` also returns, for each generated token, its
+            log-prob and the ``logprobs`` most likely tokens' (log-softmax of the raw
+            logits); ``None`` for none. Not with beam search.
     """
 
     max_tokens: int = 16
@@ -53,6 +65,10 @@ class SamplingParams:
     length_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -74,6 +90,21 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidArgumentError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.beam_width > 1 and (self.min_tokens or self.logprobs is not None):
+            raise InvalidArgumentError("min_tokens and logprobs are not supported with beam search")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidArgumentError(
+                "include_stop_str_in_output must be a bool, got "
+                f"{self.include_stop_str_in_output!r}"
+            )
+        object.__setattr__(self, "stop", _as_stop_strings(self.stop))
         stop = _as_token_tuple(self.stop_token_ids)
         # Frozen dataclass: normalised values are written through object.__setattr__.
         object.__setattr__(self, "temperature", temperature)
@@ -150,3 +181,20 @@ def _as_token_tuple(values: Iterable[int]) -> tuple[int, ...]:
         if not 0 <= token < _MAX_TOKEN_ID:
             raise InvalidArgumentError(f"stop token id {token} is outside [0, 2**32)")
     return tokens
+
+
+def _as_stop_strings(values: object) -> tuple[str, ...]:
+    if isinstance(values, str):
+        values = (values,)  # vLLM accepts one string
+    if isinstance(values, bytes):
+        raise InvalidArgumentError(f"stop must be strings, got {values!r}")
+    try:
+        items: tuple[object, ...] = tuple(values)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"stop must be a sequence of strings, got {values!r}") from None
+    strings: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InvalidArgumentError(f"stop strings must be non-empty str, got {item!r}")
+        strings.append(item)
+    return tuple(strings)

@@ -12,7 +12,11 @@ from cli_run import run_cli
 
 from kvblocks.cli import main
 
-SMALL = ["--num-requests", "60", "--request-rate", "50", "--num-blocks", "256", "--no-progress"]
+# Saturated capacity runs of 100 requests instead of 500 keep these runs short.
+SMALL = [
+    *("--saturation-requests", "100"),
+    *("--num-requests", "60", "--request-rate", "50", "--num-blocks", "256", "--no-progress"),
+]
 
 
 def test_table_report(capsys) -> None:
@@ -150,12 +154,14 @@ def test_bad_plot_path_fails_before_the_run(tmp_path: Path, name: str, message: 
 _MEMORY_PROBE = """
 import resource, sys, tracemalloc
 from kvblocks.simulate import SimulationConfig, WorkloadConfig, run_simulation
+from kvblocks.simulate.workload import LengthDist
 
 def config(n):
     # Short requests at a rate the pool keeps up with: a queue that grows because the
     # server is overloaded is the workload's memory, not the simulator's.
     workload = WorkloadConfig(
-        num_requests=n, request_rate=50.0, prompt_median=64, output_median=32,
+        num_requests=n, request_rate=20.0, prompt_len=LengthDist("lognormal", 80, 1.0),
+        output_len=LengthDist("lognormal", 48, 0.9),
         max_prompt_len=256, max_output_len=128, system_prompt_len=64,
     )
     return SimulationConfig(workload=workload, num_blocks=512, num_cpu_blocks=64, progress=False)

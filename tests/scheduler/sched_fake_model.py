@@ -48,7 +48,7 @@ def run_to_completion(
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         steps.append(out)
-        for done in scheduler.update(out, fake_step(out)):
+        for done in scheduler.update(out, fake_step(out)).finished:
             outputs[done.request_id] = done
         if check is not None:
             check()

@@ -2,7 +2,8 @@
 
 Random configurations (policies, both preemption modes and auto, chunked prefill on/off,
 lookahead slots, prefix caching, sliding windows, CPU pools, n > 1, beam search, stop
-tokens, EOS, aborts before and during a step) run against an emulated KV memory
+tokens, EOS, aborts before and during a step, single samples of ``n > 1`` requests ended
+early with ``finish_sequence``) run against an emulated KV memory
 (:mod:`oracle.kv_memory`). Every step the harness
 
 1. applies ``SchedulerOutput.memory_ops`` in order (``KVMemory.apply_memory_ops``: copy
@@ -15,7 +16,9 @@ tokens, EOS, aborts before and during a step) run against an emulated KV memory
    ``block_table_reallocated``), and its ``seq_lens`` entry, and compares it with the KV
    ids of that sequence's own tokens; that copy must equal the scheduler's rows, and the
    compatibility ``block_tables`` must equal them too;
-4. samples with the deterministic fake model and calls ``update``.
+4. samples with the deterministic fake model and calls ``update``, collecting every
+   record it returns: each sequence's ``new_token_ids`` over the steps must add up to its
+   final ``token_ids``.
 
 Every request must be rejected at ``add_request`` (with a message) or finish with a
 reason, within a bounded number of steps; no completion may be cut short without a
@@ -109,6 +112,17 @@ class Config:
                     int(rng.integers(0, 80)),
                     bool(rng.random() < 0.5),
                 )
+        # Own generator: the configurations drawn above stay what they were.
+        extra = np.random.default_rng(seed + 1_000_003)
+        self.finish_seq_at: dict[str, tuple[int, int]] = {}  # rid -> (step, index)
+        for requests in self.arrivals.values():
+            for request in requests:
+                params = request.sampling_params
+                if params.n > 1 and not params.use_beam_search and extra.random() < 0.4:
+                    self.finish_seq_at[request.request_id] = (
+                        int(extra.integers(0, 60)),
+                        int(extra.integers(0, params.n)),
+                    )
 
     def manager(self) -> KVCacheManager:
         """A fresh block manager for this configuration."""
@@ -141,6 +155,8 @@ class Harness:
         self.rejected: dict[str, str] = {}
         self.outputs: dict[str, RequestOutput] = {}
         self.aborted: set[str] = set()
+        self.seq_finished: dict[tuple[str, int], list[int]] = {}  # by finish_sequence
+        self.deltas: dict[tuple[str, int], list[int]] = {}
         # The engine's (device) copy of the persistent block table, patched by deltas.
         self.table: np.ndarray | None = None
 
@@ -216,7 +232,10 @@ class Harness:
         in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
         for rid in in_flight:
             self.abort(rid)
-        for result in sched.update(out, fake_step(out)):
+        records = sched.update(out, fake_step(out))
+        for record in records:
+            self.add_deltas(record)
+        for result in records.finished:
             self.finish(result)
         mgr.check_invariants()
         # Only sequences on the GPU hold block-table rows (swapped or freed ones gave
@@ -237,7 +256,12 @@ class Harness:
         result = self.sched.abort_request(rid)
         if result is not None:
             self.aborted.add(rid)
+            self.add_deltas(result)  # the request's last record
             self.finish(result)
+
+    def add_deltas(self, record: RequestOutput) -> None:
+        for c in record.outputs:
+            self.deltas.setdefault((record.request_id, c.index), []).extend(c.new_token_ids)
 
     def finish(self, result: RequestOutput) -> None:
         rid = result.request_id
@@ -253,6 +277,13 @@ class Harness:
             for rid, (at, in_flight) in cfg.abort_at.items():
                 if at == step and not in_flight:
                     self.abort(rid)
+            for rid, (at, index) in cfg.finish_seq_at.items():
+                # Tried every step from ``at`` until it applies (the request decodes with
+                # other sequences) or the request has finished.
+                if at <= step and (rid, index) not in self.seq_finished:
+                    done = self.sched.finish_sequence(rid, index, FinishReason.ABORT)
+                    if done is not None:
+                        self.seq_finished[rid, index] = done.token_ids
             if self.sched.has_unfinished_requests():
                 self.run_step(step)
             elif step > last_arrival:
@@ -302,6 +333,12 @@ class Harness:
                 toks = c.token_ids
                 assert c.finish_reason is not None
                 assert len(toks) <= params.max_tokens
+                # Streaming: the step records' deltas add up to the final tokens.
+                assert self.deltas.get((rid, c.index), []) == toks, (rid, c.index)
+                if (rid, c.index) in self.seq_finished:
+                    assert c.finish_reason == FinishReason.ABORT
+                    assert toks == self.seq_finished[rid, c.index], (rid, c.index)
+                    continue
                 if c.finish_reason == FinishReason.ABORT:
                     assert rid in self.aborted
                     continue

@@ -59,7 +59,7 @@ def test_lpm_sees_prefixes_cached_while_requests_wait(make_manager) -> None:
     while sched.has_unfinished_requests():
         out = sched.schedule()
         order += [rid for rid in out.sample_request_ids if rid not in order]
-        for result in sched.update(out, fake_step(out)):
+        for result in sched.update(out, fake_step(out)).finished:
             if result.finished:
                 cached[result.request_id] = result.num_cached_tokens
     assert order == ["warm", "hot", "cold"]

@@ -97,7 +97,7 @@ def test_random_workload_keeps_invariants(
             if sched.abort_request(rid) is not None:  # in flight
                 done.add(rid)
                 del live[rid]
-        for result in sched.update(out, fake_step(out)):
+        for result in sched.update(out, fake_step(out)).finished:
             params = live.pop(result.request_id)
             done.add(result.request_id)
             assert len(result.outputs) == params.n

@@ -61,7 +61,7 @@ def _lockstep(policy: str, **manager_kwargs) -> list[Scheduler]:
             a, b = getattr(outs[0], name), getattr(outs[1], name)
             assert np.array_equal(a, b), (policy, steps, name)
         for i, (s, o) in enumerate(zip(scheds, outs, strict=True)):
-            for done in s.update(o, fake_step(o)):
+            for done in s.update(o, fake_step(o)).finished:
                 finished[i].append((done.request_id, [c.token_ids for c in done.outputs]))
         for m in managers:
             m.check_invariants()

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
-__all__ = ["non_negative_int", "positive_float", "positive_int", "token_ids"]
+__all__ = [
+    "fraction",
+    "length_dist",
+    "non_negative_float",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "token_ids",
+]
 
 
 def _int_at_least(text: str, minimum: int, expected: str) -> int:
@@ -41,6 +50,40 @@ def positive_float(text: str) -> float:
     if not value > 0 or math.isnan(value):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
+    return value
+
+
+def length_dist(text: str) -> Any:
+    """A token-length distribution: ``lognormal:MEAN,SIGMA``, ``fixed:N`` or
+    ``uniform:LOW,HIGH`` (:class:`kvblocks.simulate.workload.LengthDist`)."""
+    from kvblocks.errors import InvalidArgumentError
+    from kvblocks.simulate.workload import LengthDist
+
+    try:
+        return LengthDist.parse(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def token_ids(text: str) -> list[int]:

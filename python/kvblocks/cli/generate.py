@@ -8,13 +8,14 @@ and :func:`run`; torch and the engine are imported only when the subcommand runs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
 
 from kvblocks.cli.arg_types import non_negative_int, positive_int, token_ids
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "format_table", "run"]
 
 DEFAULT_TEXT_PROMPT = "Paged attention keeps the KV cache in blocks"
 """Prompt used when none is given and the model has a tokenizer."""
@@ -28,8 +29,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Run the kvblocks engine (scheduler + block manager + paged attention) on the "
             "built-in tiny model or a Hugging Face checkpoint directory (Llama, Mistral, "
-            "Qwen2; config.json + *.safetensors) and print the generated tokens and the "
-            "cache statistics."
+            "Qwen2; config.json + *.safetensors), print the generated tokens as they are "
+            "produced, then the completions and the engine, scheduler and cache statistics."
         ),
     )
     src = p.add_argument_group("model and prompts")
@@ -65,6 +66,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--stop-token-ids", type=token_ids, default=[], metavar="IDS", help="e.g. 2,13"
     )
     samp.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    samp.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop string (the text is cut before it); repeat for several",
+    )
+    samp.add_argument(
+        "--min-tokens", type=non_negative_int, default=0, help="no EOS/stop before this many"
+    )
+    samp.add_argument(
+        "--logprobs", type=non_negative_int, default=None, metavar="N", help="top-N per token"
+    )
     eng = p.add_argument_group("engine")
     eng.add_argument("--num-blocks", type=positive_int, default=None, help="KV cache blocks")
     eng.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16)
@@ -93,6 +107,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "split, torch's default for a checkpoint)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    p.add_argument(
+        "--no-stream", action="store_true", help="print only the final outputs, not each step"
+    )
     p.set_defaults(run=run)
     return p
 
@@ -117,6 +134,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         beam_width=args.beam_width,
         stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
+        min_tokens=args.min_tokens,
+        logprobs=args.logprobs,
     )
     llm = LLM(
         args.model,
@@ -138,6 +158,44 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
     return llm, prompts, params
 
 
+def _stream(llm: Any, prompts: list[Any], params: Any) -> list[Any]:
+    """Generate, printing each step's new tokens as they come; the final outputs in order.
+
+    One completion in all: its text (or token ids) is written inline as it grows. Several:
+    one line per request and step, ``p<prompt>[<index>] +<new tokens> <new text>``.
+    """
+    single = len(prompts) == 1 and params.n == 1 and params.beam_width == 1
+    final: dict[int, Any] = {}
+    out = sys.stdout
+    if single:
+        out.write("streaming: ")
+    for record in llm.stream(prompts, params):
+        for c in record.outputs:
+            if not c.new_token_ids and not c.new_text:
+                continue
+            if single:
+                if c.new_text is not None:
+                    out.write(_printable(c.new_text))
+                else:
+                    out.write("".join(f"{t} " for t in c.new_token_ids))
+            else:
+                text = f" {c.new_text!r}" if c.new_text is not None else ""
+                out.write(f"  p{record.prompt_index}[{c.index}] +{c.new_token_ids}{text}\n")
+            out.flush()
+        if record.finished:
+            final[record.prompt_index] = record
+    if single:
+        out.write("\n")
+    return [final[i] for i in range(len(prompts))]
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and other unprintable characters escaped."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
+
+
 def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
     stats = llm.stats()
     if as_json:
@@ -154,6 +212,10 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
                             "text": c.text,
                             "cumulative_logprob": c.cumulative_logprob,
                             "finish_reason": str(c.finish_reason),
+                            "stop_reason": c.stop_reason,
+                            "logprobs": None
+                            if c.logprobs is None
+                            else [dataclasses.asdict(e) for e in c.logprobs],
                         }
                         for c in o.outputs
                     ],
@@ -171,12 +233,16 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
             f"{o.num_cached_tokens} from the prefix cache)"
         )
         for c in o.outputs:
+            stop = f" stop={c.stop_reason!r}" if c.stop_reason is not None else ""
             print(
-                f"  [{c.index}] finish={c.finish_reason} logprob={c.cumulative_logprob:.3f} "
-                f"tokens={c.token_ids}"
+                f"  [{c.index}] finish={c.finish_reason}{stop} "
+                f"logprob={c.cumulative_logprob:.3f} tokens={c.token_ids}"
             )
             if c.text is not None:
                 print(f"      text={c.text!r}")
+            if c.logprobs:
+                top = " ".join(f"{e.token_id}:{e.logprob:.3f}" for e in c.logprobs)
+                print(f"      logprobs={top}")
     eng = stats["engine"]
     print(
         f"engine: {int(eng['steps'])} steps, {int(eng['computed_tokens'])} tokens computed, "
@@ -184,15 +250,35 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
         f"({eng['generated_tokens_per_s']:.1f} tokens/s) on {llm.device} {llm.dtype}"
     )
     for section in ("scheduler", "cache"):
-        items = ", ".join(f"{k}={_fmt(v)}" for k, v in sorted(stats[section].items()))
-        print(f"{section}: {items}")
+        print(f"{section}:")
+        print(format_table(stats[section]))
+
+
+def format_table(values: dict[str, Any], columns: int = 2) -> str:
+    """``name value`` pairs as an aligned table, ``columns`` pairs per line, in name order.
+
+    Integers print as integers, other numbers with four significant digits.
+    """
+    items = [(k, _fmt(v)) for k, v in sorted(values.items())]
+    if not items:
+        return "  (none)"
+    key_w = max(len(k) for k, _ in items)
+    val_w = max(len(v) for _, v in items)
+    rows = (len(items) + columns - 1) // columns
+    lines = []
+    for r in range(rows):
+        cells = [items[c * rows + r] for c in range(columns) if c * rows + r < len(items)]
+        lines.append("  " + "    ".join(f"{k:<{key_w}}  {v:>{val_w}}" for k, v in cells).rstrip())
+    return "\n".join(lines)
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float) and not value.is_integer():
-        return f"{value:.4g}"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
     if isinstance(value, float):
-        return str(int(value))
+        return f"{value:.4g}"
     return str(value)
 
 
@@ -204,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         llm, prompts, params = _build(args)
-        outputs = llm.generate(prompts, params)
+        if args.json or args.no_stream:
+            outputs = llm.generate(prompts, params)
+        else:
+            outputs = _stream(llm, prompts, params)
     except ImportError as exc:
         print(
             f"kvblocks generate: error: the engine needs {exc.name or 'torch'} "

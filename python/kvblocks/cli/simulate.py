@@ -6,10 +6,21 @@ import argparse
 import sys
 from typing import Any
 
-from kvblocks.cli.arg_types import non_negative_int, positive_float, positive_int
+from kvblocks.cli.arg_types import (
+    fraction,
+    length_dist,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["add_parser", "run"]
+
+_DEFAULT_RATE = 5.0
+"""Default request rate: about 70% of the default server's capacity (~7 req/s), so
+latency is stable and the report shows headroom."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -18,23 +29,89 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "simulate",
         help="run a synthetic serving workload through the scheduler and block manager",
         description=(
-            "Drive a synthetic ShareGPT-like workload (lognormal prompt/output lengths, "
-            "Poisson arrivals, shared system prompts, some n > 1 requests) through the real "
-            "scheduler and Rust block manager, with a linear cost model in place of the "
-            "forward pass. Prints throughput, scheduling time per step, KV utilisation, "
-            "prefix-cache hit rate, preemptions, and the memory contiguous per-request "
-            "reservation (prompt + max_tokens) would need for the same batches."
+            "Drive a synthetic ShareGPT-like workload (prompt/output length distributions, "
+            "Poisson arrivals, shared system prompts, multi-turn conversations, some n > 1 "
+            "requests) through the real scheduler and Rust block manager, with a linear "
+            "cost model in place of the forward pass. Reports queueing delay, TTFT, TPOT "
+            "and latency percentiles on the simulated clock, the capacity (req/s) at which "
+            "latency stays stable, KV utilisation, prefix-cache hits, preemptions, and the "
+            "batch size and throughput of contiguous per-request reservation "
+            "(prompt + max_tokens) on the same memory. Lengths take lognormal:MEAN,SIGMA, "
+            "fixed:N or uniform:LOW,HIGH."
         ),
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=positive_int, default=1000, help="default: 1000")
+    w.add_argument("--num-requests", type=positive_int, default=200, help="default: 200")
     w.add_argument(
         "--request-rate",
         type=positive_float,
-        default=20.0,
-        help="mean arrivals per simulated second, Poisson; 'inf' sends all at once (default 20)",
+        default=_DEFAULT_RATE,
+        help="mean requests per simulated second (multi-turn turns included); 'inf' starts "
+        f"every conversation at once (default {_DEFAULT_RATE:g})",
+    )
+    w.add_argument(
+        "--arrival",
+        choices=("poisson", "constant"),
+        default="poisson",
+        help="spacing of conversation starts (default: poisson)",
     )
     w.add_argument("--seed", type=non_negative_int, default=0, help="default: 0")
+    w.add_argument(
+        "--prompt-len",
+        type=length_dist,
+        default="lognormal:161,1.0",
+        metavar="DIST",
+        help="user message length (default lognormal:161,1.0, ShareGPT's mean)",
+    )
+    w.add_argument(
+        "--output-len",
+        type=length_dist,
+        default="lognormal:338,0.8",
+        metavar="DIST",
+        help="generated tokens per sequence (default lognormal:338,0.8, ShareGPT's mean)",
+    )
+    w.add_argument("--max-prompt-len", type=positive_int, default=1024, help="default: 1024")
+    w.add_argument("--max-output-len", type=positive_int, default=2048, help="default: 2048")
+    w.add_argument(
+        "--max-context-len",
+        type=positive_int,
+        default=4096,
+        help="a conversation ends before a turn that would outgrow it (default 4096)",
+    )
+    w.add_argument(
+        "--system-prompt-share",
+        type=fraction,
+        default=0.4,
+        help="share of conversations that start with a shared system prompt (default 0.4)",
+    )
+    w.add_argument("--num-system-prompts", type=positive_int, default=4, help="default: 4")
+    w.add_argument("--system-prompt-len", type=non_negative_int, default=256, help="default: 256")
+    w.add_argument(
+        "--multi-turn-share",
+        type=fraction,
+        default=0.25,
+        help="share of conversations with several turns; each turn's prompt is the history "
+        "plus a new message (default 0.25)",
+    )
+    w.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=5,
+        help="turns of a multi-turn conversation: uniform 2..N (default 5)",
+    )
+    w.add_argument(
+        "--think-time",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="mean time from a turn's finish to the next turn's arrival, exponential (5)",
+    )
+    w.add_argument(
+        "--parallel-share",
+        type=fraction,
+        default=0.05,
+        help="share of single-turn requests with n = 2..4 samples (default 0.05)",
+    )
     c = p.add_argument_group("block manager")
     c.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (16)")
     c.add_argument(
@@ -56,6 +133,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="auto",
         help="auto: recompute single-sequence requests, swap multi-sequence ones",
     )
+    k = p.add_argument_group("capacity")
+    k.add_argument(
+        "--capacity",
+        choices=("estimate", "search", "off"),
+        default="estimate",
+        help="estimate: each server's throughput when saturated (cheap, an upper bound); "
+        "search: also bisect the highest rate whose queueing delay stays bounded (runs the "
+        "trace ~6 times per server); off: neither (default: estimate)",
+    )
+    k.add_argument(
+        "--saturation-requests",
+        type=positive_int,
+        default=500,
+        help="requests in each saturated run (default 500)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
     o.add_argument("--plot", metavar="PNG", help="write a timeline plot (matplotlib)")
@@ -67,20 +159,44 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvblocks simulate``; return the exit status."""
     from kvblocks.scheduler import SchedulerConfig
-    from kvblocks.simulate import SimulationConfig, WorkloadConfig, run_simulation
+    from kvblocks.simulate import SimulationConfig, WorkloadConfig
+    from kvblocks.simulate.planner import run_plan
     from kvblocks.simulate.report import format_json, format_table
 
     if args.num_blocks < 2:
         raise InvalidArgumentError("--num-blocks must be >= 2 (block 0 is the reserved null block)")
+    if args.saturation_requests < 10:
+        raise InvalidArgumentError("--saturation-requests must be >= 10")
     if args.plot:
         from kvblocks.simulate.plot import check_plot_path
 
         # Before the run: a long simulation must not end in an unwritable path.
         check_plot_path(args.plot)
+    try:
+        workload = WorkloadConfig(
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            arrival=args.arrival,
+            seed=args.seed,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            max_prompt_len=args.max_prompt_len,
+            max_output_len=args.max_output_len,
+            max_context_len=args.max_context_len,
+            system_prompt_share=args.system_prompt_share,
+            num_system_prompts=args.num_system_prompts,
+            system_prompt_len=args.system_prompt_len,
+            multi_turn_share=args.multi_turn_share,
+            max_turns=args.max_turns,
+            think_time_s=args.think_time,
+            parallel_share=args.parallel_share,
+        )
+    except InvalidArgumentError as exc:
+        # A combination of options no workload satisfies: a usage error, like argparse's.
+        print(f"kvblocks simulate: error: {exc} (see kvblocks simulate --help)", file=sys.stderr)
+        return 2
     config = SimulationConfig(
-        workload=WorkloadConfig(
-            num_requests=args.num_requests, request_rate=args.request_rate, seed=args.seed
-        ),
+        workload=workload,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
@@ -93,12 +209,12 @@ def run(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         progress=not args.no_progress and not args.json,
     )
-    result = run_simulation(config)
-    print(format_json(result) if args.json else format_table(result))
+    plan = run_plan(config, args.capacity, args.saturation_requests)
+    print(format_json(plan) if args.json else format_table(plan))
     if args.plot:
         from kvblocks.simulate.plot import write_plot
 
-        write_plot(result, args.plot)
+        write_plot(plan.paged, args.plot)
         if not args.json:
             print(f"\ntimeline written to {args.plot}")
     sys.stdout.flush()

@@ -2,8 +2,7 @@
 
 :class:`LLM` is the entry point::
 
-    from kvblocks.engine import LLM
-    from kvblocks.sampling_params import SamplingParams
+    from kvblocks.engine import LLM, SamplingParams
 
     llm = LLM()  # the built-in tiny model; or LLM("/path/to/hf/checkpoint")
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
@@ -13,12 +12,30 @@ Modules: :mod:`~kvblocks.engine.config` (HF config), :mod:`~kvblocks.engine.mode
 :mod:`~kvblocks.engine.tiny` (built-in random model), :mod:`~kvblocks.engine.dense`
 (cache-free reference), :mod:`~kvblocks.engine.sampler`, :mod:`~kvblocks.engine.runner`
 (one step on the paged cache), :mod:`~kvblocks.engine.llm`, :mod:`~kvblocks.engine.tokenizer`.
-Needs torch (``pip install kvblocks[engine]``).
+:class:`~kvblocks.sampling_params.SamplingParams` is re-exported here so that vLLM-style code
+imports both names together. Needs torch and safetensors (``pip install 'kvblocks[engine]'``);
+without them the import raises one ImportError saying so.
 """
+
+from kvblocks._extras import raise_missing_extra
+
+try:
+    import safetensors  # noqa: F401
+    import torch  # noqa: F401
+except ModuleNotFoundError as _exc:
+    raise_missing_extra(_exc, "kvblocks.engine", "engine", ["safetensors", "torch"])
 
 from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.llm import LLM
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import Completion, GenerationOutput
+from kvblocks.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Completion", "GenerationOutput", "LlamaForCausalLM", "ModelConfig"]
+__all__ = [
+    "LLM",
+    "Completion",
+    "GenerationOutput",
+    "LlamaForCausalLM",
+    "ModelConfig",
+    "SamplingParams",
+]

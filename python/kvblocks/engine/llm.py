@@ -3,7 +3,9 @@
 Wires the pieces together: a model (the built-in tiny one, a checkpoint directory or a
 model object), the Rust :class:`kvblocks.KVCacheManager`, the continuous-batching
 :class:`kvblocks.scheduler.Scheduler` and the :class:`~kvblocks.engine.runner.ModelRunner`,
-then loops schedule -> execute -> update until every prompt has finished.
+then loops schedule -> execute -> update until every prompt has finished:
+:meth:`LLM.generate` returns the final outputs, :meth:`LLM.stream` yields every step's
+progress (token and text deltas), and :meth:`LLM.abort` ends a request mid-stream.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -21,13 +23,22 @@ import torch
 from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
-from kvblocks.engine.outputs import Completion, GenerationOutput
+from kvblocks.engine.outputs import GenerationOutput
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
+from kvblocks.engine.stream_state import RequestRun, StepLogprobs
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
 from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
 from kvblocks.sampling_params import SamplingParams, as_token_ids
-from kvblocks.scheduler import Request, RequestOutput, Scheduler, SchedulerConfig
+from kvblocks.scheduler import (
+    FinishReason,
+    ModelStepResult,
+    Request,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 __all__ = ["LLM", "Prompt"]
 
@@ -193,7 +204,9 @@ class LLM:
             seed=seed,
         )
         self._next_request = 0
-        self._mid_step = False  # between schedule() and update() (see _run_until_done)
+        self._mid_step = False  # between schedule() and update() (see _run)
+        self._runs: dict[str, RequestRun] = {}  # the running call's requests
+        self._aborted: list[RequestOutput] = []  # abort() records not yielded yet
         self.run_stats: dict[str, int | float] = {}
 
     @staticmethod
@@ -276,7 +289,9 @@ class LLM:
         """
         room = self.max_model_len - prompt_len
         if params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
+            params = dataclasses.replace(
+                params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+            )
         if not self.eos_token_ids or params.ignore_eos:
             return params, None
         extra = tuple(t for t in self.eos_token_ids[1:] if t not in params.stop_token_ids)
@@ -285,23 +300,109 @@ class LLM:
         return params, self.eos_token_ids[0]
 
     # -- generation ----------------------------------------------------------------------
+    @overload
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[GenerationOutput]:
+        *,
+        priority: int | Sequence[int] | None = None,
+        stream: Literal[False] = False,
+    ) -> list[GenerationOutput]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int | Sequence[int] | None = None,
+        stream: Literal[True],
+    ) -> Iterator[GenerationOutput]: ...
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int | Sequence[int] | None = None,
+        stream: bool = False,
+    ) -> list[GenerationOutput] | Iterator[GenerationOutput]:
         """Generate completions for every prompt; results come back in prompt order.
 
         Args:
             prompts: one prompt or a list (text and token-id prompts can be mixed).
             sampling_params: one for all prompts, or one per prompt; default
                 ``SamplingParams()``.
+            priority: one for all prompts or one per prompt; smaller is served first
+                when the engine was built with ``policy="priority"`` (ignored otherwise).
+            stream: return :meth:`stream`'s iterator instead of the final outputs.
 
         Raises:
             InvalidArgumentError: a bad prompt or parameter (nothing is queued then).
             OutOfBlocksError: the engine stopped making progress (a pool too small for
                 what was asked, e.g. no CPU blocks for a beam search that must swap).
         """
+        if stream:
+            return self.stream(prompts, sampling_params, priority=priority)
+        runs = self._prepare(prompts, sampling_params, priority)
+        final: dict[str, GenerationOutput] = {}
+        for out in self._run(runs):
+            if out.finished:
+                final[out.request_id] = out
+        results = [final[run.request.request_id] for run in runs]
+        for result in results:
+            for c in result.outputs:  # a whole result: everything is new
+                c.new_token_ids = list(c.token_ids)
+                c.new_text = c.text
+        return results
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: int | Sequence[int] | None = None,
+    ) -> Iterator[GenerationOutput]:
+        """Generate like :meth:`generate`, yielding each request's progress step by step.
+
+        Every engine step yields one :class:`GenerationOutput` per request that moved:
+        its completions (all that have started, ordered by index) with the cumulative
+        ``token_ids``/``text`` and this step's ``new_token_ids``/``new_text``; the last
+        record of a request has ``finished`` True and is what :meth:`generate` returns
+        for it. Beam search yields only that last record. :meth:`abort` may be called
+        between two records (the aborted request's last record follows). Leaving the
+        loop early aborts what is unfinished.
+
+        Arguments are checked (and ``InvalidArgumentError`` raised) here, before the
+        first record; the requests are queued when the iteration starts.
+        """
+        runs = self._prepare(prompts, sampling_params, priority)
+        return self._run(runs)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``).
+
+        Call it from the loop that consumes the stream: the request's last record, with
+        ``finish_reason="abort"`` for its unfinished completions, is the stream's next
+        record. Returns False for an unknown or already finished request.
+        """
+        run = self._runs.get(request_id)
+        if run is None or run.finished:
+            return False
+        record = self.scheduler.abort_request(request_id)
+        if record is None:
+            return False
+        self._aborted.append(record)
+        return True
+
+    def _prepare(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: int | Sequence[int] | None,
+    ) -> list[RequestRun]:
+        """Validate a call and build its requests (nothing is queued)."""
         items = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -313,47 +414,156 @@ class LLM:
                 raise InvalidArgumentError(
                     f"got {len(params_list)} SamplingParams for {len(items)} prompts"
                 )
+            for params in params_list:
+                if not isinstance(params, SamplingParams):
+                    raise InvalidArgumentError(
+                        f"sampling_params must be SamplingParams, got {type(params).__name__}"
+                    )
+        priorities = _priorities(priority, len(items))
         encoded = [self._encode(p) for p in items]
-        requests: list[Request] = []
-        for (_text, ids), params in zip(encoded, params_list, strict=True):
+        runs: list[RequestRun] = []
+        for i, ((text, ids), params, prio) in enumerate(
+            zip(encoded, params_list, priorities, strict=True)
+        ):
             req_params, eos = self._request_params(params, len(ids))
-            requests.append(
-                Request(
-                    request_id=str(self._next_request + len(requests)),
-                    prompt_token_ids=ids,
-                    sampling_params=req_params,
-                    eos_token_id=eos,
-                )
+            request = Request(
+                request_id=str(self._next_request + i),
+                prompt_token_ids=ids,
+                sampling_params=req_params,
+                eos_token_id=eos,
+                priority=prio,
             )
-        self._next_request += len(requests)
-        request_ids = [r.request_id for r in requests]
-        finished: dict[str, RequestOutput] = {}
+            runs.append(RequestRun(request, params, text, i))
+        self._next_request += len(runs)
+        return runs
+
+    def _run(self, runs: list[RequestRun]) -> Iterator[GenerationOutput]:
+        """Queue ``runs`` and step until they finish, yielding each step's records."""
+        if self._runs:
+            raise InvalidArgumentError(
+                "another generate()/stream() of this LLM is still running; finish or close it first"
+            )
+        self._runs = {run.request.request_id: run for run in runs}
+        self._aborted = []
         self._mid_step = False
         start = time.perf_counter()
+        steps = computed = 0
         try:
-            for req in requests:
-                self.scheduler.add_request(req)
-            steps, computed = self._run_until_done(set(request_ids), finished)
+            for run in runs:
+                self.scheduler.add_request(run.request)
+            idle = 0
+            while any(not run.finished for run in runs):
+                for record in self._take_aborted():
+                    yield from self._emit(record, {})
+                if not self.scheduler.has_unfinished_requests():
+                    break
+                self._mid_step = True
+                # logprobs=0 still wants the drawn token's log-prob: keep at least 1.
+                self.runner.sampler.num_logprobs = max(
+                    (
+                        max(run.params.logprobs, 1)
+                        for run in runs
+                        if not run.finished and run.params.logprobs is not None
+                    ),
+                    default=0,
+                )
+                out = self.scheduler.schedule()
+                result = self.runner.execute(out)
+                step = self.scheduler.update(out, result)
+                self._mid_step = False
+                steps += 1
+                computed += out.num_tokens
+                moved = (
+                    len(out.blocks_to_swap_out)
+                    + len(out.blocks_to_swap_in)
+                    + len(out.blocks_to_copy)
+                )
+                idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
+                if idle >= _MAX_IDLE_STEPS:
+                    raise OutOfBlocksError(
+                        f"the engine made no progress in {_MAX_IDLE_STEPS} steps: the KV "
+                        f"cache ({self.manager.num_blocks} blocks, "
+                        f"{self.manager.num_cpu_blocks} CPU blocks) cannot hold what the "
+                        "waiting requests need"
+                    )
+                logprobs = self._step_logprobs(out, result)
+                for record in step:
+                    yield from self._emit(record, logprobs)
+            for record in self._take_aborted():
+                yield from self._emit(record, {})
+            missing = [r.request.request_id for r in runs if not r.finished]
+            if missing:
+                raise OutOfBlocksError(f"requests {missing} never finished")
         finally:
-            # Whatever stopped the loop (an error, Ctrl-C), nothing of this call may stay
-            # queued: the next generate() must find an idle, consistent engine.
-            unfinished = [rid for rid in request_ids if rid not in finished]
+            # Whatever stopped the loop (an error, Ctrl-C, a consumer leaving the stream),
+            # nothing of this call may stay queued: the next call must find an idle,
+            # consistent engine.
+            unfinished = [r.request.request_id for r in runs if not r.finished]
             if unfinished or self._mid_step:
                 self._abandon(unfinished)
-        elapsed = time.perf_counter() - start
-        outputs = [
-            self._to_output(finished[req.request_id], text)
-            for req, (text, _ids) in zip(requests, encoded, strict=True)
-        ]
-        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        self.run_stats = {
-            "steps": steps,
-            "computed_tokens": computed,
-            "generated_tokens": generated,
-            "elapsed_s": elapsed,
-            "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-        }
-        return outputs
+            self._runs = {}
+            self._aborted = []
+            self.runner.sampler.num_logprobs = 0
+            elapsed = time.perf_counter() - start
+            generated = sum(len(c.tokens) for r in runs for c in r.completions.values())
+            self.run_stats = {
+                "steps": steps,
+                "computed_tokens": computed,
+                "generated_tokens": generated,
+                "elapsed_s": elapsed,
+                "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            }
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        records, self._aborted = self._aborted, []
+        return records
+
+    def _step_logprobs(self, out: SchedulerOutput, result: ModelStepResult) -> StepLogprobs:
+        """The drawn tokens' log-probs and top-N, for the requests that asked for them."""
+        top = self.runner.sampler.last_top_logprobs
+        if top is None or result.sampled_logprobs is None:
+            return {}
+        counts = np.asarray(out.sample_counts, dtype=np.int64)
+        row_of = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        draw_no = np.arange(row_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        seq_index = out.sample_seq_index
+        base = np.zeros(len(counts), np.int64) if seq_index is None else np.asarray(seq_index)
+        index = (base[row_of] + draw_no).tolist()
+        drawn = np.asarray(result.sampled_logprobs, dtype=np.float64).tolist()
+        wanted = {rid for rid, run in self._runs.items() if run.params.logprobs is not None}
+        request_ids = out.sample_request_ids
+        found: StepLogprobs = {}
+        for j, row in enumerate(row_of.tolist()):  # opt-in: only when logprobs are asked
+            rid = request_ids[row]
+            if rid in wanted:
+                found[rid, index[j]] = (drawn[j], top[0][j], top[1][j])
+        return found
+
+    def _emit(
+        self,
+        record: RequestOutput,
+        logprobs: dict[tuple[str, int], tuple[float, np.ndarray, np.ndarray]],
+    ) -> Iterator[GenerationOutput]:
+        """Turn one scheduler record into the stream's record (if anything changed)."""
+        run = self._runs.get(record.request_id)
+        if run is None or run.finished:
+            return
+        changed = run.absorb(record, logprobs, self.tokenizer)
+        for index in run.take_stopped():
+            # One sample of several matched a stop string: free it now if the
+            # scheduler can (else its further tokens are ignored).
+            self.scheduler.finish_sequence(record.request_id, index, FinishReason.STOP)
+        if run.stopped_all() and not record.finished:
+            # Every completion matched a stop string: the scheduler can let it go.
+            aborted = self.scheduler.abort_request(record.request_id, FinishReason.STOP)
+            if aborted is not None:
+                run.absorb(aborted, {}, self.tokenizer, new_step=False)
+            run.finished = True
+            changed = True
+        if record.finished:
+            run.finished = True
+        if changed:
+            yield run.output()
 
     def _abandon(self, request_ids: list[str]) -> None:
         """Withdraw a failed call's requests and leave the engine ready for the next one.
@@ -379,59 +589,6 @@ class LLM:
         self.scheduler.stats_history = old.stats_history
         self._mid_step = False
 
-    def _run_until_done(
-        self, request_ids: set[str], finished: dict[str, RequestOutput]
-    ) -> tuple[int, int]:
-        """Step until the scheduler is empty, filling ``finished``; return steps and tokens.
-
-        ``self._mid_step`` is true from before ``schedule()`` until ``update()`` has
-        returned, so an exception anywhere in a step is known to have interrupted it.
-        """
-        idle = steps = computed = 0
-        while self.scheduler.has_unfinished_requests():
-            self._mid_step = True
-            out = self.scheduler.schedule()
-            result = self.runner.execute(out)
-            done = self.scheduler.update(out, result)
-            self._mid_step = False
-            for output in done:
-                finished[output.request_id] = output
-            moved = (
-                len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in) + len(out.blocks_to_copy)
-            )
-            steps += 1
-            computed += out.num_tokens
-            idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
-            if idle >= _MAX_IDLE_STEPS:
-                raise OutOfBlocksError(
-                    f"the engine made no progress in {_MAX_IDLE_STEPS} steps: the KV cache "
-                    f"({self.manager.num_blocks} blocks, {self.manager.num_cpu_blocks} CPU "
-                    "blocks) cannot hold what the waiting requests need"
-                )
-        missing = request_ids - finished.keys()
-        if missing:
-            raise OutOfBlocksError(f"requests {sorted(missing)} never finished")
-        return steps, computed
-
-    def _to_output(self, result: RequestOutput, prompt: str | None) -> GenerationOutput:
-        completions = [
-            Completion(
-                index=c.index,
-                token_ids=list(c.token_ids),
-                text=self.tokenizer.decode(c.token_ids) if self.tokenizer is not None else None,
-                cumulative_logprob=float(c.cumulative_logprob),
-                finish_reason=c.finish_reason,
-            )
-            for c in sorted(result.outputs, key=lambda c: c.index)
-        ]
-        return GenerationOutput(
-            request_id=result.request_id,
-            prompt=prompt,
-            prompt_token_ids=list(result.prompt_token_ids),
-            outputs=completions,
-            num_cached_tokens=int(result.num_cached_tokens),
-        )
-
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters.
@@ -446,6 +603,28 @@ class LLM:
             "scheduler": self.scheduler.stats(),
             "cache": dict(self.manager.stats()),
         }
+
+
+def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    """One priority per prompt (default 0)."""
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, (int, np.integer)) and not isinstance(priority, bool):
+        return [int(priority)] * count
+    if isinstance(priority, (str, bytes)):
+        raise InvalidArgumentError(f"priority must be an int or a list of ints, got {priority!r}")
+    try:
+        values = list(priority)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"priority must be an int or a list of ints, got {priority!r}"
+        ) from None
+    if len(values) != count:
+        raise InvalidArgumentError(f"got {len(values)} priorities for {count} prompts")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise InvalidArgumentError(f"priorities must be ints, got {v!r}")
+    return [int(v) for v in values]
 
 
 def _check_max_model_len(value: int | None, model_limit: int) -> int:

@@ -14,6 +14,8 @@ is independent of other requests but not of how its own sequences are scheduled.
 Log-probabilities reported back (``sampled_logprobs``, ``topk_logprobs``) are the raw
 model distribution's (log-softmax of the logits, temperature and truncation ignored),
 which is what beam search ranks by and what a client expects as the model's log-prob.
+With :attr:`Sampler.num_logprobs` set, the top-N of the same distribution is kept for
+every drawn token (:attr:`Sampler.last_top_logprobs`), for ``SamplingParams.logprobs``.
 """
 
 from __future__ import annotations
@@ -36,10 +38,19 @@ class Sampler:
     Args:
         device: where logits live (generators are created there).
         seed: seed of the generator shared by unseeded rows.
+
+    Attributes:
+        num_logprobs: ``N > 0``: each ``sample`` also keeps the ``N`` most likely tokens
+            of every drawn token's row in :attr:`last_top_logprobs`; ``0``: off.
+        last_top_logprobs: ``(token_ids int64 [D, N], logprobs float32 [D, N])`` of the
+            last ``sample`` call, aligned with its ``sampled_token_ids``; ``None`` when
+            ``num_logprobs`` was 0.
     """
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = torch.device(device)
+        self.num_logprobs = 0
+        self.last_top_logprobs: tuple[np.ndarray, np.ndarray] | None = None
         self._global = torch.Generator(device=self.device)
         self._global.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
@@ -76,6 +87,14 @@ class Sampler:
 
         counts = np.asarray(out.sample_counts, dtype=np.int64)
         row_of = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        self.last_top_logprobs = None
+        if self.num_logprobs > 0:
+            k = min(int(self.num_logprobs), logprobs.shape[1])
+            values, indices = torch.topk(logprobs, k, dim=-1)
+            self.last_top_logprobs = (
+                indices.cpu().numpy().astype(np.int64)[row_of],
+                values.cpu().numpy().astype(np.float32)[row_of],
+            )
         if row_of.size == 0:
             return ModelStepResult(
                 sampled_token_ids=np.zeros(0, dtype=np.int64),

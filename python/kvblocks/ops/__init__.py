@@ -3,8 +3,9 @@
 Each op validates its arguments, then runs the CUDA kernel (``cuda/*.cu`` compiled at
 run time through CuPy/NVRTC) when the tensors live on a CUDA device, or the torch
 reference (:mod:`kvblocks.ops.reference`) otherwise; :func:`swap_blocks` is torch copies
-on every device. Importing this module needs torch but neither CuPy nor a GPU: CuPy is
-imported on the first CUDA call.
+on every device. Importing this module needs torch (``pip install 'kvblocks[torch]'``;
+without it the import raises one ImportError saying so) but neither CuPy nor a GPU: CuPy
+is imported on the first CUDA call.
 
 Cache layout (per layer, for K and V): ``[num_blocks, num_kv_heads, block_size,
 head_size]``, so every (block, head) tile is one contiguous range.
@@ -16,7 +17,12 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
+from kvblocks._extras import raise_missing_extra
+
+try:
+    import torch
+except ModuleNotFoundError as _exc:
+    raise_missing_extra(_exc, "kvblocks.ops", "torch", ["torch"])
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops import reference

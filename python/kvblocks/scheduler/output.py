@@ -17,6 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.page_tables import (
+    FlashAttentionPageTable,
+    FlashInferPageTable,
+    flash_attention_page_table,
+    flashinfer_page_table,
+)
+
 if TYPE_CHECKING:
     from kvblocks.scheduler.block_table import TableDelta
 
@@ -198,6 +205,26 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing to compute (there may still be swap/copy work)."""
         return self.num_seqs == 0
+
+    def flashinfer_page_table(self, block_size: int) -> FlashInferPageTable:
+        """This step's page table in FlashInfer's CSR form (``qo_indptr`` included).
+
+        See :func:`kvblocks.page_tables.flashinfer_page_table`; ``block_size`` is the
+        manager's.
+        """
+        return flashinfer_page_table(
+            self.block_tables, self.seq_lens, block_size, self.query_start_loc
+        )
+
+    def flash_attention_page_table(self, block_size: int) -> FlashAttentionPageTable:
+        """This step's ``block_table`` / ``cache_seqlens`` / ``cu_seqlens_q`` for FlashAttention.
+
+        See :func:`kvblocks.page_tables.flash_attention_page_table`; ``block_size`` is
+        the manager's.
+        """
+        return flash_attention_page_table(
+            self.block_tables, self.seq_lens, block_size, self.query_start_loc
+        )
 
     @classmethod
     def empty(cls, num_block_columns: int = 1) -> SchedulerOutput:

@@ -1,5 +1,6 @@
 """What a client hands the scheduler (:class:`Request`) and what it gets back
-(:class:`RequestOutput`, one :class:`CompletionOutput` per returned sequence)."""
+(:class:`RequestOutput`, one :class:`CompletionOutput` per returned sequence, with the
+request's :class:`RequestMetrics`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy.typing as npt
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "FinishReason", "Request", "RequestOutput"]
+__all__ = ["CompletionOutput", "FinishReason", "Request", "RequestMetrics", "RequestOutput"]
 
 _MAX_TOKEN_ID = 2**32
 
@@ -113,34 +114,120 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One returned sequence of a request.
+    """One returned sequence of a request, as of one step.
 
     Attributes:
         index: 0..n-1; with beam search, the rank of the beam (0 = best score).
-        token_ids: generated tokens (prompt excluded; a stop/EOS token is included).
+        token_ids: generated tokens (prompt excluded; a stop/EOS token is included) once
+            the sequence has finished (``finish_reason`` set); empty while it runs, when
+            the step's tokens are in ``new_token_ids`` (the scheduler does not copy a
+            running sequence's history every step).
         cumulative_logprob: sum of the log-probs of the generated tokens, as reported by
             the engine (``ModelStepResult.sampled_logprobs`` / ``topk_logprobs``).
         finish_reason: why it stopped; ``None`` while still running.
+        new_token_ids: the tokens this sequence generated in the step whose
+            ``Scheduler.update`` returned this record (the delta); concatenated over the
+            steps they give ``token_ids``. Empty in the final record of a sequence that
+            finished in an earlier step, or that was aborted or ended without a new
+            token. Beam search streams nothing: its final record carries the whole beam
+            (``new_token_ids == token_ids``), since beams are re-ranked until the end.
+        num_tokens: tokens generated so far (``len(token_ids)`` once finished).
     """
 
     index: int
     token_ids: list[int]
     cumulative_logprob: float
     finish_reason: FinishReason | None
+    new_token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """The sequence has stopped."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """When things happened to a request, on the scheduler's clock (``Scheduler(clock=)``).
+
+    Attributes:
+        arrival_time: ``Request.arrival_time`` when given (it must then be on the
+            scheduler's clock), else the clock at ``add_request``.
+        first_scheduled_time: the clock when the request was first admitted (its first
+            prefill chunk scheduled); ``None`` before.
+        first_token_time: the clock at the ``update`` that produced its first token(s).
+        finished_time: the clock when it finished or was aborted.
+        num_preemptions: times it was preempted (recompute or swap).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        num_generated_tokens: tokens of the returned sequences once finished (the
+            longest sequence's count, which is what TPOT divides by).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to first admission."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT: arrival to the first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """TPOT: mean time between tokens after the first (``None`` under two tokens)."""
+        if (
+            self.finished_time is None
+            or self.first_token_time is None
+            or self.num_generated_tokens < 2
+        ):
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
 
 
 @dataclass
 class RequestOutput:
-    """The result of one request.
+    """The result of one request, or what it produced in one step.
+
+    ``Scheduler.update`` returns one per request that produced tokens (or finished) in
+    the step: ``finished`` False with the running sequences' ``new_token_ids``, or the
+    final record (``finished`` True, every sequence's full ``token_ids``).
 
     Attributes:
         request_id: the request's id.
         prompt_token_ids: the prompt.
-        outputs: the returned sequences, ``n`` of them, ordered by ``index``.
+        outputs: the returned sequences, ordered by ``index``: all ``n`` of them when
+            ``finished``, else those that produced a token or finished in the step.
         num_cached_tokens: prompt tokens served from the prefix cache at the request's
             first admission, instead of being computed (readmissions after a preemption
             are not counted).
         finished: every sequence has finished.
+        metrics: the request's timings; the scheduler keeps updating the same object
+            until the request finishes.
     """
 
     request_id: str
@@ -148,3 +235,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool
+    metrics: RequestMetrics | None = None

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler.beam import Hypothesis
 from kvblocks.scheduler.queues.policy import Key
-from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request
+from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestMetrics
 from kvblocks.scheduler.seq_table import Rows, empty_rows
 
 __all__ = ["RequestState", "RequestStatus"]
@@ -35,7 +35,14 @@ class RequestStatus(enum.Enum):
 class RequestState:
     """The scheduler's view of one request (per-request data; per-step data is in the table)."""
 
-    def __init__(self, request: Request, counter: int, key: Key, seq_id: int) -> None:
+    def __init__(
+        self,
+        request: Request,
+        counter: int,
+        key: Key,
+        seq_id: int,
+        metrics: RequestMetrics | None = None,
+    ) -> None:
         params = request.sampling_params
         self.request = request
         self.params: SamplingParams = params
@@ -67,12 +74,30 @@ class RequestState:
         self.aborted = False
         self.seq_index: dict[int, int] = {seq_id: 0}
         self.outputs: dict[int, CompletionOutput] = {}
+        # Step (``counters.num_steps``) at which each finished sequence's record was made:
+        # the final record repeats the earlier ones without their new tokens.
+        self.output_step: dict[int, int] = {}
+        # Shared by the parts of a split request (one request, one set of timings).
+        self.metrics = metrics if metrics is not None else RequestMetrics(0.0)
+        self._prompt_list: list[int] | None = None
         self.hypotheses: list[Hypothesis] = []
         self.swapped_rows: Rows | None = None
         eos = request.eos_token_id
         self.eos = -1 if eos is None or params.ignore_eos else int(eos)
         self.stop_set = frozenset(params.stop_token_ids)
         self.beam_stops = self.stop_set | ({self.eos} if self.eos >= 0 else set())
+
+    @property
+    def prompt_list(self) -> list[int]:
+        """The prompt as a list, converted once (every step's output refers to it)."""
+        if self._prompt_list is None:
+            self._prompt_list = np.asarray(self.request.prompt_token_ids).tolist()
+        return self._prompt_list
+
+    @property
+    def root(self) -> RequestState:
+        """The request itself (a part's parent)."""
+        return self.parent if self.parent is not None else self
 
     @property
     def width(self) -> int:
@@ -94,7 +119,7 @@ class RequestState:
         self, seq_id: int, tokens: npt.NDArray[np.int64], cum_logprob: float
     ) -> RequestState:
         """A single-sequence part of this request that recomputes ``tokens`` for ``seq_id``."""
-        part = RequestState(self.request, self.counter, self.key, seq_id)
+        part = RequestState(self.request, self.counter, self.key, seq_id, self.metrics)
         part.parent = self
         part.tokens = tokens
         part.cum_logprob = cum_logprob
@@ -102,8 +127,11 @@ class RequestState:
         part.admitted = True
         return part
 
-    def finish_reason_for(self, token: int) -> FinishReason | None:
-        """Stop reason of sampling ``token`` (EOS, stop token) or None."""
+    def finish_reason_for(self, token: int, num_generated: int) -> FinishReason | None:
+        """Stop reason of sampling ``token`` as the ``num_generated``-th token (EOS, stop
+        token) or None; none before ``min_tokens`` tokens."""
+        if num_generated < self.params.min_tokens:
+            return None
         if token == self.eos:
             return FinishReason.EOS
         if token in self.stop_set:

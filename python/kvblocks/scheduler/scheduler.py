@@ -29,7 +29,10 @@ fork, beam step).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,10 +51,17 @@ from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
-from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestOutput
+from kvblocks.scheduler.request import (
+    CompletionOutput,
+    FinishReason,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
 from kvblocks.scheduler.seq_table import Rows, SequenceTable
-from kvblocks.scheduler.stats import SchedulerCounters, StatsHistory
+from kvblocks.scheduler.stats import LatencyStats, SchedulerCounters, StatsHistory
+from kvblocks.scheduler.step_outputs import DecodeDeltas, StepOutputs
 
 __all__ = ["Scheduler"]
 
@@ -67,6 +77,8 @@ class Scheduler:
             ``ReferenceKVCacheManager`` of the tests); the scheduler owns every sequence in it.
         config: limits and policies.
         record_history: append one statistics row per step to :attr:`stats_history`.
+        clock: the time source of the request metrics (:class:`RequestMetrics`), in
+            seconds; default ``time.monotonic``. A simulator passes its model time.
 
     Sequence ids are assigned by the scheduler (the request's first sequence, then
     forks); ids of finished requests are reused.
@@ -78,8 +90,12 @@ class Scheduler:
         config: SchedulerConfig | None = None,
         *,
         record_history: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
         self.manager = manager
+        self._clock = clock
         self.config = config if config is not None else SchedulerConfig()
         if not isinstance(self.config, SchedulerConfig):
             raise InvalidArgumentError(
@@ -89,6 +105,11 @@ class Scheduler:
         self.record_history = record_history
         self.counters = SchedulerCounters()
         self.stats_history = StatsHistory()
+        self.latency = LatencyStats()
+        # Records of sequences that started or finished in the update in progress, by
+        # request id then completion index (the decode tokens are kept as columns).
+        self._step_events: dict[str, dict[int, CompletionOutput]] = {}
+        self._update_time: float | None = None  # the clock, read once per update
         self._requests: dict[str, RequestState] = {}
         self._owner: dict[int, RequestState] = {}
         self._waiting = WaitingQueue()
@@ -175,7 +196,10 @@ class Scheduler:
             else float(self.counters.num_steps)
         )
         key = self.policy.key(request.priority, arrival, self._counter)
-        state = RequestState(request, self._counter, key, seq_id)
+        metrics = RequestMetrics(
+            float(request.arrival_time) if request.arrival_time is not None else self._now()
+        )
+        state = RequestState(request, self._counter, key, seq_id, metrics)
         self._counter += 1
         self._requests[rid] = state
         self._owner[seq_id] = state
@@ -189,25 +213,91 @@ class Scheduler:
             union = set(self._stop_tokens.tolist()) | set(state.stop_set)
             self._stop_tokens = np.array(sorted(union), dtype=np.int64)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort an unfinished request and return its output so far (reason ``"abort"``).
+    def abort_request(
+        self, request_id: str, reason: FinishReason | str = FinishReason.ABORT
+    ) -> RequestOutput | None:
+        """Abort an unfinished request and return its output so far.
+
+        Its unfinished sequences end with ``reason``: ``"abort"`` (the default; counted in
+        ``num_requests_aborted``), or another reason for a request the caller ends on a
+        condition of its own, e.g. ``"stop"`` for an engine's stop string (counted as
+        finished, with its latencies in the statistics).
 
         Returns ``None`` for an unknown or already finished request id. If a step is in
         flight, the request's blocks are released at the next ``update``.
+
+        Raises:
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if state is None or state.aborted:
             return None
-        output = self._abort_output(state)
+        output = self._abort_output(state, reason)
+        state.metrics.finished_time = self._now()
         state.aborted = True
         for part in state.parts:
             part.aborted = True
-        self.counters.num_requests_aborted += 1
+        if reason == FinishReason.ABORT:
+            self.counters.num_requests_aborted += 1
+            metrics = state.metrics
+            metrics.num_generated_tokens = max(
+                (len(c.token_ids) for c in output.outputs), default=0
+            )
+        else:
+            self.counters.num_requests_finished += 1
+            self._record_finish(state, output)
         if self._in_flight is not None:
             self._pending_aborts.append(state)
         else:
             self._drop_request(state)
         return output
+
+    def finish_sequence(
+        self, request_id: str, index: int, reason: FinishReason | str = FinishReason.STOP
+    ) -> CompletionOutput | None:
+        """End one decoding sequence of an ``n > 1`` request that keeps others running.
+
+        For an engine condition on one completion (a stop string of one sample): the
+        sequence's blocks are released now instead of decoding on until the request ends.
+        Works between steps on a decoding (not swapped, split or beam-search) request whose
+        other sequences still run; returns the sequence's final record, or ``None`` when
+        that does not hold (the caller then ignores the sequence's further tokens, or
+        ends the whole request with :meth:`abort_request`).
+
+        Raises:
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
+        """
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+        state = self._requests.get(request_id)
+        if (
+            state is None
+            or state.aborted
+            or self._in_flight is not None
+            or state.status is not RequestStatus.RUNNING
+            or state.params.use_beam_search
+            or len(state.seq_ids) < 2
+        ):
+            return None
+        seqs = [seq for seq in state.seq_ids if state.seq_index.get(seq) == index]
+        if not seqs:
+            return None
+        seq = seqs[0]
+        rows = self._table.rows_of(np.array([seq], dtype=np.int64))
+        cum = float(self._table["cum_logprob"][rows[0]])
+        tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
+        completion = CompletionOutput(index, tokens, cum, reason)
+        state.outputs[index] = completion
+        state.output_step[index] = self.counters.num_steps
+        self._table.update(rows, [])
+        self._release_seq(state, seq)
+        return completion
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting, running or swapped (or output is pending)."""
@@ -370,12 +460,21 @@ class Scheduler:
         return output
 
     # -- update --------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, result: ModelStepResult) -> list[RequestOutput]:
-        """Apply the engine's results for ``output``; return the requests that finished.
+    def update(self, output: SchedulerOutput, result: ModelStepResult) -> StepOutputs:
+        """Apply the engine's results for ``output``; return every request's news.
 
         Appends each sampling row's token(s), commits the computed KV, applies stop
-        conditions (``max_tokens``, stop tokens, EOS), forks ``n > 1`` and beam-search
-        sequences, and frees finished requests.
+        conditions (``max_tokens``, stop tokens, EOS; not before ``min_tokens``), forks
+        ``n > 1`` and beam-search sequences, and frees finished requests.
+
+        Returns:
+            a :class:`StepOutputs`: a sequence of :class:`RequestOutput`, one per request
+            that produced tokens or finished in this step (each running sequence's token
+            in ``new_token_ids``; a finished request's final record), with
+            ``.finished`` the finished requests' records alone. Concatenating a
+            sequence's ``new_token_ids`` over the steps gives its final ``token_ids``
+            (beam search: only the final record, with the whole beams). A request
+            aborted while the step was in flight produces nothing here.
 
         Raises:
             SequenceStateError: ``output`` is not the last ``schedule()`` result.
@@ -410,12 +509,24 @@ class Scheduler:
         self._in_flight = None
         finished: list[RequestOutput] = self._early_outputs
         self._early_outputs = []
+        self._step_events = {}
+        self._update_time = self._now()
+        states = dict(self._requests)  # the step's records outlive finished requests
+        decode: DecodeDeltas | None = None
         if output.num_seqs:
-            self._apply_results(output, plan, sampled, logprobs, result, finished)
+            decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
         for state in self._pending_aborts:
             self._drop_request(state)
         self._pending_aborts = []
-        return finished
+        events, self._step_events = self._step_events, {}
+        self._update_time = None
+        return StepOutputs(finished, events, decode, states)
+
+    def _now(self) -> float:
+        """The clock: read once per ``update`` (every event of a step shares its time)."""
+        if self._update_time is not None:
+            return self._update_time
+        return float(self._clock())
 
     def _apply_results(
         self,
@@ -425,9 +536,10 @@ class Scheduler:
         logprobs: npt.NDArray[np.float64],
         result: ModelStepResult,
         finished: list[RequestOutput],
-    ) -> None:
+    ) -> DecodeDeltas | None:
         mgr = self.manager
         table = self._table
+        decode: DecodeDeltas | None = None
         counts = output.sample_counts
         num_decode = output.num_decode_seqs
         if plan.special:
@@ -467,6 +579,7 @@ class Scheduler:
             generated = cols["num_generated"][rows] + 1
             cols["num_generated"][rows] = generated
             cols["cum_logprob"][rows] += lp
+            decode = self._decode_deltas(rows, tok, generated)
             done = (generated >= cols["max_tokens"][rows]) | (tok == cols["eos"][rows])
             if self._stop_tokens.size:
                 done |= cols["has_stop"][rows] & np.isin(tok, self._stop_tokens)
@@ -485,6 +598,9 @@ class Scheduler:
             if row is None:
                 continue
             self._prefilling.remove(state)
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = self._now()
             params = state.params
             if params.use_beam_search:
                 assert result.topk_token_ids is not None and result.topk_logprobs is not None
@@ -518,6 +634,29 @@ class Scheduler:
         if remove_rows or add_rows:
             remove = np.concatenate(remove_rows) if remove_rows else None
             table.update(remove, add_rows)
+        return decode
+
+    def _decode_deltas(
+        self,
+        rows: npt.NDArray[np.int64],
+        tokens: npt.NDArray[np.int64],
+        generated: npt.NDArray[np.int64],
+    ) -> DecodeDeltas:
+        """The decode rows' new tokens as columns (rows of aborted requests left out)."""
+        cols = self._table.cols
+        if self._pending_aborts:
+            aborted = [s for a in self._pending_aborts for p in (a, *a.parts) for s in p.seq_ids]
+            keep = ~np.isin(cols["seq_id"][rows], np.array(aborted, dtype=np.int64))
+            rows, tokens, generated = rows[keep], tokens[keep], generated[keep]
+        # rows and generated are fresh arrays; tokens may be a view of the engine's result.
+        return DecodeDeltas(
+            rows,
+            cols["request_id"],
+            cols["seq_index"],
+            np.array(tokens, dtype=np.int64),
+            cols["cum_logprob"][rows],
+            generated,
+        )
 
     def _finish_decode_rows(
         self,
@@ -534,8 +673,8 @@ class Scheduler:
             state = self._owner[seq]
             if state.aborted:
                 continue
-            reason = state.finish_reason_for(tok)
             generated = int(cols["num_generated"][row])
+            reason = state.finish_reason_for(tok, generated)
             if reason is None:
                 if generated < state.params.max_tokens:
                     continue  # a stop token of another request
@@ -562,12 +701,15 @@ class Scheduler:
         generated = num_tokens - state.num_prompt
         cum = state.cum_logprob + logprobs
         keep: list[int] = []
+        events = self._step_events.setdefault(state.request.request_id, {})
         for i, (seq, tok) in enumerate(zip(seq_ids, tokens.tolist(), strict=True)):
-            reason = state.finish_reason_for(tok)
+            reason = state.finish_reason_for(tok, generated)
             if reason is None and generated >= state.params.max_tokens:
                 reason = FinishReason.LENGTH
             if reason is None:
                 keep.append(i)
+                index = state.seq_index[seq]
+                events[index] = CompletionOutput(index, [], float(cum[i]), None, [tok], generated)
                 continue
             out = self._finish_seq(state, seq, reason, float(cum[i]))
             if out is not None:
@@ -819,6 +961,7 @@ class Scheduler:
         state.status = RequestStatus.SPLIT
         self._num_split += 1
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     def _restart(self, state: RequestState) -> None:
         """Free a beam-search request's sequences and queue it again from its prompt."""
@@ -842,6 +985,7 @@ class Scheduler:
         state.outputs = {}
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     def _swap_out(self, state: RequestState) -> bool:
         mgr = self.manager
@@ -858,6 +1002,7 @@ class Scheduler:
         state.status = RequestStatus.SWAPPED
         _insort(self._swapped, state)
         self.counters.num_preemptions_swap += 1
+        state.metrics.num_preemptions += 1
         return True
 
     def _drain_copies(self) -> None:
@@ -879,6 +1024,7 @@ class Scheduler:
         self._block_table.release((seq,))
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
+        state.metrics.num_preemptions += 1
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self, state: RequestState, budget: int, *, may_hold: bool = False) -> int | None:
@@ -924,6 +1070,8 @@ class Scheduler:
         else:
             state.admitted = True
             state.num_cached_tokens = state.num_computed
+            state.metrics.first_scheduled_time = self._now()
+            state.metrics.num_cached_tokens = state.num_computed
             counters.num_prompt_tokens_admitted += len(state.tokens)
             counters.num_cached_tokens_admitted += state.num_computed
         return length
@@ -1009,7 +1157,11 @@ class Scheduler:
         """One sequence stopped; returns the request's output if it was the last one."""
         tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
         index = state.seq_index[seq]
-        state.outputs[index] = CompletionOutput(index, tokens, cum, reason)
+        # Called only for a sequence that just sampled its last token.
+        completion = CompletionOutput(index, tokens, cum, reason, tokens[-1:])
+        state.outputs[index] = completion
+        state.output_step[index] = self.counters.num_steps
+        self._step_events.setdefault(state.request.request_id, {})[index] = completion
         self._release_seq(state, seq)
         if state.seq_ids:
             return None
@@ -1025,6 +1177,7 @@ class Scheduler:
         parent = part.parent
         assert parent is not None
         parent.outputs.update(outputs)
+        parent.output_step.update(part.output_step)
         parent.parts.remove(part)
         self._drop_request(part)
         if parent.parts:
@@ -1036,7 +1189,10 @@ class Scheduler:
         """End a request (or part) that cannot fit with what it has; its output (the
         request's, once its last part ended) is returned by the next ``update``."""
         output = self._abort_output(state, reason)
-        if state.parent is not None:
+        if state.parent is None:
+            state.metrics.finished_time = self._now()
+            self._record_finish(state, output)
+        else:
             done = self._finish_part(state, {c.index: c for c in output.outputs})
             if done is not None:
                 self._early_outputs.append(done)
@@ -1050,28 +1206,46 @@ class Scheduler:
         if params.use_beam_search:
             best = rank_hypotheses(state.hypotheses, params.length_penalty)[: params.n]
             outputs = [
-                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason, list(h.token_ids))
                 for i, h in enumerate(best)
             ]
         else:
-            outputs = [state.outputs[i] for i in sorted(state.outputs)]
+            step = self.counters.num_steps
+            outputs = [
+                c if state.output_step.get(i) == step else dataclasses.replace(c, new_token_ids=[])
+                for i, c in sorted(state.outputs.items())
+            ]
         state.status = RequestStatus.FINISHED
         self._forget(state)
         self.counters.num_requests_finished += 1
-        return RequestOutput(
+        output = RequestOutput(
             request_id=state.request.request_id,
-            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            prompt_token_ids=state.prompt_list,
             outputs=outputs,
             num_cached_tokens=state.num_cached_tokens,
             finished=True,
         )
+        state.metrics.finished_time = self._now()
+        self._record_finish(state, output)
+        return output
+
+    def _record_finish(self, state: RequestState, output: RequestOutput) -> None:
+        """Complete the request's metrics, attach them and add them to the statistics."""
+        metrics = state.metrics
+        metrics.num_generated_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        output.metrics = metrics
+        self.latency.add(metrics)
 
     def _abort_output(
         self, state: RequestState, reason: FinishReason = FinishReason.ABORT
     ) -> RequestOutput:
         """The request's output as it stands, every unfinished sequence ending with ``reason``."""
         mgr = self.manager
-        outputs = dict(state.outputs)
+        # Sequences that finished in earlier steps sent their last tokens then.
+        outputs = {
+            i: dataclasses.replace(c, new_token_ids=[]) if c.new_token_ids else c
+            for i, c in state.outputs.items()
+        }
         for part in state.parts:
             outputs.update({c.index: c for c in self._abort_output(part, reason).outputs})
         cums: dict[int, float] = {}
@@ -1101,16 +1275,18 @@ class Scheduler:
             hyps = [Hypothesis(o.token_ids, o.cumulative_logprob, reason) for o in ordered]
             hyps += state.hypotheses
             best = rank_hypotheses(hyps, state.params.length_penalty)[: state.params.n]
+            # Beams were never streamed: their record carries them whole.
             ordered = [
-                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason)
+                CompletionOutput(i, h.token_ids, h.cum_logprob, h.finish_reason, list(h.token_ids))
                 for i, h in enumerate(best)
             ]
         return RequestOutput(
             request_id=state.request.request_id,
-            prompt_token_ids=state.request.prompt_token_ids.tolist(),  # type: ignore[union-attr]
+            prompt_token_ids=state.prompt_list,
             outputs=ordered,
             num_cached_tokens=state.num_cached_tokens,
             finished=True,
+            metrics=state.metrics,
         )
 
     def _drop_request(self, state: RequestState) -> None:
@@ -1157,12 +1333,16 @@ class Scheduler:
 
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
-        """Current gauges (queue lengths, KV usage) and the cumulative counters.
+        """Current gauges (queue lengths, KV usage), the cumulative counters and the
+        latency summary of finished requests (:meth:`LatencyStats.summary`: mean and
+        percentiles of queue time, TTFT, TPOT and end-to-end latency, in seconds of the
+        scheduler's clock).
 
-        Counts (``num_*``) are ints; rates and ``kv_usage`` are floats.
+        Counts (``num_*``) are ints; rates, times and ``kv_usage`` are floats.
         """
         out = self.counters.as_dict()
         out.update(self._gauges())
+        out.update(self.latency.summary())
         return out
 
     def _gauges(self) -> dict[str, int | float]:

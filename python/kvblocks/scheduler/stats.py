@@ -1,14 +1,20 @@
-"""Scheduler statistics: cumulative counters and a per-step time series."""
+"""Scheduler statistics: cumulative counters, request latencies and a per-step time series."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SchedulerCounters", "StatsHistory"]
+if TYPE_CHECKING:
+    from kvblocks.scheduler.request import RequestMetrics
+
+__all__ = ["LatencyStats", "SchedulerCounters", "StatsHistory"]
+
+_PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -90,3 +96,45 @@ class StatsHistory:
         if not self.rows:
             return {}
         return {name: self.column(name) for name in self.rows[0]}
+
+
+class LatencyStats:
+    """Latencies of finished requests (aborted ones are left out), from their
+    :class:`~kvblocks.scheduler.RequestMetrics`.
+
+    Keeps the latest ``max_requests`` requests' values so that a long-running server
+    does not grow without bound.
+    """
+
+    METRICS: ClassVar[dict[str, str]] = {
+        "queue_time": "queue_time",
+        "ttft": "time_to_first_token",
+        "tpot": "time_per_output_token",
+        "e2e_latency": "e2e_latency",
+    }
+    """Statistic name -> :class:`RequestMetrics` property."""
+
+    def __init__(self, max_requests: int | None = 100_000) -> None:
+        self.values: dict[str, deque[float]] = {
+            name: deque(maxlen=max_requests) for name in self.METRICS
+        }
+
+    def add(self, metrics: RequestMetrics) -> None:
+        """Record one finished request (values it does not have, e.g. TPOT of a single
+        token, are skipped)."""
+        for name, prop in self.METRICS.items():
+            value = getattr(metrics, prop)
+            if value is not None:
+                self.values[name].append(float(value))
+
+    def summary(self) -> dict[str, float]:
+        """``{name}_mean_s`` and ``{name}_p50_s``/``_p90_s``/``_p99_s`` of queue time,
+        TTFT, TPOT and end-to-end latency; 0.0 while no request has the value."""
+        out: dict[str, float] = {}
+        for name, values in self.values.items():
+            data = np.fromiter(values, dtype=np.float64, count=len(values))
+            out[f"{name}_mean_s"] = float(data.mean()) if data.size else 0.0
+            pcts = np.percentile(data, _PERCENTILES) if data.size else [0.0] * len(_PERCENTILES)
+            for p, v in zip(_PERCENTILES, pcts, strict=True):
+                out[f"{name}_p{p}_s"] = float(v)
+        return out

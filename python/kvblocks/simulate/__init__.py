@@ -1,25 +1,45 @@
 """``kvblocks simulate``: a synthetic serving workload through the real scheduler and
-block manager, with a cost model in place of the forward pass."""
+block manager, with a cost model in place of the forward pass; latency percentiles,
+capacity, and contiguous-reservation baselines on the same trace."""
 
-from kvblocks.simulate.contiguous import ContiguousReservation
+from kvblocks.simulate.capacity import CapacityResult, estimate_capacity, search_capacity
+from kvblocks.simulate.contiguous import ContiguousReservation, ContiguousResult, run_contiguous
 from kvblocks.simulate.cost_model import CostModel
+from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
+from kvblocks.simulate.planner import PlanResult, run_plan
 from kvblocks.simulate.runner import (
     SimulationConfig,
     SimulationError,
     SimulationResult,
     run_simulation,
 )
-from kvblocks.simulate.workload import SimRequest, WorkloadConfig, iter_workload, make_workload
+from kvblocks.simulate.workload import (
+    LengthDist,
+    SimRequest,
+    WorkloadConfig,
+    iter_workload,
+    make_workload,
+)
 
 __all__ = [
+    "CapacityResult",
     "ContiguousReservation",
+    "ContiguousResult",
     "CostModel",
+    "LengthDist",
+    "PlanResult",
+    "RequestMetrics",
     "SimRequest",
     "SimulationConfig",
     "SimulationError",
     "SimulationResult",
+    "StabilityRule",
     "WorkloadConfig",
+    "estimate_capacity",
     "iter_workload",
     "make_workload",
+    "run_contiguous",
+    "run_plan",
     "run_simulation",
+    "search_capacity",
 ]

@@ -94,23 +94,26 @@ class Timeline:
         self.columns = columns
         self.max_points = max_points
         self.num_steps = 0
-        self._sum = np.zeros(len(columns), dtype=np.float64)
-        self._max = np.full(len(columns), -np.inf, dtype=np.float64)
+        self._sum = [0.0] * len(columns)
+        self._max = [-math.inf] * len(columns)
         self._points = np.zeros((max_points, len(columns) + 1), dtype=np.float64)
         self._num_points = 0
         self._stride = 1  # steps averaged per point
-        self._bucket = np.zeros(len(columns), dtype=np.float64)
+        self._bucket = [0.0] * len(columns)
         self._bucket_steps = 0
         self._last_time = 0.0
 
     def add(self, time_s: float, values: tuple[float, ...]) -> None:
         """Record one step's values (in ``columns`` order) ending at simulated ``time_s``."""
-        row = np.asarray(values, dtype=np.float64)
+        # Plain Python floats per step (a handful of columns): cheaper than NumPy calls.
         self.num_steps += 1
         self._last_time = time_s
-        self._sum += row
-        np.maximum(self._max, row, out=self._max)
-        self._bucket += row
+        sums, peaks, bucket = self._sum, self._max, self._bucket
+        for i, value in enumerate(values):
+            sums[i] += value
+            if value > peaks[i]:
+                peaks[i] = value
+            bucket[i] += value
         self._bucket_steps += 1
         if self._bucket_steps < self._stride:
             return
@@ -127,9 +130,9 @@ class Timeline:
             if self._bucket_steps < self._stride:
                 return
         self._points[self._num_points, 0] = time_s
-        self._points[self._num_points, 1:] = self._bucket / self._bucket_steps
+        self._points[self._num_points, 1:] = [b / self._bucket_steps for b in bucket]
         self._num_points += 1
-        self._bucket[:] = 0.0
+        self._bucket = [0.0] * len(self.columns)
         self._bucket_steps = 0
 
     def mean(self, column: str) -> float:
@@ -151,7 +154,7 @@ class Timeline:
         """
         pts = self._points[: self._num_points]
         if self._bucket_steps:
-            partial = np.concatenate([[self._last_time], self._bucket / self._bucket_steps])
+            partial = [self._last_time] + [b / self._bucket_steps for b in self._bucket]
             pts = np.vstack([pts, partial])
         out = {"time_s": pts[:, 0].copy()}
         for i, name in enumerate(self.columns):

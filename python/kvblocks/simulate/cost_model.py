@@ -32,6 +32,11 @@ class CostModel:
         if output.is_empty:
             return 0.0
         context = int(output.seq_lens.sum(dtype="int64"))
+        return self.time(output.num_tokens, context)
+
+    def time(self, num_tokens: int, context_tokens: int) -> float:
+        """Simulated seconds of a non-empty step computing ``num_tokens`` over
+        ``context_tokens`` of attended context (used by the contiguous baseline too)."""
         return (
-            self.fixed_s + self.per_token_s * output.num_tokens + self.per_context_token_s * context
+            self.fixed_s + self.per_token_s * num_tokens + self.per_context_token_s * context_tokens
         )

@@ -71,7 +71,7 @@ def write_plot(result: SimulationResult, path: str | Path) -> None:
     axes[0].set_ylabel("KV memory, % of pool")
     axes[0].legend(loc="upper left", fontsize="small")
     axes[1].plot(t["time_s"], t["running_seqs"], label="sequences in the step")
-    axes[1].plot(t["time_s"], t["waiting"], label="waiting requests", alpha=0.7)
+    axes[1].plot(t["time_s"], t["waiting"], label="queued requests (waiting or swapped)", alpha=0.7)
     axes[1].set_ylabel("count")
     axes[1].legend(loc="upper left", fontsize="small")
     axes[2].plot(t["time_s"], 100 * t["prefix_hit_rate"])

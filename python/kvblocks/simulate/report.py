@@ -5,32 +5,85 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvblocks.simulate.runner import SimulationResult
+from kvblocks.simulate.metrics import PERCENTILES
+from kvblocks.simulate.planner import PlanResult, ServerReport
 
 __all__ = ["format_json", "format_table"]
 
 
-def format_table(result: SimulationResult) -> str:
-    """A two-column table of the headline numbers."""
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _percentiles(s: dict[str, Any], name: str) -> str:
+    return " / ".join(_ms(float(s[f"{name}_p{q}_s"])) for q in PERCENTILES)
+
+
+def _capacity_text(server: ServerReport) -> str:
+    cap = server.capacity
+    if cap is None:
+        return "not measured (--capacity off)"
+    if cap.mode == "search":
+        return (
+            f"{cap.requests_per_s:.2f} req/s (search; saturation {cap.estimate_requests_per_s:.2f})"
+        )
+    return f"at most {cap.requests_per_s:.2f} req/s (saturation estimate; --capacity search)"
+
+
+def _workload_rows(plan: PlanResult) -> list[tuple[str, str]]:
+    res = plan.paged
+    w = res.config.workload
+    admitted = max(res.num_admitted, 1)
+    history = 100 * res.history_tokens / max(res.prompt_tokens, 1)
+    return [
+        (
+            "workload",
+            f"messages {w.prompt_len} (+ a shared system prompt for "
+            f"{100 * w.system_prompt_share:.0f}%), outputs {w.output_len}",
+        ),
+        (
+            "conversations",
+            f"{100 * w.multi_turn_share:.0f}% multi-turn (2..{w.max_turns} turns, think "
+            f"{w.think_time_s:g} s): mean prompt {res.prompt_tokens / admitted:.0f} tokens, "
+            f"{history:.0f}% from earlier turns",
+        ),
+    ]
+
+
+def format_table(plan: PlanResult) -> str:
+    """The headline numbers, then the paged pool against the contiguous baselines."""
+    result = plan.paged
     s = result.summary()
     cfg = result.config
     sched = cfg.scheduler
+    w = cfg.workload
     header = (
-        f"kvblocks simulate: {s['num_requests']} requests at {cfg.workload.request_rate:g}/s, "
-        f"{cfg.num_blocks} blocks x {cfg.block_size} tokens (+{cfg.num_cpu_blocks} CPU), "
-        f"policy {sched.policy}, max_num_seqs {sched.max_num_seqs}, "
-        f"max_num_batched_tokens {sched.max_num_batched_tokens}, prefix caching "
-        f"{'on' if cfg.enable_prefix_caching else 'off'}"
+        f"kvblocks simulate: {s['num_requests']} requests at {w.request_rate:g}/s "
+        f"({w.arrival}), {cfg.num_blocks} blocks x {cfg.block_size} tokens "
+        f"(+{cfg.num_cpu_blocks} CPU), policy {sched.policy}, max_num_seqs "
+        f"{sched.max_num_seqs}, max_num_batched_tokens {sched.max_num_batched_tokens}, "
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}"
     )
+    paged = plan.servers[0]
     rows: list[tuple[str, str]] = [
+        *_workload_rows(plan),
         ("requests finished / rejected", f"{s['num_finished']} / {s['num_rejected']}"),
         ("scheduling steps", f"{s['num_steps']}"),
         (
             "throughput, simulated clock",
             f"{s['simulated_requests_per_s']:.2f} req/s, "
             f"{s['simulated_output_tokens_per_s']:.0f} output tok/s "
-            f"({s['simulated_time_s']:.1f} s simulated)",
+            f"over the whole run, drain included ({s['simulated_time_s']:.1f} s simulated)",
         ),
+        ("queueing delay p50 / p90 / p99", _percentiles(s, "queue_delay")),
+        ("time to first token p50 / p90 / p99", _percentiles(s, "ttft")),
+        ("time per output token p50 / p90 / p99", _percentiles(s, "tpot")),
+        ("latency p50 / p90 / p99", _percentiles(s, "latency")),
+        (
+            "latency stable at this rate",
+            "yes" if s["latency_stable"] else "NO: the queue grows with the trace",
+        ),
+        ("capacity (stable latency)", _capacity_text(paged)),
         (
             "scheduler throughput, wall clock",
             f"{s['scheduler_requests_per_s']:.0f} req/s, {s['scheduler_steps_per_s']:.0f} steps/s",
@@ -38,10 +91,6 @@ def format_table(result: SimulationResult) -> str:
         (
             "schedule()+update() per step",
             f"mean {s['mean_step_us']:.0f} us, p99 {s['p99_step_us']:.0f} us",
-        ),
-        (
-            "latency (simulated)",
-            f"mean {s['mean_latency_s']:.2f} s, p99 {s['p99_latency_s']:.2f} s",
         ),
         (
             "KV memory utilisation",
@@ -71,18 +120,103 @@ def format_table(result: SimulationResult) -> str:
     width = max(len(name) for name, _ in rows)
     lines = [header, ""]
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines += ["", *_comparison(plan)]
     return "\n".join(lines)
 
 
-def format_json(result: SimulationResult) -> str:
-    """The summary as JSON (one object), plus the configuration."""
+def _comparison(plan: PlanResult) -> list[str]:
+    """Paged against contiguous reservation: same memory, limits, cost model and trace."""
+    names = ["paged", "contiguous, max_tokens", "contiguous, exact (lower bound)"]
+    cells: list[list[str]] = []
+    labels = [
+        "at this rate: mean / peak batch (seqs)",
+        "at this rate: TTFT p99",
+        "at this rate: queueing delay p99",
+        "at this rate: stable",
+        "saturated: mean / peak batch (seqs)",
+        "capacity, req/s",
+    ]
+    base = plan.servers[0].capacity
+    for server in plan.servers:
+        a, sat, cap = server.at_rate, server.saturated, server.capacity
+        col = [
+            f"{float(a['mean_batch_seqs']):.1f} / {float(a['peak_batch_seqs']):.0f}",
+            _ms(float(a["ttft_p99_s"])),
+            _ms(float(a["queue_delay_p99_s"])),
+            "yes" if a["latency_stable"] else "NO",
+        ]
+        if sat is None or cap is None:
+            col += ["-", "-"]
+        else:
+            ratio = ""
+            if server is not plan.servers[0] and base is not None and cap.requests_per_s > 0:
+                ratio = f" (paged {base.requests_per_s / cap.requests_per_s:.2f}x)"
+            col += [
+                f"{float(sat['mean_batch_seqs']):.1f} / {float(sat['peak_batch_seqs']):.0f}",
+                f"{cap.requests_per_s:.2f}{ratio}",
+            ]
+        cells.append(col)
+    label_w = max(len(x) for x in labels)
+    widths = [max(len(n), *(len(c) for c in col)) for n, col in zip(names, cells, strict=True)]
+    out = [
+        "Paged pool against contiguous per-request reservation (same GPU memory, step limits,",
+        "cost model and trace; contiguous reserves n * (prompt + max_tokens) at admission, or",
+        "n * (prompt + actual output) for the lower bound, and shares nothing):",
+        "",
+        "  "
+        + " " * label_w
+        + "  "
+        + "  ".join(n.rjust(wd) for n, wd in zip(names, widths, strict=True)),
+    ]
+    for i, label in enumerate(labels):
+        row = "  ".join(col[i].rjust(wd) for col, wd in zip(cells, widths, strict=True))
+        out.append(f"  {label:<{label_w}}  {row}")
+    return out
+
+
+def format_json(plan: PlanResult) -> str:
+    """The summary, each server's numbers, capacity, and the configuration, as JSON."""
+    result = plan.paged
     cfg = result.config
+    w = cfg.workload
+    servers = []
+    for server in plan.servers:
+        cap = server.capacity
+        servers.append(
+            {
+                "name": server.name,
+                "at_rate": server.at_rate,
+                "saturated": server.saturated,
+                "capacity": None
+                if cap is None
+                else {
+                    "mode": cap.mode,
+                    "requests_per_s": cap.requests_per_s,
+                    "estimate_requests_per_s": cap.estimate_requests_per_s,
+                    "probes": [{"rate": r, "stable": ok} for r, ok in cap.probes],
+                },
+            }
+        )
     doc: dict[str, Any] = {
         "summary": result.summary(),
+        "servers": servers,
         "config": {
-            "num_requests": cfg.workload.num_requests,
-            "request_rate": cfg.workload.request_rate,
-            "seed": cfg.workload.seed,
+            "num_requests": w.num_requests,
+            "request_rate": w.request_rate,
+            "arrival": w.arrival,
+            "seed": w.seed,
+            "prompt_len": str(w.prompt_len),
+            "output_len": str(w.output_len),
+            "max_prompt_len": w.max_prompt_len,
+            "max_output_len": w.max_output_len,
+            "max_context_len": w.max_context_len,
+            "system_prompt_share": w.system_prompt_share,
+            "num_system_prompts": w.num_system_prompts,
+            "system_prompt_len": w.system_prompt_len,
+            "multi_turn_share": w.multi_turn_share,
+            "max_turns": w.max_turns,
+            "think_time_s": w.think_time_s,
+            "parallel_share": w.parallel_share,
             "num_blocks": cfg.num_blocks,
             "block_size": cfg.block_size,
             "num_cpu_blocks": cfg.num_cpu_blocks,
@@ -90,6 +224,7 @@ def format_json(result: SimulationResult) -> str:
             "policy": cfg.scheduler.policy,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "capacity": plan.capacity_mode,
         },
     }
     return json.dumps(doc, indent=2)

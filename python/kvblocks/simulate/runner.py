@@ -23,11 +23,15 @@ from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.simulate.aggregates import Distribution, Timeline
 from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel
-from kvblocks.simulate.workload import SimRequest, WorkloadConfig, iter_workload
+from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 
 __all__ = ["SimulationConfig", "SimulationError", "SimulationResult", "run_simulation"]
 
 _MAX_IDLE_STEPS = 10_000
+_FOLLOW_UP_HEAD_START = 1e9
+"""Seconds subtracted from a follow-up's arrival time under ``follow_ups_first``: earlier
+than any conversation start, so arrival-ordered policies admit it first."""
 
 
 class SimulationError(KVBlocksError):
@@ -44,6 +48,12 @@ class SimulationConfig:
         num_blocks, block_size, num_cpu_blocks, enable_prefix_caching: the block manager.
         cost_model: simulated step time.
         progress: show a tqdm progress bar on stderr.
+        stop_at_window: end the run as soon as the throughput window closes (90% of the
+            requests finished): a capacity estimate needs no drain.
+        follow_ups_first: queue a conversation's later turns ahead of conversations that
+            have not started (saturated runs: with every conversation queued at t=0, plain
+            arrival order would serve all the short first turns before any long follow-up,
+            so the measured mix would not be the trace's).
     """
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -54,6 +64,8 @@ class SimulationConfig:
     enable_prefix_caching: bool = True
     cost_model: CostModel = field(default_factory=CostModel)
     progress: bool = True
+    stop_at_window: bool = False
+    follow_ups_first: bool = False
 
 
 _TIMELINE_COLUMNS = (
@@ -70,10 +82,14 @@ _TIMELINE_COLUMNS = (
 class SimulationResult:
     """Outcome of :func:`run_simulation`: summary numbers and fixed-size aggregates.
 
-    Nothing in it grows with the run: ``latency_s`` and ``step_wall_s`` are
+    Nothing in it grows with the run: ``metrics`` (queueing delay, TTFT, TPOT and
+    latency on the simulated clock) and ``step_wall_s`` hold
     :class:`~kvblocks.simulate.aggregates.Distribution` summaries (exact mean and
-    maximum, percentiles within ~1%), and ``timeline`` holds exact per-step means and
-    peaks of ``kv_usage``, ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
+    maximum, percentiles within ~1%); ``saturated_requests_per_s`` is the completion rate
+    of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`);
+    ``history_tokens`` counts prompt tokens carried over from earlier turns; and
+    ``timeline`` holds exact per-step means and peaks of ``kv_usage``,
+    ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
     ``used_blocks`` (paged) and ``contiguous_blocks`` (what prompt + max_tokens
     reservation would hold for the same running requests), plus a plot series of at
     most a few thousand points.
@@ -81,6 +97,7 @@ class SimulationResult:
 
     config: SimulationConfig
     num_requests: int
+    num_admitted: int
     num_finished: int
     num_rejected: int
     num_steps: int
@@ -88,8 +105,10 @@ class SimulationResult:
     scheduler_wall_s: float
     total_wall_s: float
     prompt_tokens: int
+    history_tokens: int
     generated_tokens: int
-    latency_s: Distribution
+    metrics: RequestMetrics
+    saturated_requests_per_s: float
     step_wall_s: Distribution
     scheduler_stats: dict[str, int | float]
     timeline: Timeline
@@ -119,8 +138,11 @@ class SimulationResult:
             "total_wall_s": self.total_wall_s,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
-            "mean_latency_s": self.latency_s.mean,
-            "p99_latency_s": self.latency_s.percentile(99),
+            "history_tokens": self.history_tokens,
+            **self.metrics.summary(),
+            "latency_stable": self.metrics.is_stable(),
+            "mean_batch_seqs": t.mean("running_seqs"),
+            "peak_batch_seqs": t.peak("running_seqs"),
             "mean_kv_usage": t.mean("kv_usage"),
             "peak_kv_usage": t.peak("kv_usage"),
             "prefix_hit_rate": float(stats.get("prefix_hit_rate", 0.0)),
@@ -139,13 +161,23 @@ class SimulationResult:
 def _fake_model(output: SchedulerOutput, rng: np.random.Generator, vocab: int) -> ModelStepResult:
     total = int(output.sample_counts.sum())
     tokens = rng.integers(0, vocab, size=total, dtype=np.int64)
-    logprobs = np.zeros(total, dtype=np.float32)
     topk_ids = topk_lps = None
     if output.beam_topk:
         rows, k = output.num_sample_rows, output.beam_topk
         topk_ids = rng.integers(0, vocab, size=(rows, k), dtype=np.int64)
         topk_lps = -np.sort(rng.random((rows, k)), axis=1).astype(np.float32)
-    return ModelStepResult(tokens, logprobs, topk_ids, topk_lps)
+    # No sampled log-probs: nothing reads them, and the scheduler takes None as zeros.
+    return ModelStepResult(tokens, None, topk_ids, topk_lps)
+
+
+@dataclass
+class _Live:
+    """An admitted request: its trace entry, arrival index and first-token time."""
+
+    sim: SimRequest
+    index: int
+    reserved: int  # tokens a contiguous server would reserve for it
+    first_token_time: float | None = None
 
 
 class _NoProgress:
@@ -172,10 +204,11 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     """Run the workload through a fresh scheduler and block manager.
 
     The trace is drawn lazily and only running requests are kept, so memory does not
-    grow with ``config.workload.num_requests``.
+    grow with ``config.workload.num_requests``. A multi-turn conversation's next turn is
+    created when its previous turn finishes (see :mod:`kvblocks.simulate.workload`).
     """
     started = time.perf_counter()
-    arrivals = iter_workload(config.workload)
+    arrivals = ArrivalQueue(config.workload)
     manager = KVCacheManager(
         config.num_blocks,
         config.block_size,
@@ -186,66 +219,84 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     # No per-step history: the timeline below keeps what the report needs in fixed memory.
     scheduler = Scheduler(manager, config.scheduler, record_history=False)
     reserve = ContiguousReservation(config.block_size)
-    live: dict[str, SimRequest] = {}  # admitted, not yet finished
+    live: dict[str, _Live] = {}  # admitted, not yet finished
+    awaiting_step: dict[str, _Live] = {}  # admitted, never scheduled
+    awaiting_token: dict[str, _Live] = {}  # scheduled, no token yet
     rng = np.random.default_rng(config.workload.seed + 1)
     vocab = config.workload.vocab_size
     cost = config.cost_model
+    num_requests = config.workload.num_requests
+    metrics = RequestMetrics(num_requests)
+    window = ThroughputWindow(num_requests)
     clock = 0.0
     sched_wall = 0.0
     idle_steps = 0
     rejected = 0
+    rejected_arrivals = 0
     finished = 0
+    arrived = 0
     prompt_tokens = 0
+    history_tokens = 0
     generated = 0
-    latency = Distribution()
     step_wall = Distribution()
     timeline = Timeline(_TIMELINE_COLUMNS)
     usable = config.num_blocks - 1
-    num_requests = config.workload.num_requests
     bar = _progress_bar(num_requests, config.progress)
-    upcoming = next(arrivals, None)
     try:
-        while upcoming is not None or scheduler.has_unfinished_requests():
-            while upcoming is not None and upcoming.arrival_time <= clock:
-                sim = upcoming
-                upcoming = next(arrivals, None)
+        while True:
+            while (sim := arrivals.pop_due(clock)) is not None:
                 params = SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True)
+                queue_time = sim.arrival_time
+                if config.follow_ups_first and sim.turn:
+                    queue_time -= _FOLLOW_UP_HEAD_START
+                index = arrived
+                arrived += 1
                 try:
                     scheduler.add_request(
                         Request(
                             sim.request_id,
                             sim.prompt_token_ids,
                             params,
-                            sim.arrival_time,
+                            queue_time,
                             priority=sim.priority,
                         )
                     )
                 except InvalidArgumentError:
-                    rejected += 1
-                    bar.update(1)
+                    # The conversation's later turns never arrive: count them too.
+                    rejected_arrivals += 1
+                    lost = 1 + len(sim.next_turns)
+                    rejected += lost
+                    bar.update(lost)
                     continue
-                live[sim.request_id] = sim
+                entry = _Live(sim, index, reserve.tokens_for((sim,)))
+                live[sim.request_id] = entry
+                awaiting_step[sim.request_id] = entry
                 prompt_tokens += len(sim.prompt_token_ids)
+                history_tokens += sim.history_len
             if not scheduler.has_unfinished_requests():
+                upcoming = arrivals.next_time()
                 if upcoming is None:
-                    break  # the last arrivals were all rejected: nothing left to run
-                clock = upcoming.arrival_time
+                    break  # nothing running and nothing left to arrive
+                clock = max(clock, upcoming)
                 continue
             t0 = time.perf_counter()
             output = scheduler.schedule()
             t1 = time.perf_counter()
             result = _fake_model(output, rng, vocab)
             t2 = time.perf_counter()
-            done = scheduler.update(output, result)
+            outputs = scheduler.update(output, result)
             t3 = time.perf_counter()
             wall = (t1 - t0) + (t3 - t2)
             step_wall.add(wall)
             sched_wall += wall
+            running = scheduler.running_request_ids()
+            step_start = clock
             dt = cost.step_time(output)
             if dt == 0.0:
                 idle_steps += 1
+                upcoming = arrivals.next_time()
                 if upcoming is not None:
-                    clock = max(clock, upcoming.arrival_time)
+                    clock = max(clock, upcoming)
                 elif idle_steps > _MAX_IDLE_STEPS:
                     raise SimulationError(
                         "the scheduler made no progress for 10,000 steps; the pool is too "
@@ -254,23 +305,48 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             else:
                 idle_steps = 0
             clock += dt
+            if awaiting_step and dt:
+                for rid in awaiting_step.keys() & set(running).union(output.sample_request_ids):
+                    entry = awaiting_step.pop(rid)
+                    metrics.scheduled(entry.index, step_start - entry.sim.arrival_time)
+                    awaiting_token[rid] = entry
+            if awaiting_token and output.sample_request_ids:
+                for rid in awaiting_token.keys() & set(output.sample_request_ids):
+                    entry = awaiting_token.pop(rid)
+                    entry.first_token_time = clock
+                    metrics.first_token(clock - entry.sim.arrival_time)
+            # The finished requests' final records (full token_ids), without building the
+            # running requests' per-step records.
+            done = outputs.finished
             for out in done:
                 finished += 1
                 generated += sum(len(c.token_ids) for c in out.outputs)
-                latency.add(clock - live.pop(out.request_id).arrival_time)
+                entry = live.pop(out.request_id)
+                awaiting_step.pop(out.request_id, None)
+                awaiting_token.pop(out.request_id, None)
+                sim = entry.sim
+                first = entry.first_token_time if entry.first_token_time is not None else clock
+                metrics.finished(clock - sim.arrival_time, clock - first, sim.output_len)
+                follow = sim.next_turn(out.outputs[0].token_ids, clock)
+                if follow is not None:
+                    arrivals.push(follow)
+            queued = scheduler.get_num_unfinished_requests() - len(running)
+            window.step(dt, len(done), queued > 0)
             if done:
                 bar.update(len(done))
+                if config.stop_at_window and window.closed:
+                    break
             usage = float(manager.usage())
-            running = scheduler.running_request_ids()
             timeline.add(
                 clock,
                 (
                     usage,
                     float(output.num_seqs),
-                    float(scheduler.stats()["num_waiting"]),
+                    # Not scheduler.stats(): it builds the whole counter dict every step.
+                    float(queued),
                     scheduler.counters.prefix_hit_rate,
                     usage * usable,
-                    reserve.blocks_for(live[r] for r in running),
+                    sum(live[r].reserved for r in running if r in live) / config.block_size,
                 ),
             )
     finally:
@@ -278,6 +354,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     return SimulationResult(
         config=config,
         num_requests=num_requests,
+        num_admitted=arrived - rejected_arrivals,
         num_finished=finished,
         num_rejected=rejected,
         num_steps=timeline.num_steps,
@@ -285,8 +362,10 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         scheduler_wall_s=sched_wall,
         total_wall_s=time.perf_counter() - started,
         prompt_tokens=prompt_tokens,
+        history_tokens=history_tokens,
         generated_tokens=generated,
-        latency_s=latency,
+        metrics=metrics,
+        saturated_requests_per_s=window.rate(clock),
         step_wall_s=step_wall,
         scheduler_stats=scheduler.stats(),
         timeline=timeline,

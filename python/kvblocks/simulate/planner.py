@@ -1,0 +1,126 @@
+"""Everything ``kvblocks simulate`` reports: the paged run, the contiguous baselines, capacity.
+
+The paged server (the real scheduler and block manager) and two contiguous-reservation
+baselines (:func:`~kvblocks.simulate.contiguous.run_contiguous`, reserving prompt +
+``max_tokens``, and the exact-output lower bound) serve the same trace with the same
+memory, step limits and cost model. Each is run at the configured rate (latency there)
+and, unless capacity is ``"off"``, saturated (the most it completes per second, and the
+batch size it reaches); ``"search"`` also bisects each server's stable rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.simulate.capacity import (
+    CAPACITY_MODES,
+    CapacityResult,
+    Probe,
+    saturated_config,
+    search_capacity,
+)
+from kvblocks.simulate.contiguous import CONTIGUOUS_RULES, run_contiguous
+from kvblocks.simulate.metrics import RequestMetrics
+from kvblocks.simulate.runner import SimulationConfig, SimulationResult, run_simulation
+
+__all__ = ["DEFAULT_SATURATION_REQUESTS", "PlanResult", "ServerReport", "run_plan"]
+
+DEFAULT_SATURATION_REQUESTS = 500
+"""Requests in a saturated run: enough for the 10%-90% window to reach steady batching."""
+
+
+@dataclass
+class ServerReport:
+    """One server's numbers at the configured rate and saturated.
+
+    Attributes:
+        name: ``"paged"``, ``"contiguous max_tokens"`` or ``"contiguous exact"``.
+        at_rate: ``summary()`` of the run at the configured rate.
+        saturated: ``summary()`` of the saturated run (``None`` with capacity off).
+        capacity: the capacity result (``None`` with capacity off).
+    """
+
+    name: str
+    at_rate: dict[str, Any]
+    saturated: dict[str, Any] | None = None
+    capacity: CapacityResult | None = None
+
+
+@dataclass
+class PlanResult:
+    """What :func:`run_plan` measured.
+
+    Attributes:
+        paged: the full paged run at the configured rate (timeline, scheduler stats).
+        servers: the paged server first, then each contiguous baseline.
+        capacity_mode: ``"estimate"``, ``"search"`` or ``"off"``.
+    """
+
+    paged: SimulationResult
+    servers: list[ServerReport] = field(default_factory=list)
+    capacity_mode: str = "estimate"
+
+
+_Run = Callable[[SimulationConfig], tuple[RequestMetrics, float, dict[str, Any]]]
+"""Runs one server on a configuration: metrics, saturated completion rate, summary."""
+
+
+def _run_paged(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, Any]]:
+    result = run_simulation(config)
+    return result.metrics, result.saturated_requests_per_s, result.summary()
+
+
+def _contiguous_runner(rule: str) -> _Run:
+    def run(config: SimulationConfig) -> tuple[RequestMetrics, float, dict[str, Any]]:
+        result = run_contiguous(config, rule)
+        return result.metrics, result.saturated_requests_per_s, result.summary()
+
+    return run
+
+
+def _probe(run: _Run) -> Probe:
+    def probe(config: SimulationConfig) -> tuple[RequestMetrics, float]:
+        metrics, rate, _ = run(config)
+        return metrics, rate
+
+    return probe
+
+
+def run_plan(
+    config: SimulationConfig,
+    capacity: str = "estimate",
+    saturation_requests: int = DEFAULT_SATURATION_REQUESTS,
+) -> PlanResult:
+    """Run the paged server and the contiguous baselines on ``config``'s trace.
+
+    Raises:
+        InvalidArgumentError: ``capacity`` is not one of
+            :data:`~kvblocks.simulate.capacity.CAPACITY_MODES`, or
+            ``saturation_requests`` < 10.
+        SimulationError: the paged run cannot make progress.
+    """
+    if capacity not in CAPACITY_MODES:
+        raise InvalidArgumentError(
+            f"capacity must be one of {', '.join(CAPACITY_MODES)}, got {capacity!r}"
+        )
+    if saturation_requests < 10:
+        raise InvalidArgumentError(f"saturation_requests must be >= 10, got {saturation_requests}")
+    paged = run_simulation(config)
+    plan = PlanResult(paged, capacity_mode=capacity)
+    quiet = replace(config, progress=False)
+    servers: list[tuple[str, _Run]] = [("paged", _run_paged)]
+    servers += [(f"contiguous {rule}", _contiguous_runner(rule)) for rule in CONTIGUOUS_RULES]
+    for name, run in servers:
+        at_rate = paged.summary() if name == "paged" else run(quiet)[2]
+        report = ServerReport(name, at_rate)
+        if capacity != "off":
+            _, rate, saturated = run(saturated_config(quiet, saturation_requests))
+            report.saturated = saturated
+            report.capacity = CapacityResult("estimate", rate, rate)
+            if capacity == "search":
+                report.capacity = search_capacity(_probe(run), quiet, rate)
+        plan.servers.append(report)
+    return plan

@@ -1,0 +1,86 @@
+"""Latency metrics from a trace small enough to work out by hand, and the stability rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblocks.simulate import run_simulation
+from kvblocks.simulate.aggregates import RELATIVE_RESOLUTION
+from kvblocks.simulate.contiguous import run_contiguous
+from kvblocks.simulate.metrics import RequestMetrics, StabilityRule, ThroughputWindow
+
+from .toy import STEP_S, toy_config
+
+# Four requests arrive at t=0; one runs at a time; each takes 3 steps of 10 ms (a prefill
+# step that samples token 1, then two decode steps). Request i starts at 30*i ms.
+QUEUE = [0.0, 0.03, 0.06, 0.09]
+TTFT = [0.01, 0.04, 0.07, 0.10]
+LATENCY = [0.03, 0.06, 0.09, 0.12]
+TPOT = 0.01  # (finish - first token) / (3 - 1)
+
+
+def _check(metrics: RequestMetrics) -> None:
+    def near(got: float, want: float) -> None:
+        # Percentiles are histogram bucket edges: exact to within one bucket (~1%).
+        assert want * (1 - 1e-9) <= got <= want * (1 + RELATIVE_RESOLUTION) + 1e-12, (got, want)
+
+    s = metrics.summary()
+    # p50 of four values is the 2nd smallest; p90 and p99 the largest.
+    for name, values in (("queue_delay", QUEUE), ("ttft", TTFT), ("latency", LATENCY)):
+        assert s[f"mean_{name}_s"] == pytest.approx(sum(values) / 4)
+        near(s[f"{name}_p50_s"], values[1])
+        near(s[f"{name}_p90_s"], values[3])
+        near(s[f"{name}_p99_s"], values[3])
+    for q in (50, 90, 99):
+        near(s[f"tpot_p{q}_s"], TPOT)
+    assert metrics.ttft.count == metrics.latency.count == metrics.queue_delay.count == 4
+
+
+def test_paged_run_metrics_by_hand() -> None:
+    result = run_simulation(toy_config(num_requests=4, output_len=3))
+    assert result.num_finished == 4
+    assert result.simulated_time_s == pytest.approx(12 * STEP_S)
+    _check(result.metrics)
+
+
+@pytest.mark.parametrize("rule", ["max_tokens", "exact"])
+def test_contiguous_run_metrics_by_hand(rule: str) -> None:
+    result = run_contiguous(toy_config(num_requests=4, output_len=3), rule)
+    assert result.num_finished == 4 and result.peak_batch_seqs == 1
+    assert result.simulated_time_s == pytest.approx(12 * STEP_S)
+    _check(result.metrics)
+
+
+def test_stability_rule_arithmetic() -> None:
+    rule = StabilityRule(growth=1.5, slack_s=0.25)
+    assert rule.holds(1.0, 1.75)  # 1.5 * 1.0 + 0.25
+    assert not rule.holds(1.0, 1.76)
+    assert rule.holds(0.0, 0.25) and not rule.holds(0.0, 0.26)
+
+
+def test_is_stable_compares_the_second_and_last_arrival_quarters() -> None:
+    growing = RequestMetrics(8)
+    for i in range(8):  # queue delay grows by 1 s per request: an overloaded server
+        growing.scheduled(i, float(i))
+    assert growing.quarter_delay(1) == 2.5 and growing.quarter_delay(3) == 6.5
+    assert not growing.is_stable()
+    flat = RequestMetrics(8)
+    for i in range(8):  # a warm-up, then a steady delay
+        flat.scheduled(i, 0.0 if i < 2 else 1.0)
+    assert flat.is_stable()
+    # Nothing ever scheduled in a quarter: not stable.
+    assert not RequestMetrics(8).is_stable()
+
+
+def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
+    window = ThroughputWindow(100)  # marks at 10 and 90 completions
+    window.step(1.0, 10, saturated=True)  # before the 10% mark: ignored
+    window.step(2.0, 40, saturated=True)
+    window.step(5.0, 0, saturated=False)  # idle, waiting for arrivals: ignored
+    window.step(2.0, 40, saturated=True)
+    assert window.closed
+    window.step(9.0, 10, saturated=True)  # after the 90% mark: ignored
+    assert window.rate(clock=19.0) == 80 / 4.0
+    never = ThroughputWindow(100)
+    never.step(2.0, 5, saturated=False)
+    assert not never.closed and never.rate(clock=2.0) == 2.5  # falls back to the run
