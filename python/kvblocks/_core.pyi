@@ -39,6 +39,7 @@ __all__ = [
     "BlockTableDelta",
     "KVCacheManager",
     "__version__",
+    "gather_row_prefixes",
 ]
 
 __version__: str
@@ -448,3 +449,12 @@ class KVCacheManager:
         copy-on-write copies, blocks swapped out/in, sequences."""
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""
+
+def gather_row_prefixes(
+    table: npt.NDArray[np.int32], counts: _SeqIds, rows: _SeqIds | None = None
+) -> npt.NDArray[np.int32]:
+    """``table[rows[i], :counts[i]]`` for every ``i``, concatenated (int32): the ragged
+    gather behind FlashInfer's CSR page list (:mod:`kvblocks.page_tables`), one copy per
+    row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
+    2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
+    raise :class:`InvalidArgumentError` before anything is copied."""

@@ -59,6 +59,7 @@ mod events;
 mod free_queue;
 mod manager;
 mod prefix_cache;
+mod row_prefixes;
 mod sequence;
 mod stats;
 
@@ -71,6 +72,7 @@ pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
 pub use manager::{BlockTables, KVCacheManager};
+pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;
 
 /// The reserved GPU block id used for padding and released sliding-window blocks.

@@ -11,6 +11,7 @@ mod block_table_delta;
 mod errors;
 mod events;
 mod manager;
+mod row_prefixes;
 
 use pyo3::prelude::*;
 
@@ -25,5 +26,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;
     m.add_class::<manager::KVCacheManager>()?;
+    m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     Ok(())
 }
