@@ -401,3 +401,30 @@ def test_finish_sequence_refuses_the_last_one(rust_manager) -> None:
     stream = Stream(sched)
     stream.step()
     assert sched.finish_sequence("a", 0) is None  # use abort_request for the whole request
+
+
+def test_a_failing_clock_changes_nothing(rust_manager) -> None:
+    fail = [False]
+
+    def clock() -> float:
+        if fail[0]:
+            raise RuntimeError("clock down")
+        return 1.0
+
+    manager = rust_manager(64, 4)
+    sched = Scheduler(manager, clock=clock)
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    assert len(manager) == 0 and not sched.has_unfinished_requests()
+    fail[0] = False
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        sched.update(out, fake_step(out))
+    fail[0] = False
+    (record,) = sched.update(out, fake_step(out))  # the same step, applied once
+    assert record.outputs[0].num_tokens == 1

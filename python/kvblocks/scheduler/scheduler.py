@@ -109,7 +109,9 @@ class Scheduler:
         # Records of sequences that started or finished in the update in progress, by
         # request id then completion index (the decode tokens are kept as columns).
         self._step_events: dict[str, dict[int, CompletionOutput]] = {}
-        self._update_time: float | None = None  # the clock, read once per update
+        # The clock, read once at the start of schedule() and of update(): every event of
+        # a step shares it, and a failing clock raises before anything changed.
+        self._step_time: float | None = None
         self._requests: dict[str, RequestState] = {}
         self._owner: dict[int, RequestState] = {}
         self._waiting = WaitingQueue()
@@ -170,6 +172,7 @@ class Scheduler:
                 f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens "
                 f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
             )
+        now = self._now()  # before the manager is touched: a failing clock changes nothing
         seq_id = self._new_seq_id()
         try:
             self.manager.add_sequence(
@@ -197,7 +200,7 @@ class Scheduler:
         )
         key = self.policy.key(request.priority, arrival, self._counter)
         metrics = RequestMetrics(
-            float(request.arrival_time) if request.arrival_time is not None else self._now()
+            float(request.arrival_time) if request.arrival_time is not None else now
         )
         state = RequestState(request, self._counter, key, seq_id, metrics)
         self._counter += 1
@@ -231,7 +234,7 @@ class Scheduler:
         """
         try:
             reason = FinishReason(reason)
-        except ValueError:
+        except (TypeError, ValueError):
             raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if state is None or state.aborted:
@@ -273,7 +276,7 @@ class Scheduler:
         """
         try:
             reason = FinishReason(reason)
-        except ValueError:
+        except (TypeError, ValueError):
             raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
         state = self._requests.get(request_id)
         if (
@@ -322,6 +325,7 @@ class Scheduler:
         """
         if self._in_flight is not None:
             raise SequenceStateError("schedule() called again before update() of the last step")
+        self._step_time = float(self._clock())
         cfg = self.config
         mgr = self.manager
         table = self._table
@@ -506,26 +510,30 @@ class Scheduler:
                 f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, "
                 f"{output.beam_topk}] are required"
             )
+        now = float(self._clock())  # before any change: a failing clock changes nothing
         self._in_flight = None
         finished: list[RequestOutput] = self._early_outputs
         self._early_outputs = []
         self._step_events = {}
-        self._update_time = self._now()
+        self._step_time = now
         states = dict(self._requests)  # the step's records outlive finished requests
         decode: DecodeDeltas | None = None
-        if output.num_seqs:
-            decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
-        for state in self._pending_aborts:
-            self._drop_request(state)
-        self._pending_aborts = []
+        try:
+            if output.num_seqs:
+                decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
+            for state in self._pending_aborts:
+                self._drop_request(state)
+            self._pending_aborts = []
+        finally:
+            self._step_time = None
         events, self._step_events = self._step_events, {}
-        self._update_time = None
         return StepOutputs(finished, events, decode, states)
 
     def _now(self) -> float:
-        """The clock: read once per ``update`` (every event of a step shares its time)."""
-        if self._update_time is not None:
-            return self._update_time
+        """The step's time inside ``schedule``/``update`` (and while a step is in
+        flight), else the clock."""
+        if self._step_time is not None:
+            return self._step_time
         return float(self._clock())
 
     def _apply_results(
