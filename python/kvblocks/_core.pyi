@@ -36,8 +36,10 @@ __all__ = [
     "BatchAllocation",
     "BlockRemoved",
     "BlockStored",
+    "BlockTableDelta",
     "KVCacheManager",
     "__version__",
+    "gather_row_prefixes",
 ]
 
 __version__: str
@@ -56,6 +58,36 @@ class AllocStatus:
     def __ne__(self, other: object, /) -> bool: ...
     def __int__(self) -> int: ...
     def __hash__(self) -> int: ...
+
+@final
+class BlockTableDelta:
+    """The block-table entries one :meth:`KVCacheManager.update_block_table` (or
+    :meth:`KVCacheManager.block_table_delta`) call wrote, in CSR form.
+
+    Entry ``k``: row ``rows[k]`` got ``block_ids[indptr[k]:indptr[k + 1]]`` at columns
+    ``start_cols[k]`` onwards; if ``reset[k]`` the rest of the row is the null block
+    (the row was written whole). Rows without a change are left out. An engine keeping
+    the table on a device applies the same writes with one scatter
+    (see :func:`kvblocks.scheduler.block_table.delta_indices`).
+    """
+
+    @property
+    def rows(self) -> npt.NDArray[np.int32]:
+        """``[n]`` rows written."""
+    @property
+    def start_cols(self) -> npt.NDArray[np.int32]:
+        """``[n]`` first column written in each row."""
+    @property
+    def indptr(self) -> npt.NDArray[np.int64]:
+        """``[n + 1]`` offsets into ``block_ids``."""
+    @property
+    def block_ids(self) -> npt.NDArray[np.int32]:
+        """The block ids written, row after row."""
+    @property
+    def reset(self) -> npt.NDArray[np.bool_]:
+        """``[n]`` whether the row was written whole (null block outside the written ids)."""
+    def __len__(self) -> int:
+        """``n``: rows written."""
 
 @final
 class BatchAllocation:
@@ -227,6 +259,32 @@ class KVCacheManager:
         Returns the new ``num_computed_tokens`` of each listed sequence, in order (int64).
         """
 
+    def probe_in_flight(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
+        """Prompt tokens past each waiting sequence's cached prefix being computed now.
+
+        A block enters the prefix cache only at ``commit``, after the model wrote its KV,
+        so a request admitted in the same step as the one computing its prefix would
+        compute that prefix again. For each listed waiting (not yet allocated) sequence
+        this returns ``block_size`` times the number of consecutive blocks right after
+        its current hit (``num_computed_tokens``) whose content — same tokens, same
+        preceding blocks, same cache salt and LoRA id — a pending reservation of another
+        sequence fills completely: blocks between that sequence's ``allocate_slots`` and
+        its ``commit``, counting only its ``num_new_tokens`` (not lookahead slots) and only
+        blocks whose hashes are known (prompt blocks, and blocks hashed by earlier
+        commits). Like the hit, the count never reaches the prompt's last token. With
+        chunked prefill only the chunk being computed is in flight.
+
+        Nothing is claimed or registered: the blocks enter the cache only if their writer
+        commits them (an aborted, preempted or short commit leaves them out), so a
+        scheduler that holds the sequence back a step and then calls
+        ``refresh_prefixes`` claims only KV that was written. 0 with prefix caching off.
+
+        Read-only; ids may repeat. An unknown id raises ``UnknownSequenceError``; an
+        allocated or swapped-out sequence raises ``SequenceStateError``.
+
+        Returns the in-flight token count of each listed sequence, in order (int64).
+        """
+
     def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 
@@ -326,6 +384,45 @@ class KVCacheManager:
         the longest table, when released window entries make it longer); else
         :class:`InvalidArgumentError`.
         """
+    def update_block_table(
+        self,
+        block_table: npt.NDArray[np.int32],
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        *,
+        full: bool | None = None,
+    ) -> BlockTableDelta:
+        """Bring row ``rows[i]`` of a persistent ``[max_rows, max_blocks]`` table up to
+        date with the block table of ``seq_ids[i]``, in place, writing only what changed.
+
+        Each sequence remembers the first entry changed since its last sync (appends,
+        copy-on-write replacements, sliding-window releases, a swap-in's new ids) and the
+        row it was synced to; the manager remembers which sequence it last wrote into each
+        row. A sequence synced to the same row as last time, with no other sequence
+        written there since, gets only its changed entries; otherwise (first sync, a new
+        row, a reused row, or ``full=True``) its whole table is written and the rest of
+        the row set to the null block. The manager cannot see the caller's memory: keep
+        one table per manager, or pass ``full=True`` for a table it did not write last
+        (e.g. a new buffer). Returns the writes (for a device copy).
+
+        ``block_table`` must be a C-contiguous, writeable 2-D int32 NumPy array at least
+        as wide as every listed table; rows must be distinct and in ``[0, max_rows)``,
+        sequence ids distinct and not swapped out. Otherwise
+        :class:`InvalidArgumentError` / :class:`UnknownSequenceError` /
+        :class:`SequenceStateError`, with nothing written and nothing consumed.
+        """
+    def block_table_delta(
+        self,
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        *,
+        max_rows: int,
+        max_blocks: int,
+        full: bool | None = None,
+    ) -> BlockTableDelta:
+        """:meth:`update_block_table` for a ``[max_rows, max_blocks]`` table kept elsewhere
+        (e.g. only on a device): returns the writes without a host buffer and consumes the
+        changes the same way."""
     def slot_mapping(
         self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
     ) -> npt.NDArray[np.int64]:
@@ -352,3 +449,12 @@ class KVCacheManager:
         copy-on-write copies, blocks swapped out/in, sequences."""
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""
+
+def gather_row_prefixes(
+    table: npt.NDArray[np.int32], counts: _SeqIds, rows: _SeqIds | None = None
+) -> npt.NDArray[np.int32]:
+    """``table[rows[i], :counts[i]]`` for every ``i``, concatenated (int32): the ragged
+    gather behind FlashInfer's CSR page list (:mod:`kvblocks.page_tables`), one copy per
+    row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
+    2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
+    raise :class:`InvalidArgumentError` before anything is copied."""

@@ -8,6 +8,13 @@ must read exactly the KV of its own tokens through its block table, and no write
 in a block that another live sequence holds. Nothing here models the manager's rules:
 the claimed prefix, the copies and the swaps are judged by what the memory holds.
 
+The reads go through a persistent ``[rows, max_blocks]`` table kept only by
+``update_block_table`` (each sequence in a row of a small row allocator: rows are freed
+when a sequence is freed or swapped out, reused by others, moved, and the buffer is
+replaced by a bigger one with ``full=True`` when rows run out), as an engine keeps it; a
+mirror of it is patched only through the returned deltas. A few sequences at a time lag
+(are not synced for some operations), as unscheduled sequences do in a serving loop.
+
 Budget: ``ORACLE_EXAMPLES * ORACLE_STEPS`` random operations per run (at least 10,000),
 multiplied by the environment variable ``KVBLOCKS_ORACLE_SCALE`` for long runs.
 """
@@ -46,6 +53,8 @@ COVERAGE: Counter[str] = Counter()
 # A small vocabulary and a few shared stems make prefix-cache hits and duplicates common.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 1, 2, 3, 4]]
 NAMESPACES = [(None, None), ("salt", None), (None, 3)]
+#: Columns of the persistent table: more than any table of a run can reach.
+TABLE_WIDTH = 256
 
 
 class ContentOracle(RuleBasedStateMachine):
@@ -68,6 +77,14 @@ class ContentOracle(RuleBasedStateMachine):
         # Token lists seen so far: new prompts often repeat one, for prefix-cache hits.
         self.history: list[tuple[list[int], tuple[str | None, int | None]]] = []
         self.ops = 0
+        # The persistent block table (see the module docstring) and its delta mirror.
+        self.table = np.zeros((4, TABLE_WIDTH), dtype=np.int32)
+        self.mirror = self.table.copy()
+        self.row_of: dict[int, int] = {}
+        self.row_last_owner: dict[int, int] = {}
+        self.row_len: dict[int, int] = {}  # entries last written into each row
+        self.free_rows = list(range(3, -1, -1))
+        self.lagging: dict[int, int] = {}  # sid -> invariants it skips
 
     @initialize(
         num_blocks=st.integers(4, 30),
@@ -321,18 +338,128 @@ class ContentOracle(RuleBasedStateMachine):
         self.m.refresh_prefixes([s for s in self.tokens if s not in self.allocated])
         COVERAGE["ops"] += 1
 
+    @precondition(lambda self: self.row_of)
+    @rule(data=st.data())
+    def move_row(self, data):
+        """Move a sequence to another row (a free one, or swap with another sequence)."""
+        sid = data.draw(st.sampled_from(sorted(self.row_of)))
+        others = sorted(self.row_of)
+        if self.free_rows and data.draw(st.booleans()):
+            new = self.free_rows.pop()
+            self.free_rows.append(self.row_of[sid])
+            self.row_of[sid] = new
+        else:
+            other = data.draw(st.sampled_from(others))
+            self.row_of[sid], self.row_of[other] = self.row_of[other], self.row_of[sid]
+        COVERAGE["ops"] += 1
+
+    @precondition(lambda self: self.row_of)
+    @rule(data=st.data(), steps=st.integers(1, 4))
+    def lag(self, data, steps):
+        """Leave a sequence out of the next few syncs (an unscheduled sequence)."""
+        self.lagging[data.draw(st.sampled_from(sorted(self.row_of)))] = steps
+
+    @precondition(lambda self: any(s not in self.allocated for s in self.tokens))
+    @rule()
+    def probe_in_flight(self):
+        """Blocks reported in flight for a waiting sequence must hold, right now, the KV of
+        that sequence's own tokens in the table of a sequence whose pending reservation
+        wrote them and has not committed them: claimed after that commit, they are KV the
+        waiting sequence can read."""
+        waiting = [s for s in self.tokens if s not in self.allocated]
+        got = self.m.probe_in_flight(waiting).tolist()
+        COVERAGE["ops"] += 1
+        bs = self.bs
+        for sid, n in zip(waiting, got, strict=True):
+            hit = self.m.num_computed_tokens(sid)
+            assert n % bs == 0 and n >= 0, (sid, n)
+            # Like the hit, never the prompt's last token.
+            assert hit + n <= max(len(self.tokens[sid]) - 1, 0) // bs * bs, (sid, hit, n)
+            want = self._expected(sid)
+            for j in range(hit // bs, (hit + n) // bs):
+                block_ids = want[j * bs : (j + 1) * bs]
+                writers = [
+                    p
+                    for p, new in self.pending.items()
+                    if p not in self.swapped
+                    and self.computed[p] < (j + 1) * bs <= self.computed[p] + new
+                    and self.mem.read(self.m.block_table(p), (j + 1) * bs)[j * bs :].tolist()
+                    == block_ids
+                ]
+                if not writers:
+                    raise ContentError(
+                        f"sequence {sid}: block {j} reported in flight, but no pending "
+                        f"reservation wrote its KV"
+                    )
+                COVERAGE["in_flight"] += 1
+
     # -- the check ---------------------------------------------------------------------------
+
+    def _sync_table(self) -> list[int]:
+        """Sync the resident sequences (all but the lagging ones) into their rows; return
+        the synced ones. Rows of sequences that left the GPU go back to the allocator."""
+        resident = self._resident()
+        live = set(resident)
+        for sid in [s for s in self.row_of if s not in live]:
+            self.free_rows.append(self.row_of.pop(sid))
+            self.lagging.pop(sid, None)
+        full = False
+        for sid in resident:
+            if sid in self.row_of:
+                continue
+            if not self.free_rows:
+                # A bigger buffer: the manager wrote none of it, so sync it whole.
+                old = self.table.shape[0]
+                self.table = np.zeros((2 * old, TABLE_WIDTH), dtype=np.int32)
+                self.mirror = self.table.copy()
+                self.free_rows = list(range(2 * old - 1, old - 1, -1))
+                self.lagging.clear()
+                full = True
+            self.row_of[sid] = self.free_rows.pop()
+        synced = [s for s in resident if self.lagging.get(s, 0) == 0]
+        for sid in list(self.lagging):
+            self.lagging[sid] -= 1
+            if self.lagging[sid] <= 0:
+                del self.lagging[sid]
+        rows = [self.row_of[s] for s in synced]
+        delta = self.m.update_block_table(self.table, np.array(synced, np.int64), rows, full=full)
+        # The engine side: patch the mirror from the delta alone.
+        assert len(delta.indptr) == len(delta) + 1
+        for k in range(len(delta)):
+            row = int(delta.rows[k])
+            ids = delta.block_ids[delta.indptr[k] : delta.indptr[k + 1]]
+            start = int(delta.start_cols[k])
+            if delta.reset[k]:
+                self.mirror[row] = 0
+                if self.row_last_owner.get(row, -1) not in (-1, synced[rows.index(row)]):
+                    COVERAGE["table_row_reused"] += 1
+            else:
+                COVERAGE["table_incremental"] += 1
+                # Copy-on-write, window releases and swap-ins rewrite entries in place.
+                COVERAGE["table_rewrite"] += start < self.row_len.get(row, 0)
+            self.mirror[row, start : start + len(ids)] = ids
+            self.row_len[row] = start + len(ids)
+        for s, r in zip(synced, rows, strict=True):
+            self.row_last_owner[r] = s
+        np.testing.assert_array_equal(self.mirror, self.table)
+        return synced
 
     @invariant()
     def every_sequence_reads_its_own_kv(self):
         if not hasattr(self, "m"):
             return
         self.ops += 1
+        synced = set(self._sync_table())
         for sid in self._resident():
             computed = self.m.num_computed_tokens(sid)
             assert computed == self.computed[sid], (sid, computed, self.computed[sid])
             table = self.m.block_table(sid)
             self.mem.check(sid, table, self._expected(sid), computed, self.window)
+            if sid in synced:
+                # What the engine reads: the persistent row, equal to the table padded.
+                row = self.table[self.row_of[sid]]
+                assert (row[: len(table)] == table).all() and not row[len(table) :].any(), sid
+                self.mem.check(sid, row, self._expected(sid), computed, self.window)
             COVERAGE["window_release"] += self.window is not None and bool((table == 0).any())
         for sid in self.tokens:
             assert self.m.num_tokens(sid) == len(self.tokens[sid])
@@ -375,5 +502,9 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "partial_commit",
         "window_release",
         "cache_reset",
+        "table_incremental",
+        "table_rewrite",
+        "table_row_reused",
+        "in_flight",
     )
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE

@@ -328,6 +328,36 @@ class ManagerComparison(RuleBasedStateMachine):
         ids = self.pick_many(data)
         self.both(lambda m: m.refresh_prefixes(ids))
 
+    @rule(data=st.data())
+    def probe_in_flight(self, data: st.DataObject) -> None:
+        """Prefix blocks pending reservations fill: every held sequence one by one (waiting
+        ones answer, others raise), then a random batch."""
+        for sid in self.rust.seq_ids().tolist() if self.rust is not None else []:
+            outcome = self.both(lambda m, sid=sid: m.probe_in_flight([sid]))
+            if outcome[0] == "ok" and outcome[1][2][0] > 0:
+                event("probe_in_flight found blocks in flight")
+        ids = self.pick_many(data)
+        self.both(lambda m: m.probe_in_flight(ids))
+
+    @rule(data=st.data(), chunk=st.integers(1, 12))
+    def admit_together(self, data: st.DataObject, chunk: int) -> None:
+        """Two requests with one prompt admitted in one step: the first one's reservation
+        puts the prompt's blocks in flight for the second (until the first commits)."""
+        held = set(self.rust.seq_ids().tolist()) if self.rust is not None else set()
+        free_ids = [s for s in range(10) if s not in held]
+        if len(free_ids) < 2:
+            return
+        first, second = data.draw(st.permutations(free_ids), label="ids")[:2]
+        head = data.draw(st.sampled_from(HEADS), label="head")
+        tokens = head + data.draw(st.lists(st.integers(0, 3), max_size=6), label="tail")
+        for sid in (first, second):
+            self.both(lambda m, sid=sid: m.add_sequence(sid, tokens))
+        computed, known = self._counts(first) or (0, 0)
+        self.both(lambda m: m.allocate_slots(first, min(chunk, known - computed)))
+        outcome = self.both(lambda m: m.probe_in_flight([second, second]))
+        if outcome[0] == "ok" and outcome[1][2][0] > 0:
+            event("probe_in_flight found blocks in flight")
+
     @rule(really=st.integers(0, 3))
     def reset_prefix_cache(self, really: int) -> None:
         if really == 0:

@@ -107,6 +107,8 @@ class _Sequence:
     num_computed: int = 0
     # Slots reserved by the last allocate_slots (computed + new + lookahead); None after commit.
     reserved: int | None = None
+    # Tokens the pending reservation's new tokens reach (computed + new, no lookahead).
+    reserved_known: int = 0
     allocated: bool = False
     swapped: bool = False
     num_cached_tokens: int = 0
@@ -539,6 +541,37 @@ class ReferenceKVCacheManager:
             out.append(seq.num_cached_tokens)
         return np.array(out, dtype=np.int64)
 
+    def probe_in_flight(self, seq_ids: object) -> npt.NDArray[np.int64]:
+        """Prompt tokens right past each waiting sequence's hit that pending reservations
+        of other sequences fill (blocks whose hashes are known), never the last token."""
+        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
+        seqs = []
+        for sid in ids:
+            seq = self._get(sid)[1]
+            self._require_resident(seq, "probe_in_flight")
+            if seq.allocated:
+                raise SequenceStateError(
+                    f"cannot probe_in_flight sequence {sid}: it already has slots (its cached "
+                    "prefix was claimed); only waiting sequences can be probed"
+                )
+            seqs.append(seq)
+        bs = self._block_size
+        # Recomputed from every pending reservation on each call: no bookkeeping to trust.
+        flights: set[bytes] = set()
+        for other in self._seqs.values():
+            if self._caching and other.reserved is not None:
+                end = min(other.reserved_known // bs, len(other.hashes))
+                flights.update(other.hashes[other.num_committed_blocks : end])
+        out = []
+        for seq in seqs:
+            hit = self._probe_blocks(seq)
+            limit = min(max(seq.prompt_len - 1, 0) // bs, len(seq.hashes))
+            n = hit
+            while n < limit and seq.hashes[n] in flights:
+                n += 1
+            out.append((n - hit) * bs)
+        return np.array(out, dtype=np.int64)
+
     def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
         """Can the whole known sequence get blocks, keeping the watermark free?"""
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
@@ -630,6 +663,7 @@ class ReferenceKVCacheManager:
             seq.block_table.append(block)
             taken.append(block)
         seq.reserved = computed + num_new + lookahead
+        seq.reserved_known = computed + num_new
         return taken
 
     def allocate_slots(

@@ -1,10 +1,11 @@
 """The model runner: executes one :class:`~kvblocks.scheduler.SchedulerOutput` on the paged cache.
 
 Per step it applies the scheduler's swaps and copy-on-write copies in the order the block
-manager issued them (``SchedulerOutput.memory_ops``), runs the decoder over the flattened
-batch with every layer's attention going through :mod:`kvblocks.ops` (CUDA kernels for
-CUDA tensors, the torch reference on the CPU), computes logits only at the sampling rows
-and samples.
+manager issued them (``SchedulerOutput.memory_ops``), brings its device copy of the
+scheduler's persistent block table up to date by scattering only the step's delta, runs
+the decoder over the flattened batch with every layer's attention going through
+:mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the torch reference on the CPU),
+computes logits only at the sampling rows and samples.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvblocks import ops
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.sampler import Sampler
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.scheduler.block_table import delta_indices
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 
 __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
@@ -140,6 +142,10 @@ class ModelRunner:
         self.sliding_windows = c.layer_sliding_windows()
         self.scale = c.default_scale
         self.sampler = Sampler(self.device, seed)
+        # The device copy of the scheduler's persistent block table (None until the first
+        # step that carries one); kept by applying each step's delta, so every output
+        # must be executed, in order.
+        self.device_block_table: Tensor | None = None
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
         """Apply the step's swaps and copy-on-write copies before the forward pass.
@@ -182,6 +188,35 @@ class ModelRunner:
                 ops.swap_blocks(ck, k, pairs)
                 ops.swap_blocks(cv, v, pairs)
 
+    def step_block_tables(self, out: SchedulerOutput) -> Tensor:
+        """The step's ``[S, max_blocks]`` int32 block tables on the device.
+
+        Gathered (one ``index_select``) from the runner's device copy of the scheduler's
+        persistent table, which is uploaded whole only when the scheduler reports a new
+        array and otherwise patched with the step's delta (one scatter). A hand-built
+        output without ``block_table`` uploads its ``block_tables``.
+        """
+        if out.block_table is None or out.block_table_rows is None:
+            return self._to_device(out.block_tables, torch.int32)
+        table = self.device_block_table
+        if (
+            out.block_table_reallocated
+            or table is None
+            or tuple(table.shape) != out.block_table.shape
+        ):
+            table = torch.tensor(out.block_table, dtype=torch.int32, device=self.device)
+            self.device_block_table = table
+        elif out.block_table_delta is not None and len(out.block_table_delta):
+            delta = out.block_table_delta
+            reset = np.asarray(delta.reset, dtype=bool)
+            if reset.any():
+                table[self._to_device(np.asarray(delta.rows)[reset], torch.long)] = 0
+            rows, cols = delta_indices(delta)
+            table[self._to_device(rows, torch.long), self._to_device(cols, torch.long)] = (
+                self._to_device(np.asarray(delta.block_ids), torch.int32)
+            )
+        return table.index_select(0, self._to_device(out.block_table_rows, torch.long))
+
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
 
@@ -213,7 +248,7 @@ class ModelRunner:
         attention = PagedAttention(
             self.kv_caches,
             slot_mapping=self._to_device(out.slot_mapping, torch.long),
-            block_tables=self._to_device(out.block_tables, torch.int32),
+            block_tables=self.step_block_tables(out),
             query_start_loc=self._to_device(out.query_start_loc, torch.int32),
             seq_lens=self._to_device(out.seq_lens, torch.int32),
             decode_only=out.num_decode_seqs == out.num_seqs,

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.scheduler.block_table import PersistentBlockTable, TableWrites
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.scheduler.request_state import RequestState
 
@@ -40,13 +41,16 @@ def build_step(
     swap_in_maps: list[npt.NDArray[np.int64]],
     finished_request_ids: list[str],
     beam_width_of: Callable[[int], int],
+    block_table: PersistentBlockTable | None = None,
 ) -> tuple[SchedulerOutput, StepPlan]:
     """Assemble the step's :class:`SchedulerOutput` from its decode rows and prefill chunks.
 
     ``dec_*`` are the decode rows (copied table columns, batch order), ``chunks`` the
     prefill chunks ``(state, start, length)``; ``beam_width_of(seq_id)`` gives the beam
-    width of a decoding beam sequence. One ``slot_mapping`` and one ``block_tables`` call
-    cover the whole batch.
+    width of a decoding beam sequence. One ``slot_mapping`` call covers the whole batch;
+    with a ``block_table`` (the scheduler's persistent table) one sync writes only the
+    entries that changed and ``SchedulerOutput.block_tables`` is gathered only if read,
+    else one ``block_tables`` call builds the ``[S, B]`` tables.
     """
     mgr = manager
     temperature, top_p, top_k, seeds, seq_index = dec_sampling
@@ -118,12 +122,21 @@ def build_step(
         dec_request_ids = dec_request_ids + extra_request_ids
     logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
     plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
+    block_tables: npt.NDArray[np.int32] | None = None
+    table_rows = table_delta = None
     if len(seq_ids):
         slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
-        block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
+        if block_table is None:
+            block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
+        else:
+            table_rows = block_table.assign(seq_ids)
+            table_delta = block_table.sync(seq_ids, table_rows, seq_lens)
     else:
         slot_mapping = np.zeros(0, dtype=np.int64)
         block_tables = np.zeros((0, 1), dtype=np.int32)
+        if block_table is not None:
+            table_rows = np.zeros(0, dtype=np.int32)
+            table_delta = TableWrites.empty()
     num_prefill_tokens = int(num_sched[num_decode:].sum())
     output = SchedulerOutput(
         seq_ids=seq_ids,
@@ -133,7 +146,8 @@ def build_step(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens,
-        block_tables=block_tables,
+        # None: gathered from block_table on first read (SchedulerOutput.block_tables).
+        block_tables=cast("npt.NDArray[np.int32]", block_tables),
         logits_indices=logits_indices,
         sample_seq_ids=seq_ids[plan_row_pos],
         sample_request_ids=dec_request_ids,
@@ -152,6 +166,12 @@ def build_step(
         num_decode_seqs=num_decode,
         finished_request_ids=finished_request_ids,
     )
+    if block_table is not None:
+        output.block_table = block_table.table
+        output.block_table_rows = table_rows
+        output.block_table_delta = table_delta
+        output.block_table_reallocated = block_table.reallocated
+        block_table.step_done()
     plan = StepPlan(output)
     plan.chunks = chunks
     plan.row_seq_pos = plan_row_pos

@@ -12,6 +12,7 @@ produces logits this step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -23,11 +24,49 @@ from kvblocks.page_tables import (
     flashinfer_page_table,
 )
 
+if TYPE_CHECKING:
+    from kvblocks.scheduler.block_table import TableDelta
+
 __all__ = ["ModelStepResult", "SchedulerOutput"]
 
 
 def _empty_pairs() -> npt.NDArray[np.int64]:
     return np.zeros((0, 2), dtype=np.int64)
+
+
+class _GatheredBlockTables:
+    """``SchedulerOutput.block_tables``: the value given, or (given ``None``) the rows
+    ``block_table[block_table_rows]`` gathered on first read and trimmed to the longest
+    table, so engines that read ``[S, B]`` tables keep working while the scheduler's hot
+    path never builds them."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._attr = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> npt.NDArray[np.int32]:
+        if obj is None:
+            # No class-level default: the dataclass field stays required.
+            raise AttributeError(self._attr)
+        value = obj.__dict__.get(self._attr)
+        if value is None:
+            value = _gather(obj.block_table, obj.block_table_rows)
+            obj.__dict__[self._attr] = value
+        return value  # type: ignore[no-any-return]
+
+    def __set__(self, obj: Any, value: npt.NDArray[np.int32] | None) -> None:
+        obj.__dict__[self._attr] = value
+
+
+def _gather(
+    table: npt.NDArray[np.int32] | None, rows: npt.NDArray[np.int32] | None
+) -> npt.NDArray[np.int32]:
+    if table is None or rows is None:
+        raise ValueError("block_tables is None and there is no block_table to gather from")
+    if len(rows) == 0:
+        return np.zeros((0, 1), dtype=np.int32)
+    gathered = table[rows]
+    used = np.flatnonzero(gathered.any(axis=0))
+    return gathered[:, : int(used[-1]) + 1 if len(used) else 0]
 
 
 @dataclass
@@ -51,7 +90,11 @@ class SchedulerOutput:
             ``i``'s tokens are ``[query_start_loc[i], query_start_loc[i+1])``.
         seq_lens: int32 [S] context length of each sequence after this step (cached +
             previously computed + scheduled).
-        block_tables: int32 [S, B] block tables, padded with the null block (0).
+        block_tables: int32 [S, B] block tables, padded with the null block (0). The
+            scheduler passes ``None`` and the array is gathered from ``block_table`` on
+            first read (``block_table[block_table_rows]``, trimmed to the longest table):
+            read it before the next ``schedule()``, which updates ``block_table``. Engines
+            should use ``block_table`` + ``block_table_rows`` instead.
         logits_indices: int64 [R] index into the ``T`` tokens of the last token of each
             sequence that samples this step (a prefill chunk that does not finish its
             prompt does not sample). Rows are in batch order.
@@ -94,6 +137,18 @@ class SchedulerOutput:
             every move of the step here (empty only when no block moves); when it is
             non-empty the engine applies it instead of the three arrays (added after the
             first version; empty in hand-built records).
+        block_table: int32 [max_rows, max_blocks] the scheduler's persistent block table
+            (the same array every step until it grows): row ``block_table_rows[i]`` holds
+            the table of ``seq_ids[i]``, padded with the null block. Rows of sequences not
+            in this step hold stale data. Updated in place by the next ``schedule()``.
+            ``None`` in hand-built records.
+        block_table_rows: int32 [S] the row of each sequence in ``block_table``.
+        block_table_delta: the entries this step wrote into ``block_table``
+            (``kvblocks._core.BlockTableDelta``: ``rows``, ``start_cols``, ``indptr``,
+            ``block_ids``, ``reset``); an engine keeping a device copy applies only these
+            (``kvblocks.scheduler.block_table.delta_indices`` gives the scatter indices).
+        block_table_reallocated: ``block_table`` is a new array this step (first step,
+            or it grew): a device copy must be rebuilt from it whole.
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -103,7 +158,11 @@ class SchedulerOutput:
     slot_mapping: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int32]
     seq_lens: npt.NDArray[np.int32]
-    block_tables: npt.NDArray[np.int32]
+    if TYPE_CHECKING:
+        # What readers get; the scheduler passes None (see _GatheredBlockTables).
+        block_tables: npt.NDArray[np.int32]
+    else:
+        block_tables: _GatheredBlockTables = _GatheredBlockTables()
     logits_indices: npt.NDArray[np.int64]
     sample_seq_ids: npt.NDArray[np.int64]
     sample_request_ids: list[str]
@@ -122,6 +181,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     sample_seq_index: npt.NDArray[np.int32] | None = None
     memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = field(default_factory=list)
+    block_table: npt.NDArray[np.int32] | None = None
+    block_table_rows: npt.NDArray[np.int32] | None = None
+    block_table_delta: TableDelta | None = None
+    block_table_reallocated: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -12,7 +12,14 @@ Each step, in this order:
 3. **Swapped** requests come back (unless this step preempted), before anything new.
 4. **Admission** of waiting requests in policy order (fcfs, priority, lpm) while the
    token budget, ``max_num_seqs`` and the block pool (``can_allocate``, watermark) allow;
-   the cached prefix is skipped, long prompts are chunked.
+   the cached prefix is skipped, long prompts are chunked. A request whose next prompt
+   blocks another sequence is computing in this very step (``probe_in_flight``) is held
+   back to the next step, where it claims them from the prefix cache instead of
+   computing them again: never into an empty step, without using budget (later
+   requests are admitted past it; after ``max_num_seqs`` holds the step's admission
+   stops), and only while its cached prefix keeps growing between holds
+   (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`; see
+   docs/scheduler-engine-interface.md, *Same-step prefix sharing*).
 
 Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
 over a thousand sequences is a few vectorised operations and a few Rust calls; Python
@@ -39,9 +46,11 @@ from kvblocks.errors import (
 )
 from kvblocks.scheduler.batch import StepPlan, build_step, stack_pairs
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
+from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
+from kvblocks.scheduler.queues.prefix_hold import PrefixHold
 from kvblocks.scheduler.request import (
     CompletionOutput,
     FinishReason,
@@ -55,6 +64,9 @@ from kvblocks.scheduler.stats import LatencyStats, SchedulerCounters, StatsHisto
 from kvblocks.scheduler.step_outputs import DecodeDeltas, StepOutputs
 
 __all__ = ["Scheduler"]
+
+#: ``_admit``: the request waits for a prefix being computed in this step.
+_HELD = -1
 
 
 class Scheduler:
@@ -106,6 +118,13 @@ class Scheduler:
         self._prefilling: list[RequestState] = []  # key order
         self._swapped: list[RequestState] = []  # key order
         self._table = SequenceTable()
+        # Rows are taken back wherever a sequence leaves the GPU (free, swap_out).
+        self._block_table = PersistentBlockTable(
+            manager,
+            self.config.max_num_seqs,
+            manager.block_size,
+            self.config.num_lookahead_tokens,
+        )
         self._next_seq_id = 0
         self._free_seq_ids: list[int] = []
         self._counter = 0
@@ -119,6 +138,8 @@ class Scheduler:
         self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
         self._num_split = 0  # requests in SPLIT state (their parts sit in the queues)
+        self._prefix_hold = PrefixHold()
+        self._prefix_caching = bool(manager.enable_prefix_caching)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -385,15 +406,23 @@ class Scheduler:
         # 4. admission of waiting requests.
         if not self._preempted and not self._swapped and self._waiting and budget > 0:
             live = self._num_live_seqs()
+            held = 0
             # lpm's order comes from one batch refresh of every waiting sequence's probe.
             for state in self.policy.admission_order(self._waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
                 if live + state.width > cfg.max_num_seqs and live > 0:
                     break
-                admitted = self._admit(state, budget)
+                admitted = self._admit(state, budget, may_hold=num_seqs > 0)
                 if admitted is None:
                     break
+                if admitted == _HELD:
+                    # Its prefix is being computed now: next step it is cached. Held
+                    # requests use no budget, so the scan is bounded by their number.
+                    held += 1
+                    if held >= cfg.max_num_seqs:
+                        break
+                    continue
                 if admitted == 0:
                     continue  # finished at admission (can never fit)
                 chunks.append((state, state.num_computed, admitted))
@@ -415,6 +444,7 @@ class Scheduler:
             swap_in_maps,
             self._finished_ids,
             lambda seq: self._owner[seq].params.beam_width,
+            self._block_table,
         )
         self._finished_ids = []
         # memory_ops carries every move of the step, so an engine can apply it alone.
@@ -931,6 +961,7 @@ class Scheduler:
         for seq, cum in self._take_live_seqs(state):
             part = state.make_part(seq, np.asarray(mgr.token_ids(seq), dtype=np.int64), cum)
             mgr.free(seq)
+            self._block_table.release((seq,))
             self._owner[seq] = part
             state.parts.append(part)
             self._queue(part)
@@ -946,6 +977,7 @@ class Scheduler:
         live = self._take_live_seqs(state)
         for seq, _ in live:
             mgr.free(seq)
+            self._block_table.release((seq,))
         first = live[0][0]
         for seq in state.all_seq_ids:
             if seq != first and self._owner.get(seq) is state:
@@ -971,6 +1003,7 @@ class Scheduler:
         rows = self._table.rows_of(np.array(seqs, dtype=np.int64))
         self._drain_copies()
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
+        self._block_table.release(seqs)
         self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
         state.swapped_rows = self._table.take(rows)
         self._table.update(rows, [])
@@ -996,14 +1029,16 @@ class Scheduler:
             ((_, state.cum_logprob),) = self._take_live_seqs(state)
             state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
         mgr.free(seq)
+        self._block_table.release((seq,))
         self._queue(state)
         self.counters.num_preemptions_recompute += 1
         state.metrics.num_preemptions += 1
 
     # -- admission -----------------------------------------------------------------------
-    def _admit(self, state: RequestState, budget: int) -> int | None:
+    def _admit(self, state: RequestState, budget: int, *, may_hold: bool = False) -> int | None:
         """Try to admit ``state`` with up to ``budget`` tokens; the chunk length, 0 if it
-        finished (can never fit), None if it must wait."""
+        finished (can never fit), None if it must wait, ``_HELD`` if it waits for a prefix
+        being computed in this step (only with ``may_hold``: something else is scheduled)."""
         mgr = self.manager
         seq = state.seq_ids[0]
         if state.registered_step != self.counters.num_steps:
@@ -1015,6 +1050,8 @@ class Scheduler:
         if status != AllocStatus.OK:
             return None
         cached = int(mgr.num_computed_tokens(seq))
+        if may_hold and self._wait_for_prefix(state, seq, cached):
+            return _HELD
         length = len(state.tokens) - cached
         if length > budget:
             # Without chunked prefill a prompt is computed whole or waits (add_request
@@ -1029,6 +1066,7 @@ class Scheduler:
             return None
         state.num_computed = int(mgr.num_computed_tokens(seq))
         self._waiting.remove(state)
+        self._prefix_hold.release(state)
         state.status = RequestStatus.PREFILL
         _insort(self._prefilling, state)
         counters = self.counters
@@ -1045,6 +1083,19 @@ class Scheduler:
             counters.num_prompt_tokens_admitted += len(state.tokens)
             counters.num_cached_tokens_admitted += state.num_computed
         return length
+
+    def _wait_for_prefix(self, state: RequestState, seq: int, cached: int) -> bool:
+        """Whether the prompt blocks right past ``state``'s cached prefix are being
+        computed in this step by another sequence, so that it should wait a step for them
+        (see :class:`PrefixHold` for the bounds)."""
+        if not self._prefix_caching:
+            return False
+        bs = self.manager.block_size
+        # The hit never covers the last token: no further whole block can be shared.
+        if (len(state.tokens) - 1) // bs <= cached // bs:
+            return False
+        ahead = int(self.manager.probe_in_flight([seq])[0])
+        return self._prefix_hold.should_hold(state, cached, ahead)
 
     def _allocate_prefill(self, state: RequestState, length: int) -> bool:
         """Slots for the next chunk of a request being prefilled; may preempt later ones."""
@@ -1104,6 +1155,7 @@ class Scheduler:
 
     def _release_seq(self, state: RequestState, seq: int) -> None:
         self.manager.free(seq)
+        self._block_table.release((seq,))
         if seq in state.seq_ids:
             state.seq_ids.remove(seq)
 
@@ -1270,6 +1322,7 @@ class Scheduler:
                 self._table.update(rows, [])
         for seq in state.seq_ids:
             mgr.free(seq)
+            self._block_table.release((seq,))
         state.seq_ids = []
         state.status = RequestStatus.FINISHED
         self._forget(state)

@@ -8,6 +8,9 @@
 //! * `fork_cow`: fork a sequence and write one token into the shared last block.
 //! * `decode_step_1024`: one decode step for 1,024 sequences (allocate_slots_batch +
 //!   commit_batch + block_tables + slot_mapping).
+//! * `decode_step_table`: the same step with 1,024 sequences of 32k (and of 128) tokens,
+//!   the block tables either rebuilt (`block_tables`, the old way) or kept in a persistent
+//!   table (`sync_block_table`, only changed entries written), measured side by side.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -177,6 +180,115 @@ fn bench_decode_step(c: &mut Criterion) {
     g.finish();
 }
 
+/// Steps run on one decode-table state before it is rebuilt (untimed).
+const TABLE_STEPS: usize = 2048;
+
+/// A decode-table state: manager, ids, rows and the persistent table (`cols` wide).
+struct TableState {
+    m: KVCacheManager,
+    ids: Vec<u64>,
+    rows: Vec<i64>,
+    cols: usize,
+    table: Vec<i32>,
+}
+
+impl TableState {
+    /// 1,024 sequences of `len` computed tokens (plus one sampled), prefix caching off, in
+    /// a pool with room for `TABLE_STEPS` more tokens each, synced once, then run for one
+    /// block's worth of steps (untimed) so every table has grown its buffer once, as in a
+    /// long-running server.
+    fn new(len: usize) -> Self {
+        let n = 1024;
+        let cols = (len + TABLE_STEPS + 2 * BLOCK_SIZE).div_ceil(BLOCK_SIZE);
+        let mut m = manager(n * cols + 1, false, HashAlgo::Blake3);
+        let ids: Vec<u64> = (0..n as u64).collect();
+        let t = prompt(7, len);
+        for &id in &ids {
+            m.add_sequence(id, &t, None, None).unwrap();
+        }
+        m.allocate_slots_batch(&ids, BatchArg::Scalar(len as i64), 0)
+            .unwrap();
+        m.commit_batch(
+            &ids,
+            BatchArg::Scalar(len as i64),
+            Some(BatchArg::Scalar(1)),
+        )
+        .unwrap();
+        let rows = (0..n as i64).collect();
+        let table = vec![0i32; n * cols];
+        let mut s = TableState {
+            m,
+            ids,
+            rows,
+            cols,
+            table,
+        };
+        for _ in 0..BLOCK_SIZE {
+            s.step(true);
+        }
+        s
+    }
+
+    /// One decode step; the block tables kept incrementally or rebuilt.
+    fn step(&mut self, incremental: bool) {
+        let (m, ids) = (&mut self.m, &self.ids);
+        let served = m
+            .allocate_slots_batch(ids, BatchArg::Scalar(1), 0)
+            .unwrap()
+            .num_served;
+        let slots = m.slot_mapping(ids, None).unwrap();
+        if incremental {
+            let n = ids.len();
+            let delta = m
+                .sync_block_table(ids, &self.rows, n, self.cols, Some(&mut self.table), false)
+                .unwrap();
+            black_box(delta);
+        } else {
+            black_box(m.block_tables(ids, None).unwrap());
+        }
+        m.commit_batch(ids, BatchArg::Scalar(1), Some(BatchArg::Scalar(7)))
+            .unwrap();
+        assert_eq!(served, ids.len());
+        black_box(slots);
+    }
+}
+
+fn bench_decode_step_table(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_table");
+    g.throughput(Throughput::Elements(1024));
+    for (label, len) in [("32k", 32_768usize), ("128", 128)] {
+        let mut state = TableState::new(len);
+        let mut steps = 0;
+        for incremental in [false, true] {
+            let name = if incremental {
+                "incremental"
+            } else {
+                "rebuild"
+            };
+            g.bench_function(BenchmarkId::new(label, name), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        if steps == TABLE_STEPS {
+                            state = TableState::new(len);
+                            steps = 0;
+                        }
+                        let start = Instant::now();
+                        state.step(incremental);
+                        total += start.elapsed();
+                        steps += 1;
+                    }
+                    total
+                })
+            });
+        }
+        // The rebuild steps do not sync: their changes pile up and the first incremental
+        // step writes them (once per state, within the measurement's noise).
+        black_box(&state.table);
+    }
+    g.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(300))
@@ -187,6 +299,7 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench_alloc_free, bench_prefix_lookup, bench_hash, bench_fork_cow, bench_decode_step
+    targets = bench_alloc_free, bench_prefix_lookup, bench_hash, bench_fork_cow, bench_decode_step,
+        bench_decode_step_table
 }
 criterion_main!(benches);

@@ -25,7 +25,9 @@
 //!   lazy: a freed cached block keeps its hash (and counts as free) until it is popped
 //!   for reuse, which records a `BlockRemoved` event. `BlockStored` events cover runs of
 //!   consecutive blocks stored by one `commit` (a duplicate block ends a run);
-//!   `BlockRemoved` events carry one hash each.
+//!   `BlockRemoved` events carry one hash each. Blocks enter the cache only at `commit`;
+//!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
+//!   computing, so a scheduler can hold a request back a step instead of recomputing them.
 //! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
 //!   `i32`/`i64` in the step inputs.
 //!
@@ -40,18 +42,24 @@
 //!   (their tables hold CPU ids, which must not reach the model step).
 //! * Batch methods reject a sequence id listed twice (`InvalidArgument`).
 //! * `seq_ids()` is sorted ascending.
+//! * `sync_block_table` keeps a caller's persistent block table up to date by writing
+//!   only the entries that changed since the last sync (see its docs for when a row is
+//!   written whole); the Python names are `update_block_table` (in place) and
+//!   `block_table_delta` (the writes only).
 
 mod alloc_status;
 mod batch_allocation;
 mod batch_arg;
 mod block_hash;
 mod block_pool;
+mod block_table_delta;
 mod config;
 mod error;
 mod events;
 mod free_queue;
 mod manager;
 mod prefix_cache;
+mod row_prefixes;
 mod sequence;
 mod stats;
 
@@ -59,10 +67,12 @@ pub use alloc_status::AllocStatus;
 pub use batch_allocation::BatchAllocation;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
+pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
 pub use manager::{BlockTables, KVCacheManager};
+pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;
 
 /// The reserved GPU block id used for padding and released sliding-window blocks.

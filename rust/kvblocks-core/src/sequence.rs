@@ -35,4 +35,12 @@ pub struct Sequence {
     pub num_released_blocks: usize,
     /// Whether the blocks live in the CPU pool.
     pub swapped: bool,
+    /// Table entries `[dirty_from, len)` changed since the last `sync_block_table`
+    /// (appends fall in the range without touching it; in-place replacements lower it).
+    pub dirty_from: usize,
+    /// Row of the caller's table this sequence was last synced to (`None`: never).
+    pub synced_row: Option<u32>,
+    /// Table range the pending reservation fills with known-hash blocks (see
+    /// `manager::in_flight`); empty without a reservation.
+    pub in_flight: std::ops::Range<usize>,
 }

@@ -7,9 +7,11 @@
 mod alloc_status;
 mod args;
 mod batch_allocation;
+mod block_table_delta;
 mod errors;
 mod events;
 mod manager;
+mod row_prefixes;
 
 use pyo3::prelude::*;
 
@@ -19,9 +21,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<alloc_status::AllocStatus>()?;
     m.add_class::<batch_allocation::BatchAllocation>()?;
+    m.add_class::<block_table_delta::BlockTableDelta>()?;
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;
     m.add_class::<manager::KVCacheManager>()?;
+    m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     Ok(())
 }

@@ -7,7 +7,9 @@
 
 use kvblocks_core as core;
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
+};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -15,6 +17,7 @@ use pyo3::types::PyDict;
 use crate::alloc_status::AllocStatus;
 use crate::args::{self, PerSeq, COUNT_END, TOKEN_ID_END};
 use crate::batch_allocation::BatchAllocation;
+use crate::block_table_delta::BlockTableDelta;
 use crate::errors::{invalid_argument, IntoPyResult};
 use crate::events::event_to_py;
 
@@ -118,6 +121,71 @@ impl KVCacheManager {
         let ids = args::seq_ids(seq_ids, "seq_ids")?;
         self.run(py, work(ids.len()), |m| f(m, &ids)).py_err()
     }
+}
+
+impl KVCacheManager {
+    /// The core sync without a buffer (the caller applies the delta with the GIL held).
+    fn sync(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        num_rows: usize,
+        num_cols: usize,
+        full: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<core::BlockTableDelta> {
+        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let rows: Vec<i64> = args::int_vec(rows, "rows", 0, num_rows as i128)?;
+        let full = match full {
+            Some(f) if !f.is_none() => args::flag(f, "full")?,
+            _ => false,
+        };
+        self.run(py, Work::for_batch(ids.len()), |m| {
+            m.sync_block_table(&ids, &rows, num_rows, num_cols, None, full)
+        })
+        .py_err()
+    }
+}
+
+/// The ``block_table`` argument: a C-contiguous, writeable 2-D int32 NumPy array.
+fn writable_table<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let Ok(arr) = obj.cast::<PyUntypedArray>() else {
+        return Err(invalid_argument(format!(
+            "block_table must be a NumPy int32 array, got {}",
+            obj.get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )));
+    };
+    if arr.ndim() != 2 {
+        return Err(invalid_argument(format!(
+            "block_table must be 2-D [max_rows, max_blocks], got {} dimensions",
+            arr.ndim()
+        )));
+    }
+    let Ok(table) = arr.cast::<PyArray2<i32>>() else {
+        return Err(invalid_argument(format!(
+            "block_table must have dtype int32, got {}",
+            arr.dtype().str().map(|s| s.to_string()).unwrap_or_default()
+        )));
+    };
+    if !arr.is_c_contiguous() {
+        return Err(invalid_argument(
+            "block_table must be C-contiguous (a row-major array, not a view with strides)"
+                .to_string(),
+        ));
+    }
+    // SAFETY: `arr` is a live NumPy array, so its object (and its fields, which is how
+    // the `numpy` crate itself reads the writeable flag) is valid to read.
+    let flags =
+        unsafe { (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags };
+    if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
+        return Err(invalid_argument(
+            "block_table must be writeable (got a read-only array)".to_string(),
+        ));
+    }
+    Ok(table.clone())
 }
 
 /// Arrays up to this many elements are copied into NumPy-owned memory; longer ones hand
@@ -427,6 +495,19 @@ impl KVCacheManager {
         Ok(to_numpy(py, out))
     }
 
+    /// Prompt tokens right past each waiting sequence's cached prefix that other
+    /// sequences are computing now (reserved, not yet committed).
+    fn probe_in_flight<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| {
+            m.probe_in_flight(ids)
+        })?;
+        Ok(to_numpy(py, out))
+    }
+
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
     #[pyo3(
         signature = (seq_id, *, num_lookahead_tokens = None),
@@ -633,6 +714,51 @@ impl KVCacheManager {
             })
             .py_err()?;
         matrix_to_numpy(py, tables.num_rows, tables.num_cols, tables.data)
+    }
+
+    /// Bring rows ``rows[i]`` of a persistent int32 ``[max_rows, max_blocks]`` table up to
+    /// date with the block tables of ``seq_ids[i]``, in place; returns what was written.
+    #[pyo3(signature = (block_table, seq_ids, rows, *, full = None))]
+    fn update_block_table(
+        &self,
+        py: Python<'_>,
+        block_table: &Bound<'_, PyAny>,
+        seq_ids: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        full: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<BlockTableDelta> {
+        let table = writable_table(block_table)?;
+        let (num_rows, num_cols) = {
+            let shape = table.shape();
+            (shape[0], shape[1])
+        };
+        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
+        // SAFETY: `writable_table` checked that the array is C-contiguous and writeable.
+        // The GIL is held from here to the end of the write, so no Python code can touch
+        // the buffer meanwhile, and no Rust view of it exists in this call.
+        let data = unsafe { table.as_slice_mut() }
+            .map_err(|e| invalid_argument(format!("block_table: {e}")))?;
+        // The core checked every written entry against this shape.
+        delta.apply(data, num_rows, num_cols).py_err()?;
+        Ok(BlockTableDelta::new(py, delta))
+    }
+
+    /// The writes ``update_block_table`` would make to a ``[max_rows, max_blocks]`` table
+    /// kept elsewhere (e.g. on a device); consumes the changes the same way.
+    #[pyo3(signature = (seq_ids, rows, *, max_rows, max_blocks, full = None))]
+    fn block_table_delta(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+        rows: &Bound<'_, PyAny>,
+        max_rows: &Bound<'_, PyAny>,
+        max_blocks: &Bound<'_, PyAny>,
+        full: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<BlockTableDelta> {
+        let num_rows = args::count(max_rows, "max_rows")?;
+        let num_cols = args::count(max_blocks, "max_blocks")?;
+        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
+        Ok(BlockTableDelta::new(py, delta))
     }
 
     /// Cache slots (``block * block_size + offset``) of the tokens computed this step.

@@ -233,6 +233,7 @@ impl KVCacheManager {
             let dst = pools.pop_gpu()?;
             pools.gpu.decref(src);
             seq.table[i] = dst;
+            seq.dirty_from = seq.dirty_from.min(i);
             self.cow_queue.push([src as i64, dst as i64]);
             pools.counters.cow_copies += 1;
             taken.push(dst as i32);
@@ -243,6 +244,7 @@ impl KVCacheManager {
             taken.push(b as i32);
         }
         seq.reserved = Some(plan.reserved);
+        self.track_in_flight(slot, new);
         Some(plan.claim * bs)
     }
 }

@@ -94,6 +94,9 @@ impl KVCacheManager {
         let bs = self.config.block_size;
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
+        // The reservation ends here, whatever it computed: blocks it did not fill are
+        // no longer being written.
+        self.in_flight.untrack(seq);
         seq.tokens.extend_from_slice(new_tokens);
         seq.num_computed += n;
         seq.reserved = None;
@@ -172,6 +175,7 @@ impl KVCacheManager {
                     let b = std::mem::replace(&mut seq.table[i], NULL_BLOCK);
                     pools.release_gpu(b);
                 }
+                seq.dirty_from = seq.dirty_from.min(seq.num_released_blocks);
                 seq.num_released_blocks = outside;
             }
         }

@@ -12,7 +12,8 @@ impl KVCacheManager {
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         let slot = self.slot_of(seq_id)?;
         self.index.remove(&seq_id);
-        let seq = self.slots.swap_remove(slot);
+        let mut seq = self.slots.swap_remove(slot);
+        self.in_flight.untrack(&mut seq);
         if let Some(moved) = self.slots.get(slot) {
             self.index.insert(moved.id, slot as u32);
         }

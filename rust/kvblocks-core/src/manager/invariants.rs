@@ -90,6 +90,13 @@ impl KVCacheManager {
                     )));
                 }
             }
+            if seq.dirty_from > seq.table.len() {
+                return Err(violation(format!(
+                    "sequence {id}: first changed table entry {} is past its {} entries",
+                    seq.dirty_from,
+                    seq.table.len()
+                )));
+            }
             if seq.num_released_blocks > seq.table.len() {
                 return Err(violation(format!(
                     "sequence {id}: released more blocks than held"
@@ -127,6 +134,7 @@ impl KVCacheManager {
         check_pool(&self.pools.gpu, &gpu_refs, "GPU")?;
         check_pool(&self.pools.cpu, &cpu_refs, "CPU")?;
         self.check_writable_blocks()?;
+        self.check_in_flight()?;
         self.check_cache()
     }
 

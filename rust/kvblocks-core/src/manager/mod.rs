@@ -10,6 +10,7 @@ use crate::prefix_cache::PrefixCache;
 use crate::sequence::Sequence;
 
 use self::batch_scratch::BatchScratch;
+use self::in_flight::InFlight;
 use self::pools::{Counters, Pools};
 
 /// A 2-D block-table matrix, row-major, padded with the null block.
@@ -38,7 +39,11 @@ pub struct KVCacheManager {
     num_swapped: usize,
     cow_queue: Vec<[i64; 2]>,
     watermark_blocks: usize,
+    /// Prefix blocks reserved but not yet committed (see `in_flight`).
+    in_flight: InFlight,
     scratch: BatchScratch,
+    /// Sequence last written into each row of the caller's block table (`sync_block_table`).
+    row_owner: FxHashMap<u32, u64>,
 }
 
 impl KVCacheManager {
@@ -63,7 +68,9 @@ impl KVCacheManager {
             num_swapped: 0,
             cow_queue: Vec::new(),
             watermark_blocks,
+            in_flight: InFlight::default(),
             scratch: BatchScratch::default(),
+            row_owner: FxHashMap::default(),
             config,
         })
     }
@@ -171,9 +178,11 @@ mod allocate;
 mod batch_scratch;
 mod commit;
 mod free;
+mod in_flight;
 mod invariants;
 mod pools;
 mod queries;
 mod sequences;
 mod step_inputs;
 mod swap;
+mod table_sync;

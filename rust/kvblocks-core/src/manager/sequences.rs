@@ -55,6 +55,9 @@ impl KVCacheManager {
             num_registered_blocks: 0,
             num_released_blocks: 0,
             swapped: false,
+            dirty_from: 0,
+            synced_row: None,
+            in_flight: 0..0,
         };
         self.index.insert(seq_id, self.slots.len() as u32);
         self.slots.push(seq);
@@ -85,6 +88,11 @@ impl KVCacheManager {
         }
         let mut child = parent.clone();
         child.id = child_id;
+        // A new table: it reaches a caller's table only through a whole-row write.
+        child.dirty_from = 0;
+        child.synced_row = None;
+        // Without a reservation (checked above) the parent has nothing in flight.
+        debug_assert!(child.in_flight.is_empty());
         // Spare blocks hold no computed KV; sharing them would let both sides write them.
         child
             .table

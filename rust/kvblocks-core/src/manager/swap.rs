@@ -71,6 +71,8 @@ impl KVCacheManager {
                 seq.table[i] = c;
                 self.pools.release_gpu(g);
             }
+            // CPU ids never reach a caller's table (sync refuses swapped sequences);
+            // swap_in marks the entries it rewrites.
             seq.swapped = true;
         }
         self.num_swapped += slots.len();
@@ -113,6 +115,7 @@ impl KVCacheManager {
                 seq.table[i] = g;
                 self.pools.release_cpu(c);
             }
+            seq.dirty_from = seq.dirty_from.min(seq.num_released_blocks);
             seq.swapped = false;
         }
         self.num_swapped -= slots.len();

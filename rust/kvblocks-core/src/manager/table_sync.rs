@@ -1,0 +1,149 @@
+//! Incremental block tables: keeping a caller's persistent table in step with the
+//! sequences' tables by writing only what changed.
+//!
+//! Each sequence remembers the first table entry changed since its last sync
+//! (`dirty_from`: appends land past it, copy-on-write, sliding-window releases and
+//! swap-in lower it) and the row it was last synced to. The manager remembers which
+//! sequence it last wrote into each row. A sync writes a sequence's entries
+//! `[dirty_from, len)` when both agree that the row still holds this sequence's table;
+//! otherwise (first sync, a new row, a row another sequence was written to since, or
+//! `full`) it writes the whole table and pads the rest of the row with the null block.
+//! The manager cannot see the caller's memory: a caller that keeps more than one table,
+//! or whose table was overwritten behind the manager's back (a new device buffer), passes
+//! `full = true`.
+
+use super::KVCacheManager;
+use crate::block_table_delta::BlockTableDelta;
+use crate::error::{KvError, Result};
+
+impl KVCacheManager {
+    /// Bring rows `rows[i]` of a persistent `[num_rows, num_cols]` block table up to date
+    /// with the tables of `seq_ids[i]` and report what was written.
+    ///
+    /// `buffer` (row-major, `num_rows * num_cols` ids) is written in place when given;
+    /// without it only the delta is produced (for a table that lives elsewhere, e.g. on a
+    /// device). Either way the changes are consumed: the next sync writes only what
+    /// changes after this one.
+    ///
+    /// Errors, checked before anything is written (nothing changes on error):
+    /// `InvalidArgument` (lengths differ, a row outside `[0, num_rows)`, a row or a
+    /// sequence listed twice, a buffer of the wrong size, a table longer than
+    /// `num_cols`), `UnknownSequence`, `SequenceState` (swapped: its table holds CPU ids).
+    pub fn sync_block_table(
+        &mut self,
+        seq_ids: &[u64],
+        rows: &[i64],
+        num_rows: usize,
+        num_cols: usize,
+        buffer: Option<&mut [i32]>,
+        full: bool,
+    ) -> Result<BlockTableDelta> {
+        if rows.len() != seq_ids.len() {
+            return Err(KvError::InvalidArgument(format!(
+                "rows has {} entries for {} sequence ids; expected one row per sequence",
+                rows.len(),
+                seq_ids.len()
+            )));
+        }
+        if let Some(buf) = &buffer {
+            if Some(buf.len()) != num_rows.checked_mul(num_cols) {
+                return Err(KvError::InvalidArgument(format!(
+                    "block table buffer holds {} ids; expected {num_rows} x {num_cols}",
+                    buf.len()
+                )));
+            }
+        }
+        // Delta rows are int32.
+        let row_limit = num_rows.min(i32::MAX as usize);
+        let mut max_row = 0usize;
+        for &r in rows {
+            let Some(row) = usize::try_from(r).ok().filter(|&x| x < row_limit) else {
+                return Err(KvError::InvalidArgument(format!(
+                    "row {r} is outside the block table's rows [0, {row_limit}) (rows are int32)"
+                )));
+            };
+            max_row = max_row.max(row);
+        }
+        Self::check_distinct_rows(rows, max_row)?;
+        let slots = self.batch_slots(seq_ids)?;
+        let mut total = 0usize;
+        for &slot in &slots {
+            let seq = &self.slots[slot as usize];
+            Self::require_resident(seq, "sync_block_table")?;
+            if seq.table.len() > num_cols {
+                return Err(KvError::InvalidArgument(format!(
+                    "sequence {} has {} blocks but the block table has {num_cols} columns; \
+                     expected a table at least as wide as the longest block table",
+                    seq.id,
+                    seq.table.len()
+                )));
+            }
+            total += seq.table.len() - seq.dirty_from;
+        }
+        let mut delta = BlockTableDelta {
+            rows: Vec::new(),
+            start_cols: Vec::new(),
+            indptr: Vec::with_capacity(slots.len() + 1),
+            block_ids: Vec::with_capacity(total),
+            reset: Vec::new(),
+        };
+        delta.indptr.push(0);
+        for (&slot, &r) in slots.iter().zip(rows) {
+            // Validated above: 0 <= r < num_rows <= u32::MAX.
+            let row = r as u32;
+            let seq = &mut self.slots[slot as usize];
+            let whole =
+                full || seq.synced_row != Some(row) || self.row_owner.get(&row) != Some(&seq.id);
+            let start = if whole { 0 } else { seq.dirty_from };
+            let len = seq.table.len();
+            if whole || start < len {
+                delta.rows.push(row as i32);
+                delta.start_cols.push(start as i32);
+                delta
+                    .block_ids
+                    .extend(seq.table[start..len].iter().map(|&b| b as i32));
+                delta.indptr.push(delta.block_ids.len() as i64);
+                delta.reset.push(whole);
+            }
+            seq.dirty_from = len;
+            if whole {
+                seq.synced_row = Some(row);
+                self.row_owner.insert(row, seq.id);
+            }
+        }
+        if let Some(buf) = buffer {
+            // Every entry was checked against the table's shape above.
+            delta.apply(buf, num_rows, num_cols)?;
+        }
+        Ok(delta)
+    }
+
+    /// `InvalidArgument` if a row is listed twice (rows are in `[0, max_row]`).
+    fn check_distinct_rows(rows: &[i64], max_row: usize) -> Result<()> {
+        let twice = |row: i64| {
+            KvError::InvalidArgument(format!(
+                "row {row} is listed twice; expected one sequence per row"
+            ))
+        };
+        // A bitmap over the rows used is the cheap case (a table's rows); rows far apart
+        // (a huge, sparse table) are sorted instead so memory stays O(len(rows)).
+        if max_row / 64 <= rows.len().max(1024) {
+            let mut seen = vec![0u64; max_row / 64 + 1];
+            for &r in rows {
+                let row = r as usize;
+                let (word, bit) = (row / 64, 1u64 << (row % 64));
+                if seen[word] & bit != 0 {
+                    return Err(twice(r));
+                }
+                seen[word] |= bit;
+            }
+        } else {
+            let mut sorted = rows.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(twice(w[0]));
+            }
+        }
+        Ok(())
+    }
+}
