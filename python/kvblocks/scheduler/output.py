@@ -66,7 +66,9 @@ def _gather(
         return np.zeros((0, 1), dtype=np.int32)
     gathered = table[rows]
     used = np.flatnonzero(gathered.any(axis=0))
-    return gathered[:, : int(used[-1]) + 1 if len(used) else 0]
+    # C-contiguous, as the hand-built tables it stands for (kernels and page-table
+    # exports take it without another copy).
+    return np.ascontiguousarray(gathered[:, : int(used[-1]) + 1 if len(used) else 0])
 
 
 @dataclass
@@ -212,6 +214,15 @@ class SchedulerOutput:
         See :func:`kvblocks.page_tables.flashinfer_page_table`; ``block_size`` is the
         manager's.
         """
+        if self.block_table is not None and self.block_table_rows is not None:
+            # Straight from the persistent table: the [S, B] matrix is never built.
+            return flashinfer_page_table(
+                self.block_table,
+                self.seq_lens,
+                block_size,
+                self.query_start_loc,
+                rows=self.block_table_rows,
+            )
         return flashinfer_page_table(
             self.block_tables, self.seq_lens, block_size, self.query_start_loc
         )
