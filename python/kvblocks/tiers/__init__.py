@@ -1,0 +1,65 @@
+"""Storage tiers below the GPU KV pool: host memory, local disk, and Valkey/Redis.
+
+This package moves and stores the bytes of full KV blocks; deciding which block goes where
+is the core's job. One concept per module:
+
+- :mod:`~kvblocks.tiers.layout`: :class:`KVLayout`, a block payload's byte layout and the
+  model/layout fingerprint that keys stored blocks.
+- :mod:`~kvblocks.tiers.codec`: the self-checking record (magic, version, fingerprint,
+  block hash, length, CRC-32) every persistent tier stores.
+- :mod:`~kvblocks.tiers.store`: the :class:`TierStore` protocol; :mod:`~kvblocks.tiers.stats`
+  its counters; :mod:`~kvblocks.tiers.lru` LRU order with retention priorities.
+- :class:`HostTier` (a preallocated, pinned when CUDA is available, CPU pool),
+  :class:`DiskTier` (one file per block, survives restarts) and :class:`ValkeyTier`
+  (shared between instances; needs ``pip install 'kvblocks[tiers]'``).
+- :mod:`~kvblocks.tiers.transfer`: :func:`gather_blocks` / :func:`scatter_blocks` between a
+  paged cache and payloads.
+
+Needs torch (``pip install 'kvblocks[torch]'``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvblocks._extras import raise_missing_extra
+
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as _exc:
+    raise_missing_extra(_exc, "kvblocks.tiers", "torch", ["torch"])
+
+from kvblocks.tiers.codec import decode_block, encode_block
+from kvblocks.tiers.disk import DiskTier
+from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.host import HostTier
+from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.stats import TierStats
+from kvblocks.tiers.store import TierStore
+from kvblocks.tiers.transfer import gather_blocks, scatter_blocks
+
+if TYPE_CHECKING:
+    from kvblocks.tiers.valkey_tier import ValkeyTier
+
+__all__ = [
+    "CorruptBlockError",
+    "DiskTier",
+    "HostTier",
+    "KVLayout",
+    "TierStats",
+    "TierStore",
+    "ValkeyTier",
+    "decode_block",
+    "encode_block",
+    "gather_blocks",
+    "scatter_blocks",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The valkey client is an optional extra: import it only when the remote tier is used.
+    if name == "ValkeyTier":
+        from kvblocks.tiers.valkey_tier import ValkeyTier
+
+        return ValkeyTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,295 @@
+"""The local-disk tier: one file per block under a directory named by the layout fingerprint."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers.codec import (
+    Payload,
+    check_block_hash,
+    decode_block,
+    encode_block,
+    record_nbytes,
+)
+from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.lru import RetentionLRU
+from kvblocks.tiers.stats import TierStats
+
+__all__ = ["DiskTier"]
+
+_SUFFIX = ".kvb"
+_TMP_SUFFIX = ".tmp"
+# File names are the block hash in hex; 100 bytes keeps a name far below NAME_MAX (255).
+_MAX_HASH_BYTES = 100
+# A write that fails with these means "no room": evict the LRU block and try again.
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class DiskTier:
+    """Block records (header + payload, :mod:`kvblocks.tiers.codec`) as files on local disk.
+
+    Layout: ``directory/<fingerprint hex>/<block hash hex>.kvb``, plus a ``layout.json``
+    describing the layout. The directory is the manifest: it is keyed by fingerprint and
+    block hash, so reopening it (same directory, same layout) finds the same blocks, in the
+    LRU order of their modification times (a hit refreshes the file's time). A different
+    model or layout gets a different subdirectory and never sees these blocks.
+
+    A put writes a temporary file and renames it over the final name, so a crash mid-write
+    leaves either the old state or the whole new record; leftover temporaries are removed
+    on open, and every read verifies the record's checksum, so a torn or damaged file reads
+    as a miss (counted in ``rejected``) and is deleted. A full tier (``capacity_blocks``) or
+    a full disk (ENOSPC) evicts LRU blocks and retries; a put fails only when even an empty
+    tier cannot hold the block (counted in ``dropped_puts``, with one warning).
+
+    Retention priorities order eviction within a process; after a reopen every block has
+    the default priority. One process at a time may open a directory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        layout: KVLayout,
+        capacity_blocks: int,
+        *,
+        fsync: bool = False,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+            raise InvalidArgumentError(
+                f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
+            )
+        self.layout = layout
+        self._capacity = capacity_blocks
+        self._fsync = bool(fsync)
+        self._root = Path(directory) / layout.fingerprint.hex()
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._index: RetentionLRU[int] = RetentionLRU()
+        self._stats = TierStats()
+        self._tmp_counter = itertools.count()
+        self._warned = False
+        self._write_layout_description()
+        self._scan()
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the tier holds at most."""
+        return self._capacity
+
+    @property
+    def root(self) -> Path:
+        """The directory holding this layout's block files."""
+        return self._root
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def path_of(self, block_hash: bytes) -> Path:
+        """The file that holds (or would hold) ``block_hash``'s record."""
+        block_hash = check_block_hash(block_hash)
+        if len(block_hash) > _MAX_HASH_BYTES:
+            raise InvalidArgumentError(
+                f"the disk tier takes block hashes of at most {_MAX_HASH_BYTES} bytes, "
+                f"got {len(block_hash)}"
+            )
+        return self._root / (block_hash.hex() + _SUFFIX)
+
+    def _write_layout_description(self) -> None:
+        path = self._root / "layout.json"
+        if path.exists():
+            return
+        description = {
+            "fingerprint": self.layout.fingerprint.hex(),
+            "model_id": self.layout.model_id,
+            "num_layers": self.layout.num_layers,
+            "num_kv_heads": self.layout.num_kv_heads,
+            "block_size": self.layout.block_size,
+            "head_size": self.layout.head_size,
+            "dtype": str(self.layout.dtype),
+            "payload_nbytes": self.layout.payload_nbytes,
+        }
+        tmp = path.with_name(f"layout.json.{os.getpid()}{_TMP_SUFFIX}")
+        try:
+            tmp.write_text(json.dumps(description, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            # Only a description for people; a full disk must not stop the tier opening.
+            tmp.unlink(missing_ok=True)
+
+    def _scan(self) -> None:
+        found: list[tuple[int, bytes]] = []
+        for entry in os.scandir(self._root):
+            name = entry.name
+            if name.endswith(_TMP_SUFFIX):
+                # A write that never reached its rename: a crash mid-put.
+                Path(entry.path).unlink(missing_ok=True)
+                continue
+            if not name.endswith(_SUFFIX):
+                continue
+            try:
+                block_hash = bytes.fromhex(name[: -len(_SUFFIX)])
+                mtime = entry.stat().st_mtime_ns
+            except (ValueError, OSError):
+                continue
+            if block_hash:
+                found.append((mtime, block_hash))
+        found.sort()
+        for _, block_hash in found:
+            self._index.insert(block_hash, 0)
+        while len(self._index) > self._capacity:
+            self._evict_lru()
+
+    def _evict_lru(self) -> bool:
+        victim = self._index.victim()
+        if victim is None:
+            return False
+        self._index.remove(victim)
+        self._unlink(victim)
+        self._stats.evictions += 1
+        return True
+
+    def _unlink(self, block_hash: bytes) -> None:
+        try:
+            self.path_of(block_hash).unlink(missing_ok=True)
+        except OSError:
+            self._stats.errors += 1
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _write(self, path: Path, record: bytes) -> None:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{next(self._tmp_counter)}{_TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(record)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+
+    def put(self, block_hash: bytes, kv: Payload, *, priority: int = 0) -> bool:
+        """Write one block's record (evicting LRU blocks while the tier or disk is full)."""
+        path = self.path_of(block_hash)
+        block_hash = check_block_hash(block_hash)
+        priority = int(priority)
+        record = encode_block(self.layout, block_hash, kv)
+        if block_hash not in self._index:
+            while len(self._index) >= self._capacity:
+                self._evict_lru()
+        while True:
+            try:
+                self._write(path, record)
+                break
+            except OSError as exc:
+                self._stats.errors += 1
+                if exc.errno in _NO_SPACE and self._evict_other_than(block_hash):
+                    continue
+                self._stats.dropped_puts += 1
+                self._warn_once(f"disk tier {self._root}: a put failed and was dropped: {exc}")
+                return False
+        self._index.insert(block_hash, 0, priority)
+        self._stats.puts += 1
+        self._stats.bytes_in += self.layout.payload_nbytes
+        return True
+
+    def _evict_other_than(self, keep: bytes) -> bool:
+        # Never evict the block being rewritten to make room for itself.
+        victim = self._index.victim(exclude=keep)
+        if victim is None:
+            return False
+        self._index.remove(victim)
+        self._unlink(victim)
+        self._stats.evictions += 1
+        return True
+
+    def put_many(
+        self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
+    ) -> int:
+        """Write several blocks; how many were stored."""
+        if len(block_hashes) != len(kvs):
+            raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
+        return sum(
+            self.put(h, kv, priority=priority) for h, kv in zip(block_hashes, kvs, strict=True)
+        )
+
+    def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Each block's verified payload, or None (absent, or rejected and deleted)."""
+        paths = [self.path_of(h) for h in block_hashes]
+        out: list[torch.Tensor | None] = []
+        for path, raw_hash in zip(paths, block_hashes, strict=True):
+            block_hash = bytes(raw_hash)
+            if self._index.touch(block_hash) is None:
+                self._stats.misses += 1
+                out.append(None)
+                continue
+            payload = self._read(path, block_hash)
+            if payload is None:
+                self._stats.misses += 1
+                out.append(None)
+                continue
+            self._stats.hits += 1
+            self._stats.bytes_out += self.layout.payload_nbytes
+            out.append(payload)
+        return out
+
+    def _read(self, path: Path, block_hash: bytes) -> torch.Tensor | None:
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(f.read())
+        except FileNotFoundError:
+            self._index.remove(block_hash)
+            return None
+        except OSError:
+            self._stats.errors += 1
+            return None
+        try:
+            decode_block(self.layout, block_hash, data)
+        except CorruptBlockError:
+            self._stats.rejected += 1
+            self._index.remove(block_hash)
+            self._unlink(block_hash)
+            return None
+        with contextlib.suppress(OSError):  # recency across restarts is best effort
+            os.utime(path)
+        offset = record_nbytes(self.layout, block_hash) - self.layout.payload_nbytes
+        return torch.frombuffer(
+            data, dtype=torch.uint8, count=self.layout.payload_nbytes, offset=offset
+        )
+
+    def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each block is indexed (its file is verified only when read)."""
+        return [check_block_hash(h) in self._index for h in block_hashes]
+
+    def evict(self, block_hash: bytes) -> bool:
+        """Delete one block's file."""
+        block_hash = check_block_hash(block_hash)
+        if self._index.remove(block_hash) is None:
+            return False
+        self._unlink(block_hash)
+        self._stats.evictions += 1
+        return True
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""
+        return self._stats.copy()
+
+    def close(self) -> None:
+        """Forget the in-memory index; the files stay for the next open."""
+        self._index = RetentionLRU()

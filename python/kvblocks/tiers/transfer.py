@@ -1,0 +1,123 @@
+"""Moving blocks between a paged KV cache and tier payloads (torch index copies).
+
+A cache is :mod:`kvblocks.ops`' per-layer list ``[(key_cache, value_cache), ...]``, each
+``[num_blocks, num_kv_heads, block_size, head_size]``. A payload is the block's tiles in
+the order ``layer 0 K, layer 0 V, layer 1 K, ...`` (:class:`~kvblocks.tiers.layout.KVLayout`),
+as ``payload_nbytes`` uint8 values. Gathers and scatters take many blocks at once: one
+index copy per layer and K/V, never a per-block or per-token Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers.layout import KVLayout
+
+__all__ = ["gather_blocks", "scatter_blocks"]
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> torch.device:
+    if len(kv_caches) != layout.num_layers:
+        raise InvalidArgumentError(
+            f"the layout has {layout.num_layers} layers, the cache {len(kv_caches)}"
+        )
+    device = kv_caches[0][0].device
+    for key, value in kv_caches:
+        for cache in (key, value):
+            if tuple(cache.shape[1:]) != layout.tile_shape or cache.dtype != layout.dtype:
+                raise InvalidArgumentError(
+                    f"a cache of shape {tuple(cache.shape)} {cache.dtype} does not match the "
+                    f"layout's [*, {', '.join(map(str, layout.tile_shape))}] {layout.dtype}"
+                )
+            if cache.device != device:
+                raise InvalidArgumentError("every cache must be on one device")
+    return device
+
+
+def _block_index(
+    block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device
+) -> torch.Tensor:
+    ids = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise InvalidArgumentError(f"block ids must lie in [0, {num_blocks})")
+    return ids.to(device, non_blocking=True)
+
+
+def gather_blocks(
+    layout: KVLayout,
+    kv_caches: KVCaches,
+    block_ids: Sequence[int] | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The payloads of ``block_ids`` as a uint8 ``[len(block_ids), payload_nbytes]`` tensor.
+
+    With ``out`` (e.g. rows of a pinned host pool, or a pinned staging buffer) the payloads
+    are copied there, asynchronously when the caches are on CUDA and ``out`` is pinned: the
+    caller synchronizes before reading ``out`` or overwriting the source blocks.
+    Otherwise the result lives on the caches' device.
+    """
+    device = _check_caches(layout, kv_caches)
+    ids = _block_index(block_ids, kv_caches[0][0].shape[0], device)
+    n = ids.numel()
+    tiles = []
+    for key, value in kv_caches:
+        for cache in (key, value):
+            tiles.append(cache.index_select(0, ids).reshape(n, -1).view(torch.uint8))
+    payloads = torch.cat(tiles, dim=1) if tiles else torch.empty((n, 0), dtype=torch.uint8)
+    if out is None:
+        return payloads
+    if tuple(out.shape) != (n, layout.payload_nbytes) or out.dtype != torch.uint8:
+        raise InvalidArgumentError(
+            f"out must be uint8 [{n}, {layout.payload_nbytes}], got {out.dtype} {tuple(out.shape)}"
+        )
+    out.copy_(payloads, non_blocking=out.is_pinned())
+    return out
+
+
+def scatter_blocks(
+    layout: KVLayout,
+    payloads: torch.Tensor | Sequence[torch.Tensor],
+    kv_caches: KVCaches,
+    block_ids: Sequence[int] | torch.Tensor,
+) -> None:
+    """Write ``payloads`` (one row per block) into ``block_ids`` of every layer's K and V.
+
+    ``payloads`` is a uint8 ``[n, payload_nbytes]`` tensor or a list of ``n`` flat ones
+    (what :meth:`~kvblocks.tiers.store.TierStore.get_many` returns). A CPU source is copied
+    to the caches' device with ``non_blocking`` (asynchronous when it is pinned), so the
+    caller keeps the source alive and unmodified until the stream has consumed it.
+    """
+    device = _check_caches(layout, kv_caches)
+    if not isinstance(payloads, torch.Tensor):
+        rows = list(payloads)
+        if any(not isinstance(r, torch.Tensor) for r in rows):
+            raise TypeError("payloads must be tensors (a None from get_many is a miss)")
+        payloads = (
+            torch.stack([r.reshape(-1) for r in rows])
+            if rows
+            else torch.empty((0, layout.payload_nbytes), dtype=torch.uint8)
+        )
+    ids = _block_index(block_ids, kv_caches[0][0].shape[0], device)
+    n = ids.numel()
+    if tuple(payloads.shape) != (n, layout.payload_nbytes) or payloads.dtype != torch.uint8:
+        raise InvalidArgumentError(
+            f"payloads must be uint8 [{n}, {layout.payload_nbytes}], got {payloads.dtype} "
+            f"{tuple(payloads.shape)}"
+        )
+    if n == 0:
+        return
+    source = payloads.to(device, non_blocking=True)
+    tile = layout.tile_nbytes
+    shape = (n, *layout.tile_shape)
+    column = 0
+    for key, value in kv_caches:
+        for cache in (key, value):
+            piece = source[:, column : column + tile].contiguous().view(layout.dtype)
+            cache.index_copy_(0, ids, piece.view(shape))
+            column += tile

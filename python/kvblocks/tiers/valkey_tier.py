@@ -1,0 +1,271 @@
+"""The shared remote tier on a Valkey (or Redis) server, through the ``valkey`` client."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvblocks._extras import raise_missing_extra
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers.codec import Payload, check_block_hash, decode_block, encode_block
+from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.stats import TierStats
+
+try:
+    import valkey
+    from valkey.backoff import NoBackoff
+    from valkey.exceptions import ConnectionError as _ValkeyConnectionError
+    from valkey.exceptions import TimeoutError as _ValkeyTimeoutError
+    from valkey.exceptions import ValkeyError
+    from valkey.retry import Retry
+except ModuleNotFoundError as _exc:
+    raise_missing_extra(_exc, "kvblocks.tiers.valkey_tier", "tiers", ["valkey"])
+
+__all__ = ["ValkeyTier"]
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the server is not reachable now" (as opposed to a command it refused).
+_UNREACHABLE = (_ValkeyConnectionError, _ValkeyTimeoutError, OSError)
+# Every failure a command can end in; none of them reaches the caller.
+_FAILURES = (ValkeyError, OSError)
+
+
+class ValkeyTier:
+    """Block records (header + payload, :mod:`kvblocks.tiers.codec`) as values on a Valkey
+    or Redis server, shared by every instance that uses the same server and layout.
+
+    The key of a block is ``key_prefix + fingerprint hex + ":" + block hash hex``, so
+    instances of the same model and layout share blocks and others never meet them. Reads
+    are pipelined MGETs of ``batch_size`` keys; a value that is short, corrupted, or made
+    for another layout or block is rejected (``stats().rejected``) and read as a miss.
+
+    Capacity and eviction are the server's: run it with ``maxmemory`` and an LRU
+    ``maxmemory-policy`` (``allkeys-lru``); ``ttl_s`` optionally expires blocks. The server
+    cannot keep per-block priorities, so ``priority`` is accepted and ignored.
+
+    Faults: every command runs under ``socket_timeout``; when the server is unreachable the
+    tier warns once, reads return misses and puts are dropped (``dropped_puts``) without
+    touching the network for ``retry_interval_s``, after which it reconnects by itself.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        url: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        client: Any = None,
+        key_prefix: str = "kvblocks:",
+        socket_timeout_s: float = 1.0,
+        retry_interval_s: float = 2.0,
+        ttl_s: int | None = None,
+        batch_size: int = 64,
+    ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if socket_timeout_s <= 0 or retry_interval_s < 0:
+            raise InvalidArgumentError("socket_timeout_s must be > 0 and retry_interval_s >= 0")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 1):
+            raise InvalidArgumentError(f"ttl_s must be a positive int or None, got {ttl_s!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.layout = layout
+        self._prefix = f"{key_prefix}{layout.fingerprint.hex()}:".encode()
+        self._ttl = ttl_s
+        self._batch = batch_size
+        self._retry_interval = float(retry_interval_s)
+        if client is None:
+            options: dict[str, Any] = {
+                "socket_timeout": socket_timeout_s,
+                "socket_connect_timeout": socket_timeout_s,
+                # One try per command: the tier's own back-off decides when to try again.
+                "retry": Retry(NoBackoff(), 0),
+                "retry_on_timeout": False,
+                "health_check_interval": 0,
+            }
+            if url is not None:
+                client = valkey.Valkey.from_url(url, **options)
+            else:
+                client = valkey.Valkey(host=host, port=port, **options)
+        self._client = client
+        self._stats = TierStats()
+        self._down_until = 0.0
+        self._outage = False
+
+    @property
+    def capacity_blocks(self) -> None:
+        """None: the server's ``maxmemory`` bounds the tier."""
+        return None
+
+    @property
+    def client(self) -> Any:
+        """The ``valkey.Valkey`` client (for administration and tests)."""
+        return self._client
+
+    @property
+    def available(self) -> bool:
+        """False while the tier is backing off after the server was unreachable."""
+        return time.monotonic() >= self._down_until
+
+    def key_of(self, block_hash: bytes) -> bytes:
+        """The server key of ``block_hash``'s record."""
+        return self._prefix + check_block_hash(block_hash).hex().encode()
+
+    def __len__(self) -> int:
+        """Blocks of this layout on the server (a SCAN: O(keys); 0 when unreachable)."""
+        if not self.available:
+            return 0
+        try:
+            count = sum(1 for _ in self._client.scan_iter(match=self._prefix + b"*", count=1000))
+        except _FAILURES as exc:
+            self._failed(exc)
+            return 0
+        self._succeeded()
+        return count
+
+    def _failed(self, exc: Exception) -> None:
+        self._stats.errors += 1
+        if not isinstance(exc, _UNREACHABLE):
+            return
+        self._down_until = time.monotonic() + self._retry_interval
+        if not self._outage:
+            self._outage = True
+            warnings.warn(
+                f"Valkey tier unreachable ({exc}); reads miss and puts are dropped, "
+                f"retrying every {self._retry_interval:g} s",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _succeeded(self) -> None:
+        if self._outage:
+            self._outage = False
+            logger.info("Valkey tier reachable again")
+
+    def put(self, block_hash: bytes, kv: Payload, *, priority: int = 0) -> bool:
+        """Store one block; False (and counted as dropped) when the server is unreachable."""
+        return self.put_many([block_hash], [kv], priority=priority) == 1
+
+    def put_many(
+        self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
+    ) -> int:
+        """Store several blocks in one pipeline; how many were stored."""
+        if len(block_hashes) != len(kvs):
+            raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
+        int(priority)
+        records = [
+            (self.key_of(h), encode_block(self.layout, h, kv))
+            for h, kv in zip(block_hashes, kvs, strict=True)
+        ]
+        if not records:
+            return 0
+        if not self.available:
+            self._stats.dropped_puts += len(records)
+            return 0
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, record in records:
+                pipe.set(key, record, ex=self._ttl)
+            results = pipe.execute(raise_on_error=False)
+        except _FAILURES as exc:
+            self._failed(exc)
+            self._stats.dropped_puts += len(records)
+            return 0
+        self._succeeded()
+        stored = 0
+        for result in results:
+            if isinstance(result, Exception):
+                # e.g. OOM with maxmemory-policy noeviction: the server refused this one.
+                self._stats.errors += 1
+                self._stats.dropped_puts += 1
+            else:
+                stored += 1
+        self._stats.puts += stored
+        self._stats.bytes_in += stored * self.layout.payload_nbytes
+        return stored
+
+    def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Each block's verified payload (pipelined MGETs), None for misses and rejects."""
+        hashes = [check_block_hash(h) for h in block_hashes]
+        if not hashes:
+            return []
+        if not self.available:
+            self._stats.misses += len(hashes)
+            return [None] * len(hashes)
+        keys = [self._prefix + h.hex().encode() for h in hashes]
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for start in range(0, len(keys), self._batch):
+                pipe.mget(keys[start : start + self._batch])
+            chunks = pipe.execute()
+        except _FAILURES as exc:
+            self._failed(exc)
+            self._stats.misses += len(hashes)
+            return [None] * len(hashes)
+        self._succeeded()
+        values = [value for chunk in chunks for value in chunk]
+        return [self._decode(h, value) for h, value in zip(hashes, values, strict=True)]
+
+    def _decode(self, block_hash: bytes, value: bytes | None) -> torch.Tensor | None:
+        if value is None:
+            self._stats.misses += 1
+            return None
+        try:
+            payload = decode_block(self.layout, block_hash, value)
+        except CorruptBlockError as exc:
+            logger.warning("Valkey tier rejected block %s: %s", block_hash.hex(), exc)
+            self._stats.rejected += 1
+            self._stats.misses += 1
+            return None
+        self._stats.hits += 1
+        self._stats.bytes_out += payload.nbytes
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+    def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each block's key exists (one pipeline; all False when unreachable)."""
+        keys = [self.key_of(h) for h in block_hashes]
+        if not keys or not self.available:
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            results = pipe.execute()
+        except _FAILURES as exc:
+            self._failed(exc)
+            return [False] * len(keys)
+        self._succeeded()
+        return [bool(r) for r in results]
+
+    def evict(self, block_hash: bytes) -> bool:
+        """Delete one block's key; False when absent or unreachable."""
+        key = self.key_of(block_hash)
+        if not self.available:
+            return False
+        try:
+            removed = self._client.delete(key)
+        except _FAILURES as exc:
+            self._failed(exc)
+            return False
+        self._succeeded()
+        if removed:
+            self._stats.evictions += 1
+        return bool(removed)
+
+    def stats(self) -> TierStats:
+        """A snapshot of this client's counters."""
+        return self._stats.copy()
+
+    def close(self) -> None:
+        """Close the client's connections (the blocks stay on the server)."""
+        with contextlib.suppress(*_FAILURES):
+            self._client.close()

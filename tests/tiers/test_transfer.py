@@ -1,0 +1,89 @@
+"""gather_blocks / scatter_blocks between a paged cache and tier payloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvblocks import ops
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers import HostTier, KVLayout, gather_blocks, scatter_blocks
+from tiers.helpers import block_hash
+
+
+def _random_cache(layout: KVLayout, num_blocks: int, seed: int) -> list:
+    caches = ops.allocate_kv_cache(
+        layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads,
+        layout.head_size, layout.dtype, "cpu",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    for key, value in caches:
+        key.copy_(torch.randn(key.shape, generator=gen).to(layout.dtype))
+        value.copy_(torch.randn(value.shape, generator=gen).to(layout.dtype))
+    return caches
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_payload_order_is_layer_major_k_then_v(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 6, 0)
+    payloads = gather_blocks(layout, caches, [4, 1])
+    assert payloads.shape == (2, layout.payload_nbytes) and payloads.dtype == torch.uint8
+    tile = layout.tile_nbytes
+    for row, block in enumerate((4, 1)):
+        for layer, (key, value) in enumerate(caches):
+            k_part = payloads[row, (2 * layer) * tile : (2 * layer + 1) * tile]
+            v_part = payloads[row, (2 * layer + 1) * tile : (2 * layer + 2) * tile]
+            assert torch.equal(k_part, _bits(key[block]).reshape(-1))
+            assert torch.equal(v_part, _bits(value[block]).reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_scatter_writes_exactly_the_target_blocks(dtype: torch.dtype) -> None:
+    layout = KVLayout(3, 2, 16, 64, dtype)
+    src = _random_cache(layout, 5, 1)
+    dst = _random_cache(layout, 7, 2)
+    before = [(_bits(k).clone(), _bits(v).clone()) for k, v in dst]
+    scatter_blocks(layout, gather_blocks(layout, src, [0, 3]), dst, [6, 2])
+    for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before, strict=True):
+        for s_block, d_block in ((0, 6), (3, 2)):
+            assert torch.equal(_bits(dk[d_block]), _bits(sk[s_block]))
+            assert torch.equal(_bits(dv[d_block]), _bits(sv[s_block]))
+        for untouched in (0, 1, 3, 4, 5):
+            assert torch.equal(_bits(dk[untouched]), bk[untouched])
+            assert torch.equal(_bits(dv[untouched]), bv[untouched])
+
+
+def test_cache_to_host_tier_to_cache(layout: KVLayout) -> None:
+    src = _random_cache(layout, 4, 3)
+    dst = _random_cache(layout, 4, 4)
+    tier = HostTier(layout, 4)
+    payloads = gather_blocks(layout, src, [0, 1, 2])
+    tier.put_many([block_hash(i) for i in range(3)], list(payloads))
+    loaded = tier.get_many([block_hash(2), block_hash(0)])
+    scatter_blocks(layout, loaded, dst, [0, 3])  # type: ignore[arg-type]
+    for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        assert torch.equal(_bits(dk[0]), _bits(sk[2])) and torch.equal(_bits(dv[3]), _bits(sv[0]))
+
+
+def test_gather_into_out_buffer(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 3, 5)
+    out = torch.empty((2, layout.payload_nbytes), dtype=torch.uint8)
+    assert gather_blocks(layout, caches, [2, 0], out=out) is out
+    assert torch.equal(out, gather_blocks(layout, caches, [2, 0]))
+
+
+def test_bad_arguments_raise(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 3, 6)
+    with pytest.raises(InvalidArgumentError):
+        gather_blocks(layout, caches, [3])
+    with pytest.raises(InvalidArgumentError):
+        gather_blocks(layout, caches[:1], [0])
+    with pytest.raises(InvalidArgumentError):
+        gather_blocks(KVLayout(2, 2, 16, 128, torch.float16), caches, [0])
+    with pytest.raises(InvalidArgumentError):
+        scatter_blocks(layout, torch.zeros((1, 3), dtype=torch.uint8), caches, [0])
+    with pytest.raises(TypeError):
+        scatter_blocks(layout, [None], caches, [0])  # type: ignore[list-item]
