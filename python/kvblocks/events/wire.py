@@ -1,0 +1,214 @@
+"""vLLM's KV-event wire format: the msgspec structs and the conversion from kvblocks' events.
+
+The structs mirror ``vllm/distributed/kv_events.py`` field for field, so a subscriber built
+from vLLM's own classes decodes what :class:`~kvblocks.events.ZmqEventPublisher` sends:
+
+* the batch, ``KVEventBatch(ts, events, data_parallel_rank)``, is a positional msgpack
+  array (``array_like``), as in every vLLM release;
+* each event is a msgpack map tagged ``"type": "BlockStored" | "BlockRemoved" |
+  "AllBlocksCleared"`` (``wire_format="map"``, vLLM since its PR #42892, v0.26 and later),
+  or a positional array whose first element is the tag (``wire_format="array"``, older
+  vLLM and the subscribers written for it). Trailing fields an older subscriber does not
+  know are skipped by msgspec, so the array form carries the fields up to ``lora_name``.
+
+Block hashes are vLLM's ``ExternalBlockHash`` (``bytes | int``). vLLM publishes the low 64
+bits of each digest as an unsigned int by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
+and the whole digest as bytes otherwise; ``hash_format="int"``/``"bytes"`` picks the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
+from kvblocks._core import BlockRemoved as CoreBlockRemoved
+from kvblocks._core import BlockStored as CoreBlockStored
+from kvblocks.errors import InvalidArgumentError
+
+WireFormat = Literal["map", "array"]
+HashFormat = Literal["int", "bytes"]
+
+#: vLLM's ``medium`` for blocks in the GPU pool.
+MEDIUM_GPU = "GPU"
+
+ExternalBlockHash = bytes | int
+
+
+class KVEventBatch(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+):
+    """One step's events: ``[ts, events, data_parallel_rank]`` on the wire."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(
+    msgspec.Struct,
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+    tag=True,
+):
+    """Base of the map-encoded events (tag field ``"type"``, value the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered the prefix cache (vLLM's field order and defaults)."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks left the prefix cache."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache was dropped."""
+
+
+class ArrayKVCacheEvent(
+    msgspec.Struct,
+    array_like=True,  # type: ignore[call-arg]
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+    tag=True,
+    tag_field="type",
+):
+    """Base of the positional events of vLLM before its PR #42892."""
+
+
+class ArrayBlockStored(ArrayKVCacheEvent, tag="BlockStored"):
+    """``["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium,
+    lora_name]``."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class ArrayBlockRemoved(ArrayKVCacheEvent, tag="BlockRemoved"):
+    """``["BlockRemoved", block_hashes, medium]``."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+
+
+class ArrayAllBlocksCleared(ArrayKVCacheEvent, tag="AllBlocksCleared"):
+    """``["AllBlocksCleared"]``."""
+
+
+WireEvent = (
+    BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+    | ArrayBlockStored
+    | ArrayBlockRemoved
+    | ArrayAllBlocksCleared
+)
+
+
+def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:
+    """A kvblocks block hash as vLLM publishes it: the low 64 bits (the digest's last 8
+    bytes, big-endian, unsigned) or the digest itself."""
+    if hash_format == "int":
+        return int.from_bytes(digest[-8:], "big")
+    return bytes(digest)
+
+
+def check_formats(wire_format: str, hash_format: str) -> None:
+    """Raise :class:`InvalidArgumentError` for an unknown wire or hash format."""
+    if wire_format not in ("map", "array"):
+        raise InvalidArgumentError(f"wire_format must be 'map' or 'array', got {wire_format!r}")
+    if hash_format not in ("int", "bytes"):
+        raise InvalidArgumentError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
+
+
+def to_wire_events(
+    events: Iterable[Any],
+    *,
+    wire_format: WireFormat = "map",
+    hash_format: HashFormat = "int",
+    sliding_window: int | None = None,
+) -> list[WireEvent]:
+    """Convert :meth:`KVCacheManager.take_events` output to vLLM's event structs.
+
+    Events that already are wire structs pass through unchanged. ``medium`` is the event's
+    own when it has one (lower tiers), else ``"GPU"``. kvblocks runs one KV-cache group
+    (``group_idx=0``), full attention or a uniform ``sliding_window``.
+
+    Raises:
+        TypeError: an event that is neither a kvblocks nor a wire event.
+    """
+    array = wire_format == "array"
+    if sliding_window is None:
+        kind, window = "full_attention", None
+    else:
+        kind, window = "sliding_window", int(sliding_window)
+    out: list[WireEvent] = []
+    for ev in events:
+        if isinstance(ev, CoreBlockStored):
+            hashes = [convert_hash(h, hash_format) for h in ev.block_hashes]
+            parent = ev.parent_block_hash
+            parent_w = None if parent is None else convert_hash(parent, hash_format)
+            medium = getattr(ev, "medium", None) or MEDIUM_GPU
+            tokens = list(ev.token_ids)
+            if array:
+                out.append(
+                    ArrayBlockStored(
+                        hashes, parent_w, tokens, ev.block_size, ev.lora_id, medium, None
+                    )
+                )
+            else:
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=parent_w,
+                        token_ids=tokens,
+                        block_size=ev.block_size,
+                        lora_id=ev.lora_id,
+                        medium=medium,
+                        lora_name=None,
+                        group_idx=0,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
+                    )
+                )
+        elif isinstance(ev, CoreBlockRemoved):
+            hashes = [convert_hash(h, hash_format) for h in ev.block_hashes]
+            medium = getattr(ev, "medium", None) or MEDIUM_GPU
+            if array:
+                out.append(ArrayBlockRemoved(hashes, medium))
+            else:
+                out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
+        elif isinstance(ev, CoreAllBlocksCleared):
+            out.append(ArrayAllBlocksCleared() if array else AllBlocksCleared())
+        elif isinstance(ev, (KVCacheEvent, ArrayKVCacheEvent)):
+            out.append(ev)  # type: ignore[arg-type]
+        else:
+            raise TypeError(f"not a KV cache event: {type(ev).__name__}")
+    return out
