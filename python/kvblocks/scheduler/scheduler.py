@@ -79,6 +79,9 @@ class Scheduler:
         record_history: append one statistics row per step to :attr:`stats_history`.
         clock: the time source of the request metrics (:class:`RequestMetrics`), in
             seconds; default ``time.monotonic``. A simulator passes its model time.
+        event_publisher: a KV-event publisher (e.g. :class:`kvblocks.events.ZmqEventPublisher`):
+            after each ``update()`` the manager's ``take_events()`` are published as one
+            batch. The manager must record events (``record_events=True``).
 
     Sequence ids are assigned by the scheduler (the request's first sequence, then
     forks); ids of finished requests are reused.
@@ -91,9 +94,20 @@ class Scheduler:
         *,
         record_history: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        event_publisher: Any | None = None,
     ) -> None:
         if not callable(clock):
             raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+        if event_publisher is not None:
+            if not callable(getattr(event_publisher, "publish", None)):
+                raise InvalidArgumentError(
+                    f"event_publisher needs a publish() method, got {event_publisher!r}"
+                )
+            if not getattr(manager, "record_events", False):
+                raise InvalidArgumentError(
+                    "event_publisher needs a manager built with record_events=True"
+                )
+        self.event_publisher = event_publisher
         self.manager = manager
         self._clock = clock
         self.config = config if config is not None else SchedulerConfig()
@@ -232,10 +246,7 @@ class Scheduler:
         Raises:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
-        try:
-            reason = FinishReason(reason)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+        reason = _finish_reason(reason)
         state = self._requests.get(request_id)
         if state is None or state.aborted:
             return None
@@ -274,10 +285,7 @@ class Scheduler:
         Raises:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
-        try:
-            reason = FinishReason(reason)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+        reason = _finish_reason(reason)
         state = self._requests.get(request_id)
         if (
             state is None
@@ -526,6 +534,11 @@ class Scheduler:
             self._pending_aborts = []
         finally:
             self._step_time = None
+        if self.event_publisher is not None:
+            # Everything since the last update (admission evictions included), in order.
+            kv_events = self.manager.take_events()
+            if kv_events:
+                self.event_publisher.publish(kv_events)
         events, self._step_events = self._step_events, {}
         return StepOutputs(finished, events, decode, states)
 
@@ -1381,6 +1394,14 @@ class Scheduler:
         row["num_preemptions"] = float(counters.num_preemptions)
         row["prefix_hit_rate"] = counters.prefix_hit_rate
         return row
+
+
+def _finish_reason(reason: FinishReason | str) -> FinishReason:
+    """``reason`` as a :class:`FinishReason`; a value outside it is a caller error."""
+    try:
+        return FinishReason(reason)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
 
 
 def _insort(queue: list[RequestState], state: RequestState) -> None:
