@@ -1,0 +1,211 @@
+"""DiskTier: files keyed by fingerprint + block hash, restarts, crashes, full disks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers import DiskTier, KVLayout, TierStore
+from tiers.helpers import block_hash, random_payload
+
+
+def _stored(tier: DiskTier, layout: KVLayout, ids: range | list[int]) -> list[int]:
+    """The ids whose blocks read back bit-exact."""
+    got = tier.get_many([block_hash(i) for i in ids])
+    ok = []
+    for i, out in zip(ids, got, strict=True):
+        if out is not None:
+            assert torch.equal(out, random_payload(layout, i)), f"block {i} came back altered"
+            ok.append(i)
+    return ok
+
+
+def test_round_trip_is_bit_exact_and_counted(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 8)
+    assert isinstance(tier, TierStore)
+    assert (
+        tier.put_many(
+            [block_hash(i) for i in range(4)], [random_payload(layout, i) for i in range(4)]
+        )
+        == 4
+    )
+    assert _stored(tier, layout, [3, 1, 7]) == [3, 1]
+    stats = tier.stats()
+    assert (stats.puts, stats.hits, stats.misses, stats.rejected) == (4, 2, 1, 0)
+    assert stats.bytes_in == 4 * layout.payload_nbytes
+    assert stats.bytes_out == 2 * layout.payload_nbytes
+    assert (tier.root / "layout.json").exists()
+
+
+def test_reopen_finds_the_same_blocks_in_lru_order(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 4)
+    for i in range(4):
+        tier.put(block_hash(i), random_payload(layout, i))
+        time.sleep(0.01)  # distinct modification times
+    tier.get_many([block_hash(0)])  # 0 becomes the most recently used
+    tier.close()
+    del tier
+    reopened = DiskTier(tmp_path, layout, 4)
+    assert len(reopened) == 4
+    assert reopened.contains_many([block_hash(i) for i in range(4)]) == [True] * 4
+    reopened.put(block_hash(9), random_payload(layout, 9))  # evicts 1, the LRU across the restart
+    assert reopened.contains_many([block_hash(i) for i in range(4)]) == [True, False, True, True]
+    assert _stored(reopened, layout, [0, 2, 3, 9]) == [0, 2, 3, 9]
+
+
+def test_reopen_with_smaller_capacity_evicts_oldest(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 4)
+    for i in range(4):
+        tier.put(block_hash(i), random_payload(layout, i))
+        time.sleep(0.01)
+    small = DiskTier(tmp_path, layout, 2)
+    assert small.contains_many([block_hash(i) for i in range(4)]) == [False, False, True, True]
+    assert len(list(small.root.glob("*.kvb"))) == 2
+
+
+def test_another_layout_never_sees_the_blocks(tmp_path: Path, layout: KVLayout) -> None:
+    DiskTier(tmp_path, layout, 4).put(block_hash(0), random_payload(layout, 0))
+    other = DiskTier(tmp_path, KVLayout(2, 2, 16, 64, torch.float16, "another-model"), 4)
+    assert len(other) == 0 and other.get_many([block_hash(0)]) == [None]
+
+
+def test_capacity_evicts_lru_never_fails(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 3)
+    for i in range(3):
+        tier.put(block_hash(i), random_payload(layout, i))
+    tier.get_many([block_hash(0)])
+    assert all(tier.put(block_hash(i), random_payload(layout, i)) for i in range(3, 5))
+    assert tier.contains_many([block_hash(i) for i in range(5)]) == [True, False, False, True, True]
+    assert tier.stats().evictions == 2
+    assert len(list(tier.root.glob("*.kvb"))) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit flip", "foreign record", "empty"])
+def test_damaged_file_reads_as_miss_and_is_removed(
+    tmp_path: Path, layout: KVLayout, damage: str
+) -> None:
+    tier = DiskTier(tmp_path, layout, 4)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    tier.put(block_hash(1), random_payload(layout, 1))
+    path = tier.path_of(block_hash(0))
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "bit flip":
+        data[-5] ^= 0x80
+    elif damage == "foreign record":
+        data = bytearray(tier.path_of(block_hash(1)).read_bytes())
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    assert tier.get_many([block_hash(0), block_hash(1)])[0] is None
+    assert tier.stats().rejected == 1
+    assert not path.exists() and not tier.contains_many([block_hash(0)])[0]
+    assert _stored(tier, layout, [1]) == [1]
+
+
+def test_leftover_temporaries_are_removed_on_open(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 4)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    torn = tier.root / (block_hash(1).hex() + ".kvb.123.0.tmp")
+    torn.write_bytes(b"KVBT half a record")
+    reopened = DiskTier(tmp_path, layout, 4)
+    assert not torn.exists()
+    assert reopened.contains_many([block_hash(0), block_hash(1)]) == [True, False]
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from kvblocks.tiers import DiskTier, KVLayout
+    from tiers.helpers import block_hash, random_payload
+    layout = KVLayout(2, 2, 16, 64, torch.float16, model_id="test-model")
+    tier = DiskTier({root!r}, layout, 10_000)
+    i = 0
+    while True:
+        tier.put(block_hash(i), random_payload(layout, i))
+        if i == 20:
+            print("ready", flush=True)
+        i += 1
+    """
+)
+
+
+def test_killed_writer_leaves_no_corrupt_block(tmp_path: Path, layout: KVLayout) -> None:
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    code = _WRITER.format(tests=tests_dir, root=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.2)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    tier = DiskTier(tmp_path, layout, 10_000)
+    count = len(tier)
+    assert count > 20
+    # Every indexed block verifies and is bit-exact: a torn write never became a block.
+    assert _stored(tier, layout, range(count + 5)) == list(range(count))
+    assert tier.stats().rejected == 0
+    assert not list(tier.root.glob("*.tmp"))
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path):
+    """A 256 KiB tmpfs (needs root and mount permission; skipped otherwise)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+        capture_output=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill: {result.stderr.decode().strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_full_disk_evicts_lru_never_fails(tiny_filesystem: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tiny_filesystem, layout, 1000)
+    n = 40  # 40 blocks of 16 KiB do not fit in 256 KiB
+    with_room = [tier.put(block_hash(i), random_payload(layout, i)) for i in range(n)]
+    assert all(with_room)
+    stats = tier.stats()
+    assert stats.evictions > 0 and stats.errors > 0 and stats.dropped_puts == 0
+    kept = _stored(tier, layout, range(n))
+    # The survivors are exactly the most recent blocks.
+    assert kept == list(range(n - len(kept), n)) and len(kept) >= 5
+
+
+def test_block_larger_than_the_disk_is_dropped_with_a_warning(
+    tiny_filesystem: Path,
+) -> None:
+    huge = KVLayout(4, 8, 16, 128, torch.float16)  # 512 KiB blocks, 256 KiB disk
+    tier = DiskTier(tiny_filesystem, huge, 4)
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        assert not tier.put(block_hash(0), torch.zeros(huge.payload_nbytes, dtype=torch.uint8))
+    assert tier.stats().dropped_puts == 1 and len(tier) == 0
+    assert not list(tier.root.glob("*.tmp"))
+
+
+def test_bad_arguments_raise(tmp_path: Path, layout: KVLayout) -> None:
+    tier = DiskTier(tmp_path, layout, 2)
+    with pytest.raises(InvalidArgumentError):
+        tier.put(b"x" * 101, random_payload(layout, 0))
+    with pytest.raises(InvalidArgumentError):
+        tier.put(block_hash(0), b"short")
+    with pytest.raises(InvalidArgumentError):
+        DiskTier(tmp_path, layout, 0)
+    assert len(tier) == 0 and not list(tier.root.glob("*.kvb"))

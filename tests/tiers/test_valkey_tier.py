@@ -1,0 +1,159 @@
+"""ValkeyTier against a real Valkey/Redis server on 127.0.0.1 (no mocks)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers import KVLayout, TierStore, encode_block
+from tiers.helpers import block_hash, random_payload
+from tiers.valkey_server import ServerProcess
+
+pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
+
+from kvblocks.tiers import ValkeyTier
+
+
+def _tier(server: ServerProcess, layout: KVLayout, **kwargs) -> ValkeyTier:
+    return ValkeyTier(layout, port=server.port, **kwargs)
+
+
+def test_round_trip_is_bit_exact_and_counted(
+    valkey_server: ServerProcess, layout: KVLayout
+) -> None:
+    tier = _tier(valkey_server, layout, batch_size=3)  # several MGETs in one pipeline
+    assert isinstance(tier, TierStore) and tier.capacity_blocks is None
+    ids = list(range(10))
+    assert (
+        tier.put_many([block_hash(i) for i in ids], [random_payload(layout, i) for i in ids]) == 10
+    )
+    asked = [7, 100, 0, 3, 101, 9, 5]
+    got = tier.get_many([block_hash(i) for i in asked])
+    for i, out in zip(asked, got, strict=True):
+        if i >= 100:
+            assert out is None
+        else:
+            assert out is not None and torch.equal(out, random_payload(layout, i))
+    stats = tier.stats()
+    assert (stats.puts, stats.hits, stats.misses, stats.rejected) == (10, 5, 2, 0)
+    assert stats.bytes_out == 5 * layout.payload_nbytes
+    assert tier.contains_many([block_hash(0), block_hash(100)]) == [True, False]
+    assert len(tier) == 10
+    assert tier.evict(block_hash(0)) and not tier.evict(block_hash(0))
+    assert tier.get_many([block_hash(0)]) == [None]
+
+
+def test_two_instances_share_blocks(valkey_server: ServerProcess, layout: KVLayout) -> None:
+    a = _tier(valkey_server, layout)
+    b = _tier(valkey_server, layout)
+    a.put_many([block_hash(i) for i in range(3)], [random_payload(layout, i) for i in range(3)])
+    got = b.get_many([block_hash(i) for i in range(3)])
+    assert all(
+        out is not None and torch.equal(out, random_payload(layout, i)) for i, out in enumerate(got)
+    )
+    assert b.stats().hits == 3 and b.stats().puts == 0
+    # Another model on the same server has its own key space.
+    other = _tier(valkey_server, KVLayout(2, 2, 16, 64, torch.float16, "another-model"))
+    assert other.get_many([block_hash(0)]) == [None] and len(other) == 0
+
+
+@pytest.mark.parametrize(
+    "damage", ["short", "empty", "bit flip", "wrong fingerprint", "other block"]
+)
+def test_bad_values_are_rejected_never_loaded(
+    valkey_server: ServerProcess, layout: KVLayout, damage: str
+) -> None:
+    tier = _tier(valkey_server, layout)
+    good = encode_block(layout, block_hash(0), random_payload(layout, 0))
+    bad = {
+        "short": good[:-10],
+        "empty": b"",
+        "bit flip": good[:-1] + bytes([good[-1] ^ 1]),
+        "wrong fingerprint": encode_block(
+            KVLayout(2, 2, 16, 64, torch.float16, "another-model"),
+            block_hash(0),
+            random_payload(layout, 0),
+        ),
+        "other block": encode_block(layout, block_hash(1), random_payload(layout, 1)),
+    }[damage]
+    tier.client.set(tier.key_of(block_hash(0)), bad)
+    tier.put(block_hash(2), random_payload(layout, 2))
+    got = tier.get_many([block_hash(0), block_hash(2)])
+    assert got[0] is None
+    assert got[1] is not None and torch.equal(got[1], random_payload(layout, 2))
+    stats = tier.stats()
+    assert (stats.rejected, stats.misses, stats.hits) == (1, 1, 1)
+
+
+def test_killed_server_gives_misses_one_warning_and_no_hang(
+    valkey_server: ServerProcess, layout: KVLayout
+) -> None:
+    tier = _tier(valkey_server, layout, socket_timeout_s=0.5, retry_interval_s=0.3)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    assert tier.get_many([block_hash(0)])[0] is not None
+    valkey_server.kill()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(20):
+            assert tier.get_many([block_hash(0), block_hash(1)]) == [None, None]
+            assert not tier.put(block_hash(10 + i), random_payload(layout, i))
+            assert tier.contains_many([block_hash(0)]) == [False]
+            assert not tier.evict(block_hash(0))
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0, f"a dead server cost {elapsed:.1f} s"
+    unreachable = [w for w in caught if "unreachable" in str(w.message)]
+    assert len(unreachable) == 1 and unreachable[0].category is RuntimeWarning
+    stats = tier.stats()
+    assert stats.misses == 40 and stats.dropped_puts == 20 and stats.errors >= 1
+
+
+def test_reconnects_after_the_server_returns(
+    valkey_server: ServerProcess, layout: KVLayout
+) -> None:
+    tier = _tier(valkey_server, layout, socket_timeout_s=0.5, retry_interval_s=0.2)
+    valkey_server.kill()
+    with pytest.warns(RuntimeWarning, match="unreachable"):
+        assert not tier.put(block_hash(0), random_payload(layout, 0))
+    assert not tier.available
+    valkey_server.start()  # same port, empty (no persistence)
+    time.sleep(0.3)
+    assert tier.available
+    assert tier.put(block_hash(0), random_payload(layout, 0))
+    (out,) = tier.get_many([block_hash(0)])
+    assert out is not None and torch.equal(out, random_payload(layout, 0))
+
+
+def test_server_lru_bounds_the_tier(layout: KVLayout) -> None:
+    from tiers.valkey_server import server_binary
+
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no Valkey/Redis server binary")
+    server = ServerProcess(binary, maxmemory="2mb")
+    try:
+        server.start()
+        tier = ValkeyTier(layout, port=server.port)
+        n = 400  # 400 x 16 KiB = 6.4 MB > 2 MB
+        stored = sum(tier.put(block_hash(i), random_payload(layout, i)) for i in range(n))
+        assert stored == n  # the server evicts (allkeys-lru), no put fails
+        assert 0 < len(tier) < n
+        got = tier.get_many([block_hash(n - 1)])
+        assert got[0] is not None and torch.equal(got[0], random_payload(layout, n - 1))
+    finally:
+        server.close()
+
+
+def test_bad_arguments_raise(valkey_server: ServerProcess, layout: KVLayout) -> None:
+    tier = _tier(valkey_server, layout)
+    with pytest.raises(InvalidArgumentError):
+        tier.put(block_hash(0), b"short")
+    with pytest.raises(TypeError):
+        tier.get_many(["nope"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgumentError):
+        ValkeyTier(layout, port=valkey_server.port, batch_size=0)
+    assert len(tier) == 0 and tier.stats().puts == 0
