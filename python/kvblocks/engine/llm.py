@@ -128,6 +128,9 @@ class LLM:
             together; default the model's ``max_position_embeddings`` (the most it
             allows). A longer prompt (or one that leaves no room for a token) is
             rejected; generation stops there with ``finish_reason="length"``.
+        event_publisher: a KV-event publisher (e.g.
+            :class:`kvblocks.events.ZmqEventPublisher`); the manager then records events
+            and each step's are published. The caller closes it.
 
     Raises:
         InvalidArgumentError: a bad argument, or a device torch cannot use (unknown, no
@@ -152,6 +155,7 @@ class LLM:
         dtype: torch.dtype | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
+        event_publisher: Any | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -192,10 +196,12 @@ class LLM:
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=config.uniform_sliding_window(),
-            record_events=False,  # nothing drains them: they would pile up
+            # Without a publisher nothing drains them: they would pile up.
+            record_events=event_publisher is not None,
         )
         self._scheduler_config = scheduler_config
-        self.scheduler = Scheduler(self.manager, scheduler_config)
+        self._event_publisher = event_publisher
+        self.scheduler = Scheduler(self.manager, scheduler_config, event_publisher=event_publisher)
         self.runner = ModelRunner(
             self.model,
             num_blocks=num_blocks,
@@ -584,7 +590,9 @@ class LLM:
             self.manager.free(int(seq))
         self.manager.take_copy_on_writes()  # pairs for sequences that no longer exist
         self.manager.reset_prefix_cache()
-        self.scheduler = Scheduler(self.manager, self._scheduler_config)
+        self.scheduler = Scheduler(
+            self.manager, self._scheduler_config, event_publisher=self._event_publisher
+        )
         self.scheduler.counters = old.counters
         self.scheduler.stats_history = old.stats_history
         self._mid_step = False
