@@ -172,7 +172,8 @@ def test_replay_is_bounded_by_buffer_steps_and_topic_frame_optional() -> None:
     ) as p:
         for _ in range(10):
             p.publish(first)
-        wait_for(lambda: p.published_batches == 10)
+        assert p.flush()
+        assert p.published_batches == 10
         sub = Subscriber(p)
         try:
             replies = sub.replay(0)

@@ -213,6 +213,18 @@ class ZmqEventPublisher:
             self._next_seq += 1
             self._cond.notify()
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every batch published so far was sent (or dropped); ``False`` if
+        ``timeout`` seconds passed first. Replay serves a batch only once it was sent."""
+        deadline = time.monotonic() + timeout
+        while self.published_batches + self.failed_batches + self.dropped_batches < (
+            self._next_seq
+        ):
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (up to ``timeout`` seconds), stop the thread, close the
         sockets. Idempotent."""
