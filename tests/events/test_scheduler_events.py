@@ -144,3 +144,43 @@ def test_llm_publishes_its_prefix_cache() -> None:
     chains = [index.prefix(h) for h in index.blocks]
     assert prompt[:32] in chains
     assert len(index.blocks) == llm.manager.stats()["num_cached_blocks"]
+
+
+def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None:
+    """A step that fails between schedule() and update() drops the prefix cache (its blocks
+    may hold unfinished KV); the replacement scheduler keeps the publisher, so routers hear
+    AllBlocksCleared and their index matches the cache again."""
+    pytest.importorskip("torch")
+    from kvblocks.engine import LLM
+
+    with ZmqEventPublisher("tcp://127.0.0.1:*") as pub:
+        sub = Subscriber(pub)
+        try:
+            sub.sync(pub)
+            llm = LLM(num_blocks=64, block_size=8, device="cpu", event_publisher=pub)
+            params = SamplingParams(max_tokens=8, temperature=0.0)
+            prompts = [list(range(1, 30)), list(range(40, 75))]
+            llm.generate(prompts, params)
+            real = llm.runner.execute
+            calls = {"n": 0}
+
+            def failing(out: object) -> object:
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("device lost")
+                return real(out)
+
+            llm.runner.execute = failing  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="device lost"):
+                llm.generate([list(range(100, 140))], params)
+            llm.generate(prompts, params)
+            assert pub.flush()
+            index = Index()
+            kinds: list[str] = []
+            while (got := sub.recv(timeout_ms=1000)) is not None:
+                kinds += [type(e).__name__ for e in DECODE.decode(got[2]).events]
+                index.apply(got[1], got[2])
+        finally:
+            sub.close()
+    assert "AllBlocksCleared" in kinds
+    assert len(index.blocks) == llm.manager.stats()["num_cached_blocks"] > 0
