@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvblocks import ops
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.tiers import HostTier, KVLayout, gather_blocks, scatter_blocks
+from kvblocks.tiers import (
+    HostTier,
+    KVLayout,
+    allocate_host_pool,
+    gather_blocks,
+    load_blocks,
+    offload_blocks,
+    scatter_blocks,
+)
 from tiers.helpers import block_hash
 
 
@@ -87,3 +96,37 @@ def test_bad_arguments_raise(layout: KVLayout) -> None:
         scatter_blocks(layout, torch.zeros((1, 3), dtype=torch.uint8), caches, [0])
     with pytest.raises(TypeError):
         scatter_blocks(layout, [None], caches, [0])  # type: ignore[list-item]
+
+
+def test_offload_then_load_through_slot_addressed_pool(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 6, 7)
+    original = [(_bits(k).clone(), _bits(v).clone()) for k, v in caches]
+    pool = allocate_host_pool(layout, 4, pin_memory=False)
+    # The core's runs: offload GPU blocks 1 and 4 into slots 3 and 0 ...
+    offload_blocks(layout, caches, pool, np.array([[1, 3], [4, 0]], dtype=np.int64))
+    assert torch.equal(pool[3], gather_blocks(layout, caches, [1])[0])
+    assert torch.equal(pool[1], torch.zeros_like(pool[1]))  # untouched slot
+    for key, value in caches:  # ... the GPU blocks are reused for something else ...
+        key[1].zero_()
+        value[4].zero_()
+    # ... and a later prefix hit loads slot 3 into GPU block 5, slot 0 into block 1.
+    load_blocks(layout, pool, caches, np.array([[3, 5], [0, 1]], dtype=np.int64))
+    for (key, value), (ok, ov) in zip(caches, original, strict=True):
+        assert torch.equal(_bits(key[5]), ok[1]) and torch.equal(_bits(value[5]), ov[1])
+        assert torch.equal(_bits(key[1]), ok[4]) and torch.equal(_bits(value[1]), ov[4])
+        assert torch.equal(_bits(key[0]), ok[0]) and torch.equal(_bits(key[3]), ok[3])
+
+
+def test_pool_ops_reject_bad_rows(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 2, 8)
+    pool = allocate_host_pool(layout, 2, pin_memory=False)
+    before = pool.clone()
+    with pytest.raises(InvalidArgumentError):
+        offload_blocks(layout, caches, pool, np.array([[0, 2]]))
+    with pytest.raises(InvalidArgumentError):
+        offload_blocks(layout, caches, pool, np.array([0, 1]))
+    with pytest.raises(InvalidArgumentError):
+        load_blocks(layout, pool, caches, np.array([[5, 0]]))
+    with pytest.raises(InvalidArgumentError):
+        load_blocks(layout, pool[:, :10], caches, np.array([[0, 0]]))
+    assert torch.equal(pool, before)

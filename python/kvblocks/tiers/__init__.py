@@ -13,7 +13,8 @@ is the core's job. One concept per module:
   :class:`DiskTier` (one file per block, survives restarts) and :class:`ValkeyTier`
   (shared between instances; needs ``pip install 'kvblocks[tiers]'``).
 - :mod:`~kvblocks.tiers.transfer`: :func:`gather_blocks` / :func:`scatter_blocks` between a
-  paged cache and payloads.
+  paged cache and payloads; :func:`offload_blocks` / :func:`load_blocks` apply the core's
+  slot-addressed ``"offload"`` / ``"load"`` op runs to an :func:`allocate_host_pool` pool.
 
 Needs torch (``pip install 'kvblocks[torch]'``).
 """
@@ -36,7 +37,13 @@ from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import TierStore
-from kvblocks.tiers.transfer import gather_blocks, scatter_blocks
+from kvblocks.tiers.transfer import (
+    allocate_host_pool,
+    gather_blocks,
+    load_blocks,
+    offload_blocks,
+    scatter_blocks,
+)
 
 if TYPE_CHECKING:
     from kvblocks.tiers.valkey_tier import ValkeyTier
@@ -49,9 +56,12 @@ __all__ = [
     "TierStats",
     "TierStore",
     "ValkeyTier",
+    "allocate_host_pool",
     "decode_block",
     "encode_block",
     "gather_blocks",
+    "load_blocks",
+    "offload_blocks",
     "scatter_blocks",
 ]
 

@@ -5,6 +5,11 @@ A cache is :mod:`kvblocks.ops`' per-layer list ``[(key_cache, value_cache), ...]
 the order ``layer 0 K, layer 0 V, layer 1 K, ...`` (:class:`~kvblocks.tiers.layout.KVLayout`),
 as ``payload_nbytes`` uint8 values. Gathers and scatters take many blocks at once: one
 index copy per layer and K/V, never a per-block or per-token Python loop.
+
+:func:`offload_blocks` / :func:`load_blocks` apply the core's slot-addressed host-tier ops
+(``"offload"`` rows ``(gpu block, tier slot)``, ``"load"`` rows ``(tier slot, gpu block)``
+from ``KVCacheManager.take_memory_ops``) to a pool from :func:`allocate_host_pool`, where the
+core, not a :class:`~kvblocks.tiers.host.HostTier`, owns the slot map.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ import torch
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers.layout import KVLayout
 
-__all__ = ["gather_blocks", "scatter_blocks"]
+__all__ = [
+    "allocate_host_pool",
+    "gather_blocks",
+    "load_blocks",
+    "offload_blocks",
+    "scatter_blocks",
+]
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -121,3 +132,58 @@ def scatter_blocks(
             piece = source[:, column : column + tile].contiguous().view(layout.dtype)
             cache.index_copy_(0, ids, piece.view(shape))
             column += tile
+
+
+def allocate_host_pool(
+    layout: KVLayout, num_slots: int, *, pin_memory: bool | None = None
+) -> torch.Tensor:
+    """A zeroed uint8 ``[num_slots, payload_nbytes]`` CPU pool for slot-addressed tier ops
+    (page-locked by default when CUDA is available)."""
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
+    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    return torch.zeros((num_slots, layout.payload_nbytes), dtype=torch.uint8, pin_memory=pin)
+
+
+def _check_pool_rows(layout: KVLayout, pool: torch.Tensor, rows: object) -> torch.Tensor:
+    if pool.dim() != 2 or pool.shape[1] != layout.payload_nbytes or pool.dtype != torch.uint8:
+        raise InvalidArgumentError(
+            f"a pool must be uint8 [slots, {layout.payload_nbytes}], got {pool.dtype} "
+            f"{tuple(pool.shape)}"
+        )
+    if pool.device.type != "cpu":
+        raise InvalidArgumentError(f"a host pool lives on the CPU, not on {pool.device}")
+    pairs = torch.as_tensor(rows, dtype=torch.long)
+    if pairs.dim() != 2 or pairs.shape[1] != 2:
+        raise InvalidArgumentError(f"rows must be an int [n, 2] array, got {tuple(pairs.shape)}")
+    return pairs
+
+
+def _slot_index(slots: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= pool.shape[0]):
+        raise InvalidArgumentError(f"tier slots must lie in [0, {pool.shape[0]})")
+    return slots.contiguous()
+
+
+def offload_blocks(layout: KVLayout, kv_caches: KVCaches, pool: torch.Tensor, rows: object) -> None:
+    """Apply an ``"offload"`` run: copy GPU block ``rows[i, 0]`` into pool slot ``rows[i, 1]``.
+
+    Returns once the pool holds the bytes (the device-to-host copy is synchronous), so the
+    GPU blocks may be reused and the slots read right after.
+    """
+    pairs = _check_pool_rows(layout, pool, rows)
+    slots = _slot_index(pairs[:, 1], pool)
+    payloads = gather_blocks(layout, kv_caches, pairs[:, 0])
+    pool.index_copy_(0, slots, payloads.cpu())
+
+
+def load_blocks(layout: KVLayout, pool: torch.Tensor, kv_caches: KVCaches, rows: object) -> None:
+    """Apply a ``"load"`` run: copy pool slot ``rows[i, 0]`` into GPU block ``rows[i, 1]``.
+
+    The slots are gathered into a staging tensor first, so the pool slots may be reused
+    (``confirm_memory_ops``) as soon as this returns; the copy into the GPU blocks is
+    ordered on the current stream before any later kernel that reads them.
+    """
+    pairs = _check_pool_rows(layout, pool, rows)
+    slots = _slot_index(pairs[:, 0], pool)
+    scatter_blocks(layout, pool.index_select(0, slots), kv_caches, pairs[:, 1])
