@@ -1,0 +1,89 @@
+"""KV cache events as plain records, whatever stream they came from.
+
+The prefix index (:class:`~kvblocks.router.index.PrefixIndex`) takes these records, not
+the binding's event objects, so any source can feed it: an in-process
+:meth:`KVCacheManager.take_events` drain (:func:`records_from_manager`), or a subscriber
+decoding vLLM's ZMQ wire format (``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``, each with an optional ``medium``), which only has to build the same
+three records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvblocks._core import AllBlocksCleared, BlockRemoved, BlockStored
+
+__all__ = [
+    "DEFAULT_MEDIUM",
+    "AllBlocksClearedRecord",
+    "BlockRemovedRecord",
+    "BlockStoredRecord",
+    "EventRecord",
+    "records_from_manager",
+]
+
+DEFAULT_MEDIUM = "GPU"
+"""Tier of an event that names none (vLLM's ``medium=None`` means the GPU pool)."""
+
+
+@dataclass(frozen=True)
+class BlockStoredRecord:
+    """Full blocks entered ``instance``'s cache in tier ``medium``.
+
+    Attributes:
+        instance: the instance that stored them (any hashable id; the simulation uses ints).
+        block_hashes: the blocks' hashes, prefix order (each chains its parent's).
+        parent_block_hash: hash of the block before the first one, ``None`` at the start.
+        medium: the tier (``"GPU"``, ``"CPU"``, ``"DISK"``, ...).
+    """
+
+    instance: int
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None = None
+    medium: str = DEFAULT_MEDIUM
+
+
+@dataclass(frozen=True)
+class BlockRemovedRecord:
+    """Blocks left ``instance``'s cache in tier ``medium``."""
+
+    instance: int
+    block_hashes: tuple[bytes, ...]
+    medium: str = DEFAULT_MEDIUM
+
+
+@dataclass(frozen=True)
+class AllBlocksClearedRecord:
+    """``instance`` dropped every cached block (all tiers)."""
+
+    instance: int
+
+
+EventRecord = BlockStoredRecord | BlockRemovedRecord | AllBlocksClearedRecord
+
+
+def records_from_manager(
+    instance: int,
+    events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+    medium: str = DEFAULT_MEDIUM,
+) -> list[EventRecord]:
+    """Convert events drained from ``KVCacheManager.take_events()`` into records.
+
+    Raises:
+        TypeError: an item is not one of the binding's three event classes.
+    """
+    out: list[EventRecord] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(
+                BlockStoredRecord(instance, tuple(ev.block_hashes), ev.parent_block_hash, medium)
+            )
+        elif isinstance(ev, BlockRemoved):
+            out.append(BlockRemovedRecord(instance, tuple(ev.block_hashes), medium))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(AllBlocksClearedRecord(instance))
+        else:
+            raise TypeError(f"not a KV cache event: {type(ev).__name__}")
+    return out

@@ -1,0 +1,209 @@
+"""Routers: pick the instance that serves a request.
+
+All three see the same per-instance load (:class:`InstanceLoad`); only
+:class:`CacheAwareRouter` also sees the prefix index. The cache-aware cost of sending a
+request of ``P`` prompt blocks to instance ``i`` (after NVIDIA Dynamo's KV router) is
+
+    ``cost_i = prefill_weight * (P - overlap_i + queued_prefill_blocks_i) + active_blocks_i``
+
+where ``overlap_i`` is the prompt's leading blocks instance ``i`` holds (counted per tier:
+a block in a lower tier ``m`` credits ``tier_credit[m]`` of a block, since it must be
+loaded, not recomputed), ``queued_prefill_blocks_i`` the prompt blocks the instance still
+has to compute for requests it has queued, and ``active_blocks_i`` the KV blocks its
+running requests hold (what decode steps read). The lowest cost wins; ties go to the tied
+instance after the last one picked (round-robin among equals), so an empty fleet spreads
+requests instead of piling them on instance 0. :class:`LeastLoadedRouter` uses the same
+cost with ``overlap_i = 0``, so the comparison isolates the cache credit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.router.events import DEFAULT_MEDIUM, EventRecord
+from kvblocks.router.index import PrefixIndex
+
+__all__ = [
+    "ROUTERS",
+    "CacheAwareRouter",
+    "InstanceLoad",
+    "LeastLoadedRouter",
+    "RoundRobinRouter",
+    "Router",
+    "make_router",
+]
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What a router knows about an instance's load.
+
+    Attributes:
+        active_blocks: KV blocks held by its running requests.
+        queued_prefill_blocks: prompt blocks still to compute for its queued requests.
+    """
+
+    active_blocks: int = 0
+    queued_prefill_blocks: int = 0
+
+
+class Router:
+    """Base class: ``num_instances`` instances ``0..N-1``, a load table, and :meth:`route`.
+
+    Args:
+        num_instances: instances behind the router (``>= 1``).
+    """
+
+    name = "router"
+
+    def __init__(self, num_instances: int) -> None:
+        if num_instances < 1:
+            raise InvalidArgumentError(f"num_instances must be >= 1, got {num_instances}")
+        self.num_instances = num_instances
+        self.loads = [InstanceLoad() for _ in range(num_instances)]
+
+    def set_load(self, instance: int, load: InstanceLoad) -> None:
+        """Record ``instance``'s current load."""
+        self._check(instance)
+        self.loads[instance] = load
+
+    def apply_events(self, records: Sequence[EventRecord]) -> None:
+        """Take KV event records (ignored by routers without an index)."""
+
+    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+        """The instance for a request whose prompt has ``num_prompt_blocks`` blocks
+        (partial last block included) and these full-block hashes."""
+        raise NotImplementedError
+
+    def _check(self, instance: int) -> None:
+        if not 0 <= instance < self.num_instances:
+            raise InvalidArgumentError(
+                f"instance must be in [0, {self.num_instances}), got {instance}"
+            )
+
+
+class RoundRobinRouter(Router):
+    """Instances in turn, blind to load and cache."""
+
+    name = "round-robin"
+
+    def __init__(self, num_instances: int) -> None:
+        super().__init__(num_instances)
+        self._next = 0
+
+    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+        """The next instance in turn."""
+        chosen = self._next
+        self._next = (self._next + 1) % self.num_instances
+        return chosen
+
+
+class _CostRouter(Router):
+    """Lowest :meth:`costs` wins; ties rotate."""
+
+    default_prefill_weight = 1.0
+
+    def __init__(self, num_instances: int, prefill_weight: float | None = None) -> None:
+        super().__init__(num_instances)
+        if prefill_weight is None:
+            prefill_weight = self.default_prefill_weight
+        if not prefill_weight >= 0:
+            raise InvalidArgumentError(f"prefill_weight must be >= 0, got {prefill_weight}")
+        self.prefill_weight = prefill_weight
+        self._last = -1
+
+    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
+        """Credited prompt blocks per instance (zero here)."""
+        return [0.0] * self.num_instances
+
+    def costs(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> list[float]:
+        """Each instance's cost for this request (see the module docstring)."""
+        credit = self.overlaps(block_hashes)
+        w = self.prefill_weight
+        return [
+            w * (num_prompt_blocks - credit[i] + load.queued_prefill_blocks) + load.active_blocks
+            for i, load in enumerate(self.loads)
+        ]
+
+    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+        """The lowest-cost instance (ties: the first after the last one picked)."""
+        costs = self.costs(block_hashes, num_prompt_blocks)
+        best = min(costs)
+        n = self.num_instances
+        for k in range(1, n + 1):
+            i = (self._last + k) % n
+            if costs[i] == best:
+                self._last = i
+                return i
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+class LeastLoadedRouter(_CostRouter):
+    """Lowest ``prefill_weight * queued_prefill_blocks + active_blocks``, blind to the cache."""
+
+    name = "least-loaded"
+
+
+class CacheAwareRouter(_CostRouter):
+    """Lowest cost with the prefix overlap credited (see the module docstring).
+
+    Args:
+        num_instances: instances behind the router.
+        prefill_weight: weight of prompt blocks to compute against blocks held.
+        tier_credit: fraction of a block credited for a hit in each tier; the GPU tier
+            (``"GPU"``) is 1 unless given, tiers not listed 0.5.
+        index: the prefix index to read (a fresh one by default).
+    """
+
+    name = "cache-aware"
+    default_prefill_weight = 8.0
+
+    def __init__(
+        self,
+        num_instances: int,
+        prefill_weight: float | None = None,
+        tier_credit: Mapping[str, float] | None = None,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        super().__init__(num_instances, prefill_weight)
+        self.tier_credit = {DEFAULT_MEDIUM: 1.0, **(tier_credit or {})}
+        self.lower_tier_credit = 0.5
+        self.index = index if index is not None else PrefixIndex()
+
+    def apply_events(self, records: Sequence[EventRecord]) -> None:
+        """Feed the prefix index."""
+        self.index.apply_all(records)
+
+    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
+        """Credited prompt blocks per instance: each leading block held counts the credit
+        of the best tier holding it; the match ends at the first block held in no tier."""
+        credit = [0.0] * self.num_instances
+        for inst, c in self.index.credited_overlaps(block_hashes, self._credit).items():
+            if isinstance(inst, int) and 0 <= inst < self.num_instances:
+                credit[inst] = c
+        return credit
+
+    def _credit(self, medium: str) -> float:
+        return self.tier_credit.get(medium, self.lower_tier_credit)
+
+
+ROUTERS: dict[str, type[Router]] = {
+    RoundRobinRouter.name: RoundRobinRouter,
+    LeastLoadedRouter.name: LeastLoadedRouter,
+    CacheAwareRouter.name: CacheAwareRouter,
+}
+"""Router classes by their CLI name."""
+
+
+def make_router(name: str, num_instances: int) -> Router:
+    """A router by its CLI name (``round-robin``, ``least-loaded``, ``cache-aware``).
+
+    Raises:
+        InvalidArgumentError: unknown name or ``num_instances < 1``.
+    """
+    cls = ROUTERS.get(name)
+    if cls is None:
+        raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
+    return cls(num_instances)

@@ -1,0 +1,131 @@
+"""The prefix index: store / remove / clear events per instance and tier, prefix matching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblocks import KVCacheManager
+from kvblocks.router import (
+    AllBlocksClearedRecord,
+    BlockRemovedRecord,
+    BlockStoredRecord,
+    PrefixIndex,
+    records_from_manager,
+)
+
+H = [bytes([i]) * 16 for i in range(8)]  # stand-in hashes: only identity matters here
+
+
+def test_store_then_overlap_counts_leading_blocks_per_instance() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:4])))
+    idx.apply(BlockStoredRecord(1, tuple(H[:2])))
+    assert idx.overlaps(H[:6]) == {0: 4, 1: 2}
+    assert idx.instances(H[1]) == {0, 1}
+    assert idx.instances(H[3]) == {0}
+    assert idx.num_blocks(0) == 4 and idx.num_blocks(1) == 2
+    assert len(idx) == 4
+
+
+def test_match_stops_at_the_first_missing_block() -> None:
+    idx = PrefixIndex()
+    # Instance 0 lost block 1 but still holds 2 and 3: its probe would stop at 1.
+    idx.apply(BlockStoredRecord(0, (H[0], H[2], H[3])))
+    assert idx.overlaps(H[:4]) == {0: 1}
+    assert idx.overlaps(H[1:4]) == {}
+
+
+def test_remove_affects_only_the_reporting_instance() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:3])))
+    idx.apply(BlockStoredRecord(1, tuple(H[:3])))
+    idx.apply(BlockRemovedRecord(0, (H[2],)))
+    assert idx.overlaps(H[:3]) == {0: 2, 1: 3}
+    idx.apply(BlockRemovedRecord(1, tuple(H[:3])))
+    assert idx.overlaps(H[:3]) == {0: 2}
+    assert idx.instances(H[2]) == set()
+    assert len(idx) == 2  # emptied hashes are dropped, not kept with no owner
+
+
+def test_removing_unknown_hashes_is_ignored() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockRemovedRecord(3, (H[0],)))
+    idx.apply(BlockStoredRecord(0, (H[0],)))
+    idx.apply(BlockRemovedRecord(0, (H[5],)))
+    idx.apply(BlockRemovedRecord(0, (H[0],), medium="CPU"))  # not held in that tier
+    assert idx.overlaps(H[:1]) == {0: 1}
+
+
+def test_all_blocks_cleared_drops_one_instance_in_every_tier() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:3])))
+    idx.apply(BlockStoredRecord(0, tuple(H[3:5]), H[2], medium="CPU"))
+    idx.apply(BlockStoredRecord(1, tuple(H[:2])))
+    idx.apply(AllBlocksClearedRecord(0))
+    assert idx.overlaps(H[:5]) == {1: 2}
+    assert idx.num_blocks(0) == 0
+    assert len(idx) == 2
+
+
+def test_tiers_are_separate_and_any_tier_matches_by_default() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:2])))  # GPU
+    idx.apply(BlockStoredRecord(0, tuple(H[2:4]), H[1], medium="CPU"))
+    assert idx.overlaps(H[:4]) == {0: 4}
+    assert idx.overlaps(H[:4], "GPU") == {0: 2}
+    assert idx.overlaps(H[:4], "CPU") == {}  # block 0 is not in the CPU tier
+    assert idx.num_blocks(0, "CPU") == 2
+    credit = {"GPU": 1.0, "CPU": 0.25}
+    assert idx.credited_overlaps(H[:4], credit.__getitem__) == {0: 2.5}
+    # A block held in two tiers counts its best one.
+    idx.apply(BlockStoredRecord(0, (H[2],), H[1]))
+    assert idx.credited_overlaps(H[:4], credit.__getitem__) == {0: 3.25}
+
+
+def test_bad_records_raise_and_change_nothing() -> None:
+    idx = PrefixIndex()
+    with pytest.raises(TypeError):
+        idx.apply(BlockStoredRecord(0, ("not bytes",)))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        idx.apply(("stored", 0, H[0]))  # type: ignore[arg-type]
+    assert len(idx) == 0 and idx.overlaps(H[:1]) == {}
+
+
+def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:
+    """Store, evict and reset on a real manager; the index follows exactly."""
+    bs = 4
+    m = KVCacheManager(6, bs)  # 5 usable blocks
+    idx = PrefixIndex()
+    a = np.arange(12)  # 3 full blocks
+    m.add_sequence(1, a)
+    m.allocate_slots(1, 12)
+    m.commit(1, 12)
+    stored = records_from_manager(7, m.take_events())
+    assert [type(r) for r in stored] == [BlockStoredRecord]
+    hashes = list(stored[0].block_hashes)
+    assert len(hashes) == 3 and stored[0].instance == 7
+    idx.apply_all(stored)
+    assert idx.overlaps(hashes) == {7: 3}
+    m.free(1)
+    # A new 5-block sequence takes every free block, evicting the cached ones.
+    m.add_sequence(2, np.arange(100, 120))
+    m.allocate_slots(2, 20)
+    removed = records_from_manager(7, m.take_events())
+    assert removed and all(isinstance(r, BlockRemovedRecord) for r in removed)
+    idx.apply_all(removed)
+    assert idx.overlaps(hashes) == {}
+    m.commit(2, 20)
+    m.free(2)
+    idx.apply_all(records_from_manager(7, m.take_events()))
+    assert idx.num_blocks(7) == 5
+    assert m.reset_prefix_cache()
+    cleared = records_from_manager(7, m.take_events())
+    assert any(isinstance(r, AllBlocksClearedRecord) for r in cleared)
+    idx.apply_all(cleared)
+    assert idx.num_blocks(7) == 0 and len(idx) == 0
+
+
+def test_records_from_manager_rejects_foreign_objects() -> None:
+    with pytest.raises(TypeError):
+        records_from_manager(0, [object()])  # type: ignore[list-item]

@@ -1,0 +1,98 @@
+"""Routers' choices on hand-built fleets, and the cache-aware cost formula."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.router import (
+    BlockStoredRecord,
+    CacheAwareRouter,
+    InstanceLoad,
+    LeastLoadedRouter,
+    RoundRobinRouter,
+    make_router,
+)
+
+H = tuple(bytes([i]) * 16 for i in range(10))
+
+
+def test_round_robin_cycles_whatever_the_load() -> None:
+    r = RoundRobinRouter(3)
+    r.set_load(0, InstanceLoad(active_blocks=10_000))
+    assert [r.route(H, 10) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_loaded_picks_the_lowest_load_and_ignores_the_cache() -> None:
+    r = LeastLoadedRouter(3)
+    r.apply_events([BlockStoredRecord(0, H)])  # ignored: no index
+    r.set_load(0, InstanceLoad(active_blocks=50))
+    r.set_load(1, InstanceLoad(active_blocks=10, queued_prefill_blocks=30))
+    r.set_load(2, InstanceLoad(active_blocks=30))
+    # costs: 0: 10 + 50 = 60; 1: 10 + 30 + 10 = 50; 2: 10 + 30 = 40
+    assert r.costs(H, 10) == [60.0, 50.0, 40.0]
+    assert r.route(H, 10) == 2
+
+
+def test_cache_aware_cost_formula_by_hand() -> None:
+    r = CacheAwareRouter(3, prefill_weight=2.0)
+    r.apply_events([BlockStoredRecord(1, H[:6]), BlockStoredRecord(2, H[:2])])
+    r.set_load(0, InstanceLoad(active_blocks=5))
+    r.set_load(1, InstanceLoad(active_blocks=4, queued_prefill_blocks=1))
+    r.set_load(2, InstanceLoad(active_blocks=0))
+    # cost = 2 * (P - overlap + queued) + active, P = 10 prompt blocks
+    assert r.overlaps(H) == [0.0, 6.0, 2.0]
+    assert r.costs(H, 10) == [25.0, 14.0, 16.0]
+    assert r.route(H, 10) == 1
+    # Load outweighs the cached prefix once the holder is busy enough.
+    r.set_load(1, InstanceLoad(active_blocks=7, queued_prefill_blocks=1))
+    assert r.costs(H, 10)[1] == 17.0
+    assert r.route(H, 10) == 2
+
+
+def test_cache_aware_follows_the_longest_prefix_when_loads_are_equal() -> None:
+    r = CacheAwareRouter(4)
+    r.apply_events(
+        [BlockStoredRecord(0, H[:3]), BlockStoredRecord(2, H[:8]), BlockStoredRecord(3, H[:5])]
+    )
+    assert r.route(H, 10) == 2
+    # Instances 2 and 3 both hold all 4 blocks: a tie, broken by rotation.
+    assert r.overlaps(H[:4]) == [3.0, 0.0, 4.0, 4.0]
+    assert r.route(H[:4], 4) == 3  # the first tied one after the last pick (2)
+    other = tuple(bytes([100 + i]) * 16 for i in range(4))
+    assert r.overlaps(other) == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_lower_tiers_credit_less_than_the_gpu() -> None:
+    r = CacheAwareRouter(2, tier_credit={"CPU": 0.25})
+    r.apply_events([BlockStoredRecord(0, H[:4]), BlockStoredRecord(1, H[:4], medium="CPU")])
+    assert r.overlaps(H[:4]) == [4.0, 1.0]
+    assert r.route(H[:4], 4) == 0
+    r2 = CacheAwareRouter(1)
+    r2.apply_events([BlockStoredRecord(0, H[:2], medium="DISK")])
+    assert r2.overlaps(H[:2]) == [1.0]  # unlisted tiers: half a block each
+
+
+def test_ties_rotate_instead_of_piling_on_instance_zero() -> None:
+    for r in (CacheAwareRouter(3), LeastLoadedRouter(3)):
+        assert [r.route((), 1) for _ in range(4)] == [0, 1, 2, 0]
+
+
+def test_events_for_unknown_instances_do_not_break_routing() -> None:
+    r = CacheAwareRouter(2)
+    r.apply_events([BlockStoredRecord(9, H[:3])])
+    assert r.overlaps(H[:3]) == [0.0, 0.0]
+    assert r.route(H[:3], 3) in (0, 1)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgumentError, match="router must be one of"):
+        make_router("random", 2)
+    with pytest.raises(InvalidArgumentError):
+        make_router("cache-aware", 0)
+    with pytest.raises(InvalidArgumentError):
+        CacheAwareRouter(2, prefill_weight=-1.0)
+    r = RoundRobinRouter(2)
+    with pytest.raises(InvalidArgumentError):
+        r.set_load(2, InstanceLoad())
+    assert isinstance(make_router("least-loaded", 2), LeastLoadedRouter)
