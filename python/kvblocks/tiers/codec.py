@@ -80,7 +80,7 @@ def as_payload_view(layout: KVLayout, kv: Payload) -> memoryview:
     Raises InvalidArgumentError when ``kv`` does not hold exactly ``layout.payload_nbytes``.
     """
     if isinstance(kv, torch.Tensor):
-        return memoryview(as_payload_tensor(layout, kv).cpu().numpy()).cast("B")
+        return memoryview(as_payload_tensor(layout, kv).cpu().numpy().data).cast("B")
     elif isinstance(kv, bytes | bytearray | memoryview):
         view = memoryview(kv).cast("B")
     else:
@@ -113,7 +113,9 @@ def encode_block(layout: KVLayout, block_hash: bytes, kv: Payload) -> bytes:
     return b"".join((fixed[:_CHECKSUM_OFFSET], struct.pack("<I", crc), block_hash, payload))
 
 
-def decode_block(layout: KVLayout, block_hash: bytes, record: bytes | memoryview) -> memoryview:
+def decode_block(
+    layout: KVLayout, block_hash: bytes, record: bytes | bytearray | memoryview
+) -> memoryview:
     """The payload of ``record`` after checking it is ``block_hash``'s block for ``layout``.
 
     Raises CorruptBlockError naming the first check that failed.
