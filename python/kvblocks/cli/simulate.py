@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.cli.arg_types import (
     fraction,
@@ -16,7 +17,12 @@ from kvblocks.cli.arg_types import (
 )
 from kvblocks.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from kvblocks.simulate import WorkloadConfig
+
 __all__ = ["add_parser", "run"]
+
+_ROUTER_NAMES = ("round-robin", "least-loaded", "cache-aware")
 
 _DEFAULT_RATE = 5.0
 """Default request rate: about 70% of the default server's capacity (~7 req/s), so
@@ -45,9 +51,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument(
         "--request-rate",
         type=positive_float,
-        default=_DEFAULT_RATE,
+        default=None,
         help="mean requests per simulated second (multi-turn turns included); 'inf' starts "
-        f"every conversation at once (default {_DEFAULT_RATE:g})",
+        f"every conversation at once (default {_DEFAULT_RATE:g}; with --instances/--router: "
+        "inf, so throughput is the fleet's capacity)",
     )
     w.add_argument(
         "--arrival",
@@ -133,6 +140,32 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="auto",
         help="auto: recompute single-sequence requests, swap multi-sequence ones",
     )
+    f = p.add_argument_group(
+        "fleet (cache-aware routing)",
+        "N instances (each its own scheduler and block manager) behind a router fed by "
+        "their KV events; one result row per router. The capacity options do not apply.",
+    )
+    f.add_argument(
+        "--instances",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="simulate a fleet of N instances behind --router",
+    )
+    f.add_argument(
+        "--router",
+        choices=(*_ROUTER_NAMES, "all"),
+        default=None,
+        help="round-robin, least-loaded, cache-aware, or all three (default with --instances: "
+        "all; --router alone means --instances 1)",
+    )
+    f.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="at most N conversations in progress, as N closed-loop clients (default: no limit)",
+    )
     k = p.add_argument_group("capacity")
     k.add_argument(
         "--capacity",
@@ -167,6 +200,16 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--num-blocks must be >= 2 (block 0 is the reserved null block)")
     if args.saturation_requests < 10:
         raise InvalidArgumentError("--saturation-requests must be >= 10")
+    fleet = args.instances is not None or args.router is not None
+    if args.max_concurrency is not None and not fleet:
+        print(
+            "kvblocks simulate: error: --max-concurrency needs --instances or --router "
+            "(see kvblocks simulate --help)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.request_rate is None:
+        args.request_rate = math.inf if fleet else _DEFAULT_RATE
     if args.plot:
         from kvblocks.simulate.plot import check_plot_path
 
@@ -195,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
         # A combination of options no workload satisfies: a usage error, like argparse's.
         print(f"kvblocks simulate: error: {exc} (see kvblocks simulate --help)", file=sys.stderr)
         return 2
+    if fleet:
+        return _run_fleet(args, workload)
     config = SimulationConfig(
         workload=workload,
         scheduler=SchedulerConfig(
@@ -217,5 +262,45 @@ def run(args: argparse.Namespace) -> int:
         write_plot(plan.paged, args.plot)
         if not args.json:
             print(f"\ntimeline written to {args.plot}")
+    sys.stdout.flush()
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
+    """``--instances`` / ``--router``: one fleet simulation per router, one table."""
+    from kvblocks.scheduler import SchedulerConfig
+    from kvblocks.simulate.fleet import FleetConfig, run_fleet
+    from kvblocks.simulate.fleet_report import (
+        format_fleet_json,
+        format_fleet_table,
+        write_fleet_plot,
+    )
+
+    routers = _ROUTER_NAMES if args.router in (None, "all") else (args.router,)
+    results = []
+    for name in routers:
+        config = FleetConfig(
+            workload=workload,
+            num_instances=args.instances or 1,
+            router=name,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                policy=args.policy,
+                preemption_mode=None if args.preemption_mode == "auto" else args.preemption_mode,
+            ),
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            num_cpu_blocks=args.num_cpu_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+            max_concurrency=args.max_concurrency,
+            progress=not args.no_progress and not args.json,
+        )
+        results.append(run_fleet(config))
+    print(format_fleet_json(results) if args.json else format_fleet_table(results))
+    if args.plot:
+        write_fleet_plot(results, args.plot)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
     sys.stdout.flush()
     return 0

@@ -432,14 +432,22 @@ class ArrivalQueue:
         heapq.heappush(self._followups, (request.arrival_time, self._seq, request))
         self._seq += 1
 
-    def next_time(self) -> float | None:
-        """Arrival time of the next request, ``None`` when none is known yet."""
-        times = [t for t in (self._start_time(), self._followup_time()) if t is not None]
+    def next_time(self, starts: bool = True) -> float | None:
+        """Arrival time of the next request, ``None`` when none is known yet.
+
+        ``starts=False`` looks at follow-up turns only (a client pool that is full).
+        """
+        start = self._start_time() if starts else None
+        times = [t for t in (start, self._followup_time()) if t is not None]
         return min(times) if times else None
 
-    def pop_due(self, clock: float) -> SimRequest | None:
-        """The next request that has arrived by ``clock`` (earliest first), or ``None``."""
-        start, follow = self._start_time(), self._followup_time()
+    def pop_due(self, clock: float, starts: bool = True) -> SimRequest | None:
+        """The next request that has arrived by ``clock`` (earliest first), or ``None``.
+
+        ``starts=False`` pops follow-up turns only: conversation starts stay queued.
+        """
+        start = self._start_time() if starts else None
+        follow = self._followup_time()
         if follow is not None and follow <= clock and (start is None or follow <= start):
             return heapq.heappop(self._followups)[2]
         if start is not None and start <= clock:

@@ -1,0 +1,423 @@
+"""A fleet of instances behind a router, on the simulated clock.
+
+Each instance is a real :class:`Scheduler` + :class:`KVCacheManager` (events on); the
+router sees each instance's KV events (drained after every step, as
+:mod:`kvblocks.router.events` records) and its load, and routes every arriving request,
+a multi-turn conversation's follow-ups included, to one instance.
+
+Time is event-driven: instances step independently, each step lasting the
+:class:`CostModel` time of its batch. What a step changes (KV events, load, finished
+requests) becomes visible to the router when the step *ends*; requests routed while an
+instance is mid-step join it at its next step. At equal times, step ends are handled
+before arrivals, and arrivals before step starts.
+
+Fleet metrics:
+
+- **prefix hit rate**: prompt tokens served from an instance's prefix cache at
+  admission over prompt tokens admitted, summed over the fleet;
+- **TTFT / TPOT / latency**: as in :mod:`kvblocks.simulate.metrics`;
+- **throughput**: requests finished per simulated second between the 10% and 90%
+  completion marks (no ramp-up, no drain), and output tokens per simulated second over
+  the whole run. With ``request_rate=inf`` (every conversation starts at t=0, later
+  turns closed-loop) the fleet is saturated and this is its capacity; at a rate the fleet
+  sustains, it is just the arrival rate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvblocks._core import KVCacheManager
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.router import (
+    ROUTERS,
+    InstanceLoad,
+    PromptHasher,
+    Router,
+    make_router,
+    records_from_manager,
+)
+from kvblocks.router.events import EventRecord
+from kvblocks.router.routers import _CostRouter
+from kvblocks.sampling_params import SamplingParams
+from kvblocks.scheduler import Request, Scheduler, SchedulerConfig
+from kvblocks.simulate.cost_model import CostModel
+from kvblocks.simulate.metrics import RequestMetrics
+from kvblocks.simulate.runner import SimulationError, _fake_model, _progress_bar
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
+
+__all__ = ["FleetConfig", "FleetResult", "run_fleet"]
+
+_FOLLOW_UP_HEAD_START = 1e9
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """A fleet simulation: ``num_instances`` identical instances behind ``router``.
+
+    Attributes:
+        workload: the trace (shared by the whole fleet).
+        num_instances: instances behind the router.
+        router: ``"round-robin"``, ``"least-loaded"`` or ``"cache-aware"``.
+        scheduler, num_blocks, block_size, num_cpu_blocks, enable_prefix_caching,
+            hash_algo: each instance's scheduler and block manager.
+        cost_model: simulated step time of each instance.
+        max_concurrency: at most this many conversations in progress at once, as a pool
+            of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
+            while the pool is full starts when one ends, and its arrival time is then.
+            ``None``: no limit.
+        follow_ups_first: queue a conversation's later turns ahead of conversations that
+            have not started (as :class:`~kvblocks.simulate.SimulationConfig`).
+        progress: tqdm bar on stderr.
+    """
+
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    num_instances: int = 8
+    router: str = "cache-aware"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_blocks: int = 4096
+    block_size: int = 16
+    num_cpu_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    hash_algo: str = "blake3"
+    cost_model: CostModel = field(default_factory=CostModel)
+    max_concurrency: int | None = None
+    follow_ups_first: bool = True
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_instances < 1:
+            raise InvalidArgumentError(f"num_instances must be >= 1, got {self.num_instances}")
+        if self.router not in ROUTERS:
+            raise InvalidArgumentError(
+                f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}"
+            )
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidArgumentError(
+                f"max_concurrency must be >= 1 or None, got {self.max_concurrency}"
+            )
+        if self.num_blocks < 2:
+            raise InvalidArgumentError(f"num_blocks must be >= 2, got {self.num_blocks}")
+
+
+@dataclass
+class FleetResult:
+    """Outcome of :func:`run_fleet` (see the module docstring for the definitions).
+
+    Attributes:
+        config: the run's configuration.
+        num_requests, num_finished, num_rejected: requests in the trace / finished /
+            rejected at admission (with their conversation's later turns).
+        simulated_time_s: simulated time until the last request finished.
+        prompt_tokens_admitted, cached_tokens_admitted: fleet totals (hit rate).
+        generated_tokens: tokens sampled by finished requests.
+        requests_per_s: completions per simulated second between the 10% and 90% marks.
+        metrics: TTFT, TPOT, latency and queueing delay distributions.
+        requests_per_instance: requests routed to each instance.
+        hit_rate_per_instance: each instance's prefix hit rate.
+        wall_s: wall-clock seconds of the run.
+    """
+
+    config: FleetConfig
+    num_requests: int
+    num_finished: int
+    num_rejected: int
+    simulated_time_s: float
+    prompt_tokens_admitted: int
+    cached_tokens_admitted: int
+    generated_tokens: int
+    requests_per_s: float
+    metrics: RequestMetrics
+    requests_per_instance: list[int]
+    hit_rate_per_instance: list[float]
+    wall_s: float
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Cached over admitted prompt tokens, fleet-wide."""
+        return self.cached_tokens_admitted / max(self.prompt_tokens_admitted, 1)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Generated tokens per simulated second over the whole run."""
+        return self.generated_tokens / max(self.simulated_time_s, 1e-12)
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers as a JSON-ready dict."""
+        return {
+            "router": self.config.router,
+            "num_instances": self.config.num_instances,
+            "num_requests": self.num_requests,
+            "num_finished": self.num_finished,
+            "num_rejected": self.num_rejected,
+            "simulated_time_s": self.simulated_time_s,
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "prompt_tokens_admitted": self.prompt_tokens_admitted,
+            "cached_tokens_admitted": self.cached_tokens_admitted,
+            "generated_tokens": self.generated_tokens,
+            **self.metrics.summary(),
+            "requests_per_instance": list(self.requests_per_instance),
+            "hit_rate_per_instance": list(self.hit_rate_per_instance),
+            "wall_s": self.wall_s,
+        }
+
+
+@dataclass
+class _Entry:
+    sim: SimRequest
+    index: int
+    instance: int
+    queued_blocks: int  # charged to the instance's queued prefill until its first step
+    first_token_time: float | None = None
+
+
+@dataclass
+class _Instance:
+    """One instance and what its running step will publish when it ends."""
+
+    manager: KVCacheManager
+    scheduler: Scheduler
+    step_end: float | None = None  # end of the step in flight
+    ready: float = 0.0  # earliest start of its next step
+    stuck: bool = False  # its last step did nothing: wait for a new request
+    pending_events: list[EventRecord] = field(default_factory=list)
+    pending_done: list[Any] = field(default_factory=list)
+    pending_first: list[str] = field(default_factory=list)
+    pending_started: list[str] = field(default_factory=list)
+    step_start: float = 0.0
+    queued_blocks: int = 0
+    routed: int = 0
+
+
+class _CompletionWindow:
+    """Completions per second between the 10% and 90% completion marks."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.low = max(1, num_requests // 10)
+        self.high = max(self.low + 1, (9 * num_requests) // 10)
+        self.done = 0
+        self.t_low: float | None = None
+        self.t_high: float | None = None
+
+    def finished(self, now: float, count: int) -> None:
+        before = self.done
+        self.done += count
+        if before < self.low <= self.done:
+            self.t_low = now
+        if before < self.high <= self.done:
+            self.t_high = now
+
+    def rate(self, clock: float) -> float:
+        if self.t_low is not None and self.t_high is not None and self.t_high > self.t_low:
+            return (self.high - self.low) / (self.t_high - self.t_low)
+        return self.done / clock if clock > 0 else 0.0
+
+
+def run_fleet(config: FleetConfig) -> FleetResult:
+    """Run the workload through ``config.num_instances`` instances behind the router."""
+    started = time.perf_counter()
+    n = config.num_instances
+    router: Router = make_router(config.router, n)
+    hasher = PromptHasher(config.block_size, config.hash_algo, config.workload.max_context_len)
+    bs = config.block_size
+    usable = config.num_blocks - 1
+    fleet = []
+    for _ in range(n):
+        manager = KVCacheManager(
+            config.num_blocks,
+            bs,
+            num_cpu_blocks=config.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algo=config.hash_algo,  # type: ignore[arg-type]
+            record_events=config.enable_prefix_caching,
+        )
+        fleet.append(_Instance(manager, Scheduler(manager, config.scheduler, record_history=False)))
+    arrivals = ArrivalQueue(config.workload)
+    entries: dict[str, _Entry] = {}
+    rng = np.random.default_rng(config.workload.seed + 1)
+    vocab = config.workload.vocab_size
+    num_requests = config.workload.num_requests
+    metrics = RequestMetrics(num_requests)
+    window = _CompletionWindow(num_requests)
+    # (end time, instance) of the steps in flight
+    ends: list[tuple[float, int]] = []
+    arrived = finished = rejected = generated = 0
+    active = 0  # conversations in progress
+    limit = config.max_concurrency
+    clock = 0.0
+    bar = _progress_bar(num_requests, config.progress)
+    _started: set[str] = set()  # requests whose first step has ended
+    _first: set[str] = set()  # requests whose first token has been sampled
+
+    def publish_load(i: int) -> None:
+        inst = fleet[i]
+        active = round(float(inst.manager.usage()) * usable)
+        router.set_load(i, InstanceLoad(active, inst.queued_blocks))
+
+    def route(sim: SimRequest, now: float) -> None:
+        nonlocal arrived, rejected, active
+        if sim.turn == 0:
+            active += 1
+            if sim.arrival_time < now:  # held back by the client pool
+                sim = replace(sim, arrival_time=now)
+        tokens = sim.prompt_token_ids
+        hashes = hasher.block_hashes(tokens) if isinstance(router, _CostRouter) else []
+        prompt_blocks = -(-len(tokens) // bs)
+        i = router.route(hashes, prompt_blocks)
+        credit = router.overlaps(hashes)[i] if isinstance(router, _CostRouter) else 0.0
+        inst = fleet[i]
+        queue_time = sim.arrival_time
+        if config.follow_ups_first and sim.turn:
+            queue_time -= _FOLLOW_UP_HEAD_START
+        index = arrived
+        arrived += 1
+        try:
+            inst.scheduler.add_request(
+                Request(
+                    sim.request_id,
+                    tokens,
+                    SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True),
+                    queue_time,
+                    priority=sim.priority,
+                )
+            )
+        except InvalidArgumentError:
+            lost = 1 + len(sim.next_turns)
+            rejected += lost
+            active -= 1
+            bar.update(lost)
+            return
+        queued = max(prompt_blocks - int(credit), 0)
+        entries[sim.request_id] = _Entry(sim, index, i, queued)
+        inst.queued_blocks += queued
+        inst.routed += 1
+        inst.stuck = False
+        inst.ready = max(inst.ready, now)
+        publish_load(i)
+
+    def start_step(i: int, now: float) -> None:
+        inst = fleet[i]
+        output = inst.scheduler.schedule()
+        result = _fake_model(output, rng, vocab)
+        outputs = inst.scheduler.update(output, result)
+        dt = config.cost_model.step_time(output)
+        if dt == 0.0:
+            # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
+            # new request to change the picture.
+            inst.stuck = True
+            return
+        inst.step_start = now
+        inst.step_end = now + dt
+        heapq.heappush(ends, (inst.step_end, i))
+        running = set(inst.scheduler.running_request_ids()).union(output.sample_request_ids)
+        inst.pending_started = [r for r in running if r in entries and r not in _started]
+        inst.pending_first = [r for r in output.sample_request_ids if r not in _first]
+        inst.pending_done = list(outputs.finished)
+        if config.enable_prefix_caching:
+            inst.pending_events = records_from_manager(i, inst.manager.take_events())
+
+    def end_step(i: int) -> None:
+        nonlocal finished, generated, active
+        inst = fleet[i]
+        now = inst.step_end
+        assert now is not None
+        inst.step_end = None
+        inst.ready = now
+        router.apply_events(inst.pending_events)
+        inst.pending_events = []
+        for rid in inst.pending_started:
+            if rid in _started:
+                continue
+            _started.add(rid)
+            e = entries[rid]
+            metrics.scheduled(e.index, inst.step_start - e.sim.arrival_time)
+            inst.queued_blocks -= e.queued_blocks
+        for rid in inst.pending_first:
+            if rid in _first or rid not in entries:
+                continue
+            _first.add(rid)
+            e = entries[rid]
+            e.first_token_time = now
+            metrics.first_token(now - e.sim.arrival_time)
+        for out in inst.pending_done:
+            e = entries.pop(out.request_id)
+            _started.discard(out.request_id)
+            _first.discard(out.request_id)
+            finished += 1
+            generated += sum(len(c.token_ids) for c in out.outputs)
+            first = e.first_token_time if e.first_token_time is not None else now
+            metrics.finished(now - e.sim.arrival_time, now - first, e.sim.output_len)
+            follow = e.sim.next_turn(out.outputs[0].token_ids, now)
+            if follow is not None:
+                arrivals.push(follow)
+            else:
+                active -= 1
+        if inst.pending_done:
+            window.finished(now, len(inst.pending_done))
+            bar.update(len(inst.pending_done))
+        inst.pending_done = []
+        publish_load(i)
+
+    try:
+        while True:
+            t_end = ends[0][0] if ends else None
+            starts = limit is None or active < limit
+            t_arr = arrivals.next_time(starts)
+            startable = [
+                (inst.ready, i)
+                for i, inst in enumerate(fleet)
+                if inst.step_end is None
+                and not inst.stuck
+                and inst.scheduler.has_unfinished_requests()
+            ]
+            t_start = min(startable)[0] if startable else None
+            times = [t for t in (t_end, t_arr, t_start) if t is not None]
+            if not times:
+                break
+            now = clock = max(clock, min(times))
+            if t_end is not None and t_end <= now:
+                _, i = heapq.heappop(ends)
+                end_step(i)
+            elif t_arr is not None and t_arr <= now:
+                while (sim := arrivals.pop_due(now, limit is None or active < limit)) is not None:
+                    route(sim, now)
+            else:
+                for ready, i in sorted(startable):
+                    if ready <= now:
+                        start_step(i, now)
+    finally:
+        bar.close()
+    if entries:
+        raise SimulationError(
+            f"{len(entries)} requests could never be scheduled: an instance's pool is too "
+            "small for them (raise --num-blocks)"
+        )
+    per_hit = []
+    prompt_total = cached_total = 0
+    for inst in fleet:
+        c = inst.scheduler.counters
+        prompt_total += c.num_prompt_tokens_admitted
+        cached_total += c.num_cached_tokens_admitted
+        per_hit.append(c.prefix_hit_rate)
+    return FleetResult(
+        config=config,
+        num_requests=num_requests,
+        num_finished=finished,
+        num_rejected=rejected,
+        simulated_time_s=clock,
+        prompt_tokens_admitted=prompt_total,
+        cached_tokens_admitted=cached_total,
+        generated_tokens=generated,
+        requests_per_s=window.rate(clock),
+        metrics=metrics,
+        requests_per_instance=[inst.routed for inst in fleet],
+        hit_rate_per_instance=per_hit,
+        wall_s=time.perf_counter() - started,
+    )

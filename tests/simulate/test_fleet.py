@@ -1,0 +1,145 @@
+"""Fleet simulation: N real schedulers + managers behind a router, on the simulated clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.scheduler import SchedulerConfig
+from kvblocks.simulate import CostModel, WorkloadConfig, run_simulation
+from kvblocks.simulate.fleet import FleetConfig, FleetResult, run_fleet
+from kvblocks.simulate.workload import LengthDist
+
+from .toy import OUTPUT_LEN, SERVICE_S, STEP_S, toy_config
+
+
+def _chat(num_requests: int = 60, seed: int = 3) -> WorkloadConfig:
+    """Multi-turn conversations with no shared system prompt: the only reuse is each
+    conversation's own history, which only its previous instance holds."""
+    return WorkloadConfig(
+        num_requests=num_requests,
+        request_rate=math.inf,
+        seed=seed,
+        prompt_len=LengthDist("fixed", 40),
+        output_len=LengthDist("fixed", 12),
+        max_prompt_len=64,
+        max_output_len=64,
+        max_context_len=512,
+        system_prompt_share=0.0,
+        multi_turn_share=1.0,
+        max_turns=4,
+        think_time_s=0.05,
+        parallel_share=0.0,
+    )
+
+
+def _fleet(router: str, **kw: object) -> FleetResult:
+    config = FleetConfig(
+        workload=kw.pop("workload", _chat()),  # type: ignore[arg-type]
+        num_instances=kw.pop("num_instances", 4),  # type: ignore[arg-type]
+        router=router,
+        num_blocks=kw.pop("num_blocks", 256),  # type: ignore[arg-type]
+        block_size=8,
+        num_cpu_blocks=0,
+        **kw,  # type: ignore[arg-type]
+    )
+    return run_fleet(config)
+
+
+def test_cache_aware_beats_round_robin_on_hit_rate() -> None:
+    rr = _fleet("round-robin")
+    ca = _fleet("cache-aware")
+    for r in (rr, ca):
+        assert r.num_finished == 60 and r.num_rejected == 0
+        assert sum(r.requests_per_instance) == 60
+        assert r.metrics.ttft.count == 60
+    # Round-robin sends a follow-up to its conversation's instance 1 time in 4.
+    assert ca.prefix_hit_rate >= 2 * rr.prefix_hit_rate, (ca.prefix_hit_rate, rr.prefix_hit_rate)
+    assert ca.prefix_hit_rate > 0.4
+    # Less to prefill: the fleet finishes sooner.
+    assert ca.simulated_time_s < rr.simulated_time_s
+
+
+def test_runs_are_deterministic_for_a_seed() -> None:
+    a = _fleet("cache-aware").summary()
+    b = _fleet("cache-aware").summary()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    c = _fleet("cache-aware", workload=_chat(seed=4)).summary()
+    assert c["simulated_time_s"] != a["simulated_time_s"]
+
+
+def test_least_loaded_spreads_the_load() -> None:
+    r = _fleet("least-loaded")
+    assert r.num_finished == 60
+    assert min(r.requests_per_instance) >= 10
+
+
+def test_one_instance_fleet_matches_the_single_instance_runner() -> None:
+    """Same trace, same scheduler, one instance: the event loop must reproduce the
+    single-instance simulation's clock and latencies exactly."""
+    workload = dataclasses.replace(_chat(), request_rate=20.0)
+    single = run_simulation(
+        dataclasses.replace(
+            toy_config(),
+            workload=workload,
+            num_blocks=256,
+            block_size=8,
+            follow_ups_first=True,
+            cost_model=CostModel(),
+            scheduler=SchedulerConfig(),
+        )
+    )
+    fleet = _fleet("round-robin", workload=workload, num_instances=1, cost_model=CostModel())
+    assert fleet.num_finished == single.num_finished == 60
+    assert fleet.simulated_time_s == pytest.approx(single.simulated_time_s)
+    assert fleet.prefix_hit_rate == pytest.approx(single.summary()["prefix_hit_rate"])
+    assert fleet.metrics.ttft.mean == pytest.approx(single.metrics.ttft.mean)
+    assert fleet.metrics.latency.max == pytest.approx(single.metrics.latency.max)
+
+
+def test_instances_run_in_parallel_on_the_clock() -> None:
+    """Toy requests (every step STEP_S, one sequence per step): two instances finish a
+    batch of 40 in half the time one instance needs."""
+    base = toy_config(num_requests=40)
+    common = {
+        "workload": base.workload,
+        "scheduler": SchedulerConfig(max_num_seqs=1),
+        "cost_model": base.cost_model,
+        "num_blocks": 64,
+    }
+    one = _fleet("round-robin", num_instances=1, **common)
+    two = _fleet("round-robin", num_instances=2, **common)
+    assert one.simulated_time_s == pytest.approx(40 * SERVICE_S)
+    assert two.simulated_time_s == pytest.approx(20 * SERVICE_S)
+    assert two.requests_per_instance == [20, 20]
+    # TPOT of a lone sequence is exactly one step.
+    assert two.metrics.tpot.max == pytest.approx(STEP_S, rel=0.02)
+    assert OUTPUT_LEN > 1
+
+
+def test_max_concurrency_holds_conversations_back() -> None:
+    free = _fleet("cache-aware", num_instances=1)
+    assert free.metrics.queue_delay.max > 0  # every conversation is due at t=0
+    one = _fleet("cache-aware", num_instances=1, max_concurrency=1)
+    # One client: each request finds the instance idle, so nothing ever waits.
+    assert one.num_finished == 60
+    assert one.metrics.queue_delay.max == 0.0
+    assert one.simulated_time_s > free.simulated_time_s
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"router": "random"}, "router must be one of"),
+        ({"num_instances": 0}, "num_instances"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"num_blocks": 1}, "num_blocks"),
+    ],
+)
+def test_bad_configs_raise(kw: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        FleetConfig(**kw)  # type: ignore[arg-type]
