@@ -108,6 +108,8 @@ def test_killed_server_gives_misses_one_warning_and_no_hang(
         time.sleep(0.4)  # past the back-off: the tier tries again, fails, and stays quiet
         assert tier.get_many([block_hash(0)]) == [None]
     assert elapsed < 5.0, f"a dead server cost {elapsed:.1f} s"
+    with pytest.raises(InvalidArgumentError):  # bad input still raises while the server is down
+        tier.put(block_hash(0), b"short")
     unreachable = [w for w in caught if "unreachable" in str(w.message)]
     assert len(unreachable) == 1 and unreachable[0].category is RuntimeWarning
     stats = tier.stats()

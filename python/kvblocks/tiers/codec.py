@@ -33,6 +33,7 @@ __all__ = [
     "as_payload_tensor",
     "as_payload_view",
     "check_block_hash",
+    "check_payload",
     "decode_block",
     "encode_block",
     "record_nbytes",
@@ -90,6 +91,14 @@ def as_payload_view(layout: KVLayout, kv: Payload) -> memoryview:
             f"a payload for this layout is {layout.payload_nbytes} bytes, got {view.nbytes}"
         )
     return view
+
+
+def check_payload(layout: KVLayout, kv: Payload) -> None:
+    """Raise as :func:`as_payload_view` would, without copying a device tensor's bytes."""
+    if isinstance(kv, torch.Tensor):
+        as_payload_tensor(layout, kv)
+    else:
+        as_payload_view(layout, kv)
 
 
 def record_nbytes(layout: KVLayout, block_hash: bytes) -> int:

@@ -23,7 +23,8 @@ class TierStore(Protocol):
     retention priority when full, and never fails a caller because of its medium: a full
     tier evicts, a value that fails validation reads as a miss (counted in
     ``stats().rejected``), an unreachable backend reads as misses and drops puts. Only bad
-    arguments raise (TypeError / :class:`~kvblocks.errors.InvalidArgumentError`).
+    arguments raise (TypeError / :class:`~kvblocks.errors.InvalidArgumentError`), and a
+    call that raises changes nothing. A tier is not thread-safe: one per engine thread.
     """
 
     layout: KVLayout

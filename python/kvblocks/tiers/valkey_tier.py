@@ -13,7 +13,13 @@ import torch
 
 from kvblocks._extras import raise_missing_extra
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.tiers.codec import Payload, check_block_hash, decode_block, encode_block
+from kvblocks.tiers.codec import (
+    Payload,
+    check_block_hash,
+    check_payload,
+    decode_block,
+    encode_block,
+)
 from kvblocks.tiers.errors import CorruptBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.stats import TierStats
@@ -51,9 +57,11 @@ class ValkeyTier:
     ``maxmemory-policy`` (``allkeys-lru``); ``ttl_s`` optionally expires blocks. The server
     cannot keep per-block priorities, so ``priority`` is accepted and ignored.
 
-    Faults: every command runs under ``socket_timeout``; when the server is unreachable the
+    Faults: every command runs under ``socket_timeout_s``; when the server is unreachable the
     tier warns once, reads return misses and puts are dropped (``dropped_puts``) without
-    touching the network for ``retry_interval_s``, after which it reconnects by itself.
+    touching the network for ``retry_interval_s``, after which it reconnects by itself. A
+    ``client`` passed in keeps its own timeouts and retries (set a socket timeout on it).
+    Like the other tiers, one instance is for one thread.
     """
 
     def __init__(
@@ -162,15 +170,19 @@ class ValkeyTier:
         if len(block_hashes) != len(kvs):
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
         int(priority)
+        if not block_hashes:
+            return 0
+        if not self.available:
+            # Validate as a live put would, but spend no encoding on blocks about to be dropped.
+            for h, kv in zip(block_hashes, kvs, strict=True):
+                check_block_hash(h)
+                check_payload(self.layout, kv)
+            self._stats.dropped_puts += len(block_hashes)
+            return 0
         records = [
             (self.key_of(h), encode_block(self.layout, h, kv))
             for h, kv in zip(block_hashes, kvs, strict=True)
         ]
-        if not records:
-            return 0
-        if not self.available:
-            self._stats.dropped_puts += len(records)
-            return 0
         try:
             pipe = self._client.pipeline(transaction=False)
             for key, record in records:
