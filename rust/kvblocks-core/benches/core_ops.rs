@@ -91,7 +91,7 @@ fn bench_hash(c: &mut Criterion) {
     let tokens = prompt(3, len);
     for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128] {
         let mut h = BlockHasher::new(algo);
-        let ns = h.namespace(None, None);
+        let ns = h.namespace(None, None).unwrap();
         let mut chain = Vec::with_capacity(len / BLOCK_SIZE);
         g.bench_function(BenchmarkId::new("chain", algo.as_str()), |b| {
             b.iter(|| {
