@@ -83,7 +83,7 @@ PROMPT = (np.arange(32_768, dtype=np.int64) * 7919) % 50_000
 
 
 # The reference always hashes with SHA-256; its algorithm argument only changes the label.
-ALGOS = ["blake3", "xxh3_128"]
+ALGOS = ["blake3", "xxh3_128", "sha256_cbor"]
 
 
 def _cached_manager(impl: str, algo: str) -> Any:

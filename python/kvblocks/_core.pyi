@@ -151,8 +151,19 @@ class KVCacheManager:
         block_size: tokens per block (``>= 1``).
         num_cpu_blocks: blocks in the CPU pool used by ``swap_out``/``swap_in``.
         enable_prefix_caching: share full blocks between sequences by content hash.
-        hash_algo: ``"blake3"`` (cryptographic, the default) or ``"xxh3_128"`` (faster,
-            for single-tenant deployments).
+        hash_algo: ``"blake3"`` (cryptographic, the default), ``"xxh3_128"`` (faster,
+            for single-tenant deployments) or ``"sha256_cbor"``: exactly vLLM's
+            ``sha256_cbor`` block hashes (SHA-256 of the canonical CBOR of
+            ``(parent_hash, tuple(token_ids), extra_keys)``, ``NONE_HASH`` as the first
+            block's parent), so routers that compute vLLM hashes from prompts recognise
+            kvblocks' ``BlockStored`` events. vLLM keys a LoRA by its name and path:
+            ``register_lora`` maps a ``lora_id`` first. The cache salt must be UTF-8 and
+            keys the first block only (``b""`` is no salt). Multimodal and prompt-embeds
+            keys are not supported.
+        hash_seed: ``sha256_cbor`` only: the seed of vLLM's ``NONE_HASH``
+            (``sha256_cbor(seed)``). ``None`` reads ``PYTHONHASHSEED`` at construction, as
+            vLLM does, and falls back to vLLM's fixed default ``"vllm-none-hash"``; set it
+            to the fleet's ``PYTHONHASHSEED`` when this process's differs.
         watermark: fraction of GPU blocks kept free at admission (``can_allocate`` and
             ``can_swap_in``) so running sequences can keep growing; in ``[0, 1)``.
         sliding_window: if set, blocks wholly outside the attention window of every
@@ -168,7 +179,8 @@ class KVCacheManager:
         *,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
-        hash_algo: Literal["blake3", "xxh3_128"] = "blake3",
+        hash_algo: Literal["blake3", "xxh3_128", "sha256_cbor"] = "blake3",
+        hash_seed: str | None = None,
         watermark: float = 0.01,
         sliding_window: int | None = None,
         record_events: bool = True,
@@ -185,6 +197,18 @@ class KVCacheManager:
     def enable_prefix_caching(self) -> bool: ...
     @property
     def hash_algo(self) -> str: ...
+    @property
+    def none_hash(self) -> bytes | None:
+        """vLLM's ``NONE_HASH`` (the parent hash of first blocks) with ``sha256_cbor``."""
+    def register_lora(self, lora_id: int, lora_name: str, lora_path: str | None = None) -> None:
+        """Map ``lora_id`` to vLLM's LoRA hash key ``("lora", lora_name, lora_path)``.
+
+        The fields of vLLM's ``LoRARequest`` (``lora_path`` defaults to ``""``). With
+        ``hash_algo="sha256_cbor"`` a sequence with a ``lora_id`` is added only after its
+        id is registered (else ``InvalidArgumentError``); re-registering applies to
+        sequences added afterwards. The other algorithms key a LoRA by its id and ignore
+        this.
+        """
     @property
     def watermark(self) -> float: ...
     @property

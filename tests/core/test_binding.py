@@ -127,7 +127,7 @@ def test_objects_are_frozen() -> None:
 
 
 def test_hash_algorithms_digest_sizes() -> None:
-    for algo, size in (("blake3", 32), ("xxh3_128", 16)):
+    for algo, size in (("blake3", 32), ("xxh3_128", 16), ("sha256_cbor", 32)):
         m = KVCacheManager(16, 2, hash_algo=algo)
         m.add_sequence(1, [1, 2, 3])
         m.allocate_slots(1, 3)

@@ -91,7 +91,7 @@ class ContentOracle(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4, 16]),
         num_cpu_blocks=st.integers(0, 12),
         caching=st.booleans(),
-        hash_algo=st.sampled_from(["blake3", "xxh3_128"]),
+        hash_algo=st.sampled_from(["blake3", "xxh3_128", "sha256_cbor"]),
         window=st.sampled_from([None, None, 3, 8, 20]),
     )
     def setup(self, num_blocks, block_size, num_cpu_blocks, caching, hash_algo, window):
@@ -107,6 +107,8 @@ class ContentOracle(RuleBasedStateMachine):
             sliding_window=window,
             record_events=False,
         )
+        # sha256_cbor keys a LoRA by vLLM's adapter name and path, not by its id.
+        self.m.register_lora(3, "adapter-3", "/adapters/3")
         self.mem = KVMemory(num_blocks, num_cpu_blocks, block_size)
 
     # -- helpers ---------------------------------------------------------------------------

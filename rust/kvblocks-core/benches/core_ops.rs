@@ -59,7 +59,7 @@ fn bench_prefix_lookup(c: &mut Criterion) {
     let len = 32 * 1024;
     g.throughput(Throughput::Elements(len as u64));
     let tokens = prompt(7, len);
-    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128, HashAlgo::Sha256Cbor] {
         let mut m = manager(len / BLOCK_SIZE + 64, true, algo);
         // Cache the prompt once: prefill and commit, keep it referenced.
         m.add_sequence(0, &tokens, None, None).unwrap();
@@ -89,9 +89,9 @@ fn bench_hash(c: &mut Criterion) {
     let len = 32 * 1024;
     g.throughput(Throughput::Bytes((len * 4) as u64));
     let tokens = prompt(3, len);
-    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128] {
+    for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128, HashAlgo::Sha256Cbor] {
         let mut h = BlockHasher::new(algo);
-        let ns = h.namespace(None, None);
+        let ns = h.namespace(None, None).unwrap();
         let mut chain = Vec::with_capacity(len / BLOCK_SIZE);
         g.bench_function(BenchmarkId::new("chain", algo.as_str()), |b| {
             b.iter(|| {

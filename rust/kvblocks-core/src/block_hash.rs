@@ -5,13 +5,19 @@
 use std::fmt;
 use std::hash::{Hash, Hasher};
 
-use crate::config::HashAlgo;
+use rustc_hash::FxHashMap;
+use sha2::{Digest, Sha256};
+
+use crate::cbor;
+use crate::config::{HashAlgo, VLLM_DEFAULT_HASH_SEED};
+use crate::error::KvError;
 
 const BLOCK_TAG: &[u8] = b"kvblocks/block/v1";
 const NAMESPACE_TAG: &[u8] = b"kvblocks/namespace/v1";
 const BLAKE3_NAMESPACE_CONTEXT: &str = "kvblocks 2026 namespace v1";
+const SHA256_CBOR_NAMESPACE_TAG: &[u8] = b"kvblocks/sha256_cbor/namespace/v1";
 
-/// A digest (32 bytes for BLAKE3, 16 for xxh3-128), stored inline.
+/// A digest (32 bytes for BLAKE3 and SHA-256, 16 for xxh3-128), stored inline.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub struct BlockHash {
     bytes: [u8; 32],
@@ -83,6 +89,22 @@ impl fmt::Debug for BlockHash {
 ///   ```
 ///
 /// So blocks of different salts or LoRA ids never share a hash.
+///
+/// * sha256_cbor is vLLM's block hash, bit for bit (`hash_block_tokens` with
+///   `sha256_cbor` in `vllm/v1/core/kv_cache_utils.py`):
+///
+///   ```text
+///   hash = sha256(cbor((parent or NONE_HASH, tuple(tokens), extra_keys)))
+///   NONE_HASH = sha256(cbor(seed))      seed: PYTHONHASHSEED or "vllm-none-hash"
+///   extra_keys = None | (("lora", name, path)?, ("cache_salt", salt)?)
+///   ```
+///
+///   with canonical CBOR (`cbor2.dumps(x, canonical=True)`, see [`crate::cbor`]). The
+///   cache salt is a key of the first block only (an empty salt is none), and the LoRA
+///   key carries the adapter's *name and path*, not its id: a LoRA id must be mapped
+///   with [`BlockHasher::register_lora`] first. The namespace is then a SHA-256 digest
+///   of the two encoded extra keys (first block, later blocks), which the hasher keeps
+///   in a table to encode each block: one entry per distinct (salt, LoRA) pair hashed.
 #[derive(Debug, Clone)]
 pub struct BlockHasher {
     algo: HashAlgo,
@@ -93,6 +115,28 @@ pub struct BlockHasher {
     /// The last other namespace derived, with its extra keys (requests of one tenant or
     /// adapter tend to arrive together).
     recent: Option<RecentNamespace>,
+    /// vLLM's extra state, for `sha256_cbor` only (boxed: the other algorithms pay one
+    /// pointer for it).
+    vllm: Option<Box<VllmKeys>>,
+}
+
+/// What `sha256_cbor` needs beyond the block's parent and tokens.
+#[derive(Debug, Clone, Default)]
+struct VllmKeys {
+    /// vLLM's `NONE_HASH`: the parent of every first block.
+    none_hash: [u8; 32],
+    /// LoRA id -> the CBOR of vLLM's key `("lora", lora_name, lora_path)`.
+    loras: FxHashMap<u64, Box<[u8]>>,
+    /// Namespace -> the CBOR of its `extra_keys`.
+    extra: FxHashMap<BlockHash, ExtraKeys>,
+}
+
+/// The CBOR of vLLM's `extra_keys` (`null` or an array) for a sequence's first block and
+/// for the blocks after it (the cache salt is a key of the first block only).
+#[derive(Debug, Clone)]
+struct ExtraKeys {
+    first: Box<[u8]>,
+    rest: Box<[u8]>,
 }
 
 /// A derived namespace with the extra keys it was derived from.
@@ -106,21 +150,65 @@ struct RecentNamespace {
 impl PartialEq for BlockHasher {
     fn eq(&self, other: &Self) -> bool {
         // The scratch buffer and the namespace caches are not state.
-        self.algo == other.algo
+        self.algo == other.algo && self.none_hash() == other.none_hash()
     }
 }
 
 impl BlockHasher {
-    /// A hasher for `algo`.
+    /// A hasher for `algo` (with vLLM's default seed for `sha256_cbor`).
     pub fn new(algo: HashAlgo) -> Self {
+        Self::with_seed(algo, None)
+    }
+
+    /// A hasher for `algo`; `sha256_cbor` derives vLLM's `NONE_HASH` from `seed`
+    /// (`None`: vLLM's default, [`VLLM_DEFAULT_HASH_SEED`]). Other algorithms ignore it.
+    pub fn with_seed(algo: HashAlgo, seed: Option<&str>) -> Self {
+        let vllm = (algo == HashAlgo::Sha256Cbor).then(|| {
+            let mut buf = Vec::new();
+            cbor::push_text(&mut buf, seed.unwrap_or(VLLM_DEFAULT_HASH_SEED));
+            Box::new(VllmKeys {
+                none_hash: Sha256::digest(&buf).into(),
+                ..VllmKeys::default()
+            })
+        });
         let mut hasher = BlockHasher {
             algo,
             buf: Vec::with_capacity(256),
             default_namespace: BlockHash::default(),
             recent: None,
+            vllm,
         };
-        hasher.default_namespace = hasher.derive_namespace(None, None);
+        // No salt and no LoRA is a valid namespace for every algorithm.
+        hasher.default_namespace = hasher.derive_namespace(None, None).unwrap_or_default();
         hasher
+    }
+
+    /// vLLM's `NONE_HASH` (`sha256_cbor` only): the parent hash of first blocks.
+    pub fn none_hash(&self) -> Option<&[u8; 32]> {
+        self.vllm.as_ref().map(|v| &v.none_hash)
+    }
+
+    /// Map `lora_id` to vLLM's LoRA key, the adapter's `lora_name` and `lora_path` (as
+    /// in vLLM's `LoRARequest`). Only `sha256_cbor` hashes these; for the other
+    /// algorithms the id itself is the key and this does nothing. Re-mapping an id
+    /// affects namespaces derived afterwards.
+    pub fn register_lora(&mut self, lora_id: u64, lora_name: &str, lora_path: &str) {
+        let Some(vllm) = self.vllm.as_mut() else {
+            return;
+        };
+        let mut key = Vec::new();
+        cbor::push_array(&mut key, 3);
+        cbor::push_text(&mut key, "lora");
+        cbor::push_text(&mut key, lora_name);
+        cbor::push_text(&mut key, lora_path);
+        vllm.loras.insert(lora_id, key.into());
+        if self
+            .recent
+            .as_ref()
+            .is_some_and(|r| r.lora_id == Some(lora_id))
+        {
+            self.recent = None;
+        }
     }
 
     /// The algorithm in use.
@@ -133,26 +221,40 @@ impl BlockHasher {
     }
 
     /// Digest of a sequence's extra keys (cache salt and LoRA id).
-    pub fn namespace(&mut self, cache_salt: Option<&[u8]>, lora_id: Option<u64>) -> BlockHash {
+    ///
+    /// Errors (`sha256_cbor` only, where vLLM's keys are text): a cache salt that is not
+    /// UTF-8, or a LoRA id without [`BlockHasher::register_lora`].
+    pub fn namespace(
+        &mut self,
+        cache_salt: Option<&[u8]>,
+        lora_id: Option<u64>,
+    ) -> Result<BlockHash, KvError> {
         if cache_salt.is_none() && lora_id.is_none() {
-            return self.default_namespace;
+            return Ok(self.default_namespace);
         }
         if let Some(r) = &self.recent {
             if r.cache_salt.as_deref() == cache_salt && r.lora_id == lora_id {
-                return r.namespace;
+                return Ok(r.namespace);
             }
         }
-        let namespace = self.derive_namespace(cache_salt, lora_id);
+        let namespace = self.derive_namespace(cache_salt, lora_id)?;
         self.recent = Some(RecentNamespace {
             cache_salt: cache_salt.map(Box::from),
             lora_id,
             namespace,
         });
-        namespace
+        Ok(namespace)
     }
 
     /// Compute the namespace digest (no cache).
-    fn derive_namespace(&mut self, cache_salt: Option<&[u8]>, lora_id: Option<u64>) -> BlockHash {
+    fn derive_namespace(
+        &mut self,
+        cache_salt: Option<&[u8]>,
+        lora_id: Option<u64>,
+    ) -> Result<BlockHash, KvError> {
+        if self.algo == HashAlgo::Sha256Cbor {
+            return self.derive_vllm_namespace(cache_salt, lora_id);
+        }
         self.buf.clear();
         if self.algo == HashAlgo::Xxh3_128 {
             self.buf.extend_from_slice(NAMESPACE_TAG);
@@ -173,12 +275,73 @@ impl BlockHasher {
                 self.buf.extend_from_slice(&id.to_le_bytes());
             }
         }
-        match self.algo {
+        Ok(match self.algo {
             HashAlgo::Blake3 => {
                 BlockHash::from_slice(&blake3::derive_key(BLAKE3_NAMESPACE_CONTEXT, &self.buf))
             }
-            HashAlgo::Xxh3_128 => self.xxh3_buf(),
-        }
+            _ => self.xxh3_buf(),
+        })
+    }
+
+    /// Encode vLLM's extra keys of a sequence and file them under their digest.
+    fn derive_vllm_namespace(
+        &mut self,
+        cache_salt: Option<&[u8]>,
+        lora_id: Option<u64>,
+    ) -> Result<BlockHash, KvError> {
+        let Some(vllm) = self.vllm.as_mut() else {
+            return Err(KvError::InvalidArgument(
+                "sha256_cbor hasher without its vLLM state".to_string(),
+            ));
+        };
+        let lora = match lora_id {
+            None => None,
+            Some(id) => Some(vllm.loras.get(&id).ok_or_else(|| {
+                KvError::InvalidArgument(format!(
+                    "lora_id {id} has no LoRA name: hash_algo=\"sha256_cbor\" hashes vLLM's \
+                     (lora_name, lora_path); call register_lora({id}, name, path) first"
+                ))
+            })?),
+        };
+        // vLLM adds the salt only when it is truthy: b"" is no salt.
+        let salt = match cache_salt {
+            Some(s) if !s.is_empty() => Some(std::str::from_utf8(s).map_err(|_| {
+                KvError::InvalidArgument(
+                    "hash_algo=\"sha256_cbor\" needs a UTF-8 cache_salt (vLLM's salt is a str)"
+                        .to_string(),
+                )
+            })?),
+            _ => None,
+        };
+        let encode = |lora: Option<&Box<[u8]>>, salt: Option<&str>| -> Box<[u8]> {
+            let n = usize::from(lora.is_some()) + usize::from(salt.is_some());
+            if n == 0 {
+                return Box::new([cbor::NULL]);
+            }
+            let mut buf = Vec::new();
+            cbor::push_array(&mut buf, n);
+            if let Some(key) = lora {
+                buf.extend_from_slice(key);
+            }
+            if let Some(salt) = salt {
+                cbor::push_array(&mut buf, 2);
+                cbor::push_text(&mut buf, "cache_salt");
+                cbor::push_text(&mut buf, salt);
+            }
+            buf.into()
+        };
+        let keys = ExtraKeys {
+            first: encode(lora, salt),
+            rest: encode(lora, None),
+        };
+        // Each encoding is one self-delimiting CBOR item: the concatenation is unambiguous.
+        let mut h = Sha256::new();
+        h.update(SHA256_CBOR_NAMESPACE_TAG);
+        h.update(&keys.first);
+        h.update(&keys.rest);
+        let namespace = BlockHash::from_slice(h.finalize().as_slice());
+        vllm.extra.entry(namespace).or_insert(keys);
+        Ok(namespace)
     }
 
     /// Hash of one full block given its parent's hash (None for the first block).
@@ -195,6 +358,7 @@ impl BlockHasher {
                 let key: &[u8; 32] = &parent.unwrap_or(namespace).bytes;
                 BlockHash::from_slice(blake3::keyed_hash(key, &self.buf).as_bytes())
             }
+            HashAlgo::Sha256Cbor => self.vllm_block(parent, namespace, tokens),
             HashAlgo::Xxh3_128 => {
                 self.buf.extend_from_slice(BLOCK_TAG);
                 self.buf.push(namespace.len);
@@ -213,6 +377,35 @@ impl BlockHasher {
                 self.xxh3_buf()
             }
         }
+    }
+
+    /// vLLM's `hash_block_tokens(sha256_cbor, parent, tokens, extra_keys)`.
+    fn vllm_block(
+        &mut self,
+        parent: Option<&BlockHash>,
+        namespace: &BlockHash,
+        tokens: &[u32],
+    ) -> BlockHash {
+        let Some(vllm) = self.vllm.as_deref() else {
+            return BlockHash::default();
+        };
+        let buf = &mut self.buf;
+        // Head bytes: 1 (tuple) + 2 + 32 (parent) + 5 (array) + up to 5 per token.
+        buf.reserve(48 + tokens.len() * 5);
+        cbor::push_array(buf, 3);
+        cbor::push_bytes(buf, parent.map_or(&vllm.none_hash[..], BlockHash::as_bytes));
+        cbor::push_array(buf, tokens.len());
+        for &t in tokens {
+            cbor::push_uint(buf, u64::from(t));
+        }
+        // Namespaces only come from `namespace`, which files their keys; a stranger
+        // hashes as "no extra keys" rather than panicking.
+        match vllm.extra.get(namespace) {
+            Some(keys) if parent.is_none() => buf.extend_from_slice(&keys.first),
+            Some(keys) => buf.extend_from_slice(&keys.rest),
+            None => buf.push(cbor::NULL),
+        }
+        BlockHash::from_slice(Sha256::digest(&self.buf).as_slice())
     }
 
     /// Append the hashes of the full blocks of `tokens` past those already in `hashes`.
@@ -256,7 +449,7 @@ mod tests {
     fn digest_lengths_follow_the_algorithm() {
         for algo in ALGOS {
             let mut h = BlockHasher::new(algo);
-            let ns = h.namespace(None, None);
+            let ns = h.namespace(None, None).unwrap();
             assert_eq!(ns.as_bytes().len(), algo.digest_len());
             let b = h.block(None, &ns, &[1, 2, 3, 4]);
             assert_eq!(b.as_bytes().len(), algo.digest_len());
@@ -268,8 +461,8 @@ mod tests {
         for algo in ALGOS {
             let (mut a, mut b) = (BlockHasher::new(algo), BlockHasher::new(algo));
             let (na, nb) = (
-                a.namespace(Some(b"s"), Some(3)),
-                b.namespace(Some(b"s"), Some(3)),
+                a.namespace(Some(b"s"), Some(3)).unwrap(),
+                b.namespace(Some(b"s"), Some(3)).unwrap(),
             );
             assert_eq!(na, nb);
             assert_eq!(a.block(None, &na, &[7, 8]), b.block(None, &nb, &[7, 8]));
@@ -289,8 +482,10 @@ mod tests {
                 (None, Some(1)),
                 (Some(b""), Some(0)),
             ];
-            let namespaces: Vec<BlockHash> =
-                variants.iter().map(|(s, l)| h.namespace(*s, *l)).collect();
+            let namespaces: Vec<BlockHash> = variants
+                .iter()
+                .map(|(s, l)| h.namespace(*s, *l).unwrap())
+                .collect();
             for i in 0..namespaces.len() {
                 for j in 0..i {
                     assert_ne!(
@@ -317,7 +512,7 @@ mod tests {
     fn parent_and_tokens_are_separated() {
         for algo in ALGOS {
             let mut h = BlockHasher::new(algo);
-            let ns = h.namespace(None, None);
+            let ns = h.namespace(None, None).unwrap();
             let root = h.block(None, &ns, &[1, 2]);
             let child = h.block(Some(&root), &ns, &[1, 2]);
             assert_ne!(root, child);
@@ -331,7 +526,7 @@ mod tests {
     fn extend_chain_hashes_full_blocks_only_and_resumes() {
         for algo in ALGOS {
             let mut h = BlockHasher::new(algo);
-            let ns = h.namespace(None, None);
+            let ns = h.namespace(None, None).unwrap();
             let tokens: Vec<u32> = (0..11).collect();
             let mut chain = Vec::new();
             h.extend_chain(&mut chain, &ns, &tokens[..5], 4);
@@ -356,8 +551,8 @@ mod tests {
                 (Some(b"t"), None),
             ];
             for (salt, lora) in variants {
-                let fresh = BlockHasher::new(algo).derive_namespace(salt, lora);
-                assert_eq!(h.namespace(salt, lora), fresh, "{salt:?} {lora:?}");
+                let fresh = BlockHasher::new(algo).derive_namespace(salt, lora).unwrap();
+                assert_eq!(h.namespace(salt, lora).unwrap(), fresh, "{salt:?} {lora:?}");
             }
         }
     }
@@ -365,7 +560,7 @@ mod tests {
     #[test]
     fn blake3_block_is_keyed_by_parent_or_namespace() {
         let mut h = BlockHasher::new(HashAlgo::Blake3);
-        let ns = h.namespace(Some(b"s"), None);
+        let ns = h.namespace(Some(b"s"), None).unwrap();
         let tokens = [5u32, 6, 7];
         let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         let root = h.block(None, &ns, &tokens);
@@ -382,10 +577,99 @@ mod tests {
         );
     }
 
+    fn hex(h: &BlockHash) -> String {
+        format!("{h:?}")
+    }
+
+    // Recorded from vLLM 0.33.0's own functions by tests/core/data/record_vllm_hashes.py
+    // (vllm_sha256_cbor_hashes.json); the Python tests check every recorded case.
+    const EDGE_TOKENS: [u32; 8] = [0, 1, 23, 24, 255, 256, 65535, 65536];
+
+    #[test]
+    fn sha256_cbor_matches_vllm() {
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor);
+        assert_eq!(
+            hex(&BlockHash::from_slice(h.none_hash().unwrap())),
+            "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+        );
+        let want_plain = [
+            "9e85762a91def2a8c95633b296ff858a1304ca43d1c6d5cf5ac75c989d90ee6c",
+            "5d203f5d5f17a692f178862e6dec68ea216ff9c871972729fca592dff2c05659",
+        ];
+        let want_salted = [
+            "8761c49c586fc133477e3b9f585f852441b326e17ac9080f897880af6745cc84",
+            "45b2db494547339f69f88786f3e4afdeff3c4100c8a2ffdd4be481c01f77a468",
+        ];
+        for (salt, want) in [
+            (None, want_plain),
+            (Some(&b""[..]), want_plain),
+            (Some(&b"tenant-a"[..]), want_salted),
+        ] {
+            let ns = h.namespace(salt, None).unwrap();
+            let mut chain = Vec::new();
+            h.extend_chain(&mut chain, &ns, &EDGE_TOKENS, 4);
+            let got: Vec<String> = chain.iter().map(hex).collect();
+            assert_eq!(got, want, "salt {salt:?}");
+        }
+    }
+
+    #[test]
+    fn sha256_cbor_seed_and_lora_match_vllm() {
+        // PYTHONHASHSEED=0
+        let h = BlockHasher::with_seed(HashAlgo::Sha256Cbor, Some("0"));
+        assert_eq!(
+            hex(&BlockHash::from_slice(h.none_hash().unwrap())),
+            "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+        );
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor);
+        let tokens: Vec<u32> = (1000..1037).collect();
+        assert!(
+            h.namespace(Some(b"s"), Some(2)).is_err(),
+            "unregistered LoRA"
+        );
+        h.register_lora(2, "chat-\u{fc}", "");
+        let ns = h
+            .namespace(Some("s".repeat(30).as_bytes()), Some(2))
+            .unwrap();
+        let mut chain = Vec::new();
+        h.extend_chain(&mut chain, &ns, &tokens, 8);
+        assert_eq!(
+            hex(&chain[0]),
+            "d0db8abcc888002321c8113961db12115c9e16235486757669af718f18bb17b3"
+        );
+        assert_eq!(
+            hex(&chain[1]),
+            "32c27c99a93a71a08fed7e9f9624a7a09f5ab15a2bdc43ff722eb04dd79cc108"
+        );
+    }
+
+    #[test]
+    fn sha256_cbor_rejects_what_vllm_cannot_express() {
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor);
+        assert!(h.namespace(Some(b"\xff"), None).is_err());
+        assert!(h.namespace(None, Some(7)).is_err());
+        h.register_lora(7, "a", "/p");
+        let a = h.namespace(None, Some(7)).unwrap();
+        // Re-pointing the id at another adapter gives another namespace (cache bypassed).
+        h.register_lora(7, "b", "/p");
+        let b = h.namespace(None, Some(7)).unwrap();
+        assert_ne!(a, b);
+        assert_ne!(h.block(None, &a, &[1]), h.block(None, &b, &[1]));
+        // The salt keys only the first block: children of equal parents agree.
+        let plain = h.namespace(None, None).unwrap();
+        let salted = h.namespace(Some(b"t"), None).unwrap();
+        let root = h.block(None, &plain, &[1]);
+        assert_ne!(root, h.block(None, &salted, &[1]));
+        assert_eq!(
+            h.block(Some(&root), &plain, &[2]),
+            h.block(Some(&root), &salted, &[2])
+        );
+    }
+
     #[test]
     fn debug_prints_hex() {
         let mut h = BlockHasher::new(HashAlgo::Xxh3_128);
-        let ns = h.namespace(None, None);
+        let ns = h.namespace(None, None).unwrap();
         let s = format!("{ns:?}");
         assert_eq!(s.len(), 32);
         assert!(s.chars().all(|c| c.is_ascii_hexdigit()));

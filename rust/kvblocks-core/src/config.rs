@@ -13,7 +13,16 @@ pub enum HashAlgo {
     Blake3,
     /// xxh3-128, 16-byte digest (faster, not collision resistant against adversaries).
     Xxh3_128,
+    /// vLLM's `sha256_cbor`: SHA-256 of the canonical CBOR encoding of
+    /// `(parent_hash, tuple(token_ids), extra_keys)`, 32-byte digest. Bit-for-bit the
+    /// hashes vLLM computes, so routers that hash prompts the vLLM way match kvblocks.
+    Sha256Cbor,
 }
+
+/// The seed vLLM derives its first block's parent (`NONE_HASH`) from when
+/// `PYTHONHASHSEED` is not set and the hash is cryptographic
+/// (`vllm.v1.core.kv_cache_utils.DEFAULT_NONE_HASH_SEED`).
+pub const VLLM_DEFAULT_HASH_SEED: &str = "vllm-none-hash";
 
 impl HashAlgo {
     /// The name used by the Python API (`"blake3"` / `"xxh3_128"`).
@@ -21,13 +30,14 @@ impl HashAlgo {
         match self {
             HashAlgo::Blake3 => "blake3",
             HashAlgo::Xxh3_128 => "xxh3_128",
+            HashAlgo::Sha256Cbor => "sha256_cbor",
         }
     }
 
     /// Digest length in bytes.
     pub fn digest_len(self) -> usize {
         match self {
-            HashAlgo::Blake3 => 32,
+            HashAlgo::Blake3 | HashAlgo::Sha256Cbor => 32,
             HashAlgo::Xxh3_128 => 16,
         }
     }
@@ -46,8 +56,9 @@ impl FromStr for HashAlgo {
         match s {
             "blake3" => Ok(HashAlgo::Blake3),
             "xxh3_128" => Ok(HashAlgo::Xxh3_128),
+            "sha256_cbor" => Ok(HashAlgo::Sha256Cbor),
             other => Err(KvError::InvalidArgument(format!(
-                "hash_algo must be \"blake3\" or \"xxh3_128\", got {other:?}"
+                "hash_algo must be \"blake3\", \"xxh3_128\" or \"sha256_cbor\", got {other:?}"
             ))),
         }
     }
@@ -70,6 +81,10 @@ pub struct ManagerConfig {
     pub enable_prefix_caching: bool,
     /// Hash algorithm of the prefix cache.
     pub hash_algo: HashAlgo,
+    /// `sha256_cbor` only: the seed of vLLM's `NONE_HASH` (the first block's parent),
+    /// `sha256_cbor(seed)`; `None` is vLLM's fixed default [`VLLM_DEFAULT_HASH_SEED`].
+    /// vLLM takes it from `PYTHONHASHSEED` when set; the Python binding does the same.
+    pub hash_seed: Option<String>,
     /// Fraction of GPU blocks kept free at admission, in `[0, 1)`.
     pub watermark: f64,
     /// Attention window in tokens (`>= 1`), if any.
@@ -89,6 +104,7 @@ impl ManagerConfig {
             num_cpu_blocks: 0,
             enable_prefix_caching: true,
             hash_algo: HashAlgo::Blake3,
+            hash_seed: None,
             watermark: 0.01,
             sliding_window: None,
             record_events: true,
@@ -126,6 +142,12 @@ impl ManagerConfig {
             return Err(KvError::InvalidArgument(format!(
                 "watermark must be in [0, 1), got {}",
                 self.watermark
+            )));
+        }
+        if self.hash_seed.is_some() && self.hash_algo != HashAlgo::Sha256Cbor {
+            return Err(KvError::InvalidArgument(format!(
+                "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
+                self.hash_algo.as_str()
             )));
         }
         if self.sliding_window == Some(0) {

@@ -2,7 +2,7 @@
 //!
 //! A paged KV-cache block manager with vLLM's block-manager semantics, in plain Rust:
 //! block pools with reference counts and an eviction-ordered free queue, a content-hash
-//! prefix cache (BLAKE3 or xxh3-128) with namespaces for cache salts and LoRA ids,
+//! prefix cache (BLAKE3, xxh3-128, or vLLM's own `sha256_cbor` block hashes) with namespaces for cache salts and LoRA ids,
 //! copy-on-write for forked sequences, block tables and slot mappings for the model
 //! step, CPU swap, a sliding window, KV cache events and an invariant checker.
 //!
@@ -53,6 +53,7 @@ mod batch_arg;
 mod block_hash;
 mod block_pool;
 mod block_table_delta;
+pub mod cbor;
 mod config;
 mod error;
 mod events;
@@ -68,7 +69,7 @@ pub use batch_allocation::BatchAllocation;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
 pub use block_table_delta::BlockTableDelta;
-pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS};
+pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
 pub use manager::{BlockTables, KVCacheManager};

@@ -153,7 +153,7 @@ mod tests {
     use crate::config::HashAlgo;
 
     fn entry(h: &mut BlockHasher, token: u32) -> CacheEntry {
-        let ns = h.namespace(None, None);
+        let ns = h.namespace(None, None).unwrap();
         CacheEntry {
             hash: h.block(None, &ns, &[token]),
             #[cfg(debug_assertions)]

@@ -12,7 +12,7 @@ use numpy::{
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::alloc_status::AllocStatus;
 use crate::args::{self, PerSeq, COUNT_END, TOKEN_ID_END};
@@ -253,12 +253,13 @@ impl KVCacheManager {
         num_cpu_blocks = None,
         enable_prefix_caching = None,
         hash_algo = None,
+        hash_seed = None,
         watermark = None,
         sliding_window = None,
         record_events = None,
     ),
     text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
-                      hash_algo='blake3', watermark=0.01, sliding_window=None, record_events=True)"
+                      hash_algo='blake3', hash_seed=None, watermark=0.01, sliding_window=None, record_events=True)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -267,6 +268,7 @@ impl KVCacheManager {
         num_cpu_blocks: Option<&Bound<'_, PyAny>>,
         enable_prefix_caching: Option<&Bound<'_, PyAny>>,
         hash_algo: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
         watermark: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
         record_events: Option<&Bound<'_, PyAny>>,
@@ -284,6 +286,14 @@ impl KVCacheManager {
         if let Some(algo) = hash_algo {
             config.hash_algo = args::text(algo, "hash_algo")?.parse().py_err()?;
         }
+        config.hash_seed = match hash_seed {
+            Some(seed) if !seed.is_none() => Some(args::text(seed, "hash_seed")?),
+            // As vLLM's `init_none_hash`: PYTHONHASHSEED, when set, seeds NONE_HASH.
+            _ if config.hash_algo == core::HashAlgo::Sha256Cbor => {
+                std::env::var("PYTHONHASHSEED").ok()
+            }
+            _ => None,
+        };
         if let Some(w) = watermark {
             config.watermark = args::real(w, "watermark")?;
         }
@@ -325,10 +335,37 @@ impl KVCacheManager {
         self.read(py, |m| m.enable_prefix_caching())
     }
 
-    /// ``"blake3"`` or ``"xxh3_128"``.
+    /// ``"blake3"``, ``"xxh3_128"`` or ``"sha256_cbor"``.
     #[getter]
     fn hash_algo(&self, py: Python<'_>) -> &'static str {
         self.read(py, |m| m.hash_algo().as_str())
+    }
+
+    /// vLLM's ``NONE_HASH`` (the parent hash of first blocks) with ``sha256_cbor``, else
+    /// ``None``.
+    #[getter]
+    fn none_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        let digest = self.read(py, |m| m.none_hash().copied());
+        digest.map(|d| PyBytes::new(py, &d))
+    }
+
+    /// Map ``lora_id`` to vLLM's LoRA hash key ``(lora_name, lora_path)``; see the stub.
+    #[pyo3(signature = (lora_id, lora_name, lora_path = None))]
+    fn register_lora(
+        &self,
+        py: Python<'_>,
+        lora_id: &Bound<'_, PyAny>,
+        lora_name: &Bound<'_, PyAny>,
+        lora_path: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let id = args::int_in(lora_id, "lora_id", 0, 1 << 64)? as u64;
+        let name = args::text(lora_name, "lora_name")?;
+        let path = match lora_path {
+            Some(p) if !p.is_none() => args::text(p, "lora_path")?,
+            _ => String::new(),
+        };
+        self.run(py, Work::Short, |m| m.register_lora(id, &name, &path));
+        Ok(())
     }
 
     /// Fraction of GPU blocks kept free at admission.

@@ -62,7 +62,7 @@ impl KVCacheManager {
                 events: Vec::new(),
                 counters: Counters::default(),
             },
-            hasher: BlockHasher::new(config.hash_algo),
+            hasher: BlockHasher::with_seed(config.hash_algo, config.hash_seed.as_deref()),
             index: FxHashMap::default(),
             slots: Vec::new(),
             num_swapped: 0,
@@ -180,6 +180,7 @@ mod commit;
 mod free;
 mod in_flight;
 mod invariants;
+mod lora_keys;
 mod pools;
 mod queries;
 mod sequences;

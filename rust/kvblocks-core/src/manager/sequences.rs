@@ -31,7 +31,7 @@ impl KVCacheManager {
         let namespace;
         let mut cap = 0;
         if self.pools.caching {
-            namespace = self.hasher.namespace(cache_salt, lora_id);
+            namespace = self.hasher.namespace(cache_salt, lora_id)?;
             self.hasher
                 .extend_chain(&mut hashes, &namespace, token_ids, bs);
             let max_hit = token_ids.len().saturating_sub(1) / bs;
