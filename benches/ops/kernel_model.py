@@ -1,0 +1,565 @@
+"""A static performance model of the attention kernels, read from their SASS (no GPU needed).
+
+    python benches/ops/kernel_model.py [--json] [--arch sm_90 ...] [--ftz]
+
+For each instantiation (decode at GQA 1/4/8, head 64/128/256, fp16/bf16, block 16/32;
+prefill at head 64/128/256), the kernel is compiled exactly as the CUDA backend compiles it
+(``kernel_cache``'s NVRTC options; ``-lineinfo`` and ``--ptxas-options=-v`` added, which
+change no instruction), disassembled with nvdisasm, and its main loop (the smallest loop
+holding a barrier and a global load: one K/V tile per iteration) is counted per tile with
+:func:`sass.count_loop`. Runtime parameters (rows per CTA, token slices) enter through the
+rules in :data:`PAGED_ATTENTION_RULES`, keyed by the source line of each branch.
+
+The model (numbers per SM and per cycle, so the clock cancels out of the fraction)::
+
+    issue cycles per tile   = warp-instructions per tile / 4   (4 schedulers, 1 issue each)
+    decode:  issue B/cycle  = K/V bytes per tile / issue cycles
+             HBM fraction   = min(1, issue B/cycle / HBM B/cycle/SM,
+                                  in-flight bytes / (HBM B/cycle/SM x latency))
+    prefill: issue FLOP/cycle = 4 x rows x tile x head / issue cycles
+             tensor fraction  = issue FLOP/cycle / dense tensor FLOP/cycle/SM
+
+It is a ceiling: every issue slot is assumed used (no dependency or memory stalls), so a
+kernel can only be slower. The latency term is Little's law with one prefetched tile per
+resident CTA (the kernels keep exactly one tile of loads in flight while computing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sass
+
+__all__ = [
+    "GPUS",
+    "PAGED_ATTENTION_RULES",
+    "Gpu",
+    "Instantiation",
+    "ModelRow",
+    "Shape",
+    "TileCount",
+    "count_tile",
+    "default_instantiations",
+    "find_nvdisasm",
+    "main",
+    "model",
+    "occupancy",
+    "render_table",
+]
+
+THREADS = 128
+WARPS = THREADS // 32
+ISSUE_PER_CYCLE = 4
+"""Warp-instructions an SM issues per cycle (4 sub-partitions, one each), sm_80 and sm_90."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """The per-SM limits and peaks the model compares against."""
+
+    name: str
+    arch: str
+    sms: int
+    clock_ghz: float
+    hbm_tb_s: float
+    tensor_tflops: float
+    """Dense fp16/bf16 tensor-core peak (no sparsity)."""
+    smem_per_sm: int
+    regs_per_sm: int = 65536
+    max_warps: int = 64
+    max_ctas: int = 32
+    latency_cycles: int = 800
+    """Assumed HBM load latency under load (an assumption, not a measured figure)."""
+
+    @property
+    def hbm_bytes_per_cycle_sm(self) -> float:
+        """HBM bandwidth per SM per cycle."""
+        return self.hbm_tb_s * 1e12 / self.sms / (self.clock_ghz * 1e9)
+
+    @property
+    def tensor_flops_per_cycle_sm(self) -> float:
+        """Dense tensor-core FLOP per SM per cycle."""
+        return self.tensor_tflops * 1e12 / self.sms / (self.clock_ghz * 1e9)
+
+
+GPUS = {
+    # H100 SXM5: 3.35 TB/s HBM3, 132 SMs, 1.83 GHz (the clock NVIDIA's 989.4 TFLOPS is quoted at).
+    "sm_90": Gpu("H100 SXM", "sm_90", 132, 1.83, 3.35, 989.4, 228 * 1024),
+    # A100 SXM 80 GB: 2.039 TB/s HBM2e, 108 SMs, 1.41 GHz, 312 TFLOPS dense bf16.
+    "sm_80": Gpu("A100 SXM", "sm_80", 108, 1.41, 2.039, 312.0, 164 * 1024),
+}
+"""The GPU each architecture is modeled on."""
+
+_CTYPES = {"fp16": ("__half", 2), "bf16": ("__nv_bfloat16", 2), "fp32": ("float", 4)}
+DECODE_ROWS = 8
+PREFILL_ROWS = 16
+
+
+@dataclass(frozen=True)
+class Instantiation:
+    """One modeled launch: a kernel template instance plus the runtime shape it runs."""
+
+    kind: str  # "decode" or "prefill"
+    dtype: str  # "fp16", "bf16"
+    head: int
+    group: int  # query heads per KV head (GQA ratio)
+    block_size: int
+    arch: str
+
+    @property
+    def template_rows(self) -> int:
+        """``ROWS`` template argument."""
+        return DECODE_ROWS if self.kind == "decode" else PREFILL_ROWS
+
+    @property
+    def kernel_name(self) -> str:
+        """Name expression of the instantiation."""
+        return (
+            f"paged_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, {self.template_rows}>"
+        )
+
+    @property
+    def label(self) -> str:
+        """Short row label."""
+        return (
+            f"{self.kind} {self.dtype} h{self.head} gqa{self.group} bs{self.block_size} {self.arch}"
+        )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The kernel's compile-time and runtime shape (mirrors ``AttentionShape`` and the plan)."""
+
+    esize: int
+    head: int
+    tile: int
+    vpr: int
+    rows: int
+    nslice: int
+    items: int
+
+    @classmethod
+    def of(cls, inst: Instantiation) -> Shape:
+        """Shape of ``inst`` as ``paged_attention.cu`` and ``launch_plan`` compute it."""
+        esize = _CTYPES[inst.dtype][1]
+        row_bytes = inst.head * esize
+        per_tile = 8192 // row_bytes
+        tile = 32 if per_tile >= 32 else 16 if per_tile >= 16 else 8
+        vpr = row_bytes // 16
+        heads_per_cta = min(inst.group, inst.template_rows)
+        queries = 1 if inst.kind == "decode" else max(1, inst.template_rows // heads_per_cta)
+        rows = heads_per_cta * queries
+        nslice = max(1, THREADS // (rows * vpr))
+        return cls(esize, inst.head, tile, vpr, rows, nslice, rows * vpr * nslice)
+
+
+_RULES_SOURCE = "paged_attention.cu"
+
+
+def _warp_fraction(threads: int) -> float:
+    return sass.active_warps(threads, WARPS) / WARPS
+
+
+PAGED_ATTENTION_RULES: dict[str, dict[str, object]] = {
+    # Scores: one thread per (row, token); warps past rows * tile skip, the rest loop.
+    "for (int i = tid; i < rows * TILE; i += NT)": {
+        "fallthrough": lambda s, k: _warp_fraction(s.rows * s.tile),
+        "trips": lambda s, k: (
+            sass.ceil_div(s.rows * s.tile, 32) / max(1, sass.active_warps(s.rows * s.tile, WARPS))
+        ),
+    },
+    # Online softmax: one thread per row.
+    "if (tid < rows)": {"fallthrough": lambda s, k: _warp_fraction(s.rows)},
+    # P*V: the k-th unrolled item covers threads tid + k * 128 < items.
+    "if (i < items)": {"fallthrough": lambda s, k: _warp_fraction(s.items - k * THREADS)},
+    "for (int t = slice; t < TILE; t += nslice)": {
+        "trips": lambda s, k: sass.ceil_div(s.tile, s.nslice)
+    },
+}
+"""Branch rules of ``paged_attention_kernel``: source-line text -> fall-through fraction
+(share of the flow that runs the guarded code) and trip count per entry, as functions of
+the :class:`Shape` and the occurrence number of that line's branch. A steady-state tile:
+full, every key visible, next tile prefetched, no soft cap or window (every other branch
+falls through, i.e. the default of :func:`sass.count_loop`)."""
+
+
+def find_nvdisasm() -> str | None:
+    """Path of nvdisasm: ``$KVBLOCKS_NVDISASM``, ``PATH``, the ``nvidia-cuda-nvdisasm``
+    wheel, or the copy inside triton; None if there is none."""
+    if env := os.environ.get("KVBLOCKS_NVDISASM"):
+        return env if Path(env).is_file() else None
+    if found := shutil.which("nvdisasm"):
+        return found
+    candidates = []
+    for pkg, subs in (
+        ("nvidia", ("cu13/bin", "cuda_nvdisasm/bin", "cu12/bin")),
+        ("triton", ("backends/nvidia/bin",)),
+    ):
+        spec = importlib.util.find_spec(pkg)
+        for root in spec.submodule_search_locations or [] if spec else []:
+            candidates += [Path(root) / sub / "nvdisasm" for sub in subs]
+    return next((str(c) for c in candidates if c.is_file()), None)
+
+
+@dataclass
+class Compiled:
+    """SASS listing and ptxas resources of every kernel of one program."""
+
+    sass_text: str
+    resources: dict[str, object]
+    lowered: dict[str, str]
+    options: list[str]
+
+
+def _cache_path(key: str) -> Path:
+    from kvblocks.ops import kernel_cache
+
+    return kernel_cache.cache_dir() / "model" / key
+
+
+def compile_and_disassemble(names: tuple[str, ...], arch: str, ftz: bool = False) -> Compiled:
+    """Compile ``names`` in one NVRTC program for ``arch`` and disassemble the cubin.
+
+    The result is kept on disk next to the kernel cache, keyed by the sources, options,
+    NVRTC version and names, so a second run (or the CI test) does not compile again.
+    """
+    from kvblocks.ops import kernel_cache, nvrtc_build
+    from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, cuda_dir
+
+    options = [*kernel_cache._options(arch), *(["-ftz=true"] if ftz else [])]
+    tool = find_nvdisasm()
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    src = cuda_dir()
+    material = {
+        "sources": {
+            p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted([*src.glob("*.cu"), *src.glob("*.cuh")])
+        },
+        "options": options,
+        "names": list(names),
+        "nvrtc": list(nvrtc_build.nvrtc_version()),
+        "nvdisasm": Path(tool).stat().st_size,
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+    path = _cache_path(key)
+    try:
+        cached = json.loads((path.with_suffix(".json")).read_text())
+        return Compiled(**cached)
+    except (OSError, ValueError, TypeError):
+        pass
+    program = nvrtc_build.compile_program(
+        ATTENTION_SOURCE, list(names), [*options, "-lineinfo", "--ptxas-options=-v"]
+    )
+    by_lowered = {low: expr for expr, low in program.lowered.items()}
+    resources = {
+        name: dataclasses.asdict(res)
+        for name, res in nvrtc_build._parse_ptxas(program.log, by_lowered).items()
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(program.binary)
+        text = subprocess.run(
+            [tool, "-c", "-g", str(cubin)], check=True, capture_output=True, text=True
+        ).stdout
+    compiled = Compiled(text, resources, program.lowered, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp_path.write_text(json.dumps(dataclasses.asdict(compiled)))
+        tmp_path.replace(path.with_suffix(".json"))
+    except OSError:
+        pass  # a read-only cache only costs a recompile
+    return compiled
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident CTAs per SM and what limits them."""
+
+    ctas: int
+    limiter: str
+    warps_fraction: float
+
+
+def occupancy(registers: int, smem_bytes: int, gpu: Gpu, threads: int = THREADS) -> Occupancy:
+    """CTAs per SM from registers (256-register allocation units per warp, 4 sub-partitions),
+    shared memory (plus the 1 KiB the driver reserves per CTA) and the warp/CTA limits."""
+    warps = math.ceil(threads / 32)
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    warps_by_regs = (gpu.regs_per_sm // 4 // per_warp) * 4 if per_warp else gpu.max_warps
+    limits = {
+        "registers": warps_by_regs // warps,
+        "shared memory": gpu.smem_per_sm // (smem_bytes + 1024),
+        "warps": gpu.max_warps // warps,
+        "CTAs": gpu.max_ctas,
+    }
+    limiter = min(limits, key=lambda k: limits[k])
+    ctas = limits[limiter]
+    return Occupancy(ctas, limiter, ctas * warps / gpu.max_warps)
+
+
+@dataclass
+class ModelRow:
+    """The model's figures for one instantiation (per CTA, per K/V tile)."""
+
+    inst: Instantiation
+    rows: int
+    tile_tokens: int
+    kv_bytes: int
+    warp_instructions: float
+    by_class: dict[str, float]
+    global_load_bytes: float
+    global_store_bytes: float
+    shared_load_bytes: float
+    shared_store_bytes: float
+    registers: int
+    spill_bytes: int
+    smem_bytes: int
+    ctas_per_sm: int
+    occupancy_limiter: str
+    gpu: str
+    metric: str  # "HBM" (decode) or "tensor" (prefill)
+    issue_rate: float  # bytes or FLOP per cycle per SM at full issue
+    peak_rate: float
+    issue_fraction: float
+    latency_fraction: float
+    fraction: float
+    formula: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready dict."""
+        out = dataclasses.asdict(self)
+        out["inst"] = dataclasses.asdict(self.inst)
+        out["name"] = self.inst.kernel_name
+        out["label"] = self.inst.label
+        return out
+
+
+def _rule(kind: str):
+    def lookup(shape: Shape, source: dict[int, str]):
+        def rule(ins: sass.Instruction, k: int) -> float | None:
+            if ins.file is not None and Path(ins.file).name != _RULES_SOURCE:
+                return None  # an inlined header line, not a line of the kernel's source
+            text = source.get(ins.line or -1, "")
+            for needle, rules in PAGED_ATTENTION_RULES.items():
+                if needle in text and kind in rules:
+                    return float(rules[kind](shape, k))  # type: ignore[operator]
+            return None
+
+        return rule
+
+    return lookup
+
+
+def _main_loop(listing: sass.Listing) -> sass.Loop:
+    ins = listing.instructions
+    for loop in listing.loops():  # innermost first
+        body = ins[loop.head : loop.tail + 1]
+        if any(i.base == "BAR" for i in body) and any(i.base == "LDG" for i in body):
+            return loop
+    raise ValueError(f"{listing.name}: no loop with a barrier and a global load")
+
+
+@dataclass
+class TileCount:
+    """Warp-instructions and bytes of one main-loop iteration (one K/V tile) of a CTA."""
+
+    by_class: dict[str, float]
+    moved: dict[str, float]
+    notes: list[str]
+
+    @property
+    def total(self) -> float:
+        """All warp-instructions."""
+        return sum(self.by_class.values())
+
+
+def count_tile(listing: sass.Listing, shape: Shape, source: dict[int, str]) -> TileCount:
+    """Count the main loop of ``listing`` for ``shape``; ``source`` maps the listing's line
+    numbers to the text the branch rules match (the kernel's ``.cu`` file)."""
+    loop = _main_loop(listing)
+    counts, notes = sass.count_loop(
+        listing,
+        loop,
+        float(WARPS),
+        fallthrough=_rule("fallthrough")(shape, source),
+        trips=_rule("trips")(shape, source),
+    )
+    by_class = dict.fromkeys(sass.CLASSES, 0.0)
+    moved = {"global_load": 0.0, "global_store": 0.0, "shared_load": 0.0, "shared_store": 0.0}
+    for ins, n in zip(listing.instructions, counts, strict=True):
+        if not n:
+            continue
+        cls = sass.classify(ins)
+        by_class[cls] += n
+        if cls in moved:
+            moved[cls] += n * 32 * sass.width_bytes(ins)
+    return TileCount(by_class, moved, notes)
+
+
+def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
+    """Count the main loop of ``inst``'s kernel in ``compiled`` and apply the model."""
+    import torch
+
+    from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, read_source
+    from kvblocks.ops.launch_plan import attention_smem_bytes
+
+    shape = Shape.of(inst)
+    lowered = compiled.lowered[inst.kernel_name]
+    listing = sass.parse_listing(compiled.sass_text)[lowered]
+    source = dict(enumerate(read_source(ATTENTION_SOURCE).splitlines(), start=1))
+    tile = count_tile(listing, shape, source)
+    by_class, moved, notes = tile.by_class, tile.moved, tile.notes
+    total = sum(by_class.values())
+    res = compiled.resources[inst.kernel_name]
+    gpu = GPUS[inst.arch]
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[inst.dtype]
+    smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
+        res["static_smem_bytes"]
+    )
+    occ = occupancy(int(res["registers"]), smem, gpu)
+    kv_bytes = 2 * shape.tile * inst.head * shape.esize
+    cycles = total / ISSUE_PER_CYCLE
+    if inst.kind == "decode":
+        metric, peak = "HBM", gpu.hbm_bytes_per_cycle_sm
+        rate = kv_bytes / cycles
+        issue = min(1.0, rate / peak)
+        latency = min(1.0, occ.ctas * kv_bytes / (peak * gpu.latency_cycles))
+        frac = min(issue, latency)
+        formula = (
+            f"min({kv_bytes} B / ({total:.0f}/4 cyc) = {rate:.2f} / {peak:.2f} B/cyc/SM, "
+            f"{occ.ctas} CTA x {kv_bytes} B / ({peak:.2f} x {gpu.latency_cycles} cyc))"
+        )
+    else:
+        metric, peak = "tensor", gpu.tensor_flops_per_cycle_sm
+        flops = 4 * shape.rows * shape.tile * inst.head
+        rate = flops / cycles
+        issue = latency = frac = min(1.0, rate / peak)
+        formula = f"{flops} FLOP / ({total:.0f}/4 cyc) = {rate:.1f} / {peak:.0f} FLOP/cyc/SM"
+    return ModelRow(
+        inst=inst,
+        rows=shape.rows,
+        tile_tokens=shape.tile,
+        kv_bytes=kv_bytes,
+        warp_instructions=total,
+        by_class=by_class,
+        global_load_bytes=moved["global_load"],
+        global_store_bytes=moved["global_store"],
+        shared_load_bytes=moved["shared_load"],
+        shared_store_bytes=moved["shared_store"],
+        registers=int(res["registers"]),
+        spill_bytes=int(res["spill_stores"]) + int(res["spill_loads"]),
+        smem_bytes=smem,
+        ctas_per_sm=occ.ctas,
+        occupancy_limiter=occ.limiter,
+        gpu=gpu.name,
+        metric=metric,
+        issue_rate=rate,
+        peak_rate=peak,
+        issue_fraction=issue,
+        latency_fraction=latency,
+        fraction=frac,
+        formula=formula,
+        notes=notes,
+    )
+
+
+def default_instantiations(archs: list[str]) -> list[Instantiation]:
+    """Decode at GQA 1/4/8, head 64/128/256, fp16/bf16, block 16/32; prefill at GQA 8."""
+    out = []
+    for arch in archs:
+        for dtype in ("fp16", "bf16"):
+            for head in (64, 128, 256):
+                for group in (1, 4, 8):
+                    for block in (16, 32):
+                        out.append(Instantiation("decode", dtype, head, group, block, arch))
+                out.append(Instantiation("prefill", dtype, head, 8, 16, arch))
+    return out
+
+
+@functools.cache
+def _compiled(names: tuple[str, ...], arch: str, ftz: bool) -> Compiled:
+    return compile_and_disassemble(names, arch, ftz)
+
+
+def run_model(insts: list[Instantiation], ftz: bool = False) -> list[ModelRow]:
+    """Model every instantiation, compiling one program per architecture."""
+    rows = []
+    for arch in sorted({i.arch for i in insts}):
+        names = tuple(sorted({i.kernel_name for i in insts if i.arch == arch}))
+        compiled = _compiled(names, arch, ftz)
+        rows += [model(i, compiled) for i in insts if i.arch == arch]
+    return rows
+
+
+_SHORT = {
+    "global_load": "LDG", "shared_load": "LDS", "shared_store": "STS", "fma": "FMA",
+    "fp_alu": "FALU", "mufu": "MUFU", "tensor": "MMA", "convert": "CVT",
+    "int_addr": "INT", "barrier": "BAR", "control": "CTRL",
+}  # fmt: skip
+
+
+def render_table(rows: list[ModelRow]) -> str:
+    """A markdown table, one row per instantiation."""
+    head = (
+        "| kernel | rows | tile | warp-instr/tile | "
+        + " | ".join(_SHORT.values())
+        + " | LDG B | LDS+STS B | regs | CTAs/SM | modeled | formula |"
+    )
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        cls = " | ".join(f"{r.by_class[c]:.0f}" for c in _SHORT)
+        lines.append(
+            f"| {r.inst.label} | {r.rows} | {r.tile_tokens} | {r.warp_instructions:.0f} | {cls} | "
+            f"{r.global_load_bytes:.0f} | {r.shared_load_bytes + r.shared_store_bytes:.0f} | "
+            f"{r.registers} | {r.ctas_per_sm} ({r.occupancy_limiter}) | "
+            f"{100 * r.fraction:.1f}% of {r.gpu} {r.metric} | `{r.formula}` |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table (or JSON with ``--json``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument("--arch", action="append", choices=sorted(GPUS), help="repeatable")
+    parser.add_argument("--ftz", action="store_true", help="add -ftz=true (CuPy's default)")
+    args = parser.parse_args(argv)
+    rows = run_model(default_instantiations(args.arch or ["sm_90", "sm_80"]), args.ftz)
+    if args.json:
+        print(json.dumps([r.to_json() for r in rows], indent=1))
+    else:
+        for gpu in GPUS.values():
+            print(
+                f"- {gpu.name} ({gpu.arch}): HBM {gpu.hbm_tb_s} TB/s / {gpu.sms} SMs / "
+                f"{gpu.clock_ghz} GHz = {gpu.hbm_bytes_per_cycle_sm:.2f} B/cycle/SM; dense "
+                f"tensor {gpu.tensor_tflops} TFLOPS = {gpu.tensor_flops_per_cycle_sm:.0f} "
+                f"FLOP/cycle/SM; latency assumed {gpu.latency_cycles} cycles"
+            )
+        print()
+        print(render_table(rows))
+        notes = sorted({n for r in rows for n in r.notes})
+        for n in notes:
+            print(f"note: {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
