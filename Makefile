@@ -83,6 +83,12 @@ bench: bench-rust bench-python
 ptxas-report: build
 	$(PY) benches/ops/ptxas_report.py sm_80 sm_90
 
+# Static performance model from the SASS (NVRTC + nvdisasm, no GPU): warp-instructions per
+# K/V tile by class, bytes, occupancy, modeled fraction of HBM / tensor-core peak.
+.PHONY: kernel-model
+kernel-model: build
+	$(PY) benches/ops/kernel_model.py
+
 # Decode/prefill time and fraction of HBM bandwidth; needs a CUDA GPU and CuPy.
 bench-gpu: build
 	$(PY) benches/ops/bench_gpu.py

@@ -392,3 +392,136 @@ def ceil_div(a: int, b: int) -> int:
 def active_warps(threads: int, warps: int) -> int:
     """Warps of a CTA with at least one of the first ``threads`` threads (at most ``warps``)."""
     return max(0, min(warps, math.ceil(threads / 32)))
+
+
+def _occurrences(listing: Listing, loop: Loop) -> dict[int, int]:
+    """Occurrence number of each conditional branch in ``loop`` among the branches of the
+    same kind (forward / back-edge) at the same source line, in address order."""
+    seen: dict[tuple[str, int | None, bool], int] = defaultdict(int)
+    out = {}
+    for ins in listing.instructions[loop.head : loop.tail + 1]:
+        t = listing.target_index(ins)
+        if t is None or not ins.predicate:
+            continue
+        key = (ins.file or "", ins.line, t > ins.index)
+        out[ins.index] = seen[key]
+        seen[key] += 1
+    return out
+
+
+def warp_trace(
+    listing: Listing,
+    loop: Loop,
+    *,
+    falls_through: Callable[[Instruction, int], bool],
+    trips: Callable[[Instruction, int], int],
+    limit: int = 1 << 20,
+) -> list[int]:
+    """Instruction indices one warp issues in one iteration of ``loop``, in order.
+
+    ``falls_through(branch, k)`` says whether the warp runs the code a forward branch
+    guards; ``trips(back_edge, k)`` how many times it runs an inner loop's body.
+    """
+    ins = listing.instructions
+    occ = _occurrences(listing, loop)
+    done: dict[int, int] = defaultdict(int)
+    trace: list[int] = []
+    i = loop.head
+    while loop.head <= i <= loop.tail and len(trace) < limit:
+        cur = ins[i]
+        trace.append(i)
+        target = listing.target_index(cur)
+        if i == loop.tail or (cur.base == "EXIT" and not cur.predicate):
+            break
+        if target is None or not loop.contains(target):
+            i += 1
+        elif not cur.predicate:
+            i = target
+        elif target > i:
+            i = i + 1 if falls_through(cur, occ[i]) else target
+        else:
+            done[i] += 1
+            if done[i] < trips(cur, occ[i]):
+                i = target
+            else:
+                done[i] = 0
+                i += 1
+    return trace
+
+
+LATENCY = {
+    "global_load": 200,
+    "shared_load": 30,
+    "const_load": 8,
+    "mufu": 18,
+    "convert": 4,
+    "shuffle": 25,
+}
+"""Cycles until a result can be used, by class (4 for the rest: integer, FP32 and FP16
+pipes); a rough reading of published Ampere/Hopper microbenchmarks. ``global_load`` is an
+L2 hit (the block table); conversions through the XU pipe (I2F, F2I, F2F) take 8."""
+
+_REG = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
+_PRED = re.compile(r"^!?(U?P)(\d)$")
+_NO_DEST = {"STS", "STG", "ST", "STL", "RED", "ATOMS", "BAR", "BRA", "BSSY", "BSYNC", "EXIT",
+            "CALL", "RET", "WARPSYNC", "NOP", "MEMBAR", "DEPBAR", "YIELD"}  # fmt: skip
+
+
+def _registers(operand: str, wide: int = 1) -> list[str]:
+    out = []
+    for m in _REG.finditer(operand):
+        n = int(m[2])
+        count = max(wide, 2 if m[3] else 1)
+        out += [f"{m[1]}{n + k}" for k in range(count)]
+    return out
+
+
+def _dests_and_sources(ins: Instruction) -> tuple[list[str], list[str]]:
+    ops = [o.strip() for o in ins.operands.split(",")] if ins.operands else []
+    sources = []
+    if ins.predicate:
+        sources.append(ins.predicate.lstrip("@!"))
+    if ins.base in _NO_DEST or not ops:
+        return [], sources + [r for o in ops for r in _registers(o)]
+    mods = ins.opcode.split(".")
+    wide = 4 if "128" in mods else 2 if ("64" in mods or "WIDE" in mods) else 1
+    dests, rest = [], ops
+    if m := _PRED.match(ops[0]):
+        dests.append(f"{m[1]}{m[2]}")
+    else:
+        dests += _registers(ops[0], wide)
+    rest = ops[1:]
+    if rest and (m := _PRED.match(rest[0])) and not rest[0].startswith("!"):
+        dests.append(f"{m[1]}{m[2]}")
+        rest = rest[1:]
+    for o in rest:
+        if m := _PRED.match(o):
+            sources.append(f"{m[1]}{m[2]}")
+        else:
+            sources += _registers(o)
+    return dests, sources
+
+
+def latency_of(ins: Instruction) -> int:
+    """Cycles until ``ins``'s result is usable (see :data:`LATENCY`)."""
+    if ins.base in ("I2F", "F2I", "F2F", "I2FP", "F2IP"):
+        return 8
+    if ins.base in ("S2R", "S2UR", "CS2R"):
+        return 20
+    return LATENCY.get(classify(ins), 4)
+
+
+def critical_path(listing: Listing, trace: list[int]) -> int:
+    """Cycles one warp needs for ``trace`` when it issues in order, one instruction per
+    cycle at most, each waiting for its source registers and predicates (a scoreboard with
+    :func:`latency_of`); registers are ready at the start (loads of the previous tile)."""
+    ready: dict[str, int] = {}
+    t = -1
+    for i in trace:
+        ins = listing.instructions[i]
+        dests, sources = _dests_and_sources(ins)
+        t = max([t + 1, *(ready.get(s, 0) for s in sources)])
+        lat = latency_of(ins)
+        for d in dests:
+            ready[d] = t + lat
+    return t + 1

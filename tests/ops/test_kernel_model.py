@@ -141,6 +141,9 @@ def test_recorded_decode_reproduces_the_issue_figure():
     assert abs(tile.total - 8400) <= 0.15 * 8400, tile.total
     # The listing is frozen, so the counts are exact: a parser, flow or rule change shows.
     assert (round(tile.total), round(mha.total)) == (8425, 2831)
+    # Warp 0 runs every phase (scores x2, softmax, P*V): its in-order dependent path.
+    assert (tile.warp0_instructions, tile.path_cycles) == (2302, 5902)
+    assert (mha.warp0_instructions, mha.path_cycles) == (1205, 3433)
     assert tile.by_class["mufu"] == 61  # 33 EX2 (softmax warp) + 28 RCP (runtime int divisions)
     # Cross-checks that hold whatever the schedule: every q.K and P*V multiply-add is one
     # FFMA lane (2 x rows x tile x head / 32 per tile, plus the softmax sum), every K/V byte
@@ -150,6 +153,29 @@ def test_recorded_decode_reproduces_the_issue_figure():
     assert tile.by_class["barrier"] == 16
     assert mha.by_class["fma"] == pytest.approx(2 * 1 * 32 * 128 / 32, abs=8)
     assert mha.total < tile.total / 2
+
+
+def test_critical_path_waits_for_sources_only():
+    text = """\
+.text.k:
+        /*0000*/                   FFMA R1, R2, R3, R4 ;
+        /*0010*/                   FFMA R5, R1, R3, R4 ;
+        /*0020*/                   FFMA R6, R2, R3, R4 ;
+        /*0030*/                   LDS.128 R8, [R6] ;
+        /*0040*/               @P0 FFMA R7, R11, R3, R4 ;
+        /*0050*/                   ISETP.GE.AND P0, PT, R7, 0x20, PT ;
+        /*0060*/               @P0 EXIT ;
+"""
+    (listing,) = sass.parse_listing(text).values()
+    # FFMA R5 waits for R1 (t=4); FFMA R6 issues next (t=5); LDS waits for R6 (t=9); the
+    # FFMA on R11 (loaded as R8..R11) waits 30 (t=39); ISETP for R7 (t=43); EXIT for P0
+    # (t=47), so 48 cycles.
+    assert sass.critical_path(listing, list(range(7))) == 48
+    assert sass._dests_and_sources(listing.instructions[3]) == (
+        ["R8", "R9", "R10", "R11"],
+        ["R6"],
+    )
+    assert sass.critical_path(listing, [0, 2]) == 2  # independent: one per cycle
 
 
 def test_occupancy():
