@@ -571,8 +571,8 @@ def render_table(rows: list[ModelRow]) -> str:
 
 
 _ANCHORS = {
-    "decode": "FlashInfer ~80-90%, vLLM paged_attention_v2 ~85% of HBM",
-    "prefill": "FlashAttention-2/3: 50-75% of tensor-core peak",
+    "decode": "FlashInfer 80-90%, vLLM v2 ~85% HBM",
+    "prefill": "FA-2/3 50-75% tensor",
 }
 
 
