@@ -1,6 +1,6 @@
 """A static performance model of the attention kernels, read from their SASS (no GPU needed).
 
-    python benches/ops/kernel_model.py [--json] [--arch sm_90 ...] [--ftz]
+    python benches/ops/kernel_model.py [--json | --summary] [--arch sm_90 ...] [--ftz]
 
 For each instantiation (decode at GQA 1/4/8, head 64/128/256, fp16/bf16, block 16/32;
 prefill at head 64/128/256), the kernel is compiled exactly as the CUDA backend compiles it
@@ -10,18 +10,19 @@ holding a barrier and a global load: one K/V tile per iteration) is counted per 
 :func:`sass.count_loop`. Runtime parameters (rows per CTA, token slices) enter through the
 rules in :data:`PAGED_ATTENTION_RULES`, keyed by the source line of each branch.
 
-The model (numbers per SM and per cycle, so the clock cancels out of the fraction)::
+The model (numbers per SM and per cycle, so the clock cancels out of the fraction); work is
+the tile's K/V bytes (decode, against HBM) or ``4 x rows x tile x head`` FLOP (prefill,
+against the dense tensor-core peak)::
 
-    issue cycles per tile   = warp-instructions per tile / 4   (4 schedulers, 1 issue each)
-    decode:  issue B/cycle  = K/V bytes per tile / issue cycles
-             HBM fraction   = min(1, issue B/cycle / HBM B/cycle/SM,
-                                  in-flight bytes / (HBM B/cycle/SM x latency))
-    prefill: issue FLOP/cycle = 4 x rows x tile x head / issue cycles
-             tensor fraction  = issue FLOP/cycle / dense tensor FLOP/cycle/SM
+    issue:    work / (warp-instructions per tile / 4)     4 schedulers, 1 issue each
+    path:     CTAs per SM x work / warp 0's path cycles   in-order, register dependencies
+    flight:   CTAs per SM x K/V bytes / HBM latency       decode only (Little's law)
+    fraction = min(1, issue, path, flight) / peak per SM per cycle
 
-It is a ceiling: every issue slot is assumed used (no dependency or memory stalls), so a
-kernel can only be slower. The latency term is Little's law with one prefetched tile per
-resident CTA (the kernels keep exactly one tile of loads in flight while computing).
+It is a ceiling: beyond warp 0's register dependencies (:func:`sass.critical_path`) it sees
+no stalls, and nothing of DRAM efficiency, partial tiles, split merging or grid balance.
+The flight term assumes one prefetched tile per resident CTA (the kernels keep exactly one
+tile of loads in flight while computing) and :attr:`Gpu.latency_cycles`.
 """
 
 from __future__ import annotations
@@ -625,13 +626,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ftz", action="store_true", help="add -ftz=true (CuPy's default)")
     parser.add_argument("--summary", action="store_true", help="compact table (cuda/README.md)")
     args = parser.parse_args(argv)
-    rows = run_model(default_instantiations(args.arch or ["sm_90", "sm_80"]), args.ftz)
+    archs = args.arch or ["sm_90", "sm_80"]
+    rows = run_model(default_instantiations(archs), args.ftz)
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=1))
     elif args.summary:
         print(render_summary(rows))
     else:
-        for gpu in GPUS.values():
+        for gpu in (GPUS[a] for a in archs):
             print(
                 f"- {gpu.name} ({gpu.arch}): HBM {gpu.hbm_tb_s} TB/s / {gpu.sms} SMs / "
                 f"{gpu.clock_ghz} GHz = {gpu.hbm_bytes_per_cycle_sm:.2f} B/cycle/SM; dense "
