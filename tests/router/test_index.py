@@ -34,6 +34,10 @@ def test_match_stops_at_the_first_missing_block() -> None:
     idx.apply(BlockStoredRecord(0, (H[0], H[2], H[3])))
     assert idx.overlaps(H[:4]) == {0: 1}
     assert idx.overlaps(H[1:4]) == {}
+    # Instance 1 holds block 1 but not block 0: it matches nothing of this prompt.
+    idx.apply(BlockStoredRecord(1, (H[1], H[2])))
+    assert idx.overlaps(H[:4]) == {0: 1}
+    assert idx.credited_overlaps(H[:4], lambda m: 1.0) == {0: 1.0}
 
 
 def test_remove_affects_only_the_reporting_instance() -> None:
