@@ -41,10 +41,11 @@ class SamplingParams:
         stop_token_ids: sampling one of these finishes the sequence (reason ``"stop"``);
             the stop token is kept in the output.
         ignore_eos: keep generating after the request's EOS token.
-        min_tokens: EOS and ``stop_token_ids`` do not finish a sequence (nor stop strings
-            match) before it has generated this many tokens; the tokens are still
-            sampled and kept (the sampler does not mask them). ``<= max_tokens``; not
-            with beam search.
+        min_tokens: the sequence generates at least this many tokens before EOS,
+            ``stop_token_ids`` or stop strings can end it (vLLM's rule): while it has
+            fewer, the scheduler bans EOS and the stop tokens in its sampling rows
+            (``SchedulerOutput.suppressed_token_ids``; the engine's sampler masks them) and
+            none of them finishes it. ``<= max_tokens``; not with beam search.
         stop: stop strings (``kvblocks.engine.LLM`` only; the scheduler sees tokens): the
             sequence finishes (reason ``"stop"``) as soon as its detokenised text
             contains one; the text is cut before it and the token ids end with the token

@@ -194,3 +194,41 @@ def test_counter_noise_depends_only_on_seed_index_and_position() -> None:
     )
     draws = [s.sample(logits, moved).sampled_token_ids.tolist() for _ in range(2)]
     assert draws[0] == draws[1] != together
+
+
+def test_suppressed_tokens_are_never_drawn_but_logprobs_stay_the_models() -> None:
+    logits = _logits(3, seed=5)
+    best = logits.argmax(-1)
+    out = _rows(temperature=[0.0, 0.0, 1.0])
+    # Row 0 bans its argmax, row 1 nothing, row 2 everything but token 3.
+    banned = [[int(best[0])], [], [t for t in range(VOCAB) if t != 3]]
+    out.suppressed_indptr = np.cumsum([0] + [len(b) for b in banned]).astype(np.int64)
+    out.suppressed_token_ids = np.array([t for b in banned for t in b], dtype=np.int64)
+    res = Sampler(torch.device("cpu"), seed=1).sample(logits, out)
+    tokens = res.sampled_token_ids.tolist()
+    second = logits[0].clone()
+    second[best[0]] = float("-inf")
+    assert tokens == [int(second.argmax()), int(best[1]), 3]
+    lp = torch.log_softmax(logits, -1)
+    assert res.sampled_logprobs is not None
+    np.testing.assert_allclose(
+        res.sampled_logprobs, [float(lp[r, t]) for r, t in enumerate(tokens)], rtol=1e-6
+    )
+
+
+def test_a_row_that_bans_every_token_draws_as_if_nothing_were_banned() -> None:
+    logits = _logits(1, seed=2)
+    out = _rows(temperature=[0.0])
+    out.suppressed_indptr = np.array([0, VOCAB], dtype=np.int64)
+    out.suppressed_token_ids = np.arange(VOCAB, dtype=np.int64)
+    res = Sampler(torch.device("cpu")).sample(logits, out)
+    assert res.sampled_token_ids.tolist() == [int(logits.argmax())]
+
+
+@pytest.mark.parametrize("indptr", [[0], [0, 2, 1], [1, 1, 2], [0, 1, 3], [0, -1, 2]], ids=str)
+def test_malformed_suppression_is_an_invalid_argument(indptr: list[int]) -> None:
+    out = _rows(temperature=[0.0, 0.0])
+    out.suppressed_indptr = np.array(indptr, dtype=np.int64)
+    out.suppressed_token_ids = np.array([1, 2], dtype=np.int64)
+    with pytest.raises(InvalidArgumentError):
+        Sampler(torch.device("cpu")).sample(_logits(2), out)

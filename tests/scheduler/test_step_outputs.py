@@ -12,6 +12,7 @@ from sched_fake_model import fake_step
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler import (
     FinishReason,
+    ModelStepResult,
     Request,
     RequestOutput,
     SamplingParams,
@@ -428,3 +429,31 @@ def test_a_failing_clock_changes_nothing(rust_manager) -> None:
     fail[0] = False
     (record,) = sched.update(out, fake_step(out))  # the same step, applied once
     assert record.outputs[0].num_tokens == 1
+
+
+def test_rows_below_min_tokens_ban_eos_and_stop_tokens(rust_manager) -> None:
+    """The step tells the engine which tokens each row may not draw: EOS and the stop
+    tokens while the sequence has fewer than ``min_tokens`` tokens (vLLM's rule), nothing
+    for other rows and nothing once the minimum is reached."""
+    sched = Scheduler(rust_manager(256, 4))
+    params = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=(9, 4))
+    sched.add_request(Request("min", [1, 2, 3], params, eos_token_id=7))
+    sched.add_request(Request("free", [5, 6], SamplingParams(max_tokens=10), eos_token_id=7))
+    seen = []
+    for _ in range(4):
+        out = sched.schedule()
+        rows = {int(s): r for r, s in enumerate(out.sample_seq_ids.tolist())}
+        owner = dict(zip(out.sample_seq_ids.tolist(), out.sample_request_ids, strict=True))
+        if out.suppressed_indptr is None:
+            seen.append({})
+        else:
+            ip, ids = out.suppressed_indptr, out.suppressed_token_ids
+            assert ids is not None and len(ip) == out.num_sample_rows + 1
+            seen.append(
+                {owner[s]: sorted(ids[ip[r] : ip[r + 1]].tolist()) for s, r in rows.items()}
+            )
+        # Never EOS or a stop token, so nothing ends early.
+        sampled = np.full(int(out.sample_counts.sum()), 11, dtype=np.int64)
+        sched.update(out, ModelStepResult(sampled))
+    # Tokens before a draw: 0 (prompt row), 1, 2 (minimum reached), 3.
+    assert seen == [{"min": [4, 7, 9], "free": []}, {"min": [4, 7, 9], "free": []}, {}, {}]

@@ -102,7 +102,7 @@ class Sampler:
                 topk_token_ids=topk_ids,
                 topk_logprobs=topk_lp,
             )
-        tokens = self._draw(logits, out, row_of)
+        tokens = self._draw(_suppress(logits, out), out, row_of)
         row_idx = torch.from_numpy(row_of).to(self.device)
         drawn_lp = logprobs[row_idx, tokens]
         return ModelStepResult(
@@ -222,3 +222,33 @@ def _mix(seed: int, index: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
+
+
+def _suppress(logits: Tensor, out: SchedulerOutput) -> Tensor:
+    """``logits`` with the tokens ``out.suppressed_*`` bans set to ``-inf`` (a copy; the
+    reported log-probs stay the model's). A row whose every token is banned is left as is:
+    there is nothing else to draw."""
+    indptr, banned = out.suppressed_indptr, out.suppressed_token_ids
+    if indptr is None or banned is None or len(banned) == 0:
+        return logits
+    indptr = np.asarray(indptr, dtype=np.int64)
+    banned = np.asarray(banned, dtype=np.int64)
+    if (
+        indptr.shape != (logits.shape[0] + 1,)
+        or int(indptr[0]) != 0
+        or int(indptr[-1]) != banned.shape[0]
+        or bool((np.diff(indptr) < 0).any())
+    ):
+        raise InvalidArgumentError(
+            f"suppressed_indptr must be [num_sample_rows + 1 = {logits.shape[0] + 1}] offsets "
+            f"ending at len(suppressed_token_ids) = {banned.shape[0]}"
+        )
+    rows = np.repeat(np.arange(logits.shape[0], dtype=np.int64), np.diff(indptr))
+    keep = (banned >= 0) & (banned < logits.shape[1])
+    masked = logits.clone()
+    r = torch.from_numpy(rows[keep]).to(logits.device)
+    masked[r, torch.from_numpy(banned[keep]).to(logits.device)] = float("-inf")
+    dead = torch.isinf(masked).all(dim=-1) & ~torch.isinf(logits).all(dim=-1)
+    if bool(dead.any()):
+        masked[dead] = logits[dead]
+    return masked

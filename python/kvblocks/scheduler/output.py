@@ -151,6 +151,12 @@ class SchedulerOutput:
             (``kvblocks.scheduler.block_table.delta_indices`` gives the scatter indices).
         block_table_reallocated: ``block_table`` is a new array this step (first step,
             or it grew): a device copy must be rebuilt from it whole.
+        suppressed_token_ids: int64 tokens sampling rows must not draw, row after row
+            (``SamplingParams.min_tokens``: a sequence that has generated fewer than
+            ``min_tokens`` tokens may not draw its EOS or stop tokens, as in vLLM); row
+            ``r`` bans ``suppressed_token_ids[suppressed_indptr[r]:suppressed_indptr[r+1]]``.
+            ``None`` (both) when no row bans anything, the usual case.
+        suppressed_indptr: int64 [R+1] offsets into ``suppressed_token_ids``, or ``None``.
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -187,6 +193,8 @@ class SchedulerOutput:
     block_table_rows: npt.NDArray[np.int32] | None = None
     block_table_delta: TableDelta | None = None
     block_table_reallocated: bool = False
+    suppressed_token_ids: npt.NDArray[np.int64] | None = None
+    suppressed_indptr: npt.NDArray[np.int64] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -141,6 +141,8 @@ class Scheduler:
         )
         self._next_seq_id = 0
         self._free_seq_ids: list[int] = []
+        # Unfinished requests with min_tokens > 0: only then do steps scan their rows.
+        self._num_min_tokens_requests = 0
         self._counter = 0
         self._in_flight: StepPlan | None = None
         self._pending_aborts: list[RequestState] = []
@@ -220,6 +222,8 @@ class Scheduler:
         self._counter += 1
         self._requests[rid] = state
         self._owner[seq_id] = state
+        if state.params.min_tokens > 0:
+            self._num_min_tokens_requests += 1
         if self.policy.name == "lpm":
             state.registered_step = self.counters.num_steps  # lpm probes waiting sequences
         else:
@@ -463,6 +467,8 @@ class Scheduler:
             output.blocks_to_copy = stack_pairs(
                 [pairs for kind, pairs in self._memory_ops if kind == "copy"]
             )
+        if self._num_min_tokens_requests:
+            self._suppress_early_stops(output)
         self._in_flight = plan
         self.counters.num_steps += 1
         self.counters.num_prefill_tokens += output.num_prefill_tokens
@@ -470,6 +476,30 @@ class Scheduler:
         if self.record_history:
             self.stats_history.append(self._stats_row(output))
         return output
+
+    def _suppress_early_stops(self, output: SchedulerOutput) -> None:
+        """``min_tokens``: ban EOS and the stop tokens in the rows of sequences that have
+        generated fewer than ``min_tokens`` tokens (vLLM's rule: they may end the sequence
+        from token ``min_tokens + 1`` on), through ``output.suppressed_*``."""
+        mgr = self.manager
+        banned: list[list[int]] = []
+        for seq in output.sample_seq_ids.tolist():
+            state = self._owner.get(seq)
+            if (
+                state is None
+                or not state.params.min_tokens
+                or mgr.num_tokens(seq) - state.num_prompt >= state.params.min_tokens
+            ):
+                banned.append([])
+                continue
+            banned.append(sorted(state.beam_stops))  # the stop tokens and EOS
+        counts = [len(b) for b in banned]
+        if not any(counts):
+            return
+        indptr = np.zeros(len(banned) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        output.suppressed_indptr = indptr
+        output.suppressed_token_ids = np.array([t for b in banned for t in b], dtype=np.int64)
 
     # -- update --------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, result: ModelStepResult) -> StepOutputs:
@@ -1344,6 +1374,8 @@ class Scheduler:
         rid = state.request.request_id
         if self._requests.get(rid) is state:
             del self._requests[rid]
+            if state.params.min_tokens > 0:
+                self._num_min_tokens_requests -= 1
         for seq in state.all_seq_ids:
             if self._owner.get(seq) is state:
                 del self._owner[seq]
