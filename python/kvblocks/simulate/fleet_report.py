@@ -123,7 +123,9 @@ def write_fleet_plot(results: Sequence[FleetResult], path: str | Path) -> None:
         )
     axes[2].set_ylabel("TTFT, s")
     axes[3].set_ylabel("TPOT, ms")
-    axes[2].legend(fontsize="small")
+    for ax in axes[2:]:
+        ax.set_ylim(top=1.3 * ax.get_ylim()[1])  # room for the legend above the bars
+    axes[2].legend(fontsize="small", ncol=len(PERCENTILES), loc="upper center")
     for ax in axes:
         ax.set_xticks(x, names, rotation=20, fontsize="small")
     cfg = results[0].config
