@@ -131,6 +131,14 @@ def test_max_concurrency_holds_conversations_back() -> None:
     assert one.simulated_time_s > free.simulated_time_s
 
 
+def test_requests_too_long_for_an_instance_are_rejected_with_their_later_turns() -> None:
+    """9 usable blocks of 8 tokens hold a first turn (40 + 12 tokens) but no later turn
+    (its history alone is over 52 tokens): each conversation loses its later turns."""
+    r = _fleet("cache-aware", num_blocks=10)
+    assert r.num_finished + r.num_rejected == 60
+    assert r.num_finished == 20 and r.num_rejected == 40
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
