@@ -57,6 +57,9 @@ class Router:
     """
 
     name = "router"
+    uses_prefix = False
+    """Whether :meth:`route` reads the prompt's block hashes (callers may pass ``()``
+    to a router that does not, and skip hashing)."""
 
     def __init__(self, num_instances: int) -> None:
         if num_instances < 1:
@@ -71,6 +74,10 @@ class Router:
 
     def apply_events(self, records: Sequence[EventRecord]) -> None:
         """Take KV event records (ignored by routers without an index)."""
+
+    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
+        """Credited cached prompt blocks per instance (zero for routers without an index)."""
+        return [0.0] * self.num_instances
 
     def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
         """The instance for a request whose prompt has ``num_prompt_blocks`` blocks
@@ -114,10 +121,6 @@ class _CostRouter(Router):
         self.prefill_weight = prefill_weight
         self._last = -1
 
-    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
-        """Credited prompt blocks per instance (zero here)."""
-        return [0.0] * self.num_instances
-
     def costs(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> list[float]:
         """Each instance's cost for this request (see the module docstring)."""
         credit = self.overlaps(block_hashes)
@@ -158,6 +161,7 @@ class CacheAwareRouter(_CostRouter):
     """
 
     name = "cache-aware"
+    uses_prefix = True
     default_prefill_weight = 8.0
 
     def __init__(

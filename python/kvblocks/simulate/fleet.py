@@ -43,7 +43,6 @@ from kvblocks.router import (
     records_from_manager,
 )
 from kvblocks.router.events import EventRecord
-from kvblocks.router.routers import _CostRouter
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Request, Scheduler, SchedulerConfig
 from kvblocks.simulate.cost_model import CostModel
@@ -268,10 +267,10 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             if sim.arrival_time < now:  # held back by the client pool
                 sim = replace(sim, arrival_time=now)
         tokens = sim.prompt_token_ids
-        hashes = hasher.block_hashes(tokens) if isinstance(router, _CostRouter) else []
+        hashes = hasher.block_hashes(tokens) if router.uses_prefix else []
         prompt_blocks = -(-len(tokens) // bs)
         i = router.route(hashes, prompt_blocks)
-        credit = router.overlaps(hashes)[i] if isinstance(router, _CostRouter) else 0.0
+        credit = router.overlaps(hashes)[i] if hashes else 0.0
         inst = fleet[i]
         queue_time = sim.arrival_time
         if config.follow_ups_first and sim.turn:
