@@ -4,12 +4,14 @@ Each instance's KV cache events (``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared``, as plain :mod:`~kvblocks.router.events` records) feed a
 :class:`PrefixIndex` of block hash -> instances per tier; a :class:`PromptHasher` gives a
 new request's block hashes exactly as the instances compute them; a router scores the
-instances by matched prefix and load and picks one.
+instances by matched prefix and load and picks one. :func:`records_from_wire` turns
+vLLM-format events from a ZMQ subscriber into the same records.
 """
 
 from kvblocks.router.events import (
     DEFAULT_MEDIUM,
     AllBlocksClearedRecord,
+    BlockHash,
     BlockRemovedRecord,
     BlockStoredRecord,
     EventRecord,
@@ -26,11 +28,13 @@ from kvblocks.router.routers import (
     Router,
     make_router,
 )
+from kvblocks.router.wire import records_from_wire
 
 __all__ = [
     "DEFAULT_MEDIUM",
     "ROUTERS",
     "AllBlocksClearedRecord",
+    "BlockHash",
     "BlockRemovedRecord",
     "BlockStoredRecord",
     "CacheAwareRouter",
@@ -43,4 +47,5 @@ __all__ = [
     "Router",
     "make_router",
     "records_from_manager",
+    "records_from_wire",
 ]

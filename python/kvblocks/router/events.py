@@ -18,11 +18,16 @@ from kvblocks._core import AllBlocksCleared, BlockRemoved, BlockStored
 __all__ = [
     "DEFAULT_MEDIUM",
     "AllBlocksClearedRecord",
+    "BlockHash",
     "BlockRemovedRecord",
     "BlockStoredRecord",
     "EventRecord",
     "records_from_manager",
 ]
+
+BlockHash = bytes | int
+"""A block hash as events carry it: the whole digest (``bytes``), or vLLM's default wire
+form, the low 64 bits as an ``int`` (see :mod:`kvblocks.router.wire`)."""
 
 DEFAULT_MEDIUM = "GPU"
 """Tier of an event that names none (vLLM's ``medium=None`` means the GPU pool)."""
@@ -40,8 +45,8 @@ class BlockStoredRecord:
     """
 
     instance: int
-    block_hashes: tuple[bytes, ...]
-    parent_block_hash: bytes | None = None
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None = None
     medium: str = DEFAULT_MEDIUM
 
 
@@ -50,7 +55,7 @@ class BlockRemovedRecord:
     """Blocks left ``instance``'s cache in tier ``medium``."""
 
     instance: int
-    block_hashes: tuple[bytes, ...]
+    block_hashes: tuple[BlockHash, ...]
     medium: str = DEFAULT_MEDIUM
 
 

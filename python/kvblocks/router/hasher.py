@@ -54,12 +54,19 @@ class PromptHasher:
         *,
         cache_salt: str | bytes | None = None,
         lora_id: int | None = None,
-    ) -> list[bytes]:
+        hash_format: str = "bytes",
+    ) -> list[bytes] | list[int]:
         """Hashes of the prompt's full blocks, in order (empty for a prompt under one block).
+
+        ``hash_format="int"`` gives each as vLLM's event streams carry it by default (and
+        :class:`kvblocks.events.ZmqEventPublisher` with ``hash_format="int"``): the digest's
+        last 8 bytes as a big-endian unsigned int.
 
         Raises:
             InvalidArgumentError: token ids the core rejects (negative, too large, not 1-D).
         """
+        if hash_format not in ("bytes", "int"):
+            raise InvalidArgumentError(f"hash_format must be 'bytes' or 'int', got {hash_format!r}")
         tokens = np.asarray(token_ids)
         if tokens.ndim != 1:
             raise InvalidArgumentError(f"token_ids must be 1-D, got shape {tokens.shape}")
@@ -81,4 +88,6 @@ class PromptHasher:
         for ev in m.take_events():
             if isinstance(ev, BlockStored):
                 hashes.extend(ev.block_hashes)
+        if hash_format == "int":
+            return [int.from_bytes(h[-8:], "big") for h in hashes]
         return hashes

@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from kvblocks.router.events import (
     AllBlocksClearedRecord,
+    BlockHash,
     BlockRemovedRecord,
     BlockStoredRecord,
     EventRecord,
@@ -25,15 +26,15 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         # medium -> hash -> instances
-        self._owners: dict[str, dict[bytes, set[Hashable]]] = {}
+        self._owners: dict[str, dict[BlockHash, set[Hashable]]] = {}
         # instance -> medium -> hashes (for AllBlocksCleared and stats)
-        self._held: dict[Hashable, dict[str, set[bytes]]] = {}
+        self._held: dict[Hashable, dict[str, set[BlockHash]]] = {}
 
     def apply(self, record: EventRecord) -> None:
         """Apply one event record.
 
         Raises:
-            TypeError: not a record, or a block hash that is not ``bytes``.
+            TypeError: not a record, or a block hash that is not ``bytes`` or ``int``.
         """
         if isinstance(record, BlockStoredRecord):
             self._store(record.instance, record.medium, record.block_hashes)
@@ -49,17 +50,17 @@ class PrefixIndex:
         for r in records:
             self.apply(r)
 
-    def _store(self, instance: Hashable, medium: str, hashes: Sequence[bytes]) -> None:
+    def _store(self, instance: Hashable, medium: str, hashes: Sequence[BlockHash]) -> None:
         for h in hashes:
-            if not isinstance(h, bytes):
-                raise TypeError(f"block hashes must be bytes, got {type(h).__name__}")
+            if isinstance(h, bool) or not isinstance(h, (bytes, int)):
+                raise TypeError(f"block hashes must be bytes or int, got {type(h).__name__}")
         owners = self._owners.setdefault(medium, {})
         held = self._held.setdefault(instance, {}).setdefault(medium, set())
         for h in hashes:
             owners.setdefault(h, set()).add(instance)
             held.add(h)
 
-    def _remove(self, instance: Hashable, medium: str, hashes: Sequence[bytes]) -> None:
+    def _remove(self, instance: Hashable, medium: str, hashes: Sequence[BlockHash]) -> None:
         held = self._held.get(instance, {}).get(medium)
         owners = self._owners.get(medium)
         if not held or owners is None:
@@ -82,7 +83,7 @@ class PrefixIndex:
                 if not who:
                     del owners[h]
 
-    def instances(self, block_hash: bytes, medium: str | None = None) -> set[Hashable]:
+    def instances(self, block_hash: BlockHash, medium: str | None = None) -> set[Hashable]:
         """Instances holding ``block_hash`` (in ``medium``, or in any tier)."""
         media = [medium] if medium is not None else list(self._owners)
         found: set[Hashable] = set()
@@ -102,7 +103,7 @@ class PrefixIndex:
         return sum(len(o) for o in self._owners.values())
 
     def overlaps(
-        self, block_hashes: Sequence[bytes], medium: str | None = None
+        self, block_hashes: Sequence[BlockHash], medium: str | None = None
     ) -> dict[Hashable, int]:
         """Leading blocks of ``block_hashes`` each instance holds (its matched prefix).
 
@@ -126,7 +127,7 @@ class PrefixIndex:
         return matched
 
     def credited_overlaps(
-        self, block_hashes: Sequence[bytes], credit: Callable[[str], float]
+        self, block_hashes: Sequence[BlockHash], credit: Callable[[str], float]
     ) -> dict[Hashable, float]:
         """Like :meth:`overlaps` over all tiers, but each matched block counts
         ``credit(medium)`` of the best tier the instance holds it in."""

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.router.events import DEFAULT_MEDIUM, EventRecord
+from kvblocks.router.events import DEFAULT_MEDIUM, BlockHash, EventRecord
 from kvblocks.router.index import PrefixIndex
 
 __all__ = [
@@ -75,11 +75,11 @@ class Router:
     def apply_events(self, records: Sequence[EventRecord]) -> None:
         """Take KV event records (ignored by routers without an index)."""
 
-    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
+    def overlaps(self, block_hashes: Sequence[BlockHash]) -> list[float]:
         """Credited cached prompt blocks per instance (zero for routers without an index)."""
         return [0.0] * self.num_instances
 
-    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+    def route(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
         """The instance for a request whose prompt has ``num_prompt_blocks`` blocks
         (partial last block included) and these full-block hashes."""
         raise NotImplementedError
@@ -100,7 +100,7 @@ class RoundRobinRouter(Router):
         super().__init__(num_instances)
         self._next = 0
 
-    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+    def route(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
         """The next instance in turn."""
         chosen = self._next
         self._next = (self._next + 1) % self.num_instances
@@ -121,7 +121,7 @@ class _CostRouter(Router):
         self.prefill_weight = prefill_weight
         self._last = -1
 
-    def costs(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> list[float]:
+    def costs(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> list[float]:
         """Each instance's cost for this request (see the module docstring)."""
         credit = self.overlaps(block_hashes)
         w = self.prefill_weight
@@ -130,7 +130,7 @@ class _CostRouter(Router):
             for i, load in enumerate(self.loads)
         ]
 
-    def route(self, block_hashes: Sequence[bytes], num_prompt_blocks: int) -> int:
+    def route(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
         """The lowest-cost instance (ties: the first after the last one picked)."""
         costs = self.costs(block_hashes, num_prompt_blocks)
         best = min(costs)
@@ -180,7 +180,7 @@ class CacheAwareRouter(_CostRouter):
         """Feed the prefix index."""
         self.index.apply_all(records)
 
-    def overlaps(self, block_hashes: Sequence[bytes]) -> list[float]:
+    def overlaps(self, block_hashes: Sequence[BlockHash]) -> list[float]:
         """Credited prompt blocks per instance: each leading block held counts the credit
         of the best tier holding it; the match ends at the first block held in no tier."""
         credit = [0.0] * self.num_instances

@@ -1,0 +1,88 @@
+"""Records from vLLM-format KV events, as a ZMQ subscriber decodes them.
+
+vLLM's publishers (and :class:`kvblocks.events.ZmqEventPublisher`) send msgpack
+``KVEventBatch`` payloads whose events are maps tagged ``"type"`` (vLLM v0.26+) or
+positional arrays led by the tag (older vLLM). :func:`records_from_wire` takes the events
+of one batch in any of the forms a subscriber holds them: decoded with plain
+``msgspec.msgpack.decode`` (dicts or lists), or decoded into msgspec structs named
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (vLLM's own classes or
+:mod:`kvblocks.events.wire`'s). Block hashes stay as sent: ``bytes`` (whole digests), or
+``int`` (vLLM's default, the low 64 bits) — hash prompts with
+``PromptHasher.block_hashes(..., hash_format="int")`` to match the latter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.router.events import (
+    DEFAULT_MEDIUM,
+    AllBlocksClearedRecord,
+    BlockRemovedRecord,
+    BlockStoredRecord,
+    EventRecord,
+)
+
+__all__ = ["records_from_wire"]
+
+# Positional layouts of the array form (after the tag).
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
+def _fields(event: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(event, dict):
+        kind = event.get("type")
+        return str(kind), event
+    if isinstance(event, (list, tuple)) and event and isinstance(event[0], str):
+        kind = event[0]
+        names = _ARRAY_FIELDS.get(kind, ())
+        return kind, dict(zip(names, event[1:], strict=False))
+    kind = type(event).__name__.removeprefix("Array")
+    if kind not in _ARRAY_FIELDS:
+        raise InvalidArgumentError(f"not a KV cache event: {type(event).__name__}")
+    return kind, {n: getattr(event, n, None) for n in _ARRAY_FIELDS[kind]}
+
+
+def _hashes(values: Any) -> tuple[bytes | int, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise InvalidArgumentError(f"block_hashes must be a list, got {type(values).__name__}")
+    for h in values:
+        if isinstance(h, bool) or not isinstance(h, (bytes, int)):
+            raise InvalidArgumentError(f"a block hash must be bytes or int, got {h!r}")
+    return tuple(values)
+
+
+def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]:
+    """Records for one instance's events (one ``KVEventBatch.events``), in order.
+
+    Raises:
+        InvalidArgumentError: an event of another type or with malformed fields (nothing
+            is returned for the batch).
+    """
+    out: list[EventRecord] = []
+    for event in events:
+        kind, f = _fields(event)
+        medium = f.get("medium") or DEFAULT_MEDIUM
+        if not isinstance(medium, str):
+            raise InvalidArgumentError(f"medium must be a string, got {medium!r}")
+        if kind == "BlockStored":
+            parent = f.get("parent_block_hash")
+            if parent is not None:
+                _hashes([parent])
+            out.append(
+                BlockStoredRecord(instance, _hashes(f.get("block_hashes")), parent, medium)  # type: ignore[arg-type]
+            )
+        elif kind == "BlockRemoved":
+            out.append(BlockRemovedRecord(instance, _hashes(f.get("block_hashes")), medium))  # type: ignore[arg-type]
+        elif kind == "AllBlocksCleared":
+            out.append(AllBlocksClearedRecord(instance))
+        else:
+            raise InvalidArgumentError(f"not a KV cache event: {kind!r}")
+    return out
