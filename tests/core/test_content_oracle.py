@@ -526,7 +526,7 @@ class TieredContentOracle(ContentOracle):
     @initialize(
         num_blocks=st.integers(4, 14),
         block_size=st.sampled_from([1, 2, 4]),
-        num_cpu_blocks=st.integers(0, 12),
+        num_cpu_blocks=st.integers(2, 12),
         host_cache_blocks=st.integers(1, 4),
         host_offload=st.sampled_from(["evict", "evict", "commit"]),
         window=st.sampled_from([None, None, None, 8]),
@@ -645,6 +645,37 @@ class TieredContentOracle(ContentOracle):
         self.tokens[sid] = list(tokens)
         self.ns[sid] = (None, None)
         COVERAGE["ops"] += 1
+        # Admitted at once, as a scheduler would: the claim loads what the tier holds.
+        new = len(tokens) - self.m.num_computed_tokens(sid)
+        if self.m.allocate_slots(sid, new) is not None:
+            self._copy_on_writes()
+            self._after_allocate(sid, new, 0)
+            self._write_reserved({sid: (new, 0)})
+
+    @precondition(
+        lambda self: any(self.computed[s] % self.bs for s in self._idle() if s not in self.swapped)
+    )
+    @rule(data=st.data(), token=st.integers(0, 11))
+    def fork_and_write(self, data, token):
+        """Fork a sequence whose last block is partly filled and let the child write its
+        next token there: a copy-on-write copy in the op list."""
+        cands = [s for s in self._idle() if self.computed[s] % self.bs]
+        parent = data.draw(st.sampled_from(cands))
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.ns[child] = self.ns[parent]
+        self.computed[child] = self.computed[parent]
+        self.allocated.add(child)
+        self.m.commit(child, 0, [token])
+        self.tokens[child].append(token)
+        if self.m.allocate_slots(child, 1) is None:
+            return
+        self._copy_on_writes()
+        self._after_allocate(child, 1, 0)
+        self._write_reserved({child: (1, 0)})
+        COVERAGE["ops"] += 1
 
     @rule()
     def confirm(self):
@@ -678,6 +709,7 @@ def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
     COVERAGE.clear()
     TIER_COVERAGE.clear()
     budget = MIN_OPERATIONS // 2
+    reached = ("offload", "load", "copy", "swap_out", "swap_in", "tier_hit", "tier_eviction")
     for _ in range(10):
         run_state_machine_as_test(
             TieredContentOracle,
@@ -688,9 +720,8 @@ def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
                 suppress_health_check=list(HealthCheck),
             ),
         )
-        if COVERAGE["ops"] >= budget:
+        if COVERAGE["ops"] >= budget and all(TIER_COVERAGE[what] > 0 for what in reached):
             break
     assert COVERAGE["ops"] >= budget, COVERAGE
-    reached = ("offload", "load", "copy", "swap_out", "swap_in", "tier_hit", "tier_eviction")
     assert all(TIER_COVERAGE[what] > 0 for what in reached), TIER_COVERAGE
     assert COVERAGE["prefix_hit"] > 0 and COVERAGE["eviction"] > 0, COVERAGE

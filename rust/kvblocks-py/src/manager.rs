@@ -237,6 +237,9 @@ fn matrix_to_numpy<T: numpy::Element + Copy>(
     Ok(out)
 }
 
+/// One run of `take_memory_ops`: a kind and its `(src, dst)` rows.
+type OpRun<'py> = (&'static str, Bound<'py, PyArray2<i64>>);
+
 /// `(src, dst)` rows as an `int64 [n, 2]` array.
 fn pairs_to_py(py: Python<'_>, pairs: Vec<[i64; 2]>) -> PyResult<Bound<'_, PyArray2<i64>>> {
     let n = pairs.len();
@@ -681,7 +684,7 @@ impl KVCacheManager {
     fn take_memory_ops<'py>(
         &self,
         py: Python<'py>,
-    ) -> PyResult<Vec<(&'static str, Bound<'py, PyArray2<i64>>)>> {
+    ) -> PyResult<Vec<OpRun<'py>>> {
         let ops = self.run(py, Work::Short, |m| m.take_memory_ops());
         let mut out = Vec::new();
         let mut i = 0;
