@@ -527,7 +527,7 @@ class TieredContentOracle(ContentOracle):
         num_blocks=st.integers(4, 14),
         block_size=st.sampled_from([1, 2, 4]),
         num_cpu_blocks=st.integers(2, 12),
-        host_cache_blocks=st.integers(1, 4),
+        host_cache_blocks=st.integers(1, 24),
         host_offload=st.sampled_from(["evict", "evict", "commit"]),
         window=st.sampled_from([None, None, None, 8]),
     )
