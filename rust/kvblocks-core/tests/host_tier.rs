@@ -202,3 +202,101 @@ fn without_a_tier_nothing_changes() {
     m.confirm_memory_ops();
     assert!(m.try_take_copy_on_writes().unwrap().is_empty());
 }
+
+/// Random operations in a debug build (debug assertions on): no panic, invariants after
+/// every call, a failing call changes nothing, and every queued op is drained.
+#[test]
+fn random_operations_keep_the_invariants() {
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n.max(1)
+    };
+    let mut kinds_seen = std::collections::HashSet::new();
+    for round in 0..40 {
+        let policy = if round % 3 == 0 {
+            OffloadPolicy::WriteThrough
+        } else {
+            OffloadPolicy::OnEvict
+        };
+        let mut m = manager_with(4 + next(12) as usize, 1 + next(4) as usize, |c| {
+            c.host_cache_blocks = 1 + next(16) as usize;
+            c.host_offload = policy;
+            c.num_cpu_blocks = next(8) as usize;
+        });
+        let mut next_id = 0u64;
+        for _ in 0..300 {
+            let ids = m.seq_ids();
+            let pick = |r: u64| ids.get(r as usize % ids.len().max(1)).copied();
+            match next(9) {
+                0 | 1 => {
+                    let stem = next(3) as u32 * 100;
+                    let len = 1 + next(20) as usize;
+                    m.add_sequence(next_id, &toks(stem, len), None, None)
+                        .unwrap();
+                    next_id += 1;
+                }
+                2 | 3 => {
+                    if let Some(id) = pick(next(64)) {
+                        let left = m.num_tokens(id).unwrap() as i64
+                            - m.num_computed_tokens(id).unwrap() as i64;
+                        if !m.is_swapped(id).unwrap() && left >= 0 {
+                            let new = next(left as u64 + 1) as usize;
+                            let before = m.clone();
+                            match m.allocate_slots(id, new, next(3) as usize) {
+                                Ok(Some(_)) => m.commit(id, new, &[7]).map(|_| ()).unwrap_or(()),
+                                Ok(None) => assert!(m == before),
+                                Err(_) => assert!(m == before),
+                            }
+                        }
+                    }
+                }
+                4 => {
+                    if let Some(id) = pick(next(64)) {
+                        m.free(id).unwrap();
+                    }
+                }
+                5 => {
+                    if let Some(id) = pick(next(64)) {
+                        let _ = m.fork(id, next_id);
+                        next_id += 1;
+                    }
+                }
+                6 => {
+                    if let Some(id) = pick(next(64)) {
+                        if m.is_swapped(id).unwrap() {
+                            let _ = m.swap_in(&[id]);
+                        } else {
+                            let _ = m.swap_out(&[id]);
+                        }
+                    }
+                }
+                7 => {
+                    for op in m.take_memory_ops() {
+                        kinds_seen.insert(op.kind);
+                    }
+                    if next(2) == 0 {
+                        m.confirm_memory_ops();
+                    }
+                }
+                _ => {
+                    if next(8) == 0 {
+                        m.reset_prefix_cache();
+                    } else {
+                        m.confirm_memory_ops();
+                    }
+                }
+            }
+            m.check_invariants().unwrap();
+        }
+    }
+    for kind in [
+        MemoryOpKind::Offload,
+        MemoryOpKind::Load,
+        MemoryOpKind::SwapOut,
+    ] {
+        assert!(kinds_seen.contains(&kind), "{kind:?} never issued");
+    }
+}
