@@ -130,6 +130,10 @@ class BlockStored:
     def block_size(self) -> int: ...
     @property
     def lora_id(self) -> int | None: ...
+    @property
+    def medium(self) -> Literal["GPU", "CPU"]:
+        """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
+        eviction carry hashes only: no parent, no tokens)."""
 
 @final
 class BlockRemoved:
@@ -137,6 +141,9 @@ class BlockRemoved:
 
     @property
     def block_hashes(self) -> list[bytes]: ...
+    @property
+    def medium(self) -> Literal["GPU", "CPU"]:
+        """``"GPU"`` or ``"CPU"`` (the host tier)."""
 
 @final
 class AllBlocksCleared:
@@ -170,6 +177,13 @@ class KVCacheManager:
             future query are released at ``commit`` and replaced by the null block.
         record_events: queue KV cache events for ``take_events``. Events accumulate
             until drained: turn this off when nothing calls ``take_events``.
+        host_cache_blocks: slots of a host tier below the GPU pool (0: none; needs
+            prefix caching). Evicted prefix blocks are kept there (LRU, keyed by block
+            hash) and loaded back on a prefix hit; the manager only decides, the engine
+            moves the bytes by the ops of ``take_memory_ops``.
+        host_offload: ``"evict"`` (copy a cached GPU block to the tier when it is
+            evicted for reuse) or ``"commit"`` (write-through: copy every block when it
+            enters the prefix cache).
     """
 
     def __new__(
@@ -184,6 +198,8 @@ class KVCacheManager:
         watermark: float = 0.01,
         sliding_window: int | None = None,
         record_events: bool = True,
+        host_cache_blocks: int = 0,
+        host_offload: Literal["evict", "commit"] = "evict",
     ) -> KVCacheManager: ...
 
     # -- configuration ---------------------------------------------------------------
@@ -215,6 +231,10 @@ class KVCacheManager:
     def sliding_window(self) -> int | None: ...
     @property
     def record_events(self) -> bool: ...
+    @property
+    def host_cache_blocks(self) -> int: ...
+    @property
+    def host_offload(self) -> str: ...
     @property
     def null_block(self) -> int:
         """The reserved block id (0) used for padding and released window blocks."""
@@ -258,7 +278,13 @@ class KVCacheManager:
         returned); afterwards the committed count.
         """
     def num_cached_tokens(self, seq_id: int) -> int:
-        """Prompt tokens served from the prefix cache (claimed, or the probe before the claim)."""
+        """Prompt tokens served from the prefix cache (claimed, or the probe before the claim).
+
+        With a host tier this includes the tokens loaded from it (``num_tier_tokens``).
+        """
+    def num_tier_tokens(self, seq_id: int) -> int:
+        """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
+        charges as loads instead of recompute (0 without a tier)."""
     def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]: ...
     def is_swapped(self, seq_id: int) -> bool: ...
     def probe_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
@@ -376,7 +402,23 @@ class KVCacheManager:
         :class:`SequenceStateError`.
         """
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``."""
+        """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
+
+        With a host tier, raises :class:`SequenceStateError` while ops are queued (copies
+        are ordered with offloads and loads): use ``take_memory_ops``.
+        """
+    def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
+        """Drain every queued block move in issue order, as runs of one kind.
+
+        Kinds: ``"swap_out"`` (gpu, cpu), ``"swap_in"`` (cpu, gpu), ``"copy"`` (src,
+        dst GPU blocks), ``"offload"`` (gpu block, tier slot), ``"load"`` (tier slot, gpu
+        block); each run an ``int64 [n, 2]`` array. Apply them in order before the
+        step's attention. Host-tier slots named by the ops stay pinned (an offloaded slot
+        is no prefix hit, a load source is not evicted) until ``confirm_memory_ops``.
+        """
+    def confirm_memory_ops(self) -> None:
+        """Every op taken by ``take_memory_ops`` so far has completed: unpin their
+        host-tier slots. Ops queued since stay pinned. A no-op without a tier."""
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it.
 
@@ -470,7 +512,13 @@ class KVCacheManager:
         """
     def stats(self) -> dict[str, int | float]:
         """Counters: usage, free blocks, prefix-cache queries/hits (tokens), evictions,
-        copy-on-write copies, blocks swapped out/in, sequences."""
+        copy-on-write copies, blocks swapped out/in, sequences.
+
+        With a host tier also ``host_cache_blocks``, ``num_host_cached_blocks``,
+        ``num_host_pinned_blocks``, ``host_hits`` (tokens), ``host_loads``,
+        ``host_offloads``, ``host_offloads_skipped`` (every slot pinned) and
+        ``host_evictions`` (blocks). ``prefix_cache_hits`` counts GPU hits only.
+        """
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""
 

@@ -510,3 +510,220 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "in_flight",
     )
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE
+
+
+class TieredContentOracle(ContentOracle):
+    """The same operations over a manager with a small host tier.
+
+    Every block move goes through ``take_memory_ops`` (swaps and copies included, applied
+    in issue order right after the call that queued them, before the step's writes), and
+    the tier side is asynchronous: the emulated tier holds an offloaded block only once a
+    ``confirm`` rule confirms the ops taken so far, and a load source may not be
+    overwritten before then (see ``KVMemory.offload``/``load``). So a load of a slot whose
+    offload is unconfirmed reads unwritten KV and fails the read check, and a slot
+    overwritten under a load fails at once.
+    """
+
+    # A small GPU pool and small blocks: cached blocks get evicted (and offloaded) often.
+    @initialize(
+        num_blocks=st.integers(4, 14),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_cpu_blocks=st.integers(2, 12),
+        host_cache_blocks=st.integers(1, 24),
+        host_offload=st.sampled_from(["evict", "evict", "commit"]),
+        window=st.sampled_from([None, None, None, 8]),
+    )
+    def setup(
+        self, num_blocks, block_size, num_cpu_blocks, host_cache_blocks, host_offload, window
+    ):
+        self.bs = block_size
+        self.window = window
+        self.m = KVCacheManager(
+            num_blocks,
+            block_size,
+            num_cpu_blocks=num_cpu_blocks,
+            watermark=0.0,
+            sliding_window=window,
+            record_events=False,
+            host_cache_blocks=host_cache_blocks,
+            host_offload=host_offload,
+        )
+        self.mem = KVMemory(num_blocks, num_cpu_blocks, block_size, host_cache_blocks)
+
+    def _copy_on_writes(self) -> None:
+        self._drain()
+
+    def _drain(self) -> None:
+        for kind, pairs in self.m.take_memory_ops():
+            TIER_COVERAGE[kind] += len(pairs)
+            self.mem.apply_memory_ops([(kind, pairs)])
+
+    def _after_allocate(self, sid: int, new: int, lookahead: int) -> None:
+        first = sid not in self.allocated
+        super()._after_allocate(sid, new, lookahead)
+        if first:
+            tier = self.m.num_tier_tokens(sid)
+            assert tier % self.bs == 0 and tier <= self.computed[sid], (sid, tier)
+            TIER_COVERAGE["tier_hit"] += tier > 0
+            # The loaded blocks (already applied by the drain) hold the prefix's KV.
+            self.mem.check(
+                sid, self.m.block_table(sid), self._expected(sid), self.computed[sid], self.window
+            )
+
+    @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        idle = self._idle()
+        sids = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=3, unique=True))
+        if not self.m.can_swap_out(sids):
+            with pytest.raises(kvblocks.OutOfBlocksError):
+                self.m.swap_out(sids)
+            return
+        self.m.swap_out(sids)
+        self._drain()
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_out"] += 1
+        self.swapped.update(sids)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        sids = data.draw(
+            st.lists(st.sampled_from(sorted(self.swapped)), min_size=1, max_size=3, unique=True)
+        )
+        try:
+            self.m.swap_in(sids)
+        except kvblocks.OutOfBlocksError:
+            return
+        self._drain()
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_in"] += 1
+        self.swapped.difference_update(sids)
+
+    @rule(salt=st.integers(0, 3))
+    def flood(self, salt):
+        """A long one-off prompt fills every free block, is computed and freed: the free
+        cached blocks are evicted (offloaded) on the way, as under memory pressure."""
+        n = self.m.num_free_blocks() * self.bs
+        if n == 0:
+            return
+        sid = self.next_id
+        self.next_id += 1
+        tokens = [12 + (sid * 5 + i * (salt + 1)) % 40 for i in range(n)]
+        self.m.add_sequence(sid, tokens)
+        self.tokens[sid] = tokens
+        self.ns[sid] = (None, None)
+        # Later prompts repeat it: hits on its blocks once they sit in the tier.
+        self.floods = [*getattr(self, "floods", [])[-3:], list(tokens)]
+        new = n - self.m.num_computed_tokens(sid)
+        if self.m.allocate_slots(sid, new) is None:
+            self.m.free(sid)
+            del self.tokens[sid], self.ns[sid]
+            return
+        self._copy_on_writes()
+        self._after_allocate(sid, new, 0)
+        self._write_reserved({sid: (new, 0)})
+        self.m.commit(sid, new)
+        del self.pending[sid]
+        self.computed[sid] += new
+        self.every_sequence_reads_its_own_kv()
+        self.m.free(sid)
+        for d in (self.tokens, self.ns, self.computed):
+            d.pop(sid, None)
+        self.allocated.discard(sid)
+        COVERAGE["ops"] += 1
+
+    @precondition(lambda self: len(getattr(self, "floods", [])) > 1)
+    @rule(data=st.data(), confirm=st.booleans())
+    def add_flooded(self, data, confirm):
+        """Add an earlier flood prompt again (its blocks evicted by a later flood: some
+        sit in the tier), after a confirmation or not."""
+        if confirm:
+            self.confirm()
+        tokens = data.draw(st.sampled_from(self.floods[:-1]))
+        sid = self.next_id
+        self.next_id += 1
+        self.m.add_sequence(sid, tokens)
+        self.tokens[sid] = list(tokens)
+        self.ns[sid] = (None, None)
+        COVERAGE["ops"] += 1
+        # Admitted at once, as a scheduler would: the claim loads what the tier holds.
+        new = len(tokens) - self.m.num_computed_tokens(sid)
+        if self.m.allocate_slots(sid, new) is not None:
+            self._copy_on_writes()
+            self._after_allocate(sid, new, 0)
+            self._write_reserved({sid: (new, 0)})
+
+    @precondition(
+        lambda self: any(self.computed[s] % self.bs for s in self._idle() if s not in self.swapped)
+    )
+    @rule(data=st.data(), token=st.integers(0, 11))
+    def fork_and_write(self, data, token):
+        """Fork a sequence whose last block is partly filled and let the child write its
+        next token there: a copy-on-write copy in the op list."""
+        cands = [s for s in self._idle() if self.computed[s] % self.bs]
+        parent = data.draw(st.sampled_from(cands))
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.ns[child] = self.ns[parent]
+        self.computed[child] = self.computed[parent]
+        self.allocated.add(child)
+        self.m.commit(child, 0, [token])
+        self.tokens[child].append(token)
+        if self.m.allocate_slots(child, 1) is None:
+            return
+        self._copy_on_writes()
+        self._after_allocate(child, 1, 0)
+        self._write_reserved({child: (1, 0)})
+        COVERAGE["ops"] += 1
+
+    @rule()
+    def confirm(self):
+        """The engine's asynchronous tier copies of the ops taken so far completed."""
+        self.m.confirm_memory_ops()
+        self.mem.confirm()
+        COVERAGE["ops"] += 1
+
+    @precondition(lambda self: hasattr(self, "m"))
+    @invariant()
+    def apply_left_ops(self):
+        # Write-through offloads queued by a commit: the engine applies them before the
+        # next step (the blocks are full and held, so nothing overwrites them meanwhile).
+        self._drain()
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            s = self.m.stats()
+            COVERAGE["eviction"] += s["evictions"]
+            TIER_COVERAGE["tier_eviction"] += s["host_evictions"]
+
+
+#: Host-tier effects reached by :class:`TieredContentOracle` (op kinds, hits, evictions).
+TIER_COVERAGE: Counter[str] = Counter()
+
+
+def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
+    """Random operations over a host tier: every sequence reads its own KV, every loaded
+    block holds its prefix's KV, and offloads, loads, tier hits and tier evictions are
+    all reached."""
+    COVERAGE.clear()
+    TIER_COVERAGE.clear()
+    budget = MIN_OPERATIONS // 2
+    reached = ("offload", "load", "copy", "swap_out", "swap_in", "tier_hit", "tier_eviction")
+    for _ in range(10):
+        run_state_machine_as_test(
+            TieredContentOracle,
+            settings=settings(
+                max_examples=ORACLE_EXAMPLES // 2,
+                stateful_step_count=ORACLE_STEPS,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+        if COVERAGE["ops"] >= budget and all(TIER_COVERAGE[what] > 0 for what in reached):
+            break
+    assert COVERAGE["ops"] >= budget, COVERAGE
+    assert all(TIER_COVERAGE[what] > 0 for what in reached), TIER_COVERAGE
+    assert COVERAGE["prefix_hit"] > 0 and COVERAGE["eviction"] > 0, COVERAGE

@@ -60,6 +60,21 @@ CASES = {
     ),
     "huge pool": "kvblocks.KVCacheManager(2**62, 2**62)",
     "slot_mapping 2**62": "m.slot_mapping([1], [2**62])",
+    "huge host tier": "kvblocks.KVCacheManager(16, 4, host_cache_blocks=2**62)",
+    "host tier 2**64": "kvblocks.KVCacheManager(16, 4, host_cache_blocks=2**64)",
+    "host_offload bytes": "kvblocks.KVCacheManager(16, 4, host_cache_blocks=1, host_offload=b'x')",
+    # A tier whose every slot stays pinned (nothing ever confirmed) must only skip offloads.
+    "host tier never confirmed": (
+        "t = kvblocks.KVCacheManager(6, 2, host_cache_blocks=1, watermark=0.0)\n"
+        "for i in range(300):\n"
+        "    t.add_sequence(i, [i % 7, i % 5, i % 3, 1, 2])\n"
+        "    t.allocate_slots(i, 5 - t.num_computed_tokens(i))\n"
+        "    t.commit(i, 5 - t.num_computed_tokens(i))\n"
+        "    t.free(i)\n"
+        "    t.take_memory_ops()\n"
+        "t.check_invariants()\n"
+        "assert t.stats()['host_offloads_skipped'] > 0"
+    ),
 }
 
 
@@ -93,7 +108,7 @@ FUZZ = textwrap.dedent(
         "commit_batch": 3, "fork": 2, "free": 1, "swap_out": 1, "swap_in": 1,
         "block_table": 1, "block_tables": 1, "slot_mapping": 2, "can_allocate": 1,
         "can_swap_out": 1, "can_swap_in": 1, "refresh_prefixes": 1, "probe_prefixes": 1,
-        "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1,
+        "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1, "num_tier_tokens": 1,
     }
     for _ in range(6000):
         name = rng.choice(sorted(methods))

@@ -8,7 +8,10 @@ and the tests drive it exactly as an engine does:
 - a token's KV is written through the slot mapping the manager returns;
 - copy-on-write pairs, swap rows and ``SchedulerOutput.memory_ops`` are applied in the
   order the API documents, as the block copies they are;
-- lookahead (draft) slots are written with :data:`GARBAGE`, as a rejected draft would.
+- lookahead (draft) slots are written with :data:`GARBAGE`, as a rejected draft would;
+- host-tier ``offload``/``load`` ops are asynchronous on the tier side: an offload's
+  slot holds its KV only once the engine confirms the op (:meth:`KVMemory.confirm`), and
+  a load's source slot must not be overwritten before then.
 
 What a slot holds is an integer naming a token prefix: the KV of position ``p`` of a
 sequence depends exactly on ``tokens[:p + 1]`` (and on the extra keys — cache salt, LoRA
@@ -56,10 +59,22 @@ class ContentError(AssertionError):
 class KVMemory:
     """GPU and CPU KV memory of ``block_size`` slots per block, holding prefix ids."""
 
-    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        num_tier_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.gpu = np.full((num_gpu_blocks, block_size), UNWRITTEN, dtype=np.int64)
         self.cpu = np.full((max(num_cpu_blocks, 0), block_size), UNWRITTEN, dtype=np.int64)
+        #: The host tier's slots (written only when an offload is confirmed).
+        self.tier = np.full((max(num_tier_blocks, 0), block_size), UNWRITTEN, dtype=np.int64)
+        # Offloads in flight: slot -> the KV it will hold once confirmed.
+        self._tier_writes: dict[int, np.ndarray] = {}
+        # Tier slots some unconfirmed load may still be reading.
+        self._tier_reads: set[int] = set()
 
     # -- writes --------------------------------------------------------------------------
 
@@ -149,6 +164,41 @@ class KVMemory:
             raise ContentError(f"swap-in into the null block: {p.tolist()}")
         self.gpu[p[:, 1]] = self.cpu[p[:, 0]]
 
+    def offload(self, pairs: npt.ArrayLike) -> None:
+        """``(gpu block, tier slot)`` copies, asynchronous: the GPU block is read now (the
+        ops precede the step), the slot holds it only after :meth:`confirm`.
+
+        Raises ContentError when the slot is the source of an unconfirmed load or the
+        destination of an unconfirmed offload (overwritten while a copy is in flight).
+        """
+        for g, t in self._pairs(pairs).tolist():
+            if t in self._tier_reads or t in self._tier_writes:
+                raise ContentError(f"tier slot {t} overwritten while a copy of it is in flight")
+            if g == NULL_BLOCK:
+                raise ContentError("offload of the null block")
+            self._tier_writes[t] = self.gpu[g].copy()
+            # The slot's old block is gone (evicted); the new one is not there yet.
+            self.tier[t] = UNWRITTEN
+
+    def load(self, pairs: npt.ArrayLike) -> None:
+        """``(tier slot, gpu block)`` copies; the slot stays a source in flight until
+        :meth:`confirm`. Loading a slot whose offload is unconfirmed is a ContentError
+        (read before written)."""
+        for t, g in self._pairs(pairs).tolist():
+            if t in self._tier_writes:
+                raise ContentError(f"tier slot {t} loaded before its offload was confirmed")
+            if g == NULL_BLOCK:
+                raise ContentError("load into the null block")
+            self.gpu[g] = self.tier[t]
+            self._tier_reads.add(t)
+
+    def confirm(self) -> None:
+        """The engine finished every tier copy applied so far."""
+        for t, values in self._tier_writes.items():
+            self.tier[t] = values
+        self._tier_writes.clear()
+        self._tier_reads.clear()
+
     def apply_memory_ops(self, ops: Iterable[tuple[str, npt.ArrayLike]]) -> None:
         """Every group of ``SchedulerOutput.memory_ops``, in order.
 
@@ -165,6 +215,10 @@ class KVMemory:
                 self.swap_out(p)
             elif kind == "swap_in":
                 self.swap_in(p)
+            elif kind == "offload":
+                self.offload(p)
+            elif kind == "load":
+                self.load(p)
             else:
                 raise ValueError(f"unknown memory op {kind!r}")
 

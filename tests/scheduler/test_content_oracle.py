@@ -31,6 +31,7 @@ configurations (300 at scale 1) for long runs.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -123,6 +124,13 @@ class Config:
                         int(extra.integers(0, 60)),
                         int(extra.integers(0, params.n)),
                     )
+        # A host tier below the GPU pool for a third of the caching configurations (its
+        # own generator again).
+        tier = np.random.default_rng(seed + 2_000_003)
+        self.host_cache_blocks = (
+            int(tier.integers(1, 24)) if self.caching and tier.random() < 0.33 else 0
+        )
+        self.host_offload = str(tier.choice(["evict", "commit"]))
 
     def manager(self) -> KVCacheManager:
         """A fresh block manager for this configuration."""
@@ -134,6 +142,8 @@ class Config:
             watermark=self.watermark,
             sliding_window=self.window,
             record_events=False,
+            host_cache_blocks=self.host_cache_blocks,
+            host_offload=self.host_offload,
         )
 
 
@@ -149,7 +159,10 @@ class Harness:
         self.cfg = cfg
         self.mgr = cfg.manager()
         self.sched = Scheduler(self.mgr, cfg.sched, record_history=False)
-        self.mem = KVMemory(cfg.num_blocks, cfg.num_cpu_blocks, cfg.block_size)
+        self.mem = KVMemory(
+            cfg.num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.host_cache_blocks
+        )
+        self.tier_ops: Counter[str] = Counter()
         self.prefix_ids = PrefixIds()
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
@@ -190,6 +203,8 @@ class Harness:
         if not ops:
             for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
                 assert len(getattr(out, name)) == 0, f"{name} has pairs but memory_ops is empty"
+        for kind, pairs in ops:
+            self.tier_ops[kind] += len(pairs)
         self.mem.apply_memory_ops(ops)
 
     def run_step(self, step: int) -> None:
@@ -232,6 +247,9 @@ class Harness:
         in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
         for rid in in_flight:
             self.abort(rid)
+        # The step is computed: its asynchronous host-tier copies are complete (the
+        # scheduler confirms them to the manager in update()).
+        mem.confirm()
         records = sched.update(out, fake_step(out))
         for record in records:
             self.add_deltas(record)
@@ -380,6 +398,15 @@ def test_scheduler_content_oracle(batch: int) -> None:
     """Every scheduled context reads back its own tokens' KV; every request ends."""
     for k in range(CONFIGS_PER_BATCH):
         run_config(batch * CONFIGS_PER_BATCH + k)
+
+
+def test_the_oracle_reaches_host_tier_loads() -> None:
+    """Configurations with a host tier offload and load blocks through
+    ``SchedulerOutput.memory_ops``, so the runs above judge the tier by content."""
+    seen: Counter[str] = Counter()
+    for seed in range(2 * CONFIGS_PER_BATCH):
+        seen.update(run_config(seed).tier_ops)
+    assert seen["offload"] > 0 and seen["load"] > 0, seen
 
 
 def test_the_oracle_reaches_same_step_prefix_holds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -138,7 +138,11 @@ class SchedulerOutput:
             those out again, so only this order is always correct. The scheduler puts
             every move of the step here (empty only when no block moves); when it is
             non-empty the engine applies it instead of the three arrays (added after the
-            first version; empty in hand-built records).
+            first version; empty in hand-built records). With a manager that has a host
+            tier it also holds ``"offload"`` ``(gpu block, tier slot)`` and ``"load"``
+            ``(tier slot, gpu block)`` groups, in the manager's order; their tier-side
+            copies must be complete when the step's ``update()`` is called (it confirms
+            them to the manager).
         block_table: int32 [max_rows, max_blocks] the scheduler's persistent block table
             (the same array every step until it grows): row ``block_table_rows[i]`` holds
             the table of ``seq_ids[i]``, padded with the null block. Rows of sequences not

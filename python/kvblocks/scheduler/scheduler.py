@@ -109,6 +109,9 @@ class Scheduler:
                 )
         self.event_publisher = event_publisher
         self.manager = manager
+        # A host tier: the manager orders every block move (offloads and loads included)
+        # in one list, drained by take_memory_ops; confirmed at the step's update().
+        self._tiered = getattr(manager, "host_cache_blocks", 0) > 0
         self._clock = clock
         self.config = config if config is not None else SchedulerConfig()
         if not isinstance(self.config, SchedulerConfig):
@@ -407,7 +410,10 @@ class Scheduler:
                     break
                 self._drain_copies()
                 swap_in_maps.append(mgr.swap_in(state.seq_ids))
-                self._memory_ops.append(("swap_in", swap_in_maps[-1]))
+                if self._tiered:
+                    self._drain_copies()  # the manager queued the swap with its ops
+                else:
+                    self._memory_ops.append(("swap_in", swap_in_maps[-1]))
                 self._swapped.pop(0)
                 rows = state.swapped_rows
                 state.swapped_rows = None
@@ -442,6 +448,9 @@ class Scheduler:
                 num_seqs += 1
                 live += state.width
 
+        if self._tiered:
+            # Allocation is over: drain its ops so that build_step's copy drain finds none.
+            self._drain_copies()
         output, plan = build_step(
             mgr,
             num_decode,
@@ -550,6 +559,10 @@ class Scheduler:
             )
         now = float(self._clock())  # before any change: a failing clock changes nothing
         self._in_flight = None
+        if self._tiered:
+            # The engine applied the step's memory ops before computing it: their
+            # host-tier copies are complete, so their slots are released.
+            self.manager.confirm_memory_ops()
         finished: list[RequestOutput] = self._early_outputs
         self._early_outputs = []
         self._step_events = {}
@@ -1047,7 +1060,10 @@ class Scheduler:
         self._drain_copies()
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
         self._block_table.release(seqs)
-        self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
+        if self._tiered:
+            self._drain_copies()  # the manager queued the swap with its ops
+        else:
+            self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
         state.swapped_rows = self._table.take(rows)
         self._table.update(rows, [])
         state.status = RequestStatus.SWAPPED
@@ -1057,7 +1073,15 @@ class Scheduler:
         return True
 
     def _drain_copies(self) -> None:
-        """Record the copy-on-writes issued so far, before a swap reuses or reads blocks."""
+        """Record the copy-on-writes issued so far, before a swap reuses or reads blocks.
+
+        With a host tier, every op the manager queued (swaps, copies, offloads, loads) in
+        its order.
+        """
+        if self._tiered:
+            for kind, ops in self.manager.take_memory_ops():
+                self._memory_ops.append((kind, np.asarray(ops, dtype=np.int64)))
+            return
         pairs = np.asarray(self.manager.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2)
         if len(pairs):
             self._memory_ops.append(("copy", pairs))

@@ -8,6 +8,10 @@
 //! * `fork_cow`: fork a sequence and write one token into the shared last block.
 //! * `decode_step_1024`: one decode step for 1,024 sequences (allocate_slots_batch +
 //!   commit_batch + block_tables + slot_mapping).
+//! * `host_tier_1024`: the decode step of 1,024 sequences in a pool whose free blocks are
+//!   all cached, so every new block evicts one: without a host tier (`off`), offloading
+//!   at eviction (`evict`) and write-through at commit (`commit`); the tier runs drain
+//!   the step's memory ops and confirm them (timed).
 //! * `decode_step_table`: the same step with 1,024 sequences of 32k (and of 128) tokens,
 //!   the block tables either rebuilt (`block_tables`, the old way) or kept in a persistent
 //!   table (`sync_block_table`, only changed entries written), measured side by side.
@@ -16,7 +20,9 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvblocks_core::{BatchArg, BlockHasher, HashAlgo, KVCacheManager, ManagerConfig};
+use kvblocks_core::{
+    BatchArg, BlockHasher, HashAlgo, KVCacheManager, ManagerConfig, OffloadPolicy,
+};
 
 const BLOCK_SIZE: usize = 16;
 
@@ -180,6 +186,83 @@ fn bench_decode_step(c: &mut Criterion) {
     g.finish();
 }
 
+/// 1,024 decoding sequences (512-token prompts) in a pool whose every free block is a
+/// cached block of an earlier prompt, with `tier` host slots (0: none).
+fn tier_state(tier: usize, policy: OffloadPolicy) -> (KVCacheManager, Vec<u64>) {
+    let n = 1024;
+    // Room for the prompts (33 blocks each) and 1,024 decode steps (64 blocks each).
+    let blocks = n * (33 + 64);
+    let mut c = ManagerConfig::new(blocks + 1, BLOCK_SIZE);
+    c.host_cache_blocks = tier;
+    c.host_offload = policy;
+    c.record_events = false;
+    c.watermark = 0.0;
+    let mut m = KVCacheManager::new(c).expect("valid config");
+    // Fill the whole pool with cached blocks, then free them: every later pop evicts.
+    let filler = blocks / 32;
+    for id in 0..filler as u64 {
+        let t = prompt(1_000_000 + id as u32, 512);
+        m.add_sequence(id, &t, None, None).unwrap();
+        m.allocate_slots(id, t.len(), 0).unwrap().unwrap();
+        m.commit(id, t.len(), &[]).unwrap();
+        m.free(id).unwrap();
+    }
+    let ids: Vec<u64> = (filler as u64..(filler + n) as u64).collect();
+    for &id in &ids {
+        let t = prompt(id as u32, 512);
+        m.add_sequence(id, &t, None, None).unwrap();
+        m.allocate_slots(id, t.len(), 0).unwrap().unwrap();
+        m.commit(id, t.len(), &[1]).unwrap();
+    }
+    black_box(m.take_memory_ops());
+    m.confirm_memory_ops();
+    (m, ids)
+}
+
+fn bench_host_tier(c: &mut Criterion) {
+    let mut g = c.benchmark_group("host_tier_1024");
+    g.throughput(Throughput::Elements(1024));
+    let runs = [
+        ("off", 0, OffloadPolicy::OnEvict),
+        ("evict", 32_768, OffloadPolicy::OnEvict),
+        ("commit", 32_768, OffloadPolicy::WriteThrough),
+    ];
+    for (name, tier, policy) in runs {
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut state = tier_state(tier, policy);
+                let mut steps = 0;
+                let new_tokens = vec![7i64; 1024];
+                for _ in 0..iters {
+                    if steps == 1024 {
+                        state = tier_state(tier, policy);
+                        steps = 0;
+                    }
+                    let (m, ids) = &mut state;
+                    let start = Instant::now();
+                    let served = m
+                        .allocate_slots_batch(ids, BatchArg::Scalar(1), 0)
+                        .unwrap()
+                        .num_served;
+                    let ops = m.take_memory_ops();
+                    let tables = m.block_tables(ids, None).unwrap();
+                    let slots = m.slot_mapping(ids, None).unwrap();
+                    m.commit_batch(ids, BatchArg::Scalar(1), Some(BatchArg::Each(&new_tokens)))
+                        .unwrap();
+                    m.confirm_memory_ops();
+                    total += start.elapsed();
+                    assert_eq!(served, ids.len());
+                    black_box((tables, slots, ops));
+                    steps += 1;
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
 /// Steps run on one decode-table state before it is rebuilt (untimed).
 const TABLE_STEPS: usize = 2048;
 
@@ -300,6 +383,6 @@ criterion_group! {
     name = benches;
     config = config();
     targets = bench_alloc_free, bench_prefix_lookup, bench_hash, bench_fork_cow, bench_decode_step,
-        bench_decode_step_table
+        bench_decode_step_table, bench_host_tier
 }
 criterion_main!(benches);

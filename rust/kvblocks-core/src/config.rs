@@ -93,6 +93,10 @@ pub struct ManagerConfig {
     /// drained, so a deployment that never calls `take_events` should turn this off
     /// (as vLLM's `enable_kv_cache_events`); caching itself is unaffected.
     pub record_events: bool,
+    /// Slots of the host tier below the GPU pool (0: no tier; see `crate::host_tier`).
+    pub host_cache_blocks: usize,
+    /// When blocks are copied to the host tier.
+    pub host_offload: crate::host_tier::OffloadPolicy,
 }
 
 impl ManagerConfig {
@@ -108,6 +112,8 @@ impl ManagerConfig {
             watermark: 0.01,
             sliding_window: None,
             record_events: true,
+            host_cache_blocks: 0,
+            host_offload: crate::host_tier::OffloadPolicy::OnEvict,
         }
     }
 
@@ -149,6 +155,19 @@ impl ManagerConfig {
                 "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
                 self.hash_algo.as_str()
             )));
+        }
+        if self.host_cache_blocks > MAX_BLOCKS {
+            return Err(KvError::InvalidArgument(format!(
+                "host_cache_blocks must be <= {MAX_BLOCKS}, got {}",
+                self.host_cache_blocks
+            )));
+        }
+        if self.host_cache_blocks > 0 && !self.enable_prefix_caching {
+            return Err(KvError::InvalidArgument(
+                "host_cache_blocks > 0 needs enable_prefix_caching=True (the host tier is keyed \
+                 by block hash)"
+                    .to_string(),
+            ));
         }
         if self.sliding_window == Some(0) {
             return Err(KvError::InvalidArgument(

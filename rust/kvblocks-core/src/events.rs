@@ -1,6 +1,7 @@
 //! KV cache events for routers (one-to-one with prefix-cache entries).
 
 use crate::block_hash::BlockHash;
+use crate::host_tier::Medium;
 
 /// Full blocks entered the prefix cache (one event per run of consecutive blocks).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,6 +16,9 @@ pub struct BlockStored {
     pub block_size: usize,
     /// LoRA adapter of the sequence that stored the blocks.
     pub lora_id: Option<u64>,
+    /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
+    /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
+    pub medium: Medium,
 }
 
 /// Blocks left the prefix cache (evicted to be reused).
@@ -22,6 +26,8 @@ pub struct BlockStored {
 pub struct BlockRemoved {
     /// Hashes of the removed blocks.
     pub block_hashes: Vec<BlockHash>,
+    /// Where the blocks were removed from.
+    pub medium: Medium,
 }
 
 /// One KV cache event, drained by [`crate::KVCacheManager::take_events`].

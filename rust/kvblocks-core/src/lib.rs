@@ -28,6 +28,12 @@
 //!   `BlockRemoved` events carry one hash each. Blocks enter the cache only at `commit`;
 //!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
 //!   computing, so a scheduler can hold a request back a step instead of recomputing them.
+//! * **Host tier.** With `host_cache_blocks > 0`, prefix blocks evicted from the GPU
+//!   cache (or, write-through, every cached block) are offloaded to LRU host slots keyed
+//!   by hash, and a probe continues into the tier: a hit there is claimed by taking a
+//!   fresh GPU block and queuing a load. Every block move (swaps, copies, offloads,
+//!   loads) goes into one ordered list, `take_memory_ops`; tier slots stay pinned until
+//!   `confirm_memory_ops` (see the `host_tier` module).
 //! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
 //!   `i32`/`i64` in the step inputs.
 //!
@@ -58,6 +64,7 @@ mod config;
 mod error;
 mod events;
 mod free_queue;
+mod host_tier;
 mod manager;
 mod prefix_cache;
 mod row_prefixes;
@@ -72,6 +79,7 @@ pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
+pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
 pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;

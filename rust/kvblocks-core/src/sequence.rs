@@ -27,8 +27,10 @@ pub struct Sequence {
     pub hashes: Vec<BlockHash>,
     /// Cached-prefix blocks found at `add_sequence`: the claim never exceeds this.
     pub probe_cap_blocks: usize,
-    /// Prompt tokens served from the prefix cache at the claim.
+    /// Prompt tokens served from the prefix cache at the claim (host-tier loads included).
     pub num_cached_tokens: usize,
+    /// Of `num_cached_tokens`, the tokens loaded from the host tier.
+    pub num_tier_tokens: usize,
     /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate).
     pub num_registered_blocks: usize,
     /// Leading table entries released by the sliding window (all null).

@@ -35,4 +35,6 @@ pub struct Stats {
     pub blocks_swapped_out: u64,
     /// CPU blocks copied back to the GPU pool.
     pub blocks_swapped_in: u64,
+    /// Host-tier counters, `None` without a host tier.
+    pub host_tier: Option<crate::host_tier::TierStats>,
 }

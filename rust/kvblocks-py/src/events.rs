@@ -66,6 +66,13 @@ impl BlockStored {
         self.inner.lora_id
     }
 
+    /// Where the blocks were stored: ``"GPU"`` or ``"CPU"`` (the host tier; blocks
+    /// offloaded at eviction carry hashes only, no parent and no tokens).
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.inner.medium.as_str()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "BlockStored(blocks={}, hashes=[{}], lora_id={:?})",
@@ -88,6 +95,12 @@ impl BlockRemoved {
     #[getter]
     fn block_hashes<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
         hashes_to_py(py, &self.inner.block_hashes)
+    }
+
+    /// Where the blocks were removed from: ``"GPU"`` or ``"CPU"`` (the host tier).
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.inner.medium.as_str()
     }
 
     fn __repr__(&self) -> String {

@@ -237,6 +237,9 @@ fn matrix_to_numpy<T: numpy::Element + Copy>(
     Ok(out)
 }
 
+/// One run of `take_memory_ops`: a kind and its `(src, dst)` rows.
+type OpRun<'py> = (&'static str, Bound<'py, PyArray2<i64>>);
+
 /// `(src, dst)` rows as an `int64 [n, 2]` array.
 fn pairs_to_py(py: Python<'_>, pairs: Vec<[i64; 2]>) -> PyResult<Bound<'_, PyArray2<i64>>> {
     let n = pairs.len();
@@ -257,9 +260,12 @@ impl KVCacheManager {
         watermark = None,
         sliding_window = None,
         record_events = None,
+        host_cache_blocks = None,
+        host_offload = None,
     ),
     text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
-                      hash_algo='blake3', hash_seed=None, watermark=0.01, sliding_window=None, record_events=True)"
+                      hash_algo='blake3', hash_seed=None, watermark=0.01, sliding_window=None, \
+                      record_events=True, host_cache_blocks=0, host_offload='evict')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -272,6 +278,8 @@ impl KVCacheManager {
         watermark: Option<&Bound<'_, PyAny>>,
         sliding_window: Option<&Bound<'_, PyAny>>,
         record_events: Option<&Bound<'_, PyAny>>,
+        host_cache_blocks: Option<&Bound<'_, PyAny>>,
+        host_offload: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut config = core::ManagerConfig::new(
             args::count(num_blocks, "num_blocks")?,
@@ -299,6 +307,12 @@ impl KVCacheManager {
         }
         if let Some(flag) = record_events {
             config.record_events = args::flag(flag, "record_events")?;
+        }
+        if let Some(n) = host_cache_blocks {
+            config.host_cache_blocks = args::count(n, "host_cache_blocks")?;
+        }
+        if let Some(p) = host_offload {
+            config.host_offload = args::text(p, "host_offload")?.parse().py_err()?;
         }
         config.sliding_window = match sliding_window {
             Some(w) if !w.is_none() => Some(args::count(w, "sliding_window")?),
@@ -384,6 +398,18 @@ impl KVCacheManager {
     #[getter]
     fn record_events(&self, py: Python<'_>) -> bool {
         self.read(py, |m| m.config().record_events)
+    }
+
+    /// Slots of the host tier (0: none).
+    #[getter]
+    fn host_cache_blocks(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.host_cache_blocks())
+    }
+
+    /// When blocks are copied to the host tier: ``"evict"`` or ``"commit"``.
+    #[getter]
+    fn host_offload(&self, py: Python<'_>) -> &'static str {
+        self.read(py, |m| m.host_offload().as_str())
     }
 
     /// The reserved block id (0) used for padding and released window blocks.
@@ -678,9 +704,47 @@ impl KVCacheManager {
     }
 
     /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
+    ///
+    /// With a host tier, ``SequenceStateError`` while ops are queued: use
+    /// ``take_memory_ops``.
     fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
-        let pairs = self.run(py, Work::Short, |m| m.take_copy_on_writes());
+        let pairs = self
+            .run(py, Work::Short, |m| m.try_take_copy_on_writes())
+            .py_err()?;
         pairs_to_py(py, pairs)
+    }
+
+    /// Drain every queued block move in issue order, as runs of one kind:
+    /// ``[(kind, pairs int64 [n, 2]), ...]`` with kinds ``"swap_out"``, ``"swap_in"``,
+    /// ``"copy"``, ``"offload"`` (gpu block, tier slot) and ``"load"`` (tier slot, gpu
+    /// block). Host-tier slots stay pinned until ``confirm_memory_ops``.
+    fn take_memory_ops<'py>(&self, py: Python<'py>) -> PyResult<Vec<OpRun<'py>>> {
+        let ops = self.run(py, Work::Short, |m| m.take_memory_ops());
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < ops.len() {
+            let kind = ops[i].kind;
+            let run: Vec<[i64; 2]> = ops[i..]
+                .iter()
+                .take_while(|o| o.kind == kind)
+                .map(|o| [o.src, o.dst])
+                .collect();
+            i += run.len();
+            out.push((kind.as_str(), pairs_to_py(py, run)?));
+        }
+        Ok(out)
+    }
+
+    /// The engine finished every op taken by ``take_memory_ops`` so far: unpin their
+    /// host-tier slots. A no-op without a host tier.
+    fn confirm_memory_ops(&self, py: Python<'_>) {
+        self.run(py, Work::Short, |m| m.confirm_memory_ops())
+    }
+
+    /// Of the sequence's cached tokens, those loaded (or, before the first
+    /// ``allocate_slots``, to be loaded) from the host tier.
+    fn num_tier_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
     }
 
     /// Release the sequence's blocks (last block first) and forget it.
@@ -852,6 +916,16 @@ impl KVCacheManager {
         d.set_item("cow_copies", s.cow_copies)?;
         d.set_item("blocks_swapped_out", s.blocks_swapped_out)?;
         d.set_item("blocks_swapped_in", s.blocks_swapped_in)?;
+        if let Some(t) = s.host_tier {
+            d.set_item("host_cache_blocks", t.capacity)?;
+            d.set_item("num_host_cached_blocks", t.num_blocks)?;
+            d.set_item("num_host_pinned_blocks", t.num_pinned)?;
+            d.set_item("host_hits", t.hits)?;
+            d.set_item("host_loads", t.loads)?;
+            d.set_item("host_offloads", t.offloads)?;
+            d.set_item("host_offloads_skipped", t.offloads_skipped)?;
+            d.set_item("host_evictions", t.evictions)?;
+        }
         Ok(d)
     }
 

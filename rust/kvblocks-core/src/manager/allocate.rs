@@ -5,13 +5,18 @@ use crate::alloc_status::AllocStatus;
 use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
+use crate::events::{BlockStored, KvCacheEvent};
+use crate::host_tier::{Medium, MemoryOp, MemoryOpKind};
+use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
 
 /// What serving one `allocate_slots` request takes, computed before anything changes.
 #[derive(Debug, Clone, Copy)]
 struct AllocPlan {
-    /// Cached-prefix blocks to claim (first call only).
+    /// Cached-prefix blocks to claim (first call only), host-tier hits included.
     claim: usize,
+    /// Of `claim`, the blocks loaded from the host tier.
+    loads: usize,
     /// Whether the block at the next write position must be copied first.
     cow: bool,
     /// Blocks to append to the table.
@@ -43,7 +48,9 @@ impl KVCacheManager {
             })?;
         let required = total.div_ceil(bs);
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-        let shared = hit - self.pools.probe_free(&seq.hashes, hit);
+        // Referenced GPU hits cost nothing; free GPU hits and host-tier hits take a block.
+        let shared =
+            hit - self.pools.probe_free(&seq.hashes, hit) - self.pools.probe_tier(&seq.hashes, hit);
         let needed = required - shared;
         let usable = self.config.num_blocks - 1;
         if required > usable.saturating_sub(self.watermark_blocks) {
@@ -119,11 +126,6 @@ impl KVCacheManager {
         Ok(out)
     }
 
-    /// Drain the queued copy-on-write `(src, dst)` block pairs.
-    pub fn take_copy_on_writes(&mut self) -> Vec<[i64; 2]> {
-        std::mem::take(&mut self.cow_queue)
-    }
-
     /// A non-negative count from a batch argument.
     #[inline]
     pub(super) fn count_arg(value: i64, what: &str) -> Result<usize> {
@@ -159,12 +161,13 @@ impl KVCacheManager {
     fn plan_allocation(&self, slot: usize, new: usize, lookahead: usize) -> (AllocPlan, usize) {
         let seq = &self.slots[slot];
         let bs = self.config.block_size;
-        let (claim, claim_from_free, computed, table_len) = if seq.allocated {
-            (0, 0, seq.num_computed, seq.table.len())
+        let (claim, loads, claim_from_free, computed, table_len) = if seq.allocated {
+            (0, 0, 0, seq.num_computed, seq.table.len())
         } else {
             let claim = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+            let loads = self.pools.probe_tier(&seq.hashes, claim);
             let from_free = self.pools.probe_free(&seq.hashes, claim);
-            (claim, from_free, claim * bs, claim)
+            (claim, loads, from_free, claim * bs, claim)
         };
         let reserved = computed + new + lookahead;
         let append = reserved.div_ceil(bs).saturating_sub(table_len);
@@ -176,11 +179,12 @@ impl KVCacheManager {
             && self.pools.gpu.ref_count(seq.table[pos_block]) > 1;
         let plan = AllocPlan {
             claim,
+            loads,
             cow,
             append,
             reserved,
         };
-        (plan, append + cow as usize + claim_from_free)
+        (plan, append + cow as usize + claim_from_free + loads)
     }
 
     /// Serve a validated request if the pool can: appends the blocks it takes to
@@ -205,25 +209,75 @@ impl KVCacheManager {
             // Claim the cached prefix: take free cached blocks out of the queue (they
             // must not be evicted by the pops below) and share referenced ones.
             seq.table.reserve(plan.claim + plan.append);
-            for h in &seq.hashes[..plan.claim] {
-                let Some(b) = pools.cache.lookup(h) else {
+            let mut tier_hits: Vec<(usize, u32)> = Vec::with_capacity(plan.loads);
+            for (i, h) in seq.hashes[..plan.claim].iter().enumerate() {
+                if let Some(b) = pools.cache.lookup(h) {
+                    if pools.gpu.ref_count(b) == 0 {
+                        pools.gpu.take_free(b);
+                    } else {
+                        pools.gpu.incref(b);
+                    }
+                    seq.table.push(b);
+                } else if let Some(s) = pools.tier.as_mut().and_then(|t| {
+                    let s = t.lookup_ready(h)?;
+                    // Pinned before any pop below can offload into the tier.
+                    t.pin_read(s);
+                    Some(s)
+                }) {
+                    tier_hits.push((i, s));
+                    seq.table.push(NULL_BLOCK);
+                } else {
                     debug_assert!(false, "planned claim of an uncached block");
                     break;
-                };
-                if pools.gpu.ref_count(b) == 0 {
-                    pools.gpu.take_free(b);
-                } else {
-                    pools.gpu.incref(b);
                 }
-                seq.table.push(b);
+            }
+            // Host-tier hits get fresh GPU blocks (after the GPU hits left the free queue,
+            // so these pops cannot evict them) and enter the GPU cache at once: their
+            // loads come before this step's attention, like every memory op.
+            for &(i, s) in &tier_hits {
+                let b = pools.pop_gpu()?;
+                seq.table[i] = b;
+                if let Some(t) = pools.tier.as_mut() {
+                    t.load(s, b, &mut pools.ops);
+                }
+                let hash = seq.hashes[i];
+                let parent = (i > 0).then(|| seq.hashes[i - 1]);
+                let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+                pools.cache.insert(
+                    b,
+                    CacheEntry {
+                        hash,
+                        #[cfg(debug_assertions)]
+                        origin: crate::prefix_cache::BlockOrigin {
+                            parent,
+                            namespace: seq.namespace,
+                            tokens: tokens.into(),
+                        },
+                    },
+                );
+                if pools.record_events {
+                    pools.events.push(KvCacheEvent::BlockStored(BlockStored {
+                        block_hashes: vec![hash],
+                        parent_block_hash: parent,
+                        token_ids: tokens.to_vec(),
+                        block_size: bs,
+                        lora_id: seq.lora_id,
+                        medium: Medium::Gpu,
+                    }));
+                }
             }
             seq.allocated = true;
             seq.num_computed = plan.claim * bs;
             seq.num_cached_tokens = plan.claim * bs;
+            seq.num_tier_tokens = plan.loads * bs;
             seq.num_registered_blocks = plan.claim;
+            if let Some(t) = pools.tier.as_mut() {
+                t.stats.hits += (plan.loads * bs) as u64;
+            }
             if pools.caching {
                 pools.counters.prefix_cache_queries += seq.prompt_len as u64;
-                pools.counters.prefix_cache_hits += (plan.claim * bs) as u64;
+                // GPU hits only; host-tier hits are counted by the tier.
+                pools.counters.prefix_cache_hits += ((plan.claim - plan.loads) * bs) as u64;
             }
         }
         if plan.cow {
@@ -234,7 +288,11 @@ impl KVCacheManager {
             pools.gpu.decref(src);
             seq.table[i] = dst;
             seq.dirty_from = seq.dirty_from.min(i);
-            self.cow_queue.push([src as i64, dst as i64]);
+            pools.ops.push(MemoryOp {
+                kind: MemoryOpKind::Copy,
+                src: src as i64,
+                dst: dst as i64,
+            });
             pools.counters.cow_copies += 1;
             taken.push(dst as i32);
         }

@@ -5,6 +5,7 @@ use crate::batch_arg::BatchArg;
 use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
 use crate::events::{BlockStored, KvCacheEvent};
+use crate::host_tier::{Medium, OffloadPolicy};
 use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
 
@@ -145,6 +146,13 @@ impl KVCacheManager {
                         },
                     },
                 );
+                if pools
+                    .tier
+                    .as_ref()
+                    .is_some_and(|t| t.policy == OffloadPolicy::WriteThrough)
+                {
+                    pools.offload(block, hash, parent, tokens, bs, seq.lora_id);
+                }
                 if !pools.record_events {
                     continue;
                 }
@@ -155,6 +163,7 @@ impl KVCacheManager {
                     token_ids: Vec::with_capacity((full - i) * bs),
                     block_size: bs,
                     lora_id: seq.lora_id,
+                    medium: Medium::Gpu,
                 });
                 ev.block_hashes.push(hash);
                 ev.token_ids.extend_from_slice(tokens);

@@ -2,7 +2,8 @@
 
 use super::KVCacheManager;
 use crate::error::Result;
-use crate::events::KvCacheEvent;
+use crate::events::{BlockRemoved, KvCacheEvent};
+use crate::host_tier::Medium;
 
 impl KVCacheManager {
     /// Release the sequence's blocks (last block first) and forget it.
@@ -34,6 +35,8 @@ impl KVCacheManager {
 
     /// Forget every cached hash; only when no GPU block is referenced. Returns success.
     ///
+    /// The host tier drops its blocks too, except those pinned by unconfirmed ops.
+    ///
     /// Free-queue order is kept. With prefix caching off this is a no-op returning true.
     pub fn reset_prefix_cache(&mut self) -> bool {
         if self.pools.gpu.num_free() != self.pools.gpu.num_usable() {
@@ -43,6 +46,19 @@ impl KVCacheManager {
             self.pools.cache.clear();
             if self.pools.record_events {
                 self.pools.events.push(KvCacheEvent::AllBlocksCleared);
+            }
+            // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
+            // copying them); the rest go, one `BlockRemoved` with medium CPU.
+            if let Some(t) = self.pools.tier.as_mut() {
+                let removed = t.clear_unpinned();
+                if self.pools.record_events && !removed.is_empty() {
+                    self.pools
+                        .events
+                        .push(KvCacheEvent::BlockRemoved(BlockRemoved {
+                            block_hashes: removed,
+                            medium: Medium::Cpu,
+                        }));
+                }
             }
         }
         true

@@ -220,6 +220,9 @@ impl KVCacheManager {
                 )));
             }
         }
+        if let Some(tier) = &self.pools.tier {
+            tier.check().map_err(violation)?;
+        }
         Ok(())
     }
 }

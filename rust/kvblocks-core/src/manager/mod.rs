@@ -6,6 +6,7 @@ use crate::block_hash::BlockHasher;
 use crate::block_pool::BlockPool;
 use crate::config::{HashAlgo, ManagerConfig};
 use crate::error::{KvError, Result};
+use crate::host_tier::HostTier;
 use crate::prefix_cache::PrefixCache;
 use crate::sequence::Sequence;
 
@@ -37,7 +38,6 @@ pub struct KVCacheManager {
     index: FxHashMap<u64, u32>,
     slots: Vec<Sequence>,
     num_swapped: usize,
-    cow_queue: Vec<[i64; 2]>,
     watermark_blocks: usize,
     /// Prefix blocks reserved but not yet committed (see `in_flight`).
     in_flight: InFlight,
@@ -61,12 +61,14 @@ impl KVCacheManager {
                 record_events: config.record_events,
                 events: Vec::new(),
                 counters: Counters::default(),
+                tier: (config.host_cache_blocks > 0)
+                    .then(|| HostTier::new(config.host_cache_blocks, config.host_offload)),
+                ops: Vec::new(),
             },
             hasher: BlockHasher::with_seed(config.hash_algo, config.hash_seed.as_deref()),
             index: FxHashMap::default(),
             slots: Vec::new(),
             num_swapped: 0,
-            cow_queue: Vec::new(),
             watermark_blocks,
             in_flight: InFlight::default(),
             scratch: BatchScratch::default(),
@@ -112,6 +114,14 @@ impl KVCacheManager {
     /// Attention window in tokens, if any.
     pub fn sliding_window(&self) -> Option<usize> {
         self.config.sliding_window
+    }
+    /// Slots of the host tier (0: none).
+    pub fn host_cache_blocks(&self) -> usize {
+        self.config.host_cache_blocks
+    }
+    /// When blocks are copied to the host tier.
+    pub fn host_offload(&self) -> crate::host_tier::OffloadPolicy {
+        self.config.host_offload
     }
     /// The reserved null block id (0).
     pub fn null_block(&self) -> u32 {
@@ -178,6 +188,7 @@ mod allocate;
 mod batch_scratch;
 mod commit;
 mod free;
+mod host_ops;
 mod in_flight;
 mod invariants;
 mod lora_keys;

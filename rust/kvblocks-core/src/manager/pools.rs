@@ -2,7 +2,8 @@
 
 use crate::block_hash::BlockHash;
 use crate::block_pool::BlockPool;
-use crate::events::{BlockRemoved, KvCacheEvent};
+use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
 use crate::NULL_BLOCK;
 
@@ -17,7 +18,8 @@ pub(super) struct Counters {
     pub blocks_swapped_in: u64,
 }
 
-/// GPU and CPU pools, the prefix cache over the GPU pool, its events and counters.
+/// GPU and CPU pools, the prefix cache over the GPU pool, the host tier below it, their
+/// events, counters and memory ops.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct Pools {
     pub gpu: BlockPool,
@@ -28,6 +30,10 @@ pub(super) struct Pools {
     pub record_events: bool,
     pub events: Vec<KvCacheEvent>,
     pub counters: Counters,
+    /// The host tier below the GPU pool, if configured.
+    pub tier: Option<HostTier>,
+    /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
+    pub ops: Vec<MemoryOp>,
 }
 
 impl Pools {
@@ -41,11 +47,56 @@ impl Pools {
                 if self.record_events {
                     self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                         block_hashes: vec![hash],
+                        medium: Medium::Gpu,
                     }));
+                }
+                // The block's KV is still intact: the op is queued before anything that
+                // overwrites it (its new owner writes only after this step's ops).
+                if self
+                    .tier
+                    .as_ref()
+                    .is_some_and(|t| t.policy == OffloadPolicy::OnEvict)
+                {
+                    self.offload(id, hash, None, &[], 0, None);
                 }
             }
         }
         Some(id)
+    }
+
+    /// Copy cached GPU block `id` (content `hash`) to the host tier, with its events.
+    pub fn offload(
+        &mut self,
+        id: u32,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        block_size: usize,
+        lora_id: Option<u64>,
+    ) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        let (evicted, stored) = tier.offload(id, hash, &mut self.ops);
+        if !self.record_events {
+            return;
+        }
+        if let Some(old) = evicted {
+            self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![old],
+                medium: Medium::Cpu,
+            }));
+        }
+        if stored {
+            self.events.push(KvCacheEvent::BlockStored(BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: parent,
+                token_ids: tokens.to_vec(),
+                block_size,
+                lora_id,
+                medium: Medium::Cpu,
+            }));
+        }
     }
 
     /// Drop one reference to a GPU block; at zero it is queued: cached blocks at the
@@ -79,9 +130,28 @@ impl Pools {
             return 0;
         }
         let n = cap.min(hashes.len());
+        match &self.tier {
+            None => hashes[..n]
+                .iter()
+                .take_while(|h| self.cache.lookup(h).is_some())
+                .count(),
+            Some(tier) => hashes[..n]
+                .iter()
+                .take_while(|h| self.cache.lookup(h).is_some() || tier.lookup_ready(h).is_some())
+                .count(),
+        }
+    }
+
+    /// Of the first `n` blocks of the chain (all hits), how many come from the host tier
+    /// (not in the GPU cache): the loads a claim would queue.
+    #[inline]
+    pub fn probe_tier(&self, hashes: &[BlockHash], n: usize) -> usize {
+        if self.tier.is_none() {
+            return 0;
+        }
         hashes[..n]
             .iter()
-            .take_while(|h| self.cache.lookup(h).is_some())
+            .filter(|h| self.cache.lookup(h).is_none())
             .count()
     }
 

@@ -71,6 +71,7 @@ impl KVCacheManager {
             cow_copies: c.cow_copies,
             blocks_swapped_out: c.blocks_swapped_out,
             blocks_swapped_in: c.blocks_swapped_in,
+            host_tier: self.tier_stats(),
         }
     }
 }

@@ -52,6 +52,7 @@ impl KVCacheManager {
             hashes,
             probe_cap_blocks: cap,
             num_cached_tokens: 0,
+            num_tier_tokens: 0,
             num_registered_blocks: 0,
             num_released_blocks: 0,
             swapped: false,

@@ -4,6 +4,7 @@ use rustc_hash::FxHashMap;
 
 use super::KVCacheManager;
 use crate::error::{KvError, Result};
+use crate::host_tier::MemoryOpKind;
 use crate::NULL_BLOCK;
 
 /// Direction of a swap.
@@ -77,6 +78,7 @@ impl KVCacheManager {
         }
         self.num_swapped += slots.len();
         self.pools.counters.blocks_swapped_out += blocks.len() as u64;
+        self.queue_swap(MemoryOpKind::SwapOut, &rows);
         Ok(rows)
     }
 
@@ -120,6 +122,7 @@ impl KVCacheManager {
         }
         self.num_swapped -= slots.len();
         self.pools.counters.blocks_swapped_in += blocks.len() as u64;
+        self.queue_swap(MemoryOpKind::SwapIn, &rows);
         Ok(rows)
     }
 

@@ -1,0 +1,439 @@
+//! The host tier: prefix blocks kept in host memory below the GPU pool.
+//!
+//! The core only decides: it keys `capacity` tier slots by block hash, evicts the least
+//! recently used one, and issues memory ops ([`MemoryOp`]) that the engine applies to the
+//! bytes (`offload`: GPU block -> tier slot, `load`: tier slot -> GPU block).
+//!
+//! Transfers on the tier side may be asynchronous, so a slot is *pinned* from the moment
+//! an op naming it is queued until the engine confirms the op
+//! ([`crate::KVCacheManager::confirm_memory_ops`]):
+//!
+//! * the destination slot of an offload is `Writing`: its hash is known (no second
+//!   offload of the same content) but it is no prefix hit, so nothing loads it before it
+//!   is written;
+//! * the source slot of a load has a reader: it leaves the LRU list, so no offload
+//!   overwrites it while the copy may still read it.
+//!
+//! Pinned slots are never evicted; when every slot is pinned an offload is skipped (the
+//! block is simply evicted, as without a tier) and counted, so a full tier never fails a
+//! request.
+
+use rustc_hash::FxHashMap;
+
+use crate::block_hash::BlockHash;
+use crate::free_queue::FreeQueue;
+
+/// Kind of a memory op (see [`MemoryOp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryOpKind {
+    /// GPU block -> CPU swap block (`swap_out`).
+    SwapOut,
+    /// CPU swap block -> GPU block (`swap_in`).
+    SwapIn,
+    /// GPU block -> GPU block (copy-on-write).
+    Copy,
+    /// GPU block -> host-tier slot.
+    Offload,
+    /// Host-tier slot -> GPU block.
+    Load,
+}
+
+impl MemoryOpKind {
+    /// The name used by the Python API and `SchedulerOutput.memory_ops`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryOpKind::SwapOut => "swap_out",
+            MemoryOpKind::SwapIn => "swap_in",
+            MemoryOpKind::Copy => "copy",
+            MemoryOpKind::Offload => "offload",
+            MemoryOpKind::Load => "load",
+        }
+    }
+}
+
+/// One block move, `src -> dst`, in the id spaces its kind names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryOp {
+    /// What moves where.
+    pub kind: MemoryOpKind,
+    /// Source block (GPU id, CPU id or tier slot).
+    pub src: i64,
+    /// Destination block (GPU id, CPU id or tier slot).
+    pub dst: i64,
+}
+
+/// When full GPU blocks are copied to the host tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OffloadPolicy {
+    /// When a cached GPU block is evicted for reuse (before it is overwritten): only
+    /// blocks that would otherwise be lost are copied.
+    #[default]
+    OnEvict,
+    /// When a block enters the GPU prefix cache at `commit`: every cached block is
+    /// copied once, and eviction needs no copy.
+    WriteThrough,
+}
+
+impl OffloadPolicy {
+    /// The Python name (`"evict"` / `"commit"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OffloadPolicy::OnEvict => "evict",
+            OffloadPolicy::WriteThrough => "commit",
+        }
+    }
+}
+
+impl std::str::FromStr for OffloadPolicy {
+    type Err = crate::KvError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "evict" => Ok(OffloadPolicy::OnEvict),
+            "commit" => Ok(OffloadPolicy::WriteThrough),
+            other => Err(crate::KvError::InvalidArgument(format!(
+                "host_offload must be \"evict\" or \"commit\", got {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Where a block lives, for the `medium` of KV events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Medium {
+    /// The GPU pool's prefix cache.
+    #[default]
+    Gpu,
+    /// The host tier.
+    Cpu,
+}
+
+impl Medium {
+    /// vLLM's medium names (`"GPU"`, `"CPU"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+        }
+    }
+}
+
+/// Counters of the host tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Tier slots.
+    pub capacity: usize,
+    /// Slots holding a block (written or being written).
+    pub num_blocks: usize,
+    /// Slots pinned by unconfirmed ops.
+    pub num_pinned: usize,
+    /// Prompt tokens served by the tier at the claim (loaded instead of recomputed).
+    pub hits: u64,
+    /// Blocks loaded (tier slot -> GPU block).
+    pub loads: u64,
+    /// Blocks offloaded (GPU block -> tier slot).
+    pub offloads: u64,
+    /// Offloads skipped because every slot was pinned.
+    pub offloads_skipped: u64,
+    /// Tier blocks evicted to make room for an offload.
+    pub evictions: u64,
+}
+
+/// Phase of a tier slot's content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Empty,
+    /// An offload into the slot is queued or in flight.
+    Writing,
+    /// The slot holds the block's KV.
+    Ready,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    hash: BlockHash,
+    phase: Phase,
+    /// Loads from the slot that are queued or in flight.
+    readers: u32,
+}
+
+/// What an unconfirmed op pins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pin {
+    Write(u32),
+    Read(u32),
+}
+
+/// The host tier's slots, hash map and LRU order (see the module docs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTier {
+    map: FxHashMap<BlockHash, u32>,
+    slots: Vec<Slot>,
+    /// Unpinned slots, front = next to reuse: empty slots first, then written ones from
+    /// least to most recently used.
+    lru: FreeQueue,
+    /// Pins of ops not yet taken by the engine.
+    queued: Vec<Pin>,
+    /// Pins of ops taken and not yet confirmed.
+    in_flight: Vec<Pin>,
+    pub(crate) policy: OffloadPolicy,
+    pub(crate) stats: TierStats,
+}
+
+impl HostTier {
+    /// A tier of `capacity` empty slots.
+    pub fn new(capacity: usize, policy: OffloadPolicy) -> Self {
+        HostTier {
+            map: FxHashMap::default(),
+            slots: vec![
+                Slot {
+                    hash: BlockHash::default(),
+                    phase: Phase::Empty,
+                    readers: 0,
+                };
+                capacity
+            ],
+            lru: FreeQueue::new(capacity, 0),
+            queued: Vec::new(),
+            in_flight: Vec::new(),
+            policy,
+            stats: TierStats {
+                capacity,
+                ..TierStats::default()
+            },
+        }
+    }
+
+    /// The slot holding `hash`, if its KV is written (a prefix hit).
+    #[inline]
+    pub fn lookup_ready(&self, hash: &BlockHash) -> Option<u32> {
+        let s = *self.map.get(hash)?;
+        (self.slots[s as usize].phase == Phase::Ready).then_some(s)
+    }
+
+    /// Copy GPU block `gpu` holding `hash` into a slot: queues the op and returns the
+    /// evicted tier hash (if any) and whether the block was stored. Already held: only
+    /// refreshes its LRU position.
+    pub fn offload(
+        &mut self,
+        gpu: u32,
+        hash: BlockHash,
+        ops: &mut Vec<MemoryOp>,
+    ) -> (Option<BlockHash>, bool) {
+        if let Some(&s) = self.map.get(&hash) {
+            if self.lru.contains(s) {
+                self.lru.remove(s);
+                self.lru.push_back(s);
+            }
+            return (None, false);
+        }
+        let Some(s) = self.lru.pop_front() else {
+            self.stats.offloads_skipped += 1;
+            return (None, false);
+        };
+        let slot = &mut self.slots[s as usize];
+        let evicted = if slot.phase == Phase::Ready {
+            self.map.remove(&slot.hash);
+            self.stats.evictions += 1;
+            Some(slot.hash)
+        } else {
+            None
+        };
+        *slot = Slot {
+            hash,
+            phase: Phase::Writing,
+            readers: 0,
+        };
+        self.map.insert(hash, s);
+        self.queued.push(Pin::Write(s));
+        ops.push(MemoryOp {
+            kind: MemoryOpKind::Offload,
+            src: gpu as i64,
+            dst: s as i64,
+        });
+        self.stats.offloads += 1;
+        (evicted, true)
+    }
+
+    /// Pin a ready slot as the source of a load (before the GPU blocks are popped, so the
+    /// offloads those pops trigger cannot evict it).
+    pub fn pin_read(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        debug_assert_eq!(slot.phase, Phase::Ready);
+        if slot.readers == 0 {
+            self.lru.remove(s);
+        }
+        slot.readers += 1;
+        self.queued.push(Pin::Read(s));
+    }
+
+    /// Queue the load of a pinned slot into GPU block `gpu`.
+    pub fn load(&mut self, s: u32, gpu: u32, ops: &mut Vec<MemoryOp>) {
+        ops.push(MemoryOp {
+            kind: MemoryOpKind::Load,
+            src: s as i64,
+            dst: gpu as i64,
+        });
+        self.stats.loads += 1;
+    }
+
+    /// The engine took the queued ops: their pins wait for confirmation now.
+    pub fn mark_taken(&mut self) {
+        self.in_flight.append(&mut self.queued);
+    }
+
+    /// The engine finished every taken op: release their pins (a written slot becomes a
+    /// hit; a slot with no reader left returns to the LRU list as most recently used).
+    pub fn confirm(&mut self) {
+        for pin in std::mem::take(&mut self.in_flight) {
+            match pin {
+                Pin::Write(s) => {
+                    let slot = &mut self.slots[s as usize];
+                    slot.phase = Phase::Ready;
+                    if slot.readers == 0 {
+                        self.lru.push_back(s);
+                    }
+                }
+                Pin::Read(s) => {
+                    let slot = &mut self.slots[s as usize];
+                    slot.readers -= 1;
+                    if slot.readers == 0 && slot.phase == Phase::Ready {
+                        self.lru.push_back(s);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drop every written, unpinned block; returns their hashes.
+    pub fn clear_unpinned(&mut self) -> Vec<BlockHash> {
+        let mut removed = Vec::new();
+        let queued: Vec<u32> = self.lru.iter().collect();
+        for s in queued {
+            let slot = &mut self.slots[s as usize];
+            if slot.phase == Phase::Ready {
+                self.map.remove(&slot.hash);
+                removed.push(slot.hash);
+                slot.phase = Phase::Empty;
+                // Empty slots are reused first.
+                self.lru.remove(s);
+                self.lru.push_front(s);
+            }
+        }
+        removed
+    }
+
+    /// Counters with the current occupancy.
+    pub fn stats(&self) -> TierStats {
+        TierStats {
+            num_blocks: self.map.len(),
+            num_pinned: self.slots.len() - self.lru.len(),
+            ..self.stats
+        }
+    }
+
+    /// Verify the slot states, the map, the LRU list and the pins.
+    pub fn check(&self) -> Result<(), String> {
+        self.lru
+            .check()
+            .map_err(|e| format!("host tier LRU: {e}"))?;
+        let mut readers = vec![0u32; self.slots.len()];
+        let mut writes = vec![0u32; self.slots.len()];
+        for pin in self.queued.iter().chain(&self.in_flight) {
+            match *pin {
+                Pin::Read(s) => readers[s as usize] += 1,
+                Pin::Write(s) => writes[s as usize] += 1,
+            }
+        }
+        let mut held = 0;
+        for (s, slot) in self.slots.iter().enumerate() {
+            let id = s as u32;
+            if slot.readers != readers[s] {
+                return Err(format!(
+                    "host tier slot {s} has {} readers but {} load pins",
+                    slot.readers, readers[s]
+                ));
+            }
+            let writing = slot.phase == Phase::Writing;
+            if writes[s] != writing as u32 {
+                return Err(format!(
+                    "host tier slot {s} is {:?} with {} write pins",
+                    slot.phase, writes[s]
+                ));
+            }
+            if slot.phase == Phase::Empty {
+                if slot.readers != 0 {
+                    return Err(format!("empty host tier slot {s} has readers"));
+                }
+            } else {
+                held += 1;
+                if self.map.get(&slot.hash) != Some(&id) {
+                    return Err(format!("host tier slot {s} is not mapped by its hash"));
+                }
+            }
+            let pinned = writing || slot.readers > 0;
+            if self.lru.contains(id) == pinned {
+                return Err(format!(
+                    "host tier slot {s}: pinned = {pinned} but in the LRU list = {}",
+                    self.lru.contains(id)
+                ));
+            }
+        }
+        if held != self.map.len() {
+            return Err(format!(
+                "host tier maps {} hashes but holds {held} blocks",
+                self.map.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block_hash::BlockHasher;
+    use crate::config::HashAlgo;
+
+    fn hash(token: u32) -> BlockHash {
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let ns = h.namespace(None, None).expect("no salt, no LoRA");
+        h.block(None, &ns, &[token])
+    }
+
+    #[test]
+    fn lru_eviction_and_pins() {
+        let mut t = HostTier::new(2, OffloadPolicy::OnEvict);
+        let mut ops = Vec::new();
+        assert_eq!(t.offload(5, hash(1), &mut ops), (None, true));
+        assert_eq!(t.offload(6, hash(2), &mut ops), (None, true));
+        // Both slots are being written: pinned, no hit, no room.
+        assert!(t.lookup_ready(&hash(1)).is_none());
+        assert_eq!(t.offload(7, hash(3), &mut ops), (None, false));
+        assert_eq!(t.stats().offloads_skipped, 1);
+        t.check().unwrap();
+        // Confirm without taking: still pinned.
+        t.confirm();
+        assert!(t.lookup_ready(&hash(1)).is_none());
+        t.mark_taken();
+        t.confirm();
+        let s1 = t.lookup_ready(&hash(1)).unwrap();
+        assert!(t.lookup_ready(&hash(2)).is_some());
+        // A load pins slot 1: the next offload evicts hash(2) instead.
+        t.pin_read(s1);
+        assert_eq!(t.offload(8, hash(3), &mut ops), (Some(hash(2)), true));
+        assert_eq!(t.offload(9, hash(4), &mut ops), (None, false));
+        t.check().unwrap();
+        t.mark_taken();
+        t.confirm();
+        assert!(t.lookup_ready(&hash(1)).is_some() && t.lookup_ready(&hash(3)).is_some());
+        assert_eq!(
+            ops.iter().map(|o| (o.src, o.dst)).collect::<Vec<_>>(),
+            vec![(5, 0), (6, 1), (8, 1)]
+        );
+        assert_eq!(t.stats().evictions, 1);
+        assert_eq!(t.clear_unpinned().len(), 2);
+        t.check().unwrap();
+        assert_eq!(t.stats().num_blocks, 0);
+    }
+}

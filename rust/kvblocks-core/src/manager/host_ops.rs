@@ -1,0 +1,97 @@
+//! The ordered memory-op list and the host tier's queries.
+//!
+//! Contract (see `docs/scheduler-engine-interface.md`, "Host tier"): the engine drains the
+//! ops of a step with [`KVCacheManager::take_memory_ops`] and applies them in the order
+//! given, before the step's attention (on one stream, or with each op ordered after the
+//! previous ones that touch the same block). GPU-side safety follows from that order: an
+//! offload's GPU source is read before the block's new owner writes it, a load's GPU
+//! destination is written before any attention reads it. Host-tier slots may be copied
+//! asynchronously: every slot an op names stays pinned until
+//! [`KVCacheManager::confirm_memory_ops`] confirms the ops taken so far.
+
+use super::KVCacheManager;
+use crate::error::{KvError, Result};
+use crate::host_tier::{MemoryOp, MemoryOpKind, TierStats};
+
+impl KVCacheManager {
+    /// Drain every queued block move (swaps, copy-on-write copies, host-tier offloads and
+    /// loads) in issue order. Their host-tier slots stay pinned until
+    /// `confirm_memory_ops`.
+    pub fn take_memory_ops(&mut self) -> Vec<MemoryOp> {
+        if let Some(t) = self.pools.tier.as_mut() {
+            t.mark_taken();
+        }
+        std::mem::take(&mut self.pools.ops)
+    }
+
+    /// The engine finished every op taken by `take_memory_ops` so far: unpin their
+    /// host-tier slots (offloaded blocks become prefix hits). Ops still queued stay
+    /// pinned. A no-op without a host tier.
+    pub fn confirm_memory_ops(&mut self) {
+        if let Some(t) = self.pools.tier.as_mut() {
+            t.confirm();
+        }
+    }
+
+    /// Drain the queued copy-on-write `(src, dst)` block pairs.
+    ///
+    /// For a manager without a host tier. With one, copies are interleaved with offloads
+    /// and loads that must be applied in order, so this fails with `SequenceState` while
+    /// any op is queued (use `take_memory_ops`). Swap moves queued with the copies are
+    /// dropped: `swap_out`/`swap_in` returned them.
+    pub fn try_take_copy_on_writes(&mut self) -> Result<Vec<[i64; 2]>> {
+        if self.pools.tier.is_some() && !self.pools.ops.is_empty() {
+            return Err(KvError::SequenceState(
+                "take_copy_on_writes: this manager has a host tier; its copies are ordered \
+                 with offloads and loads, drain them with take_memory_ops"
+                    .to_string(),
+            ));
+        }
+        Ok(self.take_copy_on_writes())
+    }
+
+    /// Drain the queued copy-on-write `(src, dst)` block pairs (other queued ops are
+    /// dropped; a manager with a host tier uses `take_memory_ops` instead, see
+    /// `try_take_copy_on_writes`).
+    pub fn take_copy_on_writes(&mut self) -> Vec<[i64; 2]> {
+        if self.pools.ops.is_empty() {
+            return Vec::new();
+        }
+        if let Some(t) = self.pools.tier.as_mut() {
+            // Dropped tier ops still count as taken: their pins wait for a confirmation.
+            t.mark_taken();
+        }
+        self.pools
+            .ops
+            .drain(..)
+            .filter(|op| op.kind == MemoryOpKind::Copy)
+            .map(|op| [op.src, op.dst])
+            .collect()
+    }
+
+    /// Of the sequence's cached tokens, those loaded from the host tier (before the
+    /// first `allocate_slots`: those a claim now would load).
+    pub fn num_tier_tokens(&self, seq_id: u64) -> Result<usize> {
+        let seq = self.seq(seq_id)?;
+        Ok(if seq.allocated {
+            seq.num_tier_tokens
+        } else {
+            let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+            self.pools.probe_tier(&seq.hashes, hit) * self.config.block_size
+        })
+    }
+
+    /// Counters of the host tier, `None` without one.
+    pub fn tier_stats(&self) -> Option<TierStats> {
+        self.pools.tier.as_ref().map(|t| t.stats())
+    }
+
+    /// Record a swap's rows in the op list.
+    pub(super) fn queue_swap(&mut self, kind: MemoryOpKind, rows: &[[i64; 2]]) {
+        self.pools.ops.extend(rows.iter().map(|r| MemoryOp {
+            kind,
+            src: r[0],
+            dst: r[1],
+        }));
+    }
+}

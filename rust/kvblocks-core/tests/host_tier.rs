@@ -1,0 +1,302 @@
+//! The host tier: offload at eviction or commit, loads on a prefix hit, pins until the
+//! engine confirms, and the ordered memory-op list.
+
+mod common;
+
+use common::*;
+use kvblocks_core::{
+    KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp, MemoryOpKind,
+    OffloadPolicy,
+};
+
+fn tiered(num_blocks: usize, host: usize, policy: OffloadPolicy) -> KVCacheManager {
+    manager_with(num_blocks, 4, |c| {
+        c.host_cache_blocks = host;
+        c.host_offload = policy;
+    })
+}
+
+fn kinds(ops: &[MemoryOp]) -> Vec<MemoryOpKind> {
+    ops.iter().map(|o| o.kind).collect()
+}
+
+/// Fill the pool with a second prompt so the first one's cached blocks are evicted.
+fn evict_all(m: &mut KVCacheManager, id: u64, blocks: usize) {
+    prefill(m, id, &toks(10_000, blocks * 4));
+    m.free(id).unwrap();
+}
+
+#[test]
+fn evicted_blocks_are_offloaded_then_loaded_on_a_hit() {
+    // 4 usable GPU blocks.
+    let mut m = tiered(5, 8, OffloadPolicy::OnEvict);
+    let prompt = toks(0, 12);
+    prefill(&mut m, 1, &prompt);
+    m.free(1).unwrap();
+    m.take_events();
+    evict_all(&mut m, 2, 4);
+    let ops = m.take_memory_ops();
+    // The three cached blocks of prompt 1 were evicted (one per pop): three offloads.
+    assert_eq!(kinds(&ops), vec![MemoryOpKind::Offload; 3]);
+    let tier_events: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
+        .collect();
+    assert_eq!(tier_events.len(), 3);
+    m.check_invariants().unwrap();
+    // Not confirmed: the slots are being written, no hit yet.
+    assert_eq!(m.add_sequence(3, &prompt, None, None).unwrap(), 0);
+    m.free(3).unwrap();
+    m.confirm_memory_ops();
+    // Two blocks hit (never the whole prompt): both from the tier.
+    assert_eq!(m.add_sequence(4, &prompt, None, None).unwrap(), 8);
+    assert_eq!(m.num_tier_tokens(4).unwrap(), 8);
+    let got = m.allocate_slots(4, 4, 0).unwrap().unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "the loaded blocks are not reported as new blocks"
+    );
+    let ops = m.take_memory_ops();
+    let loads: Vec<_> = ops
+        .iter()
+        .filter(|o| o.kind == MemoryOpKind::Load)
+        .collect();
+    assert_eq!(loads.len(), 2);
+    let table = m.block_table(4).unwrap();
+    assert_eq!(
+        loads.iter().map(|o| o.dst as i32).collect::<Vec<_>>(),
+        table[..2].to_vec()
+    );
+    // An offload of a block popped for the loads precedes the load into it.
+    for (i, op) in ops.iter().enumerate() {
+        if op.kind == MemoryOpKind::Load {
+            assert!(!ops[i + 1..]
+                .iter()
+                .any(|o| o.kind == MemoryOpKind::Offload && o.src == op.dst));
+        }
+    }
+    assert_eq!(m.num_tier_tokens(4).unwrap(), 8);
+    assert_eq!(m.num_cached_tokens(4).unwrap(), 8);
+    let s = m.stats().host_tier.unwrap();
+    assert_eq!((s.loads, s.hits), (2, 8));
+    assert!(
+        s.num_pinned >= 2,
+        "load sources stay pinned until confirmed"
+    );
+    m.check_invariants().unwrap();
+    m.confirm_memory_ops();
+    assert_eq!(m.stats().host_tier.unwrap().num_pinned, 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_load_source_is_never_evicted_while_pinned() {
+    // 3 usable GPU blocks, 2 tier slots.
+    let mut m = tiered(4, 2, OffloadPolicy::OnEvict);
+    let prompt = toks(0, 9);
+    prefill(&mut m, 1, &prompt);
+    m.free(1).unwrap();
+    evict_all(&mut m, 2, 3);
+    assert_eq!(kinds(&m.take_memory_ops()), vec![MemoryOpKind::Offload; 2]);
+    m.confirm_memory_ops();
+    assert_eq!(m.add_sequence(3, &prompt, None, None).unwrap(), 8);
+    // The claim pins both slots, then pops 3 GPU blocks, evicting prompt 2's cached
+    // blocks (all three): their offloads find no unpinned slot and are skipped.
+    m.allocate_slots(3, 1, 0).unwrap().unwrap();
+    let ops = m.take_memory_ops();
+    assert_eq!(kinds(&ops), vec![MemoryOpKind::Load; 2]);
+    let s = m.stats().host_tier.unwrap();
+    assert_eq!((s.evictions, s.offloads_skipped, s.num_pinned), (0, 3, 2));
+    m.check_invariants().unwrap();
+    m.confirm_memory_ops();
+    assert_eq!(m.stats().host_tier.unwrap().num_pinned, 0);
+}
+
+#[test]
+fn write_through_offloads_at_commit_and_eviction_copies_nothing() {
+    let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
+    let prompt = toks(0, 12);
+    prefill(&mut m, 1, &prompt);
+    let ops = m.take_memory_ops();
+    assert_eq!(kinds(&ops), vec![MemoryOpKind::Offload; 3]);
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s),
+            _ => None,
+        })
+        .collect();
+    // At commit the tokens are known: full events.
+    assert_eq!(stored.len(), 3);
+    assert_eq!(stored[1].token_ids, toks(4, 4));
+    m.confirm_memory_ops();
+    m.free(1).unwrap();
+    evict_all(&mut m, 2, 4);
+    let ops = m.take_memory_ops();
+    assert!(kinds(&ops).iter().all(|&k| k == MemoryOpKind::Offload));
+    assert_eq!(ops.len(), 4, "only prompt 2's commits offload");
+    m.confirm_memory_ops();
+    assert_eq!(m.add_sequence(3, &prompt, None, None).unwrap(), 8);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn copies_and_swaps_share_the_ordered_list() {
+    let mut m = manager_with(16, 4, |c| {
+        c.host_cache_blocks = 4;
+        c.num_cpu_blocks = 8;
+    });
+    prefill(&mut m, 1, &toks(0, 6));
+    m.fork(1, 2).unwrap();
+    m.allocate_slots(2, 0, 1).unwrap().unwrap();
+    let rows = m.swap_out(&[1]).unwrap();
+    let ops = m.take_memory_ops();
+    assert_eq!(ops[0].kind, MemoryOpKind::Copy);
+    assert_eq!(
+        ops[1..].iter().map(|o| [o.src, o.dst]).collect::<Vec<_>>(),
+        rows
+    );
+    // Copies queued with a tier: the copy-only drain refuses.
+    m.commit(2, 0, &[]).unwrap();
+    m.allocate_slots(2, 0, 4).unwrap().unwrap();
+    m.swap_in(&[1]).unwrap();
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.try_take_copy_on_writes(),
+        |e| matches!(e, KvError::SequenceState(_)),
+    );
+}
+
+#[test]
+fn tier_needs_prefix_caching_and_reset_keeps_pinned_slots() {
+    let mut c = ManagerConfig::new(8, 4);
+    c.host_cache_blocks = 4;
+    c.enable_prefix_caching = false;
+    assert!(matches!(
+        KVCacheManager::new(c),
+        Err(KvError::InvalidArgument(_))
+    ));
+    let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
+    prefill(&mut m, 1, &toks(0, 8));
+    m.free(1).unwrap();
+    // Offloads not confirmed: reset keeps them.
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.stats().host_tier.unwrap().num_blocks, 2);
+    m.take_memory_ops();
+    m.confirm_memory_ops();
+    assert!(m.reset_prefix_cache());
+    assert_eq!(m.stats().host_tier.unwrap().num_blocks, 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn without_a_tier_nothing_changes() {
+    let mut m = manager(8, 4);
+    prefill(&mut m, 1, &toks(0, 8));
+    assert!(m.take_memory_ops().is_empty());
+    assert_eq!(m.num_tier_tokens(1).unwrap(), 0);
+    assert!(m.stats().host_tier.is_none());
+    m.confirm_memory_ops();
+    assert!(m.try_take_copy_on_writes().unwrap().is_empty());
+}
+
+/// Random operations in a debug build (debug assertions on): no panic, invariants after
+/// every call, a failing call changes nothing, and every queued op is drained.
+#[test]
+fn random_operations_keep_the_invariants() {
+    let mut seed: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n.max(1)
+    };
+    let mut kinds_seen = std::collections::HashSet::new();
+    for round in 0..40 {
+        let policy = if round % 3 == 0 {
+            OffloadPolicy::WriteThrough
+        } else {
+            OffloadPolicy::OnEvict
+        };
+        let mut m = manager_with(4 + next(12) as usize, 1 + next(4) as usize, |c| {
+            c.host_cache_blocks = 1 + next(16) as usize;
+            c.host_offload = policy;
+            c.num_cpu_blocks = next(8) as usize;
+        });
+        let mut next_id = 0u64;
+        for _ in 0..300 {
+            let ids = m.seq_ids();
+            let pick = |r: u64| ids.get(r as usize % ids.len().max(1)).copied();
+            match next(9) {
+                0 | 1 => {
+                    let stem = next(3) as u32 * 100;
+                    let len = 1 + next(20) as usize;
+                    m.add_sequence(next_id, &toks(stem, len), None, None)
+                        .unwrap();
+                    next_id += 1;
+                }
+                2 | 3 => {
+                    if let Some(id) = pick(next(64)) {
+                        let left = m.num_tokens(id).unwrap() as i64
+                            - m.num_computed_tokens(id).unwrap() as i64;
+                        if !m.is_swapped(id).unwrap() && left >= 0 {
+                            let new = next(left as u64 + 1) as usize;
+                            let before = m.clone();
+                            match m.allocate_slots(id, new, next(3) as usize) {
+                                Ok(Some(_)) => m.commit(id, new, &[7]).map(|_| ()).unwrap_or(()),
+                                Ok(None) => assert!(m == before),
+                                Err(_) => assert!(m == before),
+                            }
+                        }
+                    }
+                }
+                4 => {
+                    if let Some(id) = pick(next(64)) {
+                        m.free(id).unwrap();
+                    }
+                }
+                5 => {
+                    if let Some(id) = pick(next(64)) {
+                        let _ = m.fork(id, next_id);
+                        next_id += 1;
+                    }
+                }
+                6 => {
+                    if let Some(id) = pick(next(64)) {
+                        if m.is_swapped(id).unwrap() {
+                            let _ = m.swap_in(&[id]);
+                        } else {
+                            let _ = m.swap_out(&[id]);
+                        }
+                    }
+                }
+                7 => {
+                    for op in m.take_memory_ops() {
+                        kinds_seen.insert(op.kind);
+                    }
+                    if next(2) == 0 {
+                        m.confirm_memory_ops();
+                    }
+                }
+                _ => {
+                    if next(8) == 0 {
+                        m.reset_prefix_cache();
+                    } else {
+                        m.confirm_memory_ops();
+                    }
+                }
+            }
+            m.check_invariants().unwrap();
+        }
+    }
+    for kind in [
+        MemoryOpKind::Offload,
+        MemoryOpKind::Load,
+        MemoryOpKind::SwapOut,
+    ] {
+        assert!(kinds_seen.contains(&kind), "{kind:?} never issued");
+    }
+}

@@ -1,0 +1,157 @@
+"""The host tier through the Python API: construction, the ordered op list, pins until
+``confirm_memory_ops``, the reported hits, stats and events, and hostile inputs.
+
+The content of what the ops move is judged by the content oracle
+(``test_content_oracle.py``, ``TieredContentOracle``); these tests pin the API.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvblocks
+from kvblocks import KVCacheManager
+
+from .core_state import snapshot
+
+
+def tiered(num_blocks: int = 5, host: int = 8, policy: str = "evict") -> KVCacheManager:
+    return KVCacheManager(num_blocks, 4, watermark=0.0, host_cache_blocks=host, host_offload=policy)
+
+
+def prefill(m: KVCacheManager, sid: int, tokens: list[int]) -> None:
+    m.add_sequence(sid, tokens)
+    new = len(tokens) - m.num_computed_tokens(sid)
+    assert m.allocate_slots(sid, new) is not None
+    m.commit(sid, new)
+
+
+def evict_then_hit(m: KVCacheManager) -> list[int]:
+    """Cache a 12-token prompt, evict it to the tier (a 16-token prompt fills the pool),
+    confirm the offloads and add the prompt again; return it."""
+    prompt = list(range(12))
+    prefill(m, 1, prompt)
+    m.free(1)
+    prefill(m, 2, list(range(100, 116)))
+    m.free(2)
+    ops = m.take_memory_ops()
+    assert [kind for kind, _ in ops] == ["offload"]
+    m.confirm_memory_ops()
+    return prompt
+
+
+def test_defaults_and_properties() -> None:
+    m = KVCacheManager(8, 4)
+    assert (m.host_cache_blocks, m.host_offload) == (0, "evict")
+    assert "host_hits" not in m.stats()
+    assert m.take_memory_ops() == []
+    m.confirm_memory_ops()  # a no-op without a tier
+    t = tiered(policy="commit")
+    assert (t.host_cache_blocks, t.host_offload) == (8, "commit")
+    assert t.stats()["host_cache_blocks"] == 8
+
+
+def test_a_hit_in_the_tier_is_reported_then_loaded() -> None:
+    m = tiered()
+    prompt = evict_then_hit(m)
+    # Two whole blocks hit (never the whole prompt), both in the tier.
+    assert m.add_sequence(3, prompt) == 8
+    assert m.num_tier_tokens(3) == 8
+    assert m.num_cached_tokens(3) == 8
+    assert m.refresh_prefixes([3]).tolist() == [8]
+    assert m.can_allocate(3) == kvblocks.AllocStatus.OK
+    got = m.allocate_slots(3, 4)
+    assert got is not None and len(got) == 1  # loaded blocks belong to the claimed prefix
+    ops = m.take_memory_ops()
+    loads = np.concatenate([pairs for kind, pairs in ops if kind == "load"])
+    assert loads.shape == (2, 2) and loads.dtype == np.int64
+    assert loads[:, 1].tolist() == m.block_table(3)[:2].tolist()
+    s = m.stats()
+    assert (s["host_hits"], s["host_loads"], s["prefix_cache_hits"]) == (8, 2, 0)
+    assert s["num_host_pinned_blocks"] >= 2
+    m.confirm_memory_ops()
+    assert m.stats()["num_host_pinned_blocks"] == 0
+    m.check_invariants()
+
+
+def test_an_unconfirmed_offload_is_no_hit() -> None:
+    m = tiered()
+    prefill(m, 1, list(range(12)))
+    m.free(1)
+    prefill(m, 2, list(range(100, 116)))
+    m.free(2)
+    m.take_memory_ops()
+    # Taken but not confirmed: the slots may still be being written.
+    assert m.add_sequence(3, list(range(12))) == 0
+    m.confirm_memory_ops()
+    assert m.refresh_prefixes([3]).tolist() == [8]
+
+
+def test_events_carry_the_medium() -> None:
+    m = tiered()
+    evict_then_hit(m)
+    media = {(type(e).__name__, e.medium) for e in m.take_events()}
+    assert media == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU")}
+    m = tiered(policy="commit")
+    prefill(m, 1, list(range(8)))
+    stored = [e for e in m.take_events() if e.medium == "CPU"]
+    # Write-through knows the tokens: full events.
+    assert [e.token_ids for e in stored] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [kind for kind, _ in m.take_memory_ops()] == ["offload"]
+
+
+def test_copy_drain_refuses_while_tier_ops_are_queued() -> None:
+    m = tiered()
+    prefill(m, 1, list(range(12)))
+    m.free(1)
+    prefill(m, 2, list(range(100, 116)))
+    before = snapshot(m)
+    with pytest.raises(kvblocks.SequenceStateError, match="take_memory_ops"):
+        m.take_copy_on_writes()
+    assert snapshot(m) == before
+    assert [kind for kind, _ in m.take_memory_ops()] == ["offload"]
+    assert m.take_copy_on_writes().shape == (0, 2)
+
+
+def test_reset_drops_unpinned_tier_blocks() -> None:
+    m = tiered()
+    evict_then_hit(m)
+    m.take_events()
+    assert m.reset_prefix_cache()
+    assert m.stats()["num_host_cached_blocks"] == 0
+    removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
+    assert [(e.medium, len(e.block_hashes)) for e in removed] == [("CPU", 3)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"host_cache_blocks": -1}, kvblocks.InvalidArgumentError),
+        ({"host_cache_blocks": 2**40}, kvblocks.InvalidArgumentError),
+        ({"host_cache_blocks": 2**70}, kvblocks.InvalidArgumentError),
+        ({"host_cache_blocks": "8"}, (TypeError, kvblocks.InvalidArgumentError)),
+        ({"host_cache_blocks": 4, "enable_prefix_caching": False}, kvblocks.InvalidArgumentError),
+        ({"host_offload": "never"}, kvblocks.InvalidArgumentError),
+        ({"host_offload": 3}, (TypeError, kvblocks.InvalidArgumentError)),
+    ],
+)
+def test_bad_construction_raises(
+    kwargs: dict[str, object], error: type[Exception] | tuple[type[Exception], ...]
+) -> None:
+    with pytest.raises(error):
+        KVCacheManager(8, 4, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_calls_raise_and_change_nothing() -> None:
+    m = tiered()
+    evict_then_hit(m)
+    before = snapshot(m)
+    with pytest.raises(kvblocks.UnknownSequenceError):
+        m.num_tier_tokens(99)
+    with pytest.raises((TypeError, kvblocks.InvalidArgumentError)):
+        m.num_tier_tokens(-1)
+    m.confirm_memory_ops()
+    m.confirm_memory_ops()
+    assert snapshot(m) == before
+    m.check_invariants()
