@@ -25,6 +25,7 @@ from kvblocks.tiers.errors import CorruptBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.stats import TierStats
+from kvblocks.tiers.store import put_each
 
 __all__ = ["DiskTier"]
 
@@ -223,11 +224,7 @@ class DiskTier:
         self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
     ) -> int:
         """Write several blocks; how many were stored."""
-        if len(block_hashes) != len(kvs):
-            raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
-        return sum(
-            self.put(h, kv, priority=priority) for h, kv in zip(block_hashes, kvs, strict=True)
-        )
+        return put_each(self, block_hashes, kvs, priority)
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Each block's verified payload, or None (absent, or rejected and deleted)."""

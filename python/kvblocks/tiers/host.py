@@ -12,6 +12,7 @@ from kvblocks.tiers.codec import Payload, as_payload_tensor, as_payload_view, ch
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.stats import TierStats
+from kvblocks.tiers.store import put_each
 
 __all__ = ["HostTier"]
 
@@ -100,11 +101,7 @@ class HostTier:
         self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
     ) -> int:
         """Store several blocks; how many were stored (all of them)."""
-        if len(block_hashes) != len(kvs):
-            raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
-        return sum(
-            self.put(h, kv, priority=priority) for h, kv in zip(block_hashes, kvs, strict=True)
-        )
+        return put_each(self, block_hashes, kvs, priority)
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Copies of the stored payloads (one gather from the pool), None for misses."""

@@ -7,11 +7,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers.codec import Payload
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.stats import TierStats
 
-__all__ = ["TierStore"]
+__all__ = ["TierStore", "put_each"]
 
 
 @runtime_checkable
@@ -73,3 +74,13 @@ class TierStore(Protocol):
         """Release the tier's resources (files, connections); contents persist where the
         medium does."""
         ...
+
+
+def put_each(
+    store: TierStore, block_hashes: Sequence[bytes], kvs: Sequence[Payload], priority: int
+) -> int:
+    """``put_many`` for a backend without a batched write: ``put`` each block in order;
+    how many were stored."""
+    if len(block_hashes) != len(kvs):
+        raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
+    return sum(store.put(h, kv, priority=priority) for h, kv in zip(block_hashes, kvs, strict=True))

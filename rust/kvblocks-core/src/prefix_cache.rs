@@ -16,6 +16,28 @@ pub struct CacheEntry {
     pub origin: BlockOrigin,
 }
 
+impl CacheEntry {
+    /// The entry of a block hashed from `parent`, `namespace` and `tokens`; the inputs are
+    /// kept in debug builds only.
+    #[cfg_attr(not(debug_assertions), allow(unused_variables))]
+    pub fn new(
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        namespace: BlockHash,
+        tokens: &[u32],
+    ) -> Self {
+        CacheEntry {
+            hash,
+            #[cfg(debug_assertions)]
+            origin: BlockOrigin {
+                parent,
+                namespace,
+                tokens: tokens.into(),
+            },
+        }
+    }
+}
+
 // Release builds keep nothing but the hash per cached block (the memory per block the
 // README states); every release build, the wheel's included, checks it.
 #[cfg(not(debug_assertions))]

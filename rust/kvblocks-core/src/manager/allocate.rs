@@ -243,18 +243,9 @@ impl KVCacheManager {
                 let hash = seq.hashes[i];
                 let parent = (i > 0).then(|| seq.hashes[i - 1]);
                 let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-                pools.cache.insert(
-                    b,
-                    CacheEntry {
-                        hash,
-                        #[cfg(debug_assertions)]
-                        origin: crate::prefix_cache::BlockOrigin {
-                            parent,
-                            namespace: seq.namespace,
-                            tokens: tokens.into(),
-                        },
-                    },
-                );
+                pools
+                    .cache
+                    .insert(b, CacheEntry::new(hash, parent, seq.namespace, tokens));
                 if pools.record_events {
                     pools.events.push(KvCacheEvent::BlockStored(BlockStored {
                         block_hashes: vec![hash],

@@ -134,18 +134,9 @@ impl KVCacheManager {
                 }
                 let parent: Option<BlockHash> = (i > 0).then(|| seq.hashes[i - 1]);
                 let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-                pools.cache.insert(
-                    block,
-                    CacheEntry {
-                        hash,
-                        #[cfg(debug_assertions)]
-                        origin: crate::prefix_cache::BlockOrigin {
-                            parent,
-                            namespace: seq.namespace,
-                            tokens: tokens.into(),
-                        },
-                    },
-                );
+                pools
+                    .cache
+                    .insert(block, CacheEntry::new(hash, parent, seq.namespace, tokens));
                 if pools
                     .tier
                     .as_ref()
