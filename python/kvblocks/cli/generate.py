@@ -84,6 +84,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--block-size", type=int, choices=(8, 16, 32), default=16)
     eng.add_argument("--num-cpu-blocks", type=non_negative_int, default=None)
     eng.add_argument("--no-prefix-caching", action="store_true")
+    eng.add_argument(
+        "--host-cache-blocks",
+        type=non_negative_int,
+        default=0,
+        help="slots of a host-memory tier below the KV cache: evicted prefix blocks are "
+        "kept there and loaded back on a hit (default: 0, no tier; needs prefix caching)",
+    )
     eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     eng.add_argument("--max-num-seqs", type=positive_int, default=256)
     eng.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
@@ -151,6 +158,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         dtype=getattr(torch, args.dtype) if args.dtype else None,
         seed=args.engine_seed,
         max_model_len=args.max_model_len,
+        host_cache_blocks=args.host_cache_blocks,
     )
     prompts: list[Any] = list(args.prompt) + list(args.prompt_ids)
     if not prompts:

@@ -128,6 +128,14 @@ class LLM:
             together; default the model's ``max_position_embeddings`` (the most it
             allows). A longer prompt (or one that leaves no room for a token) is
             rejected; generation stops there with ``finish_reason="length"``.
+        host_cache_blocks: slots of a host tier below the device pool (0: none; needs
+            prefix caching). A cached prefix block evicted from the device pool is kept
+            there, and a later prompt with that prefix loads it back instead of recomputing
+            it; the runner owns the pool (pinned on CUDA). The tier's counters are the
+            ``host_*`` keys of ``stats()["cache"]``.
+        host_offload: when a block is copied to the tier: ``"evict"`` (when its device
+            block is reused) or ``"commit"`` (write-through, when it enters the prefix
+            cache). See docs/scheduler-engine-interface.md, "Host tier".
         event_publisher: a KV-event publisher (e.g.
             :class:`kvblocks.events.ZmqEventPublisher`); the manager then records events
             and each step's are published. The caller closes it.
@@ -155,6 +163,8 @@ class LLM:
         dtype: torch.dtype | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
+        host_cache_blocks: int = 0,
+        host_offload: Literal["evict", "commit"] = "evict",
         event_publisher: Any | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
@@ -198,6 +208,8 @@ class LLM:
             sliding_window=config.uniform_sliding_window(),
             # Without a publisher nothing drains them: they would pile up.
             record_events=event_publisher is not None,
+            host_cache_blocks=host_cache_blocks,
+            host_offload=host_offload,
         )
         self._scheduler_config = scheduler_config
         self._event_publisher = event_publisher
@@ -207,6 +219,7 @@ class LLM:
             num_blocks=num_blocks,
             block_size=block_size,
             num_cpu_blocks=num_cpu_blocks,
+            host_cache_blocks=self.manager.host_cache_blocks,
             seed=seed,
         )
         self._next_request = 0
@@ -483,6 +496,7 @@ class LLM:
                     len(out.blocks_to_swap_out)
                     + len(out.blocks_to_swap_in)
                     + len(out.blocks_to_copy)
+                    + sum(len(pairs) for _kind, pairs in out.memory_ops)
                 )
                 idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
                 if idle >= _MAX_IDLE_STEPS:
@@ -588,7 +602,15 @@ class LLM:
         old = self.scheduler
         for seq in self.manager.seq_ids().tolist():
             self.manager.free(int(seq))
-        self.manager.take_copy_on_writes()  # pairs for sequences that no longer exist
+        # Block moves for sequences that no longer exist. With a host tier they are
+        # drained as one list (take_copy_on_writes would raise while any are queued) and
+        # confirmed so that their slots unpin; reset_prefix_cache then drops every
+        # unpinned slot, including those whose offload never ran.
+        if self.manager.host_cache_blocks > 0:
+            self.manager.take_memory_ops()
+            self.manager.confirm_memory_ops()
+        else:
+            self.manager.take_copy_on_writes()
         self.manager.reset_prefix_cache()
         self.scheduler = Scheduler(
             self.manager, self._scheduler_config, event_publisher=self._event_publisher
@@ -600,6 +622,10 @@ class LLM:
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters.
+
+        With a host tier ``cache`` also holds the tier's counters (``host_hits`` in tokens,
+        ``host_loads``, ``host_offloads``, ``host_offloads_skipped``, ``host_evictions``,
+        ``num_host_cached_blocks``, ...: ``KVCacheManager.stats()``).
 
         Counts are ints, rates and times floats. ``engine["generated_tokens"]`` counts the
         tokens of the returned completions; the scheduler's ``num_generated_tokens`` counts

@@ -1,11 +1,11 @@
 """The model runner: executes one :class:`~kvblocks.scheduler.SchedulerOutput` on the paged cache.
 
-Per step it applies the scheduler's swaps and copy-on-write copies in the order the block
-manager issued them (``SchedulerOutput.memory_ops``), brings its device copy of the
-scheduler's persistent block table up to date by scattering only the step's delta, runs
-the decoder over the flattened batch with every layer's attention going through
-:mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the torch reference on the CPU),
-computes logits only at the sampling rows and samples.
+Per step it applies the scheduler's swaps, copy-on-write copies and host-tier offloads and
+loads in the order the block manager issued them (``SchedulerOutput.memory_ops``), brings
+its device copy of the scheduler's persistent block table up to date by scattering only
+the step's delta, runs the decoder over the flattened batch with every layer's attention
+going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the torch reference on
+the CPU), computes logits only at the sampling rows and samples.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from kvblocks.engine.sampler import Sampler
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.block_table import delta_indices
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
+from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.transfer import allocate_host_pool, load_blocks, offload_blocks
 
 __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
 
@@ -107,6 +109,10 @@ class ModelRunner:
         num_blocks: device cache blocks (block 0 is the manager's null block).
         block_size: tokens per block (8, 16 or 32: the kernels' sizes).
         num_cpu_blocks: CPU swap-space blocks (pinned memory when the model is on CUDA).
+        host_cache_blocks: slots of the host tier's pool (the manager's
+            ``host_cache_blocks``; 0: no tier). One uint8 row per slot holds a block's K and
+            V for every layer (:class:`~kvblocks.tiers.layout.KVLayout`), pinned when the
+            model is on CUDA; ``"offload"`` and ``"load"`` ops move blocks in and out.
         seed: seed of the sampler's shared generator.
     """
 
@@ -117,6 +123,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         num_cpu_blocks: int = 0,
+        host_cache_blocks: int = 0,
         seed: int = 0,
     ) -> None:
         param = next(model.parameters())
@@ -139,6 +146,19 @@ class ModelRunner:
                 layers, num_cpu_blocks, block_size, heads, dim, self.dtype, "cpu",
                 pin_memory=self.device.type != "cpu",
             )  # fmt: skip
+        if isinstance(host_cache_blocks, bool) or not isinstance(host_cache_blocks, int):
+            raise InvalidArgumentError(
+                f"host_cache_blocks must be an int, got {host_cache_blocks!r}"
+            )
+        if host_cache_blocks < 0:
+            raise InvalidArgumentError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
+        self.host_cache_blocks = host_cache_blocks
+        self.host_layout = KVLayout.from_caches(self.kv_caches)
+        self.host_pool: Tensor | None = None
+        if host_cache_blocks > 0:
+            self.host_pool = allocate_host_pool(
+                self.host_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
+            )
         self.sliding_windows = c.layer_sliding_windows()
         self.scale = c.default_scale
         self.sampler = Sampler(self.device, seed)
@@ -148,11 +168,15 @@ class ModelRunner:
         self.device_block_table: Tensor | None = None
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
-        """Apply the step's swaps and copy-on-write copies before the forward pass.
+        """Apply the step's block moves before the forward pass.
 
-        In the order the block manager issued them (``out.memory_ops``) when the scheduler
-        reports it; otherwise swap out, swap in, then copies, as the first interface
-        version specified.
+        In the order the block manager issued them (``out.memory_ops``: swaps, copies,
+        host-tier ``"offload"`` (gpu block, tier slot) and ``"load"`` (tier slot, gpu
+        block)) when the scheduler reports it; otherwise swap out, swap in, then copies,
+        as the first interface version specified. Each run completes (in stream order on
+        CUDA; an offload returns once the pool holds its bytes) before the next one starts,
+        so an offload reads its block before a later op or the forward pass overwrites it,
+        and the engine may confirm the ops once this returns.
         """
         ops_in_order = out.memory_ops
         if not ops_in_order:
@@ -170,10 +194,24 @@ class ModelRunner:
                     ops.copy_blocks(self.kv_caches, batch)
             elif kind in ("swap_out", "swap_in"):
                 self._swap(kind, pairs)
+            elif kind in ("offload", "load"):
+                self._tier_copy(kind, pairs)
             else:
                 raise InvalidArgumentError(
-                    f"unknown memory op {kind!r}; expected 'swap_out', 'swap_in' or 'copy'"
+                    f"unknown memory op {kind!r}; expected 'swap_out', 'swap_in', 'copy', "
+                    "'offload' or 'load'"
                 )
+
+    def _tier_copy(self, kind: str, pairs: np.ndarray) -> None:
+        if self.host_pool is None:
+            raise InvalidArgumentError(
+                f"the scheduler asked for a host-tier {kind} but the runner has no host pool "
+                "(host_cache_blocks=0)"
+            )
+        if kind == "offload":
+            offload_blocks(self.host_layout, self.kv_caches, self.host_pool, pairs)
+        else:
+            load_blocks(self.host_layout, self.host_pool, self.kv_caches, pairs)
 
     def _swap(self, kind: str, pairs: np.ndarray) -> None:
         if not self.cpu_caches:
