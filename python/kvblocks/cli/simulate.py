@@ -16,9 +16,10 @@ from kvblocks.cli.arg_types import (
     positive_int,
 )
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.simulate.cost_model import DEFAULT_HOST_BANDWIDTH_GBPS, DEFAULT_KV_BYTES_PER_TOKEN
 
 if TYPE_CHECKING:
-    from kvblocks.simulate import WorkloadConfig
+    from kvblocks.simulate import CostModel, WorkloadConfig
 
 __all__ = ["add_parser", "run"]
 
@@ -126,6 +127,44 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     c.add_argument("--num-cpu-blocks", type=non_negative_int, default=1024, help="default: 1024")
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    h = p.add_argument_group(
+        "host tier",
+        "A host-memory tier below each GPU pool: evicted prefix blocks are offloaded to it and "
+        "loaded back on a hit instead of recomputed. The report then runs the paged server "
+        "(each router, in fleet mode) without and with the tier on the same trace. Each "
+        "step's loads and offloads cost blocks x block bytes / bandwidth, added to its compute "
+        "time (no overlap: a lower bound on the tier's gain).",
+    )
+    h.add_argument(
+        "--host-cache-blocks",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="host-tier blocks per instance (default 0: no tier)",
+    )
+    h.add_argument(
+        "--host-offload",
+        choices=("evict", "commit"),
+        default=None,
+        help="evict: copy a cached block to the tier when it is evicted; commit: "
+        "write-through when it is cached (default: evict)",
+    )
+    h.add_argument(
+        "--host-bandwidth-gbps",
+        type=positive_float,
+        default=None,
+        metavar="GB/S",
+        help=f"effective host<->GPU bandwidth (default {DEFAULT_HOST_BANDWIDTH_GBPS:g}: "
+        "PCIe 4.0 x16 at ~80%%)",
+    )
+    h.add_argument(
+        "--kv-bytes-per-token",
+        type=positive_int,
+        default=DEFAULT_KV_BYTES_PER_TOKEN,
+        metavar="BYTES",
+        help=f"KV bytes per token, all layers (default {DEFAULT_KV_BYTES_PER_TOKEN}: a 7B "
+        "fp16 model, 32 layers x K+V x 4096 x 2 bytes)",
+    )
     s = p.add_argument_group("scheduler")
     s.add_argument(
         "--policy", choices=("fcfs", "priority", "lpm"), default="fcfs", help="default: fcfs"
@@ -208,6 +247,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    tier_error = _check_tier_options(args)
+    if tier_error:
+        print(
+            f"kvblocks simulate: error: {tier_error} (see kvblocks simulate --help)",
+            file=sys.stderr,
+        )
+        return 2
     if args.request_rate is None:
         args.request_rate = math.inf if fleet else _DEFAULT_RATE
     if args.plot:
@@ -252,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_cpu_blocks=args.num_cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        host_cache_blocks=args.host_cache_blocks,
+        host_offload=args.host_offload or "evict",
+        cost_model=_cost_model(args),
         progress=not args.no_progress and not args.json,
     )
     plan = run_plan(config, args.capacity, args.saturation_requests)
@@ -277,8 +326,9 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
     )
 
     routers = _ROUTER_NAMES if args.router in (None, "all") else (args.router,)
+    tiers = (0, args.host_cache_blocks) if args.host_cache_blocks else (0,)
     results = []
-    for name in routers:
+    for name, host_blocks in [(r, t) for r in routers for t in tiers]:
         config = FleetConfig(
             workload=workload,
             num_instances=args.instances or 1,
@@ -293,6 +343,9 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
             block_size=args.block_size,
             num_cpu_blocks=args.num_cpu_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
+            host_cache_blocks=host_blocks,
+            host_offload=args.host_offload or "evict",
+            cost_model=_cost_model(args),
             max_concurrency=args.max_concurrency,
             progress=not args.no_progress and not args.json,
         )
@@ -304,3 +357,27 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
             print(f"\nplot written to {args.plot}")
     sys.stdout.flush()
     return 0
+
+
+def _check_tier_options(args: argparse.Namespace) -> str | None:
+    """A usage error in the host-tier options, or ``None``."""
+    if args.host_cache_blocks == 0:
+        for flag, value in (
+            ("--host-offload", args.host_offload),
+            ("--host-bandwidth-gbps", args.host_bandwidth_gbps),
+        ):
+            if value is not None:
+                return f"{flag} needs --host-cache-blocks N (N > 0)"
+        return None
+    if args.no_prefix_caching:
+        return "--host-cache-blocks needs prefix caching (drop --no-prefix-caching)"
+    return None
+
+
+def _cost_model(args: argparse.Namespace) -> CostModel:
+    from kvblocks.simulate import CostModel
+
+    gbps = args.host_bandwidth_gbps or DEFAULT_HOST_BANDWIDTH_GBPS
+    return CostModel(
+        kv_bytes_per_token=args.kv_bytes_per_token, host_bandwidth_bytes_per_s=gbps * 1e9
+    )

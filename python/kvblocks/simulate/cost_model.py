@@ -4,35 +4,98 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.output import SchedulerOutput
 
-__all__ = ["CostModel"]
+__all__ = ["DEFAULT_HOST_BANDWIDTH_GBPS", "DEFAULT_KV_BYTES_PER_TOKEN", "CostModel", "tier_ops"]
+
+DEFAULT_KV_BYTES_PER_TOKEN = 32 * 2 * 4096 * 2
+"""KV bytes per token of the modelled 7B fp16 model: 32 layers x (K + V) x 4,096 x 2 bytes
+(512 KiB; a 16-token block is 8 MiB)."""
+
+DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
+"""Effective host<->GPU bandwidth, GB/s: PCIe 4.0 x16 (32 GB/s raw) at ~80% for pinned
+copies."""
+
+
+def tier_ops(output: SchedulerOutput) -> tuple[int, int]:
+    """``(blocks loaded, blocks offloaded)`` by ``output``'s host-tier memory ops."""
+    loads = offloads = 0
+    for kind, pairs in output.memory_ops:
+        if kind == "load":
+            loads += len(pairs)
+        elif kind == "offload":
+            offloads += len(pairs)
+    return loads, offloads
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """``step_time = fixed + per_token * tokens + per_context_token * context``.
+    """``step_time = fixed + per_token * tokens + per_context_token * context + transfers``.
 
     The defaults are illustrative for a 7B fp16 model on one A100-class GPU: reading the
     weights once per step (~7 ms), ~14k prefill tokens/s of compute, and reading ~0.5 MB
     of KV per context token at ~2 TB/s. Only ratios between runs are meaningful.
 
+    Host-tier transfers (the step's ``"load"`` and ``"offload"`` memory ops) cost
+    ``blocks * block_size * kv_bytes_per_token / host_bandwidth`` and are *added* to the
+    step's compute: the engine applies a step's memory ops before its attention (a load
+    must land before attention reads the block; an offload must read its block before the
+    block's new owner writes it), and the model assumes no overlap with compute or
+    between directions. That over-charges an engine that overlaps copies with the
+    previous step or layer by layer, so the tier's gain it shows is a lower bound.
+    Swaps to the CPU swap space are not charged (as before the tier).
+
     Attributes:
         fixed_s: seconds per step regardless of the batch.
         per_token_s: seconds per token computed in the step.
         per_context_token_s: seconds per token of attended context (sum of ``seq_lens``).
+        kv_bytes_per_token: KV bytes one token occupies over all layers (K and V).
+        host_bandwidth_bytes_per_s: effective host<->GPU copy bandwidth.
     """
 
     fixed_s: float = 7e-3
     per_token_s: float = 7e-5
     per_context_token_s: float = 2.5e-7
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    host_bandwidth_bytes_per_s: float = DEFAULT_HOST_BANDWIDTH_GBPS * 1e9
 
-    def step_time(self, output: SchedulerOutput) -> float:
-        """Simulated seconds to run ``output``'s forward pass (0 for an empty step)."""
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1:
+            raise InvalidArgumentError(
+                f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}"
+            )
+        if not self.host_bandwidth_bytes_per_s > 0:
+            raise InvalidArgumentError(
+                f"host_bandwidth_bytes_per_s must be > 0, got {self.host_bandwidth_bytes_per_s}"
+            )
+
+    def step_time(self, output: SchedulerOutput, block_size: int | None = None) -> float:
+        """Simulated seconds to run ``output``: its forward pass (0 for an empty step) plus
+        its host-tier transfers.
+
+        Raises:
+            InvalidArgumentError: ``output`` has tier ops and ``block_size`` is not given
+                (their bytes depend on it).
+        """
+        loads, offloads = tier_ops(output)
+        transfer = 0.0
+        if loads or offloads:
+            if block_size is None or block_size < 1:
+                raise InvalidArgumentError("step_time needs block_size to charge tier ops")
+            transfer = self.transfer_time(loads + offloads, block_size)
         if output.is_empty:
-            return 0.0
+            return transfer
         context = int(output.seq_lens.sum(dtype="int64"))
-        return self.time(output.num_tokens, context)
+        return self.time(output.num_tokens, context) + transfer
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block of ``block_size`` tokens (all layers, K and V)."""
+        return block_size * self.kv_bytes_per_token
+
+    def transfer_time(self, num_blocks: int, block_size: int) -> float:
+        """Seconds to move ``num_blocks`` blocks between host and GPU memory."""
+        return num_blocks * self.block_bytes(block_size) / self.host_bandwidth_bytes_per_s
 
     def time(self, num_tokens: int, context_tokens: int) -> float:
         """Simulated seconds of a non-empty step computing ``num_tokens`` over

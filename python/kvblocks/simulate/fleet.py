@@ -47,7 +47,7 @@ from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Request, Scheduler, SchedulerConfig
 from kvblocks.simulate.cost_model import CostModel
 from kvblocks.simulate.metrics import RequestMetrics
-from kvblocks.simulate.runner import SimulationError, _fake_model, _progress_bar
+from kvblocks.simulate.runner import SimulationError, TierTotals, _fake_model, _progress_bar
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 
 __all__ = ["FleetConfig", "FleetResult", "run_fleet"]
@@ -65,6 +65,9 @@ class FleetConfig:
         router: ``"round-robin"``, ``"least-loaded"`` or ``"cache-aware"``.
         scheduler, num_blocks, block_size, num_cpu_blocks, enable_prefix_caching,
             hash_algo: each instance's scheduler and block manager.
+        host_cache_blocks, host_offload: each instance's host tier (0: none), as in
+            :class:`~kvblocks.simulate.SimulationConfig`; the cost model charges its
+            loads and offloads.
         cost_model: simulated step time of each instance.
         max_concurrency: at most this many conversations in progress at once, as a pool
             of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
@@ -84,6 +87,8 @@ class FleetConfig:
     num_cpu_blocks: int = 1024
     enable_prefix_caching: bool = True
     hash_algo: str = "blake3"
+    host_cache_blocks: int = 0
+    host_offload: str = "evict"
     cost_model: CostModel = field(default_factory=CostModel)
     max_concurrency: int | None = None
     follow_ups_first: bool = True
@@ -120,6 +125,7 @@ class FleetResult:
         requests_per_instance: requests routed to each instance.
         hit_rate_per_instance: each instance's prefix hit rate.
         wall_s: wall-clock seconds of the run.
+        tier: prefill tokens computed and host-tier traffic, fleet totals.
     """
 
     config: FleetConfig
@@ -135,6 +141,12 @@ class FleetResult:
     requests_per_instance: list[int]
     hit_rate_per_instance: list[float]
     wall_s: float
+    tier: TierTotals = field(default_factory=TierTotals)
+
+    @property
+    def label(self) -> str:
+        """The router's name, ``+ host`` with a host tier."""
+        return self.config.router + (" + host" if self.config.host_cache_blocks else "")
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -150,6 +162,7 @@ class FleetResult:
         """Headline numbers as a JSON-ready dict."""
         return {
             "router": self.config.router,
+            "host_cache_blocks": self.config.host_cache_blocks,
             "num_instances": self.config.num_instances,
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
@@ -165,6 +178,12 @@ class FleetResult:
             "requests_per_instance": list(self.requests_per_instance),
             "hit_rate_per_instance": list(self.hit_rate_per_instance),
             "wall_s": self.wall_s,
+            **self.tier.summary(
+                self.config.cost_model,
+                self.config.block_size,
+                self.prompt_tokens_admitted,
+                self.cached_tokens_admitted,
+            ),
         }
 
 
@@ -236,6 +255,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algo=config.hash_algo,  # type: ignore[arg-type]
             record_events=config.enable_prefix_caching,
+            host_cache_blocks=config.host_cache_blocks,
+            host_offload=config.host_offload,  # type: ignore[arg-type]
         )
         fleet.append(_Instance(manager, Scheduler(manager, config.scheduler, record_history=False)))
     arrivals = ArrivalQueue(config.workload)
@@ -252,6 +273,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     limit = config.max_concurrency
     clock = 0.0
     bar = _progress_bar(num_requests, config.progress)
+    tier = TierTotals()
     _started: set[str] = set()  # requests whose first step has ended
     _first: set[str] = set()  # requests whose first token has been sampled
 
@@ -306,7 +328,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         output = inst.scheduler.schedule()
         result = _fake_model(output, rng, vocab)
         outputs = inst.scheduler.update(output, result)
-        dt = config.cost_model.step_time(output)
+        dt = config.cost_model.step_time(output, bs)
+        tier.add(output, config.cost_model, bs)
         if dt == 0.0:
             # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
             # new request to change the picture.
@@ -419,4 +442,5 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         requests_per_instance=[inst.routed for inst in fleet],
         hit_rate_per_instance=per_hit,
         wall_s=time.perf_counter() - started,
+        tier=tier,
     )

@@ -35,6 +35,7 @@ def _config_doc(result: FleetResult) -> dict[str, Any]:
         "num_system_prompts": w.num_system_prompts,
         "system_prompt_len": w.system_prompt_len,
         "seed": w.seed,
+        "host_offload": cfg.host_offload,
         "cost_model": asdict(cfg.cost_model),
     }
     return doc
@@ -67,31 +68,83 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
         "",
     ]
     q = "/".join(f"p{p}" for p in PERCENTILES)
+    tiered = any(r.config.host_cache_blocks for r in results)
+    name_w = 20 if tiered else 13
     header = (
-        f"{'router':<13} {'hit rate':>8} {'req/s':>8} {'out tok/s':>10} "
+        f"{'router':<{name_w}} {'hit rate':>8} {'req/s':>8} {'out tok/s':>10} "
         f"{'TTFT ' + q + ' (s)':>24} {'TPOT ' + q + ' (ms)':>22} {'finished':>9}"
     )
+    if tiered:
+        header += f" {'GPU+host hits':>14} {'loaded/offloaded':>17}"
     lines += [header, "-" * len(header)]
     for r in results:
         m = r.metrics
         ttft = "/".join(f"{m.ttft.percentile(p):.2f}" for p in PERCENTILES)
         tpot = "/".join(f"{1e3 * m.tpot.percentile(p):.1f}" for p in PERCENTILES)
-        lines.append(
-            f"{r.config.router:<13} {100 * r.prefix_hit_rate:>7.1f}% {r.requests_per_s:>8.2f} "
+        line = (
+            f"{r.label:<{name_w}} {100 * r.prefix_hit_rate:>7.1f}% {r.requests_per_s:>8.2f} "
             f"{r.output_tokens_per_s:>10.0f} {ttft:>24} {tpot:>22} {r.num_finished:>9}"
         )
-    base = next((r for r in results if r.config.router == "round-robin"), None)
-    if base is not None and len(results) > 1:
-        lines.append("")
-        for r in results:
-            if r is base:
-                continue
-            hit = r.prefix_hit_rate / base.prefix_hit_rate if base.prefix_hit_rate else math.inf
-            rps = r.requests_per_s / base.requests_per_s if base.requests_per_s else math.inf
-            lines.append(
-                f"{r.config.router} vs round-robin: {hit:.2f}x hit rate, {rps:.2f}x throughput"
-            )
+        if tiered:
+            t = r.summary()
+            hits = f"{100 * t['gpu_hit_rate']:.1f}+{100 * t['host_hit_rate']:.1f}%"
+            moved = f"{t['blocks_loaded']}/{t['blocks_offloaded']}"
+            line += f" {hits:>14} {moved:>17}"
+        lines.append(line)
+    lines += _ratios(results)
+    if tiered:
+        cost = cfg.cost_model
+        host = max(r.config.host_cache_blocks for r in results)
+        lines += [
+            "",
+            f"+ host: {host} host-tier blocks per instance (offload at "
+            f"{results[-1].config.host_offload}); loads and offloads charged at "
+            f"{cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
+            f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s, added to the step's compute.",
+        ]
     return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.inf
+
+
+def _ratios(results: Sequence[FleetResult]) -> list[str]:
+    """Each router against round-robin (same tier setting), and each tier against none."""
+    lines: list[str] = []
+    for host in sorted({r.config.host_cache_blocks for r in results}):
+        same = [r for r in results if r.config.host_cache_blocks == host]
+        base = next((r for r in same if r.config.router == "round-robin"), None)
+        for r in same:
+            if base is None or r is base:
+                continue
+            lines.append(
+                f"{r.label} vs {base.label}: "
+                f"{_ratio(r.prefix_hit_rate, base.prefix_hit_rate):.2f}x hit rate, "
+                f"{_ratio(r.requests_per_s, base.requests_per_s):.2f}x throughput"
+            )
+    for r in results:
+        if not r.config.host_cache_blocks:
+            continue
+        base = next(
+            (
+                b
+                for b in results
+                if b.config.router == r.config.router and not b.config.host_cache_blocks
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        ttft = _ratio(r.metrics.ttft.percentile(50), base.metrics.ttft.percentile(50))
+        prefill = _ratio(r.tier.prefill_tokens_computed, base.tier.prefill_tokens_computed)
+        lines.append(
+            f"{r.label} vs {base.label}: "
+            f"{_ratio(r.prefix_hit_rate, base.prefix_hit_rate):.2f}x hit rate, "
+            f"{_ratio(r.requests_per_s, base.requests_per_s):.2f}x throughput, "
+            f"TTFT p50 {ttft:.2f}x, prefill tokens computed {prefill:.2f}x"
+        )
+    return ["", *lines] if lines else []
 
 
 def write_fleet_plot(results: Sequence[FleetResult], path: str | Path) -> None:
@@ -107,7 +160,7 @@ def write_fleet_plot(results: Sequence[FleetResult], path: str | Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    names = [r.config.router for r in results]
+    names = [r.label for r in results]
     x = np.arange(len(results))
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.8))
     axes[0].bar(x, [100 * r.prefix_hit_rate for r in results])

@@ -37,7 +37,8 @@ class ServerReport:
     """One server's numbers at the configured rate and saturated.
 
     Attributes:
-        name: ``"paged"``, ``"contiguous max_tokens"`` or ``"contiguous exact"``.
+        name: ``"paged"``, ``"paged + host tier"``, ``"contiguous max_tokens"`` or
+            ``"contiguous exact"``.
         at_rate: ``summary()`` of the run at the configured rate.
         saturated: ``summary()`` of the saturated run (``None`` with capacity off).
         capacity: the capacity result (``None`` with capacity off).
@@ -54,14 +55,18 @@ class PlanResult:
     """What :func:`run_plan` measured.
 
     Attributes:
-        paged: the full paged run at the configured rate (timeline, scheduler stats).
-        servers: the paged server first, then each contiguous baseline.
+        paged: the full paged run at the configured rate (timeline, scheduler stats),
+            without the host tier.
+        servers: the paged server first, then ``"paged + host tier"`` when the
+            configuration has one, then each contiguous baseline.
+        tiered: the full run with the host tier (``None`` without one).
         capacity_mode: ``"estimate"``, ``"search"`` or ``"off"``.
     """
 
     paged: SimulationResult
     servers: list[ServerReport] = field(default_factory=list)
     capacity_mode: str = "estimate"
+    tiered: SimulationResult | None = None
 
 
 _Run = Callable[[SimulationConfig], tuple[RequestMetrics, float, dict[str, Any]]]
@@ -96,6 +101,10 @@ def run_plan(
 ) -> PlanResult:
     """Run the paged server and the contiguous baselines on ``config``'s trace.
 
+    With ``config.host_cache_blocks`` > 0 the paged server runs twice on the same trace,
+    without the tier (``"paged"``) and with it (``"paged + host tier"``); the contiguous
+    baselines have no tier.
+
     Raises:
         InvalidArgumentError: ``capacity`` is not one of
             :data:`~kvblocks.simulate.capacity.CAPACITY_MODES`, or
@@ -108,19 +117,31 @@ def run_plan(
         )
     if saturation_requests < 10:
         raise InvalidArgumentError(f"saturation_requests must be >= 10, got {saturation_requests}")
+    tiered_config = config if config.host_cache_blocks > 0 else None
+    config = replace(config, host_cache_blocks=0)
     paged = run_simulation(config)
     plan = PlanResult(paged, capacity_mode=capacity)
     quiet = replace(config, progress=False)
-    servers: list[tuple[str, _Run]] = [("paged", _run_paged)]
-    servers += [(f"contiguous {rule}", _contiguous_runner(rule)) for rule in CONTIGUOUS_RULES]
-    for name, run in servers:
-        at_rate = paged.summary() if name == "paged" else run(quiet)[2]
+    servers: list[tuple[str, _Run, SimulationConfig]] = [("paged", _run_paged, quiet)]
+    if tiered_config is not None:
+        plan.tiered = run_simulation(tiered_config)
+        servers.append(("paged + host tier", _run_paged, replace(tiered_config, progress=False)))
+    servers += [
+        (f"contiguous {rule}", _contiguous_runner(rule), quiet) for rule in CONTIGUOUS_RULES
+    ]
+    for name, run, base in servers:
+        if name == "paged":
+            at_rate = paged.summary()
+        elif name == "paged + host tier" and plan.tiered is not None:
+            at_rate = plan.tiered.summary()
+        else:
+            at_rate = run(base)[2]
         report = ServerReport(name, at_rate)
         if capacity != "off":
-            _, rate, saturated = run(saturated_config(quiet, saturation_requests))
+            _, rate, saturated = run(saturated_config(base, saturation_requests))
             report.saturated = saturated
             report.capacity = CapacityResult("estimate", rate, rate)
             if capacity == "search":
-                report.capacity = search_capacity(_probe(run), quiet, rate)
+                report.capacity = search_capacity(_probe(run), base, rate)
         plan.servers.append(report)
     return plan

@@ -121,12 +121,77 @@ def format_table(plan: PlanResult) -> str:
     lines = [header, ""]
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
     lines += ["", *_comparison(plan)]
+    if plan.tiered is not None:
+        lines += ["", *_tier_comparison(plan)]
     return "\n".join(lines)
+
+
+def _tier_comparison(plan: PlanResult) -> list[str]:
+    """The paged server without and with the host tier, on the same trace and rate."""
+    assert plan.tiered is not None
+    cfg = plan.tiered.config
+    cost = cfg.cost_model
+    runs = [("paged", plan.paged.summary()), ("paged + host tier", plan.tiered.summary())]
+    caps = {server.name: server.capacity for server in plan.servers}
+    rows: list[tuple[str, list[str]]] = [
+        (
+            "prefix hit rate: GPU + host tier",
+            [f"{100 * s['gpu_hit_rate']:.1f}% + {100 * s['host_hit_rate']:.1f}%" for _, s in runs],
+        ),
+        ("prefill tokens computed", [f"{s['prefill_tokens_computed']:,}" for _, s in runs]),
+        (
+            "blocks loaded / offloaded",
+            [f"{s['blocks_loaded']:,} / {s['blocks_offloaded']:,}" for _, s in runs],
+        ),
+        (
+            "transfer time charged",
+            [f"{s['transfer_s']:.2f} s ({s['transfer_bytes'] / 1e9:.1f} GB)" for _, s in runs],
+        ),
+        ("TTFT p50 / p99", [f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])}" for _, s in runs]),
+        (
+            "throughput, simulated clock",
+            [
+                f"{s['simulated_requests_per_s']:.2f} req/s, "
+                f"{s['simulated_output_tokens_per_s']:.0f} tok/s"
+                for _, s in runs
+            ],
+        ),
+    ]
+    if all(caps.get(name) is not None for name, _ in runs):
+        rows.append(
+            (
+                "capacity, req/s",
+                [f"{caps[name].requests_per_s:.2f}" for name, _ in runs],  # type: ignore[union-attr]
+            )
+        )
+    label_w = max(len(label) for label, _ in rows)
+    widths = [
+        max(len(name), *(len(cells[k]) for _, cells in rows)) for k, (name, _) in enumerate(runs)
+    ]
+    out = [
+        f"What the host tier adds ({cfg.host_cache_blocks} host blocks, offload at "
+        f"{cfg.host_offload}; loads and offloads charged at "
+        f"{cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
+        f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s, added to the step):",
+        "",
+        "  "
+        + " " * label_w
+        + "  "
+        + "  ".join(name.rjust(w) for (name, _), w in zip(runs, widths, strict=True)),
+    ]
+    for label, cells in rows:
+        row = "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        out.append(f"  {label:<{label_w}}  {row}")
+    return out
 
 
 def _comparison(plan: PlanResult) -> list[str]:
     """Paged against contiguous reservation: same memory, limits, cost model and trace."""
-    names = ["paged", "contiguous, max_tokens", "contiguous, exact (lower bound)"]
+    shown = {
+        "contiguous max_tokens": "contiguous, max_tokens",
+        "contiguous exact": "contiguous, exact (lower bound)",
+    }
+    names = [shown.get(server.name, server.name) for server in plan.servers]
     cells: list[list[str]] = []
     labels = [
         "at this rate: mean / peak batch (seqs)",
@@ -221,6 +286,10 @@ def format_json(plan: PlanResult) -> str:
             "block_size": cfg.block_size,
             "num_cpu_blocks": cfg.num_cpu_blocks,
             "enable_prefix_caching": cfg.enable_prefix_caching,
+            "host_cache_blocks": 0 if plan.tiered is None else plan.tiered.config.host_cache_blocks,
+            "host_offload": None if plan.tiered is None else plan.tiered.config.host_offload,
+            "kv_bytes_per_token": cfg.cost_model.kv_bytes_per_token,
+            "host_bandwidth_gbps": cfg.cost_model.host_bandwidth_bytes_per_s / 1e9,
             "policy": cfg.scheduler.policy,
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,

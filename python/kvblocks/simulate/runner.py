@@ -22,11 +22,17 @@ from kvblocks.scheduler import ModelStepResult, Request, Scheduler, SchedulerCon
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.simulate.aggregates import Distribution, Timeline
 from kvblocks.simulate.contiguous import ContiguousReservation
-from kvblocks.simulate.cost_model import CostModel
+from kvblocks.simulate.cost_model import CostModel, tier_ops
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 
-__all__ = ["SimulationConfig", "SimulationError", "SimulationResult", "run_simulation"]
+__all__ = [
+    "SimulationConfig",
+    "SimulationError",
+    "SimulationResult",
+    "TierTotals",
+    "run_simulation",
+]
 
 _MAX_IDLE_STEPS = 10_000
 _FOLLOW_UP_HEAD_START = 1e9
@@ -46,6 +52,9 @@ class SimulationConfig:
         workload: the synthetic trace.
         scheduler: scheduler limits and policy.
         num_blocks, block_size, num_cpu_blocks, enable_prefix_caching: the block manager.
+        host_cache_blocks: blocks of the manager's host tier below the GPU pool (0: none;
+            needs prefix caching); the cost model charges its loads and offloads.
+        host_offload: the tier's offload policy, ``"evict"`` or ``"commit"``.
         cost_model: simulated step time.
         progress: show a tqdm progress bar on stderr.
         stop_at_window: end the run as soon as the throughput window closes (90% of the
@@ -62,6 +71,8 @@ class SimulationConfig:
     block_size: int = 16
     num_cpu_blocks: int = 1024
     enable_prefix_caching: bool = True
+    host_cache_blocks: int = 0
+    host_offload: str = "evict"
     cost_model: CostModel = field(default_factory=CostModel)
     progress: bool = True
     stop_at_window: bool = False
@@ -76,6 +87,54 @@ _TIMELINE_COLUMNS = (
     "used_blocks",
     "contiguous_blocks",
 )
+
+
+@dataclass
+class TierTotals:
+    """Prefill work and host-tier traffic of a run (all zero but the first without a tier).
+
+    Attributes:
+        prefill_tokens_computed: prompt tokens the model computed (``num_prefill_tokens``
+            summed over steps: misses, and recomputes after preemption).
+        blocks_loaded, blocks_offloaded: host-tier ``"load"`` / ``"offload"`` ops.
+        transfer_s: simulated seconds the cost model charged for them.
+    """
+
+    prefill_tokens_computed: int = 0
+    blocks_loaded: int = 0
+    blocks_offloaded: int = 0
+    transfer_s: float = 0.0
+
+    def add(self, output: SchedulerOutput, cost: CostModel, block_size: int) -> None:
+        """Count one step."""
+        self.prefill_tokens_computed += output.num_prefill_tokens
+        loads, offloads = tier_ops(output)
+        if loads or offloads:
+            self.blocks_loaded += loads
+            self.blocks_offloaded += offloads
+            self.transfer_s += cost.transfer_time(loads + offloads, block_size)
+
+    def summary(
+        self, cost: CostModel, block_size: int, prompt_tokens: int, cached_tokens: int
+    ) -> dict[str, Any]:
+        """JSON-ready numbers; the prefix hit rate split into GPU and host-tier hits.
+
+        ``prompt_tokens`` / ``cached_tokens``: prompt tokens admitted / found cached at
+        admission (GPU and tier). Tier hits are the loaded blocks' tokens; the rest of the
+        cached tokens are GPU hits.
+        """
+        host_tokens = self.blocks_loaded * block_size
+        denom = max(prompt_tokens, 1)
+        return {
+            "gpu_hit_rate": max(cached_tokens - host_tokens, 0) / denom,
+            "host_hit_rate": host_tokens / denom,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+            "blocks_loaded": self.blocks_loaded,
+            "blocks_offloaded": self.blocks_offloaded,
+            "transfer_bytes": (self.blocks_loaded + self.blocks_offloaded)
+            * cost.block_bytes(block_size),
+            "transfer_s": self.transfer_s,
+        }
 
 
 @dataclass
@@ -112,6 +171,7 @@ class SimulationResult:
     step_wall_s: Distribution
     scheduler_stats: dict[str, int | float]
     timeline: Timeline
+    tier: TierTotals = field(default_factory=TierTotals)
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
@@ -121,6 +181,13 @@ class SimulationResult:
         mean_used = t.mean("used_blocks")
         mean_contig = t.mean("contiguous_blocks")
         stats = self.scheduler_stats
+        cfg = self.config
+        tier = self.tier.summary(
+            cfg.cost_model,
+            cfg.block_size,
+            int(stats.get("num_prompt_tokens_admitted", 0)),
+            int(stats.get("num_cached_tokens_admitted", 0)),
+        )
         return {
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
@@ -155,6 +222,8 @@ class SimulationResult:
             "mean_contiguous_blocks": mean_contig,
             "contiguous_over_paged": mean_contig / mean_used if mean_used else 0.0,
             "memory_saved_by_paging": 1.0 - mean_used / mean_contig if mean_contig else 0.0,
+            "host_cache_blocks": cfg.host_cache_blocks,
+            **tier,
         }
 
 
@@ -215,6 +284,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         num_cpu_blocks=config.num_cpu_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         record_events=False,  # nothing drains them: they would pile up
+        host_cache_blocks=config.host_cache_blocks,
+        host_offload=config.host_offload,  # type: ignore[arg-type]
     )
     # No per-step history: the timeline below keeps what the report needs in fixed memory.
     scheduler = Scheduler(manager, config.scheduler, record_history=False)
@@ -240,6 +311,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     generated = 0
     step_wall = Distribution()
     timeline = Timeline(_TIMELINE_COLUMNS)
+    tier = TierTotals()
     usable = config.num_blocks - 1
     bar = _progress_bar(num_requests, config.progress)
     try:
@@ -291,7 +363,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             sched_wall += wall
             running = scheduler.running_request_ids()
             step_start = clock
-            dt = cost.step_time(output)
+            dt = cost.step_time(output, config.block_size)
+            tier.add(output, cost, config.block_size)
             if dt == 0.0:
                 idle_steps += 1
                 upcoming = arrivals.next_time()
@@ -369,4 +442,5 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         step_wall_s=step_wall,
         scheduler_stats=scheduler.stats(),
         timeline=timeline,
+        tier=tier,
     )
