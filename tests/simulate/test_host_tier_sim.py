@@ -67,6 +67,20 @@ def test_loads_and_offloads_cost_bytes_over_bandwidth_added_to_compute() -> None
         cost.step_time(tiered)
 
 
+def test_write_through_offloads_overlap_compute_loads_do_not() -> None:
+    out = _one_step()
+    cost = CostModel(kv_bytes_per_token=1000, host_bandwidth_bytes_per_s=2e6)
+    compute = cost.step_time(out, BS)  # ~10 ms
+    assert 0.005 < compute < 0.02
+    small = replace(out, memory_ops=[("offload", _pairs(1)), ("load", _pairs(2))])  # 8 + 16 ms
+    assert cost.step_time(small, BS) == pytest.approx(compute + 0.024)
+    # Overlapped: the 8 ms offload hides under the compute; the 16 ms of loads still add.
+    assert cost.step_time(small, BS, overlap_offloads=True) == pytest.approx(compute + 0.016)
+    big = replace(out, memory_ops=[("offload", _pairs(10))])  # 80 ms: longer than compute
+    assert cost.step_time(big, BS, overlap_offloads=True) == pytest.approx(0.08)
+    assert cost.step_time(big, BS) == pytest.approx(compute + 0.08)
+
+
 @pytest.mark.parametrize("kwargs", [{"kv_bytes_per_token": 0}, {"host_bandwidth_bytes_per_s": 0.0}])
 def test_cost_model_rejects_bad_layout(kwargs: dict[str, float]) -> None:
     with pytest.raises(InvalidArgumentError):
@@ -128,6 +142,10 @@ def test_tier_recomputes_fewer_prefill_tokens(policy: str) -> None:
     cost = CostModel()
     assert tiered["transfer_bytes"] == moved * cost.block_bytes(BS)
     assert tiered["transfer_s"] == pytest.approx(cost.transfer_time(moved, BS))
+    if policy == "evict":  # nothing overlaps: every transfer adds to its step
+        assert tiered["transfer_added_s"] == pytest.approx(tiered["transfer_s"])
+    else:
+        assert 0 < tiered["transfer_added_s"] < tiered["transfer_s"]
     assert tiered_result.scheduler_stats["num_prompt_tokens_admitted"] > 0
 
 

@@ -132,8 +132,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "A host-memory tier below each GPU pool: evicted prefix blocks are offloaded to it and "
         "loaded back on a hit instead of recomputed. The report then runs the paged server "
         "(each router, in fleet mode) without and with the tier on the same trace. Each "
-        "step's loads and offloads cost blocks x block bytes / bandwidth, added to its compute "
-        "time (no overlap: a lower bound on the tier's gain).",
+        "step's loads and offloads cost blocks x block bytes / bandwidth; loads and offloads at "
+        "eviction add to the step, write-through offloads (commit) overlap its compute; nothing "
+        "overlaps the previous step, so the tier's gain shown is a lower bound.",
     )
     h.add_argument(
         "--host-cache-blocks",

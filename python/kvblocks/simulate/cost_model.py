@@ -38,13 +38,19 @@ class CostModel:
     of KV per context token at ~2 TB/s. Only ratios between runs are meaningful.
 
     Host-tier transfers (the step's ``"load"`` and ``"offload"`` memory ops) cost
-    ``blocks * block_size * kv_bytes_per_token / host_bandwidth`` and are *added* to the
-    step's compute: the engine applies a step's memory ops before its attention (a load
-    must land before attention reads the block; an offload must read its block before the
-    block's new owner writes it), and the model assumes no overlap with compute or
-    between directions. That over-charges an engine that overlaps copies with the
-    previous step or layer by layer, so the tier's gain it shows is a lower bound.
-    Swaps to the CPU swap space are not charged (as before the tier).
+    ``blocks * block_size * kv_bytes_per_token / host_bandwidth`` each way:
+
+    - loads are *added* to the step: a loaded block must land before attention reads it;
+    - offloads at eviction (``"evict"``) are added too: the block must be read before its
+      new owner (a load or this step's forward pass) writes it;
+    - write-through offloads (``"commit"``, ``overlap_offloads=True``) copy blocks
+      committed by the previous step, which nothing overwrites while the copy is in
+      flight, so they run on the device-to-host copy engine beside the step's compute and
+      only the part longer than the compute adds: ``max(0, offload - compute)``.
+
+    Nothing overlaps the previous step or runs layer by layer, so an engine that does
+    better pays less: the tier's gain shown is a lower bound. Swaps to the CPU swap space
+    are not charged (as before the tier).
 
     Attributes:
         fixed_s: seconds per step regardless of the batch.
@@ -70,24 +76,32 @@ class CostModel:
                 f"host_bandwidth_bytes_per_s must be > 0, got {self.host_bandwidth_bytes_per_s}"
             )
 
-    def step_time(self, output: SchedulerOutput, block_size: int | None = None) -> float:
+    def step_time(
+        self,
+        output: SchedulerOutput,
+        block_size: int | None = None,
+        overlap_offloads: bool = False,
+    ) -> float:
         """Simulated seconds to run ``output``: its forward pass (0 for an empty step) plus
-        its host-tier transfers.
+        its host-tier transfers (offloads overlapped with compute if ``overlap_offloads``).
 
         Raises:
             InvalidArgumentError: ``output`` has tier ops and ``block_size`` is not given
                 (their bytes depend on it).
         """
         loads, offloads = tier_ops(output)
-        transfer = 0.0
+        load_s = offload_s = 0.0
         if loads or offloads:
             if block_size is None or block_size < 1:
                 raise InvalidArgumentError("step_time needs block_size to charge tier ops")
-            transfer = self.transfer_time(loads + offloads, block_size)
-        if output.is_empty:
-            return transfer
-        context = int(output.seq_lens.sum(dtype="int64"))
-        return self.time(output.num_tokens, context) + transfer
+            load_s = self.transfer_time(loads, block_size)
+            offload_s = self.transfer_time(offloads, block_size)
+        compute = 0.0
+        if not output.is_empty:
+            compute = self.time(output.num_tokens, int(output.seq_lens.sum(dtype="int64")))
+        if overlap_offloads:
+            offload_s = max(0.0, offload_s - compute)
+        return compute + load_s + offload_s
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one KV block of ``block_size`` tokens (all layers, K and V)."""

@@ -328,8 +328,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         output = inst.scheduler.schedule()
         result = _fake_model(output, rng, vocab)
         outputs = inst.scheduler.update(output, result)
-        dt = config.cost_model.step_time(output, bs)
-        tier.add(output, config.cost_model, bs)
+        dt = config.cost_model.step_time(output, bs, config.host_offload == "commit")
+        tier.add(output, config.cost_model, bs, dt)
         if dt == 0.0:
             # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
             # new request to change the picture.

@@ -100,7 +100,12 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             f"+ host: {host} host-tier blocks per instance (offload at "
             f"{results[-1].config.host_offload}); loads and offloads charged at "
             f"{cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
-            f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s, added to the step's compute.",
+            f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s; loads add to the step, "
+            + (
+                "write-through offloads overlap its compute."
+                if results[-1].config.host_offload == "commit"
+                else "offloads at eviction add too."
+            ),
         ]
     return "\n".join(lines)
 

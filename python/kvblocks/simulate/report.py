@@ -144,8 +144,12 @@ def _tier_comparison(plan: PlanResult) -> list[str]:
             [f"{s['blocks_loaded']:,} / {s['blocks_offloaded']:,}" for _, s in runs],
         ),
         (
-            "transfer time charged",
-            [f"{s['transfer_s']:.2f} s ({s['transfer_bytes'] / 1e9:.1f} GB)" for _, s in runs],
+            "transfers: GB / s on the link / s added",
+            [
+                f"{s['transfer_bytes'] / 1e9:.1f} GB / {s['transfer_s']:.2f} s / "
+                f"{s['transfer_added_s']:.2f} s"
+                for _, s in runs
+            ],
         ),
         ("TTFT p50 / p99", [f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])}" for _, s in runs]),
         (
@@ -172,7 +176,12 @@ def _tier_comparison(plan: PlanResult) -> list[str]:
         f"What the host tier adds ({cfg.host_cache_blocks} host blocks, offload at "
         f"{cfg.host_offload}; loads and offloads charged at "
         f"{cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
-        f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s, added to the step):",
+        f"{cost.host_bandwidth_bytes_per_s / 1e9:g} GB/s; loads add to the step, "
+        + (
+            "write-through offloads overlap its compute):"
+            if cfg.host_offload == "commit"
+            else "offloads at eviction add too):"
+        ),
         "",
         "  "
         + " " * label_w

@@ -97,22 +97,29 @@ class TierTotals:
         prefill_tokens_computed: prompt tokens the model computed (``num_prefill_tokens``
             summed over steps: misses, and recomputes after preemption).
         blocks_loaded, blocks_offloaded: host-tier ``"load"`` / ``"offload"`` ops.
-        transfer_s: simulated seconds the cost model charged for them.
+        transfer_s: seconds their bytes take over the host link.
+        transfer_added_s: seconds they added to the steps (less than ``transfer_s`` where
+            write-through offloads overlap compute; see :class:`CostModel`).
     """
 
     prefill_tokens_computed: int = 0
     blocks_loaded: int = 0
     blocks_offloaded: int = 0
     transfer_s: float = 0.0
+    transfer_added_s: float = 0.0
 
-    def add(self, output: SchedulerOutput, cost: CostModel, block_size: int) -> None:
-        """Count one step."""
+    def add(self, output: SchedulerOutput, cost: CostModel, block_size: int, step_s: float) -> None:
+        """Count one step that the cost model charged ``step_s`` seconds."""
         self.prefill_tokens_computed += output.num_prefill_tokens
         loads, offloads = tier_ops(output)
         if loads or offloads:
             self.blocks_loaded += loads
             self.blocks_offloaded += offloads
             self.transfer_s += cost.transfer_time(loads + offloads, block_size)
+            compute = 0.0
+            if not output.is_empty:
+                compute = cost.time(output.num_tokens, int(output.seq_lens.sum(dtype="int64")))
+            self.transfer_added_s += step_s - compute
 
     def summary(
         self, cost: CostModel, block_size: int, prompt_tokens: int, cached_tokens: int
@@ -134,6 +141,7 @@ class TierTotals:
             "transfer_bytes": (self.blocks_loaded + self.blocks_offloaded)
             * cost.block_bytes(block_size),
             "transfer_s": self.transfer_s,
+            "transfer_added_s": self.transfer_added_s,
         }
 
 
@@ -363,8 +371,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             sched_wall += wall
             running = scheduler.running_request_ids()
             step_start = clock
-            dt = cost.step_time(output, config.block_size)
-            tier.add(output, cost, config.block_size)
+            dt = cost.step_time(output, config.block_size, config.host_offload == "commit")
+            tier.add(output, cost, config.block_size, dt)
             if dt == 0.0:
                 idle_steps += 1
                 upcoming = arrivals.next_time()
