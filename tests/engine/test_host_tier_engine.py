@@ -238,3 +238,32 @@ def test_a_step_that_fails_before_its_offloads_leaves_no_unwritten_slot(
     assert _tokens(llm, TARGET) == expected
     assert torch.equal(_prefix_payloads(llm, TARGET), written[0])
     llm.manager.check_invariants()
+
+
+def test_write_through_offloads_of_the_last_step_are_applied_before_generate_returns(
+    tiny_llama: LlamaForCausalLM,
+) -> None:
+    """The last step's commit queues the offload of a block it filled; no later step would
+    carry it, so the call applies it: the tier holds the block, no slot stays pinned."""
+    prompt = _prompt(20, 5)
+    # 20 + 12 computed tokens fill block 1 in the last step (its 13th token is sampled only).
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        tiny_llama, num_blocks=5, block_size=BLOCK, host_cache_blocks=8, host_offload="commit"
+    )
+    out = llm.generate([prompt], params)[0].outputs[0].token_ids
+    cache = llm.stats()["cache"]
+    assert cache["num_host_pinned_blocks"] == 0
+    assert cache["num_host_cached_blocks"] == 2
+    pool = llm.runner.host_pool
+    assert pool is not None
+    # Both written slots hold K/V (a slot never written is zeros).
+    assert int((pool.abs().sum(dim=1) > 0).sum()) == 2
+    # Push both blocks out of the 4-block device pool, then ask for the whole sequence:
+    # its two full blocks load back and the next token is the dense one.
+    _tokens(llm, _prompt(60, 6))
+    whole = prompt + out
+    want = dense_greedy_generate(tiny_llama, [whole], 1)[0]
+    again = llm.generate([whole], SamplingParams(max_tokens=1, temperature=0.0))
+    assert llm.stats()["cache"]["host_loads"] == 2
+    assert again[0].outputs[0].token_ids == want

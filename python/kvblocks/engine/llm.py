@@ -521,6 +521,7 @@ class LLM:
             unfinished = [r.request.request_id for r in runs if not r.finished]
             if unfinished or self._mid_step:
                 self._abandon(unfinished)
+            self._flush_tier_ops()
             self._runs = {}
             self._aborted = []
             self.runner.sampler.num_logprobs = 0
@@ -618,6 +619,27 @@ class LLM:
         self.scheduler.counters = old.counters
         self.scheduler.stats_history = old.stats_history
         self._mid_step = False
+
+    def _flush_tier_ops(self) -> None:
+        """Apply the host-tier ops queued since the last step, between two calls.
+
+        The last step's ``update()`` can queue offloads (write-through commits); the next
+        step would carry them, but between calls the tier should hold what it claims and
+        no slot stay pinned. If applying them fails, nothing they named is trusted: the
+        prefix cache and the tier's unpinned slots are dropped.
+        """
+        if self.manager.host_cache_blocks == 0 or self._mid_step:
+            return
+        memory_ops = self.manager.take_memory_ops()
+        if not memory_ops:
+            return
+        try:
+            self.runner.apply_block_ops(memory_ops)
+        except BaseException:
+            self.manager.confirm_memory_ops()
+            self.manager.reset_prefix_cache()
+            raise
+        self.manager.confirm_memory_ops()
 
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -185,7 +185,15 @@ class ModelRunner:
                 ("swap_in", out.blocks_to_swap_in),
                 ("copy", out.blocks_to_copy),
             ]
-        for kind, raw in ops_in_order:
+        self.apply_block_ops(ops_in_order)
+
+    def apply_block_ops(self, memory_ops: Sequence[tuple[str, object]]) -> None:
+        """Apply runs ``[(kind, pairs [n, 2]), ...]`` in order (``take_memory_ops``' list).
+
+        What :meth:`apply_memory_ops` does with a step's list; also for ops drained from
+        the manager outside a step.
+        """
+        for kind, raw in memory_ops:
             pairs = np.asarray(raw, dtype=np.int64).reshape(-1, 2)
             if not pairs.size:
                 continue
