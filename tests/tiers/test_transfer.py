@@ -130,3 +130,13 @@ def test_pool_ops_reject_bad_rows(layout: KVLayout) -> None:
     with pytest.raises(InvalidArgumentError):
         load_blocks(layout, pool[:, :10], caches, np.array([[0, 0]]))
     assert torch.equal(pool, before)
+
+
+def test_no_blocks_is_an_empty_payload_and_a_no_op_scatter(layout: KVLayout) -> None:
+    caches = _random_cache(layout, 4, 3)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    payloads = gather_blocks(layout, caches, [])
+    assert payloads.shape == (0, layout.payload_nbytes) and payloads.dtype == torch.uint8
+    scatter_blocks(layout, payloads, caches, [])
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -79,7 +79,9 @@ def gather_blocks(
     tiles = []
     for key, value in kv_caches:
         for cache in (key, value):
-            tiles.append(cache.index_select(0, ids).reshape(n, -1).view(torch.uint8))
+            # An explicit width: reshape(0, -1) cannot infer it for an empty selection.
+            tile = cache.index_select(0, ids).reshape(n, cache[0].numel())
+            tiles.append(tile.view(torch.uint8))
     payloads = torch.cat(tiles, dim=1) if tiles else torch.empty((n, 0), dtype=torch.uint8)
     if out is None:
         return payloads
