@@ -165,6 +165,7 @@ def test_plan_runs_paged_without_and_with_the_tier() -> None:
     table = format_table(plan)
     assert "What the host tier adds (256 host blocks" in table
     assert "prefill tokens computed" in table and "blocks loaded / offloaded" in table
+    assert "latency stable at this rate" in table.split("What the host tier adds")[1]
     doc = json.loads(format_json(plan))
     assert doc["config"]["host_cache_blocks"] == 256
     assert doc["config"]["host_bandwidth_gbps"] == pytest.approx(25.0)

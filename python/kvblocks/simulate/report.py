@@ -152,6 +152,7 @@ def _tier_comparison(plan: PlanResult) -> list[str]:
             ],
         ),
         ("TTFT p50 / p99", [f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])}" for _, s in runs]),
+        ("latency stable at this rate", ["yes" if s["latency_stable"] else "NO" for _, s in runs]),
         (
             "throughput, simulated clock",
             [
