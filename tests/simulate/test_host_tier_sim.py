@@ -260,6 +260,7 @@ def test_cli_fleet_json_has_rows_with_and_without_the_tier() -> None:
         (["--host-cache-blocks", "8", "--kv-bytes-per-token", "0"], "--kv-bytes-per-token"),
         (["--host-offload", "commit"], "--host-offload needs --host-cache-blocks"),
         (["--host-bandwidth-gbps", "10"], "--host-bandwidth-gbps needs --host-cache-blocks"),
+        (["--kv-bytes-per-token", "1024"], "--kv-bytes-per-token needs --host-cache-blocks"),
         (["--host-cache-blocks", "8", "--no-prefix-caching"], "needs prefix caching"),
         (
             ["--instances", "2", "--host-cache-blocks", "8", "--no-prefix-caching"],

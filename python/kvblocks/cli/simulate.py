@@ -161,7 +161,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     h.add_argument(
         "--kv-bytes-per-token",
         type=positive_int,
-        default=DEFAULT_KV_BYTES_PER_TOKEN,
+        default=None,
         metavar="BYTES",
         help=f"KV bytes per token, all layers (default {DEFAULT_KV_BYTES_PER_TOKEN}: a 7B "
         "fp16 model, 32 layers x K+V x 4096 x 2 bytes)",
@@ -366,6 +366,7 @@ def _check_tier_options(args: argparse.Namespace) -> str | None:
         for flag, value in (
             ("--host-offload", args.host_offload),
             ("--host-bandwidth-gbps", args.host_bandwidth_gbps),
+            ("--kv-bytes-per-token", args.kv_bytes_per_token),
         ):
             if value is not None:
                 return f"{flag} needs --host-cache-blocks N (N > 0)"
@@ -380,5 +381,6 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
 
     gbps = args.host_bandwidth_gbps or DEFAULT_HOST_BANDWIDTH_GBPS
     return CostModel(
-        kv_bytes_per_token=args.kv_bytes_per_token, host_bandwidth_bytes_per_s=gbps * 1e9
+        kv_bytes_per_token=args.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN,
+        host_bandwidth_bytes_per_s=gbps * 1e9,
     )

@@ -13,6 +13,7 @@ from kvblocks.simulate.runner import (
     SimulationConfig,
     SimulationError,
     SimulationResult,
+    TierTotals,
     run_simulation,
 )
 from kvblocks.simulate.workload import (
@@ -38,6 +39,7 @@ __all__ = [
     "SimulationError",
     "SimulationResult",
     "StabilityRule",
+    "TierTotals",
     "WorkloadConfig",
     "estimate_capacity",
     "iter_workload",
