@@ -19,6 +19,7 @@ from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate.cost_model import DEFAULT_HOST_BANDWIDTH_GBPS, DEFAULT_KV_BYTES_PER_TOKEN
 
 if TYPE_CHECKING:
+    from kvblocks.scheduler import SchedulerConfig
     from kvblocks.simulate import CostModel, WorkloadConfig
 
 __all__ = ["add_parser", "run"]
@@ -231,7 +232,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``kvblocks simulate``; return the exit status."""
-    from kvblocks.scheduler import SchedulerConfig
     from kvblocks.simulate import SimulationConfig, WorkloadConfig
     from kvblocks.simulate.planner import run_plan
     from kvblocks.simulate.report import format_json, format_table
@@ -289,12 +289,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_fleet(args, workload)
     config = SimulationConfig(
         workload=workload,
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            policy=args.policy,
-            preemption_mode=None if args.preemption_mode == "auto" else args.preemption_mode,
-        ),
+        scheduler=_scheduler_config(args),
         num_blocks=args.num_blocks,
         block_size=args.block_size,
         num_cpu_blocks=args.num_cpu_blocks,
@@ -316,9 +311,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    """The scheduler options, the same for every simulated instance."""
+    from kvblocks.scheduler import SchedulerConfig
+
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        policy=args.policy,
+        preemption_mode=None if args.preemption_mode == "auto" else args.preemption_mode,
+    )
+
+
 def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
     """``--instances`` / ``--router``: one fleet simulation per router, one table."""
-    from kvblocks.scheduler import SchedulerConfig
     from kvblocks.simulate.fleet import FleetConfig, run_fleet
     from kvblocks.simulate.fleet_report import (
         format_fleet_json,
@@ -334,12 +340,7 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
             workload=workload,
             num_instances=args.instances or 1,
             router=name,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                policy=args.policy,
-                preemption_mode=None if args.preemption_mode == "auto" else args.preemption_mode,
-            ),
+            scheduler=_scheduler_config(args),
             num_blocks=args.num_blocks,
             block_size=args.block_size,
             num_cpu_blocks=args.num_cpu_blocks,
