@@ -419,6 +419,30 @@ class KVCacheManager:
     def confirm_memory_ops(self) -> None:
         """Every op taken by ``take_memory_ops`` so far has completed: unpin their
         host-tier slots. Ops queued since stay pinned. A no-op without a tier."""
+    def tier_slot_hashes(self, slots: Sequence[int] | npt.ArrayLike) -> list[bytes | None]:
+        """The block hash each host-tier slot holds or is being written with (None: an
+        empty slot, an id out of range, or no tier). Read it before confirming an offload
+        (its slot cannot be reused until then) to key the slot's row in a shared store."""
+    def num_cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the hash chain a prompt would hit now (GPU prefix cache or
+        written host-tier slots), without side effects; hashes of another length never hit.
+
+        Raises:
+            InvalidArgumentError: an item that is not bytes.
+        """
+    def import_tier_blocks(self, block_hashes: Sequence[bytes]) -> npt.NDArray[np.int64]:
+        """Reserve host-tier slots for blocks fetched from a shared remote store.
+
+        One int64 per hash: the slot whose host-pool row the engine writes the block's KV
+        into, or -1 when there is nothing to write (already in the GPU prefix cache or the
+        tier, or every slot pinned). Reserved slots are pinned and no prefix hit until
+        ``confirm_memory_ops``; then probes find them and claims load them like offloaded
+        blocks. Emits ``BlockStored`` with medium ``"CPU"`` per reserved slot.
+
+        Raises:
+            InvalidArgumentError: no host tier or no prefix caching, or a hash that is not
+                bytes of the hash algorithm's digest length (nothing is reserved).
+        """
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it.
 
@@ -517,7 +541,7 @@ class KVCacheManager:
         With a host tier also ``host_cache_blocks``, ``num_host_cached_blocks``,
         ``num_host_pinned_blocks``, ``host_hits`` (tokens), ``host_loads``,
         ``host_offloads``, ``host_offloads_skipped`` (every slot pinned) and
-        ``host_evictions`` (blocks). ``prefix_cache_hits`` counts GPU hits only.
+        ``host_evictions``, ``host_imports`` (blocks). ``prefix_cache_hits`` counts GPU hits only.
         """
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""

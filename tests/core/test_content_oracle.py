@@ -39,6 +39,7 @@ from hypothesis.stateful import (
 
 import kvblocks
 from kvblocks import KVCacheManager
+from kvblocks.router import PromptHasher
 from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
@@ -654,6 +655,27 @@ class TieredContentOracle(ContentOracle):
             self._after_allocate(sid, new, 0)
             self._write_reserved({sid: (new, 0)})
 
+    @precondition(lambda self: getattr(self, "floods", []))
+    @rule(data=st.data(), confirm=st.booleans())
+    def import_from_remote(self, data, confirm):
+        """A shared store holds a flood prompt's blocks (as another instance computed them):
+        the blocks past the local hit are imported into reserved tier slots and written,
+        then confirmed or not (an unconfirmed one must not be loaded by a claim)."""
+        tokens = data.draw(st.sampled_from(self.floods))
+        hashes = PromptHasher(self.bs).block_hashes(tokens)
+        start = self.m.num_cached_prefix_blocks(hashes)
+        count = data.draw(st.integers(1, max(1, len(hashes) - start)))
+        slots = self.m.import_tier_blocks(hashes[start : start + count])
+        ids = np.asarray(self.ids.ids(tokens, (None, None)), dtype=np.int64)
+        blocks = np.flatnonzero(slots >= 0)
+        rows = [ids[(start + b) * self.bs : (start + b + 1) * self.bs] for b in blocks.tolist()]
+        if rows:
+            self.mem.import_blocks(slots[blocks], np.stack(rows))
+        TIER_COVERAGE["import"] += len(rows)
+        COVERAGE["ops"] += 1
+        if confirm:
+            self.confirm()
+
     @precondition(
         lambda self: any(self.computed[s] % self.bs for s in self._idle() if s not in self.swapped)
     )
@@ -706,12 +728,21 @@ TIER_COVERAGE: Counter[str] = Counter()
 
 def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
     """Random operations over a host tier: every sequence reads its own KV, every loaded
-    block holds its prefix's KV, and offloads, loads, tier hits and tier evictions are
-    all reached."""
+    block holds its prefix's KV, and offloads, loads, imports, tier hits and tier
+    evictions are all reached."""
     COVERAGE.clear()
     TIER_COVERAGE.clear()
     budget = MIN_OPERATIONS // 2
-    reached = ("offload", "load", "copy", "swap_out", "swap_in", "tier_hit", "tier_eviction")
+    reached = (
+        "offload",
+        "load",
+        "copy",
+        "swap_out",
+        "swap_in",
+        "tier_hit",
+        "tier_eviction",
+        "import",
+    )
     for _ in range(10):
         run_state_machine_as_test(
             TieredContentOracle,

@@ -75,6 +75,24 @@ CASES = {
         "t.check_invariants()\n"
         "assert t.stats()['host_offloads_skipped'] > 0"
     ),
+    # Imports from a remote store: hostile hash lists and slot ids, state unchanged.
+    "tier imports": (
+        # exec'd in a function: the lambdas below only see globals.
+        "global t, v\n"
+        "t = kvblocks.KVCacheManager(8, 4, host_cache_blocks=2)\n"
+        "before = dict(t.stats())\n"
+        "bad = [None, 1, 'x', b'x' * 32, [b'x' * 31], [b'x' * 2**16], ['a' * 32], [1],\n"
+        "       Lying(2**62, (b'x' * 32, 'y')), np.array([1, 2]), [bytearray(32)]]\n"
+        "for v in bad:\n"
+        "    attempt(lambda: t.import_tier_blocks(v))\n"
+        "    attempt(lambda: t.num_cached_prefix_blocks(v))\n"
+        "assert dict(t.stats()) == before, (dict(t.stats()), before)\n"
+        "for v in [None, 'x', b'x', [2**64], [-2**63], np.array([2**62]), Lying(2**62), [1.5]]:\n"
+        "    attempt(lambda: t.tier_slot_hashes(v))\n"
+        "attempt(lambda: m.import_tier_blocks([b'x' * 32]))\n"
+        "assert list(t.import_tier_blocks([b'x' * 32] * 4)) == [0, -1, -1, -1]\n"
+        "t.check_invariants()"
+    ),
 }
 
 
@@ -109,6 +127,7 @@ FUZZ = textwrap.dedent(
         "block_table": 1, "block_tables": 1, "slot_mapping": 2, "can_allocate": 1,
         "can_swap_out": 1, "can_swap_in": 1, "refresh_prefixes": 1, "probe_prefixes": 1,
         "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1, "num_tier_tokens": 1,
+        "import_tier_blocks": 1, "num_cached_prefix_blocks": 1, "tier_slot_hashes": 1,
     }
     for _ in range(6000):
         name = rng.choice(sorted(methods))

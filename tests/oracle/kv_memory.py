@@ -192,6 +192,20 @@ class KVMemory:
             self.gpu[g] = self.tier[t]
             self._tier_reads.add(t)
 
+    def import_blocks(self, slots: npt.ArrayLike, values: npt.ArrayLike) -> None:
+        """The engine writes fetched blocks (``values [n, block_size]`` prefix ids) into
+        reserved tier slots (``KVCacheManager.import_tier_blocks``): like an offload's
+        destination, a slot holds its block only after :meth:`confirm`, and overwriting a
+        slot with a copy in flight is a ContentError."""
+        rows = np.asarray(values, dtype=np.int64).reshape(-1, self.block_size)
+        for t, row in zip(
+            np.asarray(slots, dtype=np.int64).reshape(-1).tolist(), rows, strict=True
+        ):
+            if t in self._tier_reads or t in self._tier_writes:
+                raise ContentError(f"tier slot {t} imported while a copy of it is in flight")
+            self._tier_writes[t] = row.copy()
+            self.tier[t] = UNWRITTEN
+
     def confirm(self) -> None:
         """The engine finished every tier copy applied so far."""
         for t, values in self._tier_writes.items():

@@ -31,6 +31,12 @@ impl BlockHash {
         &self.bytes[..self.len as usize]
     }
 
+    /// A digest given as bytes (e.g. read back from a remote store): `None` unless it has
+    /// 16 or 32 bytes.
+    pub fn from_digest(digest: &[u8]) -> Option<Self> {
+        matches!(digest.len(), 16 | 32).then(|| Self::from_slice(digest))
+    }
+
     fn from_slice(digest: &[u8]) -> Self {
         let mut bytes = [0u8; 32];
         bytes[..digest.len()].copy_from_slice(digest);

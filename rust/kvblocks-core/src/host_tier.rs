@@ -135,8 +135,10 @@ pub struct TierStats {
     pub offloads: u64,
     /// Offloads skipped because every slot was pinned.
     pub offloads_skipped: u64,
-    /// Tier blocks evicted to make room for an offload.
+    /// Tier blocks evicted to make room for an offload or an import.
     pub evictions: u64,
+    /// Slots reserved by `import_tier_blocks` (written by the engine from a remote store).
+    pub imports: u64,
 }
 
 /// Phase of a tier slot's content.
@@ -253,6 +255,40 @@ impl HostTier {
         });
         self.stats.offloads += 1;
         (evicted, true)
+    }
+
+    /// The hash slot `s` holds or is being written with (`None`: empty or out of range).
+    pub fn slot_hash(&self, s: usize) -> Option<BlockHash> {
+        let slot = self.slots.get(s)?;
+        (slot.phase != Phase::Empty).then_some(slot.hash)
+    }
+
+    /// Reserve a slot for `hash`, whose KV the engine writes from outside (an import from
+    /// a remote store): the slot is `Writing` and its pin already counts as taken, so the
+    /// next `confirm` makes it a hit. `None` when the hash is held already or every slot
+    /// is pinned; else the slot and the evicted tier hash, if any.
+    pub fn reserve(&mut self, hash: BlockHash) -> Option<(u32, Option<BlockHash>)> {
+        if self.map.contains_key(&hash) {
+            return None;
+        }
+        let s = self.lru.pop_front()?;
+        let slot = &mut self.slots[s as usize];
+        let evicted = if slot.phase == Phase::Ready {
+            self.map.remove(&slot.hash);
+            self.stats.evictions += 1;
+            Some(slot.hash)
+        } else {
+            None
+        };
+        *slot = Slot {
+            hash,
+            phase: Phase::Writing,
+            readers: 0,
+        };
+        self.map.insert(hash, s);
+        self.in_flight.push(Pin::Write(s));
+        self.stats.imports += 1;
+        Some((s, evicted))
     }
 
     /// Pin a ready slot as the source of a load (before the GPU blocks are popped, so the

@@ -300,3 +300,111 @@ fn random_operations_keep_the_invariants() {
         assert!(kinds_seen.contains(&kind), "{kind:?} never issued");
     }
 }
+
+/// The GPU-medium `BlockStored` hashes of `m`'s events, in order.
+fn stored_gpu_hashes(m: &mut KVCacheManager) -> Vec<Vec<u8>> {
+    m.take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) if s.medium == Medium::Gpu => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .map(|h| h.as_bytes().to_vec())
+        .collect()
+}
+
+#[test]
+fn imported_blocks_hit_only_after_confirmation_and_load() {
+    let prompt = toks(0, 12);
+    let mut a = tiered(8, 4, OffloadPolicy::OnEvict);
+    prefill(&mut a, 1, &prompt);
+    let hashes = stored_gpu_hashes(&mut a);
+    assert_eq!(hashes.len(), 3);
+    let refs: Vec<&[u8]> = hashes.iter().map(|h| h.as_slice()).collect();
+
+    let mut b = tiered(8, 2, OffloadPolicy::OnEvict);
+    b.take_events();
+    // Two slots: the third block finds none free (both pinned by the import).
+    assert_eq!(b.import_tier_blocks(&refs).unwrap(), vec![0, 1, -1]);
+    let cpu_stored = b
+        .take_events()
+        .into_iter()
+        .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
+        .count();
+    assert_eq!(cpu_stored, 2);
+    b.check_invariants().unwrap();
+    // Held already (being written): nothing to write again.
+    assert_eq!(b.import_tier_blocks(&refs[..1]).unwrap(), vec![-1]);
+    // Not written yet: no hit.
+    assert_eq!(b.add_sequence(2, &prompt, None, None).unwrap(), 0);
+    b.free(2).unwrap();
+    b.confirm_memory_ops();
+    b.check_invariants().unwrap();
+    assert_eq!(b.add_sequence(3, &prompt, None, None).unwrap(), 8);
+    assert_eq!(b.num_tier_tokens(3).unwrap(), 8);
+    b.allocate_slots(3, 4, 0).unwrap().unwrap();
+    let loads: Vec<_> = b
+        .take_memory_ops()
+        .into_iter()
+        .filter(|o| o.kind == MemoryOpKind::Load)
+        .map(|o| o.src)
+        .collect();
+    assert_eq!(loads, vec![0, 1]);
+    b.confirm_memory_ops();
+    b.check_invariants().unwrap();
+    assert_eq!(b.tier_stats().unwrap().imports, 2);
+    // A block in the GPU prefix cache is not imported.
+    assert_eq!(a.import_tier_blocks(&refs[..1]).unwrap(), vec![-1]);
+}
+
+#[test]
+fn import_rejects_bad_digests_and_managers_without_a_tier() {
+    let mut m = tiered(8, 2, OffloadPolicy::OnEvict);
+    let good = [0u8; 32];
+    let before = m.tier_stats();
+    for bad in [&[0u8; 16][..], &[0u8; 31][..], &[][..]] {
+        let err = m.import_tier_blocks(&[&good[..], bad]).unwrap_err();
+        assert!(matches!(err, KvError::InvalidArgument(_)), "{err:?}");
+    }
+    assert_eq!(m.tier_stats(), before, "a failed import reserves nothing");
+    m.check_invariants().unwrap();
+    let mut plain = manager_with(8, 4, |_| {});
+    assert!(matches!(
+        plain.import_tier_blocks(&[&good[..]]),
+        Err(KvError::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn slot_hashes_and_cached_prefix_follow_offloads_and_imports() {
+    let prompt = toks(0, 12);
+    let mut a = tiered(8, 4, OffloadPolicy::WriteThrough);
+    prefill(&mut a, 1, &prompt);
+    let hashes = stored_gpu_hashes(&mut a);
+    let refs: Vec<&[u8]> = hashes.iter().map(|h| h.as_slice()).collect();
+    assert_eq!(a.num_cached_prefix_blocks(&refs), 3);
+    let offloads: Vec<i64> = a
+        .take_memory_ops()
+        .into_iter()
+        .filter(|o| o.kind == MemoryOpKind::Offload)
+        .map(|o| o.dst)
+        .collect();
+    let slot_hashes: Vec<Vec<u8>> = a
+        .tier_slot_hashes(&offloads)
+        .into_iter()
+        .map(|h| h.unwrap().as_bytes().to_vec())
+        .collect();
+    assert_eq!(slot_hashes, hashes);
+    assert_eq!(a.tier_slot_hashes(&[-1, 3, 99]), vec![None, None, None]);
+
+    let mut b = tiered(8, 4, OffloadPolicy::OnEvict);
+    assert_eq!(b.num_cached_prefix_blocks(&refs), 0);
+    let slots = b.import_tier_blocks(&refs[..2]).unwrap();
+    // Being written: no hit yet.
+    assert_eq!(b.num_cached_prefix_blocks(&refs), 0);
+    assert!(b.tier_slot_hashes(&slots).iter().all(|h| h.is_some()));
+    b.confirm_memory_ops();
+    assert_eq!(b.num_cached_prefix_blocks(&refs), 2);
+    assert_eq!(b.num_cached_prefix_blocks(&[&[1u8; 7][..]]), 0);
+}

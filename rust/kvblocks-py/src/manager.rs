@@ -741,6 +741,72 @@ impl KVCacheManager {
         self.run(py, Work::Short, |m| m.confirm_memory_ops())
     }
 
+    /// The block hash each host-tier slot holds or is being written with (``None``: empty
+    /// slot, id out of range, or no tier).
+    fn tier_slot_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        slots: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
+        if slots.is_instance_of::<pyo3::types::PyString>() || slots.is_instance_of::<PyBytes>() {
+            return Err(crate::errors::invalid_argument(
+                "slots must be a sequence of ints".to_string(),
+            ));
+        }
+        let mut ids = Vec::new();
+        for item in slots.try_iter()? {
+            let item = item?;
+            ids.push(match item.extract::<i64>() {
+                Ok(id) => id,
+                // An int beyond i64 names no slot either.
+                Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => -1,
+                Err(_) => {
+                    return Err(crate::errors::invalid_argument(format!(
+                        "slots must be ints, got {}",
+                        item.get_type().name()?
+                    )))
+                }
+            });
+        }
+        let hashes = self.read(py, |m| m.tier_slot_hashes(&ids));
+        Ok(hashes
+            .into_iter()
+            .map(|h| h.map(|h| PyBytes::new(py, h.as_bytes())))
+            .collect())
+    }
+
+    /// Leading blocks of the hash chain a prompt would hit now (GPU prefix cache or
+    /// written host-tier slots), without side effects.
+    fn num_cached_prefix_blocks(
+        &self,
+        py: Python<'_>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let digests = hash_list(block_hashes)?;
+        Ok(self.read(py, |m| {
+            let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
+            m.num_cached_prefix_blocks(&refs)
+        }))
+    }
+
+    /// Reserve host-tier slots for blocks fetched from a shared remote store: one int64
+    /// per digest, the slot to write its KV into or -1 (already cached, or no slot free).
+    /// Reserved slots become hits at the next ``confirm_memory_ops``.
+    fn import_tier_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let digests = hash_list(block_hashes)?;
+        let slots = self
+            .run(py, Work::Short, |m| {
+                let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
+                m.import_tier_blocks(&refs)
+            })
+            .py_err()?;
+        Ok(slots.into_pyarray(py))
+    }
+
     /// Of the sequence's cached tokens, those loaded (or, before the first
     /// ``allocate_slots``, to be loaded) from the host tier.
     fn num_tier_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
@@ -925,6 +991,7 @@ impl KVCacheManager {
             d.set_item("host_offloads", t.offloads)?;
             d.set_item("host_offloads_skipped", t.offloads_skipped)?;
             d.set_item("host_evictions", t.evictions)?;
+            d.set_item("host_imports", t.imports)?;
         }
         Ok(d)
     }
@@ -952,4 +1019,25 @@ fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<usize> {
         Some(o) => args::count(o, name),
         None => Ok(0),
     }
+}
+
+/// A sequence of bytes block hashes as owned digests.
+fn hash_list(block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    if block_hashes.is_instance_of::<PyBytes>() {
+        return Err(crate::errors::invalid_argument(
+            "block_hashes must be a sequence of bytes, not one bytes object".to_string(),
+        ));
+    }
+    let mut digests: Vec<Vec<u8>> = Vec::new();
+    for item in block_hashes.try_iter()? {
+        let item = item?;
+        let Ok(b) = item.cast::<PyBytes>() else {
+            return Err(crate::errors::invalid_argument(format!(
+                "block hashes must be bytes, got {}",
+                item.get_type().name()?
+            )));
+        };
+        digests.push(b.as_bytes().to_vec());
+    }
+    Ok(digests)
 }

@@ -10,8 +10,10 @@
 //! [`KVCacheManager::confirm_memory_ops`] confirms the ops taken so far.
 
 use super::KVCacheManager;
+use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
-use crate::host_tier::{MemoryOp, MemoryOpKind, TierStats};
+use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::host_tier::{Medium, MemoryOp, MemoryOpKind, TierStats};
 
 impl KVCacheManager {
     /// Drain every queued block move (swaps, copy-on-write copies, host-tier offloads and
@@ -31,6 +33,101 @@ impl KVCacheManager {
         if let Some(t) = self.pools.tier.as_mut() {
             t.confirm();
         }
+    }
+
+    /// The block hash each host-tier slot holds or is being written with (`None` for an
+    /// empty slot, an id out of range, or without a tier): what an engine that copies
+    /// offloaded rows further (to a shared store) keys them by. Read it while the
+    /// offload's slot is pinned (before `confirm_memory_ops`), when it cannot be reused.
+    pub fn tier_slot_hashes(&self, slots: &[i64]) -> Vec<Option<BlockHash>> {
+        slots
+            .iter()
+            .map(|&s| {
+                let tier = self.pools.tier.as_ref()?;
+                tier.slot_hash(usize::try_from(s).ok()?)
+            })
+            .collect()
+    }
+
+    /// Leading blocks of a hash chain that a prompt would hit now (in the GPU prefix cache
+    /// or written in the host tier), with no side effect: where fetching from a remote
+    /// store starts. Digests of another length than the hash algorithm's never hit.
+    pub fn num_cached_prefix_blocks(&self, digests: &[&[u8]]) -> usize {
+        let hashes: Vec<BlockHash> = digests
+            .iter()
+            .map_while(|d| BlockHash::from_digest(d))
+            .collect();
+        self.pools.probe(&hashes, hashes.len())
+    }
+
+    /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
+    /// remote store), one entry per digest: the slot to write the block's KV into, or -1
+    /// when nothing is to be written (already in the GPU prefix cache or the tier, or
+    /// every slot pinned). Reserved slots are pinned and no prefix hit until the engine
+    /// has written them and called `confirm_memory_ops`; then a probe finds them and a
+    /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
+    ///
+    /// Fails with `InvalidArgument` (nothing reserved) without a host tier, without
+    /// prefix caching, or for a digest whose length is not the hash algorithm's.
+    pub fn import_tier_blocks(&mut self, digests: &[&[u8]]) -> Result<Vec<i64>> {
+        if self.pools.tier.is_none() || !self.pools.caching {
+            return Err(KvError::InvalidArgument(
+                "import_tier_blocks needs a host tier and prefix caching".to_string(),
+            ));
+        }
+        let want = match self.config.hash_algo {
+            crate::config::HashAlgo::Xxh3_128 => 16,
+            _ => 32,
+        };
+        let mut hashes = Vec::with_capacity(digests.len());
+        for (i, d) in digests.iter().enumerate() {
+            match BlockHash::from_digest(d).filter(|_| d.len() == want) {
+                Some(h) => hashes.push(h),
+                None => {
+                    return Err(KvError::InvalidArgument(format!(
+                        "block hash {i} has {} bytes, expected {want}",
+                        d.len()
+                    )))
+                }
+            }
+        }
+        let mut slots = Vec::with_capacity(hashes.len());
+        for hash in hashes {
+            if self.pools.cache.lookup(&hash).is_some() {
+                slots.push(-1);
+                continue;
+            }
+            let Some(tier) = self.pools.tier.as_mut() else {
+                slots.push(-1);
+                continue;
+            };
+            let Some((slot, evicted)) = tier.reserve(hash) else {
+                slots.push(-1);
+                continue;
+            };
+            slots.push(slot as i64);
+            if self.pools.record_events {
+                if let Some(old) = evicted {
+                    self.pools
+                        .events
+                        .push(KvCacheEvent::BlockRemoved(BlockRemoved {
+                            block_hashes: vec![old],
+                            medium: Medium::Cpu,
+                        }));
+                }
+                self.pools
+                    .events
+                    .push(KvCacheEvent::BlockStored(BlockStored {
+                        block_hashes: vec![hash],
+                        parent_block_hash: None,
+                        token_ids: Vec::new(),
+                        block_size: 0,
+                        lora_id: None,
+                        medium: Medium::Cpu,
+                    }));
+            }
+        }
+        Ok(slots)
     }
 
     /// Drain the queued copy-on-write `(src, dst)` block pairs.
