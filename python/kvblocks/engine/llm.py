@@ -24,6 +24,7 @@ from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import GenerationOutput
+from kvblocks.engine.remote_tier import RemoteTierLink
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun, StepLogprobs
 from kvblocks.engine.tiny import build_tiny_model
@@ -136,6 +137,15 @@ class LLM:
         host_offload: when a block is copied to the tier: ``"evict"`` (when its device
             block is reused) or ``"commit"`` (write-through, when it enters the prefix
             cache). See docs/scheduler-engine-interface.md, "Host tier".
+        remote_tier: a shared store below the host tier (a
+            :class:`~kvblocks.tiers.valkey_tier.ValkeyTier` whose ``KVLayout`` has this
+            engine's cache shape and dtype, and a ``model_id`` naming the weights; needs
+            ``host_cache_blocks > 0``). Every block offloaded to the host
+            tier is also written there (``host_offload="commit"`` writes every computed
+            block), and a new prompt's blocks past this instance's own hit are read from it
+            and loaded instead of recomputed: instances sharing the server share prefixes.
+            A dead server or a rejected value reads as a miss (recompute). The caller
+            closes it. See :mod:`kvblocks.engine.remote_tier`.
         event_publisher: a KV-event publisher (e.g.
             :class:`kvblocks.events.ZmqEventPublisher`); the manager then records events
             and each step's are published. The caller closes it.
@@ -166,6 +176,7 @@ class LLM:
         host_cache_blocks: int = 0,
         host_offload: Literal["evict", "commit"] = "evict",
         event_publisher: Any | None = None,
+        remote_tier: Any | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -222,6 +233,11 @@ class LLM:
             host_cache_blocks=self.manager.host_cache_blocks,
             seed=seed,
         )
+        self.remote: RemoteTierLink | None = None
+        if remote_tier is not None:
+            self.remote = RemoteTierLink(
+                remote_tier, self.manager, self.runner.host_pool, self.runner.host_layout
+            )
         self._next_request = 0
         self._mid_step = False  # between schedule() and update() (see _run)
         self._runs: dict[str, RequestRun] = {}  # the running call's requests
@@ -469,6 +485,8 @@ class LLM:
         steps = computed = 0
         try:
             for run in runs:
+                if self.remote is not None:
+                    self.remote.fetch(run.request.prompt_token_ids)
                 self.scheduler.add_request(run.request)
             idle = 0
             while any(not run.finished for run in runs):
@@ -488,6 +506,10 @@ class LLM:
                 )
                 out = self.scheduler.schedule()
                 result = self.runner.execute(out)
+                if self.remote is not None:
+                    # The step's offloads are in the host pool; their slots stay pinned
+                    # (keyed by their hashes) until update() confirms them.
+                    self.remote.publish(out.memory_ops)
                 step = self.scheduler.update(out, result)
                 self._mid_step = False
                 steps += 1
@@ -639,11 +661,17 @@ class LLM:
             self.manager.confirm_memory_ops()
             self.manager.reset_prefix_cache()
             raise
+        if self.remote is not None:
+            self.remote.publish(memory_ops)
         self.manager.confirm_memory_ops()
 
     # -- statistics ----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Statistics: ``engine`` (last generate call), ``scheduler`` and ``cache`` counters.
+
+        With a ``remote_tier``, ``remote`` holds the engine's ``imported_blocks`` and
+        ``published_blocks`` and the store's counters (``hits``, ``misses``, ``rejected``,
+        ``puts``, ``dropped_puts``, ...).
 
         With a host tier ``cache`` also holds the tier's counters (``host_hits`` in tokens,
         ``host_loads``, ``host_offloads``, ``host_offloads_skipped``, ``host_evictions``,
@@ -654,11 +682,14 @@ class LLM:
         every sampled token, so with beam search it also includes the tokens of discarded
         beams.
         """
-        return {
+        stats: dict[str, Any] = {
             "engine": dict(self.run_stats),
             "scheduler": self.scheduler.stats(),
             "cache": dict(self.manager.stats()),
         }
+        if self.remote is not None:
+            stats["remote"] = {**vars(self.remote.stats), **vars(self.remote.store.stats())}
+        return stats
 
 
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
