@@ -229,10 +229,25 @@ impl HostTier {
             }
             return (None, false);
         }
-        let Some(s) = self.lru.pop_front() else {
+        let Some((s, evicted)) = self.claim_lru_slot(hash) else {
             self.stats.offloads_skipped += 1;
             return (None, false);
         };
+        self.queued.push(Pin::Write(s));
+        ops.push(MemoryOp {
+            kind: MemoryOpKind::Offload,
+            src: gpu as i64,
+            dst: s as i64,
+        });
+        self.stats.offloads += 1;
+        (evicted, true)
+    }
+
+    /// Take the least recently used unpinned slot for `hash`, to be written (evicting the
+    /// block it held, if any): the slot and the evicted hash; `None` when every slot is
+    /// pinned. The caller records the write's pin.
+    fn claim_lru_slot(&mut self, hash: BlockHash) -> Option<(u32, Option<BlockHash>)> {
+        let s = self.lru.pop_front()?;
         let slot = &mut self.slots[s as usize];
         let evicted = if slot.phase == Phase::Ready {
             self.map.remove(&slot.hash);
@@ -247,14 +262,7 @@ impl HostTier {
             readers: 0,
         };
         self.map.insert(hash, s);
-        self.queued.push(Pin::Write(s));
-        ops.push(MemoryOp {
-            kind: MemoryOpKind::Offload,
-            src: gpu as i64,
-            dst: s as i64,
-        });
-        self.stats.offloads += 1;
-        (evicted, true)
+        Some((s, evicted))
     }
 
     /// The hash slot `s` holds or is being written with (`None`: empty or out of range).
@@ -271,21 +279,7 @@ impl HostTier {
         if self.map.contains_key(&hash) {
             return None;
         }
-        let s = self.lru.pop_front()?;
-        let slot = &mut self.slots[s as usize];
-        let evicted = if slot.phase == Phase::Ready {
-            self.map.remove(&slot.hash);
-            self.stats.evictions += 1;
-            Some(slot.hash)
-        } else {
-            None
-        };
-        *slot = Slot {
-            hash,
-            phase: Phase::Writing,
-            readers: 0,
-        };
-        self.map.insert(hash, s);
+        let (s, evicted) = self.claim_lru_slot(hash)?;
         self.in_flight.push(Pin::Write(s));
         self.stats.imports += 1;
         Some((s, evicted))
