@@ -151,8 +151,9 @@ class DiskTier:
         while len(self._index) > self._capacity:
             self._evict_lru()
 
-    def _evict_lru(self) -> bool:
-        victim = self._index.victim()
+    def _evict_lru(self, keep: bytes | None = None) -> bool:
+        # ``keep``: never evict the block being rewritten to make room for itself.
+        victim = self._index.victim(exclude=keep)
         if victim is None:
             return False
         self._index.remove(victim)
@@ -200,7 +201,7 @@ class DiskTier:
                 break
             except OSError as exc:
                 self._stats.errors += 1
-                if exc.errno in _NO_SPACE and self._evict_other_than(block_hash):
+                if exc.errno in _NO_SPACE and self._evict_lru(keep=block_hash):
                     continue
                 self._stats.dropped_puts += 1
                 self._warn_once(f"disk tier {self._root}: a put failed and was dropped: {exc}")
@@ -208,16 +209,6 @@ class DiskTier:
         self._index.insert(block_hash, 0, priority)
         self._stats.puts += 1
         self._stats.bytes_in += self.layout.payload_nbytes
-        return True
-
-    def _evict_other_than(self, keep: bytes) -> bool:
-        # Never evict the block being rewritten to make room for itself.
-        victim = self._index.victim(exclude=keep)
-        if victim is None:
-            return False
-        self._index.remove(victim)
-        self._unlink(victim)
-        self._stats.evictions += 1
         return True
 
     def put_many(
