@@ -43,16 +43,19 @@ from kvblocks.router import (
     records_from_manager,
 )
 from kvblocks.router.events import EventRecord
-from kvblocks.sampling_params import SamplingParams
-from kvblocks.scheduler import Request, Scheduler, SchedulerConfig
+from kvblocks.scheduler import Scheduler, SchedulerConfig
 from kvblocks.simulate.cost_model import CostModel
 from kvblocks.simulate.metrics import RequestMetrics
-from kvblocks.simulate.runner import SimulationError, TierTotals, _fake_model, _progress_bar
+from kvblocks.simulate.runner import (
+    SimulationError,
+    TierTotals,
+    _fake_model,
+    _progress_bar,
+    request_for,
+)
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 
 __all__ = ["FleetConfig", "FleetResult", "run_fleet"]
-
-_FOLLOW_UP_HEAD_START = 1e9
 
 
 @dataclass(frozen=True)
@@ -294,21 +297,10 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         i = router.route(hashes, prompt_blocks)
         credit = router.overlaps(hashes)[i] if hashes else 0.0
         inst = fleet[i]
-        queue_time = sim.arrival_time
-        if config.follow_ups_first and sim.turn:
-            queue_time -= _FOLLOW_UP_HEAD_START
         index = arrived
         arrived += 1
         try:
-            inst.scheduler.add_request(
-                Request(
-                    sim.request_id,
-                    tokens,
-                    SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True),
-                    queue_time,
-                    priority=sim.priority,
-                )
-            )
+            inst.scheduler.add_request(request_for(sim, config.follow_ups_first))
         except InvalidArgumentError:
             lost = 1 + len(sim.next_turns)
             rejected += lost

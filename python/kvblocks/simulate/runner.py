@@ -31,6 +31,7 @@ __all__ = [
     "SimulationError",
     "SimulationResult",
     "TierTotals",
+    "request_for",
     "run_simulation",
 ]
 
@@ -38,6 +39,22 @@ _MAX_IDLE_STEPS = 10_000
 _FOLLOW_UP_HEAD_START = 1e9
 """Seconds subtracted from a follow-up's arrival time under ``follow_ups_first``: earlier
 than any conversation start, so arrival-ordered policies admit it first."""
+
+
+def request_for(sim: SimRequest, follow_ups_first: bool) -> Request:
+    """The scheduler request of a simulated arrival: its trace's output length exactly (EOS
+    ignored), and under ``follow_ups_first`` a follow-up turn queued before any conversation
+    start."""
+    queue_time = sim.arrival_time
+    if follow_ups_first and sim.turn:
+        queue_time -= _FOLLOW_UP_HEAD_START
+    return Request(
+        sim.request_id,
+        sim.prompt_token_ids,
+        SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True),
+        queue_time,
+        priority=sim.priority,
+    )
 
 
 class SimulationError(KVBlocksError):
@@ -325,22 +342,10 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     try:
         while True:
             while (sim := arrivals.pop_due(clock)) is not None:
-                params = SamplingParams(max_tokens=sim.output_len, n=sim.n, ignore_eos=True)
-                queue_time = sim.arrival_time
-                if config.follow_ups_first and sim.turn:
-                    queue_time -= _FOLLOW_UP_HEAD_START
                 index = arrived
                 arrived += 1
                 try:
-                    scheduler.add_request(
-                        Request(
-                            sim.request_id,
-                            sim.prompt_token_ids,
-                            params,
-                            queue_time,
-                            priority=sim.priority,
-                        )
-                    )
+                    scheduler.add_request(request_for(sim, config.follow_ups_first))
                 except InvalidArgumentError:
                     # The conversation's later turns never arrive: count them too.
                     rejected_arrivals += 1
