@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from .cli_runner import run_cli as _cli
+
 SMALL = ["--num-requests", "40", "--num-blocks", "512", "--saturation-requests", "60"]
-
-
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblocks.cli", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_workload_options_reach_the_trace() -> None:

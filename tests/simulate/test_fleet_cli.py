@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .cli_runner import run_cli as _cli
 
 TINY = [
     *("--num-requests", "40", "--num-blocks", "256", "--block-size", "8"),
@@ -16,16 +16,6 @@ TINY = [
     *("--multi-turn-share", "1", "--max-turns", "4", "--think-time", "0.05"),
     *("--parallel-share", "0", "--no-progress"),
 ]
-
-
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblocks.cli", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_all_routers_json() -> None:

@@ -4,8 +4,6 @@ saves on a multi-turn workload, the report, and the CLI options."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +21,8 @@ from kvblocks.simulate.fleet_report import format_fleet_table
 from kvblocks.simulate.report import format_json, format_table
 from kvblocks.simulate.runner import run_simulation
 from kvblocks.simulate.workload import LengthDist
+
+from .cli_runner import run_cli as _cli
 
 BS = 16
 
@@ -208,16 +208,6 @@ TINY = [
     *("--multi-turn-share", "1", "--max-turns", "5", "--think-time", "0.5"),
     *("--parallel-share", "0", "--num-cpu-blocks", "0", "--no-progress"),
 ]
-
-
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvblocks.cli", "simulate", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def test_cli_single_mode_reports_the_tier() -> None:
