@@ -124,10 +124,6 @@ class ContentOracle(RuleBasedStateMachine):
         """Resident, allocated sequences without a pending reservation."""
         return [s for s in self._resident() if s not in self.pending]
 
-    def _apply_swap(self, kind: str, rows) -> None:
-        """Move the swapped blocks' KV as the ``(src, dst)`` rows returned by the call say."""
-        getattr(self.mem, kind)(rows)
-
     def _write_reserved(self, served: dict[int, tuple[int, int]]) -> None:
         """The model step: write ``new`` tokens' KV and ``lookahead`` garbage slots of every
         served sequence through ``slot_mapping``, all in one step."""
@@ -319,7 +315,7 @@ class ContentOracle(RuleBasedStateMachine):
             with pytest.raises(kvblocks.OutOfBlocksError):
                 self.m.swap_out(sids)
             return
-        self._apply_swap("swap_out", self.m.swap_out(sids))
+        self.mem.swap_out(self.m.swap_out(sids))
         COVERAGE["ops"] += 1
         COVERAGE["swap_out"] += 1
         self.swapped.update(sids)
@@ -334,7 +330,7 @@ class ContentOracle(RuleBasedStateMachine):
             rows = self.m.swap_in(sids)
         except kvblocks.OutOfBlocksError:
             return
-        self._apply_swap("swap_in", rows)
+        self.mem.swap_in(rows)
         COVERAGE["ops"] += 1
         COVERAGE["swap_in"] += 1
         self.swapped.difference_update(sids)
@@ -483,6 +479,21 @@ class ContentOracle(RuleBasedStateMachine):
 
 def test_every_sequence_reads_its_own_kv() -> None:
     """At least ``MIN_OPERATIONS`` random operations, every content effect reached."""
+    COVERAGE.clear()
+    # Hypothesis decides how long each run is: repeat until the budget is spent.
+    for _ in range(10):
+        run_state_machine_as_test(
+            ContentOracle,
+            settings=settings(
+                max_examples=ORACLE_EXAMPLES,
+                stateful_step_count=ORACLE_STEPS,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+        if COVERAGE["ops"] >= MIN_OPERATIONS:
+            break
+    assert COVERAGE["ops"] >= MIN_OPERATIONS, COVERAGE
     reached = (
         "copy_on_write",
         "prefix_hit",
@@ -495,26 +506,10 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "window_release",
         "cache_reset",
         "table_incremental",
-        "table_row_reused",
         "table_rewrite",
+        "table_row_reused",
         "in_flight",
     )
-    COVERAGE.clear()
-    # Hypothesis decides how long each run is and what it draws: repeat until the budget
-    # is spent and every effect was reached (a rare run draws no eviction at all).
-    for _ in range(10):
-        run_state_machine_as_test(
-            ContentOracle,
-            settings=settings(
-                max_examples=ORACLE_EXAMPLES,
-                stateful_step_count=ORACLE_STEPS,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
-        if COVERAGE["ops"] >= MIN_OPERATIONS and all(COVERAGE[w] > 0 for w in reached):
-            break
-    assert COVERAGE["ops"] >= MIN_OPERATIONS, COVERAGE
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE
 
 
@@ -576,9 +571,35 @@ class TieredContentOracle(ContentOracle):
                 sid, self.m.block_table(sid), self._expected(sid), self.computed[sid], self.window
             )
 
-    def _apply_swap(self, kind: str, rows) -> None:
-        # The rows are queued in the manager's op list too, in order with the tier ops.
+    @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
+    @rule(data=st.data())
+    def swap_out(self, data):
+        idle = self._idle()
+        sids = data.draw(st.lists(st.sampled_from(idle), min_size=1, max_size=3, unique=True))
+        if not self.m.can_swap_out(sids):
+            with pytest.raises(kvblocks.OutOfBlocksError):
+                self.m.swap_out(sids)
+            return
+        self.m.swap_out(sids)
         self._drain()
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_out"] += 1
+        self.swapped.update(sids)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        sids = data.draw(
+            st.lists(st.sampled_from(sorted(self.swapped)), min_size=1, max_size=3, unique=True)
+        )
+        try:
+            self.m.swap_in(sids)
+        except kvblocks.OutOfBlocksError:
+            return
+        self._drain()
+        COVERAGE["ops"] += 1
+        COVERAGE["swap_in"] += 1
+        self.swapped.difference_update(sids)
 
     @rule(salt=st.integers(0, 3))
     def flood(self, salt):
