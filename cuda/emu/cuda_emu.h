@@ -481,11 +481,11 @@ struct Team {
     }
     if (smem_bytes) {
       // Exact size, so that AddressSanitizer sees any access past the end.
-      smem = static_cast<unsigned char*>(::operator new(smem_bytes, std::align_val_t(16)));
+      smem = static_cast<unsigned char*>(::operator new(smem_bytes, std::align_val_t(128)));
     }
   }
   ~Team() {
-    if (smem) ::operator delete(smem, std::align_val_t(16));
+    if (smem) ::operator delete(smem, std::align_val_t(128));
   }
   int threads;
   size_t smem_bytes;

@@ -9,6 +9,7 @@
 #include "../cache_ops.cu"
 #include "../paged_attention.cu"
 #include "selftest_kernels.cuh"
+#include "wmma_selftest.cuh"
 
 namespace {
 
@@ -45,6 +46,12 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_block_kernel),
     KVB_ENTRY(0, emu_bug_kernel),
     KVB_ENTRY(0, emu_slow_thread_kernel),
+    KVB_ENTRY(0, emu_wmma_kernel<__half, 16, 16, 16, nvcuda::wmma::row_major, nvcuda::wmma::col_major>),
+    KVB_ENTRY(0, emu_wmma_kernel<__half, 16, 16, 16, nvcuda::wmma::col_major, nvcuda::wmma::row_major>),
+    KVB_ENTRY(0, emu_wmma_kernel<__nv_bfloat16, 16, 16, 16, nvcuda::wmma::row_major, nvcuda::wmma::col_major>),
+    KVB_ENTRY(0, emu_wmma_kernel<__half, 32, 8, 16, nvcuda::wmma::row_major, nvcuda::wmma::row_major>),
+    KVB_ENTRY(0, emu_wmma_kernel<__nv_bfloat16, 8, 32, 16, nvcuda::wmma::col_major, nvcuda::wmma::col_major>),
+    KVB_ENTRY(0, emu_wmma_sync_kernel),
     KVB_ATTN_ALL_D(float),
     KVB_ATTN_ALL_D(__half),
     KVB_ATTN_ALL_D(__nv_bfloat16),

@@ -66,10 +66,13 @@ def read_source(name: str) -> str:
 
 
 def cuda_include_dirs() -> list[Path]:
-    """Include dirs with ``cuda_fp16.h`` from installed NVIDIA wheels (may be empty).
+    """Include dirs with ``cuda_fp16.h`` or ``crt/mma.h`` from installed NVIDIA wheels.
 
     Found through the installed packages (``nvidia.cu13``, ``nvidia.cuda_runtime``,
-    ``nvidia.cuda_nvrtc``), never hard-coded paths. The sources' own dir comes first.
+    ``nvidia.cuda_nvrtc``; ``crt/mma.h``, which ``<mma.h>`` includes, comes from
+    ``nvidia-cuda-crt`` on CUDA 13, into ``nvidia/cu13/include``, and from
+    ``nvidia-cuda-nvcc-cu12`` on CUDA 12), never hard-coded paths. The sources' own dir
+    comes first; the list may hold only it.
     """
     dirs = [cuda_dir()]
     spec = importlib.util.find_spec("nvidia")
@@ -78,6 +81,8 @@ def cuda_include_dirs() -> list[Path]:
         for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include", "cu12/include"):
             if (root / sub / "cuda_fp16.h").is_file():
                 dirs.append(root / sub)
+        if (root / "cuda_nvcc/include/crt/mma.h").is_file():
+            dirs.append(root / "cuda_nvcc/include")
     return dirs
 
 
