@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -78,6 +80,36 @@ def test_another_layout_never_sees_the_blocks(tmp_path: Path, layout: KVLayout) 
     assert len(other) == 0 and other.get_many([block_hash(0)]) == [None]
 
 
+def test_a_directory_of_other_layouts_only_warns(tmp_path: Path, layout: KVLayout) -> None:
+    DiskTier(tmp_path, layout, 4).put(block_hash(0), random_payload(layout, 0))
+    other_layout = KVLayout(2, 2, 16, 64, torch.float32, "test-model")
+    with pytest.warns(RuntimeWarning, match="other layouts.*'test-model'"):
+        other = DiskTier(tmp_path, other_layout, 4)
+    assert other.get_many([block_hash(0)]) == [None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reopening its own (now existing) directory is quiet
+        assert DiskTier(tmp_path, layout, 4).contains_many([block_hash(0)]) == [True]
+
+
+def test_a_directory_describing_another_layout_is_rejected(
+    tmp_path: Path, layout: KVLayout
+) -> None:
+    """A fingerprint directory copied from another model: warned, its blocks removed."""
+    foreign = KVLayout(2, 2, 16, 64, torch.float16, "another-model")
+    source = DiskTier(tmp_path / "a", foreign, 4)
+    source.put(block_hash(0), random_payload(foreign, 0))
+    mine = tmp_path / "b" / layout.fingerprint.hex()
+    mine.parent.mkdir()
+    source.root.rename(mine)
+    with pytest.warns(RuntimeWarning, match="describes another layout"):
+        tier = DiskTier(tmp_path / "b", layout, 4)
+    assert len(tier) == 0 and tier.get_many([block_hash(0)]) == [None]
+    assert tier.stats().rejected == 1 and not list(mine.glob("*.kvb"))
+    assert json.loads((mine / "layout.json").read_text())["model_id"] == "test-model"
+    assert tier.put(block_hash(0), random_payload(layout, 0))
+    assert _stored(DiskTier(tmp_path / "b", layout, 4), layout, [0]) == [0]
+
+
 def test_capacity_evicts_lru_never_fails(tmp_path: Path, layout: KVLayout) -> None:
     tier = DiskTier(tmp_path, layout, 3)
     for i in range(3):
@@ -107,7 +139,8 @@ def test_damaged_file_reads_as_miss_and_is_removed(
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    assert tier.get_many([block_hash(0), block_hash(1)])[0] is None
+    with pytest.warns(RuntimeWarning, match="rejected"):
+        assert tier.get_many([block_hash(0), block_hash(1)])[0] is None
     assert tier.stats().rejected == 1
     assert not path.exists() and not tier.contains_many([block_hash(0)])[0]
     assert _stored(tier, layout, [1]) == [1]

@@ -44,14 +44,20 @@ class DiskTier:
     describing the layout. The directory is the manifest: it is keyed by fingerprint and
     block hash, so reopening it (same directory, same layout) finds the same blocks, in the
     LRU order of their modification times (a hit refreshes the file's time). A different
-    model or layout gets a different subdirectory and never sees these blocks.
+    model or layout gets a different subdirectory and never sees these blocks; opening a
+    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that a
+    changed model id or dtype does not miss silently, and a subdirectory whose
+    ``layout.json`` names another fingerprint (copied or renamed from another model) is
+    rejected with a warning: its block files are removed (counted in ``rejected``), never
+    loaded.
 
     A put writes a temporary file and renames it over the final name, so a crash mid-write
     leaves either the old state or the whole new record; leftover temporaries are removed
     on open, and every read verifies the record's checksum, so a torn or damaged file reads
-    as a miss (counted in ``rejected``) and is deleted. A full tier (``capacity_blocks``) or
-    a full disk (ENOSPC) evicts LRU blocks and retries; a put fails only when even an empty
-    tier cannot hold the block (counted in ``dropped_puts``, with one warning).
+    as a miss (counted in ``rejected``, one warning per tier) and is deleted. A full tier
+    (``capacity_blocks``) or a full disk (ENOSPC) evicts LRU blocks and retries; a put fails
+    only when even an empty tier cannot hold the block (counted in ``dropped_puts``, with
+    one warning).
 
     Retention priorities order eviction within a process; after a reopen every block has
     the default priority. One process at a time may open a directory.
@@ -75,13 +81,18 @@ class DiskTier:
         self._capacity = capacity_blocks
         self._fsync = bool(fsync)
         self._root = Path(directory) / layout.fingerprint.hex()
+        fresh = not self._root.exists()
         self._root.mkdir(parents=True, exist_ok=True)
         self._index: RetentionLRU[int] = RetentionLRU()
         self._stats = TierStats()
         self._tmp_counter = itertools.count()
         self._warned = False
-        self._write_layout_description()
-        self._scan()
+        self._warned_rejected = False
+        if fresh:
+            self._warn_other_layouts()
+        foreign = self._foreign_description()
+        self._write_layout_description(replace=foreign is not None)
+        self._scan(drop_blocks=foreign)
 
     @property
     def capacity_blocks(self) -> int:
@@ -106,9 +117,54 @@ class DiskTier:
             )
         return self._root / (block_hash.hex() + _SUFFIX)
 
-    def _write_layout_description(self) -> None:
+    def _describe(self, path: Path) -> dict[str, object] | None:
+        """A ``layout.json``'s contents (None: absent or unreadable)."""
+        try:
+            description = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return description if isinstance(description, dict) else None
+
+    def _warn_other_layouts(self) -> None:
+        """Say so when the directory holds blocks of other layouts only: a user who
+        changed the model id, dtype or block size would otherwise see misses silently."""
+        others = []
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self._root.parent):
+                if entry.is_dir() and entry.name != self._root.name:
+                    description = self._describe(Path(entry.path) / "layout.json")
+                    if description is not None:
+                        others.append(repr(description.get("model_id")))
+        if others:
+            warnings.warn(
+                f"disk tier {self._root.parent}: no blocks of this layout ({self.layout}); "
+                f"its blocks were stored by other layouts (model_id {', '.join(sorted(others))}) "
+                "and are never loaded into this one",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _foreign_description(self) -> str | None:
+        """The fingerprint a ``layout.json`` of this directory names when it is not this
+        layout's (a directory copied or renamed from another model), else None."""
+        description = self._describe(self._root / "layout.json")
+        if description is None:
+            return None
+        named = description.get("fingerprint")
+        if named == self.layout.fingerprint.hex():
+            return None
+        warnings.warn(
+            f"disk tier {self._root}: the directory describes another layout (fingerprint "
+            f"{named}, model_id {description.get('model_id')!r}), not {self.layout}; its "
+            "blocks are rejected and removed, never loaded",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return str(named)
+
+    def _write_layout_description(self, *, replace: bool = False) -> None:
         path = self._root / "layout.json"
-        if path.exists():
+        if path.exists() and not replace:
             return
         description = {
             "fingerprint": self.layout.fingerprint.hex(),
@@ -128,13 +184,17 @@ class DiskTier:
             # Only a description for people; a full disk must not stop the tier opening.
             tmp.unlink(missing_ok=True)
 
-    def _scan(self) -> None:
+    def _scan(self, *, drop_blocks: str | None = None) -> None:
         found: list[tuple[int, bytes]] = []
         for entry in os.scandir(self._root):
             name = entry.name
-            if name.endswith(_TMP_SUFFIX):
-                # A write that never reached its rename: a crash mid-put.
-                Path(entry.path).unlink(missing_ok=True)
+            # A write that never reached its rename (a crash mid-put), or a block of the
+            # foreign layout the directory described: every read would reject it.
+            if name.endswith(_TMP_SUFFIX) or (drop_blocks is not None and name.endswith(_SUFFIX)):
+                if not name.endswith(_TMP_SUFFIX):
+                    self._stats.rejected += 1
+                with contextlib.suppress(OSError):
+                    Path(entry.path).unlink(missing_ok=True)
                 continue
             if not name.endswith(_SUFFIX):
                 continue
@@ -249,8 +309,16 @@ class DiskTier:
             return None
         try:
             decode_block(self.layout, block_hash, data)
-        except CorruptBlockError:
+        except CorruptBlockError as exc:
             self._stats.rejected += 1
+            if not self._warned_rejected:
+                self._warned_rejected = True
+                warnings.warn(
+                    f"disk tier {self._root}: a block record was rejected and removed ({exc}); "
+                    "such blocks read as misses",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             self._index.remove(block_hash)
             self._unlink(block_hash)
             return None
