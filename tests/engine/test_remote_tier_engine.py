@@ -19,7 +19,7 @@ import torch
 
 from kvblocks.engine import LLM, LlamaForCausalLM
 from kvblocks.engine.dense import dense_greedy_generate
-from kvblocks.engine.remote_tier import RemoteTierLink
+from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher
@@ -155,19 +155,19 @@ def test_a_link_that_skips_a_step_is_caught(
     broken: str,
 ) -> None:
     """The checks above see a skipped put, a skipped import or unwritten imported rows."""
-    fetch = RemoteTierLink.fetch
+    complete = RemoteTierLink.complete
     if broken == "publish":
         monkeypatch.setattr(RemoteTierLink, "publish", lambda self, ops: None)
     elif broken == "fetch":
-        monkeypatch.setattr(RemoteTierLink, "fetch", lambda self, ids: 0)
+        monkeypatch.setattr(RemoteTierLink, "complete", lambda self, fetch: 0)
     else:
 
-        def unwritten(self: RemoteTierLink, ids: list[int]) -> int:
-            n = fetch(self, ids)
+        def unwritten(self: RemoteTierLink, fetch: PendingFetch) -> int:
+            n = complete(self, fetch)
             self.host_pool.zero_()
             return n
 
-        monkeypatch.setattr(RemoteTierLink, "fetch", unwritten)
+        monkeypatch.setattr(RemoteTierLink, "complete", unwritten)
     with pytest.raises(AssertionError):
         _check_shared(_share(tiny_llama, server), expected)
 

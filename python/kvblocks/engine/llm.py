@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -24,7 +25,7 @@ from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import GenerationOutput
-from kvblocks.engine.remote_tier import RemoteTierLink
+from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink, RemoteTierOptions
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun, StepLogprobs
 from kvblocks.engine.tiny import build_tiny_model
@@ -144,8 +145,14 @@ class LLM:
             tier is also written there (``host_offload="commit"`` writes every computed
             block), and a new prompt's blocks past this instance's own hit are read from it
             and loaded instead of recomputed: instances sharing the server share prefixes.
-            A dead server or a rejected value reads as a miss (recompute). The caller
-            closes it. See :mod:`kvblocks.engine.remote_tier`.
+            A dead server or a rejected value reads as a miss (recompute). A
+            :class:`~kvblocks.tiers.disk.DiskTier` works the same way (a directory that
+            survives restarts). The caller closes it; :meth:`close` ends the engine's
+            background I/O. See :mod:`kvblocks.engine.remote_tier`.
+        remote_tier_options: a
+            :class:`~kvblocks.engine.remote_tier.RemoteTierOptions`: store calls on a
+            background thread (the default: writes queued and bounded, a new request's
+            read prefetched while other requests run) or on the step thread.
         event_publisher: a KV-event publisher (e.g.
             :class:`kvblocks.events.ZmqEventPublisher`); the manager then records events
             and each step's are published. The caller closes it.
@@ -177,6 +184,7 @@ class LLM:
         host_offload: Literal["evict", "commit"] = "evict",
         event_publisher: Any | None = None,
         remote_tier: Any | None = None,
+        remote_tier_options: RemoteTierOptions | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -236,8 +244,15 @@ class LLM:
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:
             self.remote = RemoteTierLink(
-                remote_tier, self.manager, self.runner.host_pool, self.runner.host_layout
+                remote_tier,
+                self.manager,
+                self.runner.host_pool,
+                self.runner.host_layout,
+                remote_tier_options,
             )
+        # Requests of the running call held back until their prefetch came back (or its
+        # wait ran out), in arrival order: (run, read or None).
+        self._pending: deque[tuple[RequestRun, PendingFetch | None, float]] = deque()
         self._next_request = 0
         self._mid_step = False  # between schedule() and update() (see _run)
         self._runs: dict[str, RequestRun] = {}  # the running call's requests
@@ -425,6 +440,12 @@ class LLM:
         run = self._runs.get(request_id)
         if run is None or run.finished:
             return False
+        for i, (held, _fetch, _deadline) in enumerate(self._pending):
+            if held is run:
+                # Still waiting for its prefetch: the scheduler makes its abort record.
+                del self._pending[i]
+                self.scheduler.add_request(run.request)
+                break
         record = self.scheduler.abort_request(request_id)
         if record is None:
             return False
@@ -484,14 +505,12 @@ class LLM:
         start = time.perf_counter()
         steps = computed = 0
         try:
-            for run in runs:
-                if self.remote is not None:
-                    self.remote.fetch(run.request.prompt_token_ids)
-                self.scheduler.add_request(run.request)
+            self._queue_runs(runs)
             idle = 0
             while any(not run.finished for run in runs):
                 for record in self._take_aborted():
                     yield from self._emit(record, {})
+                self._admit_prefetched()
                 if not self.scheduler.has_unfinished_requests():
                     break
                 self._mid_step = True
@@ -510,6 +529,7 @@ class LLM:
                     # The step's offloads are in the host pool; their slots stay pinned
                     # (keyed by their hashes) until update() confirms them.
                     self.remote.publish(out.memory_ops)
+                recomputes = self.scheduler.counters.num_preemptions_recompute
                 step = self.scheduler.update(out, result)
                 self._mid_step = False
                 steps += 1
@@ -531,6 +551,8 @@ class LLM:
                 logprobs = self._step_logprobs(out, result)
                 for record in step:
                     yield from self._emit(record, logprobs)
+                if self.scheduler.counters.num_preemptions_recompute > recomputes:
+                    self._refetch_preempted()
             for record in self._take_aborted():
                 yield from self._emit(record, {})
             missing = [r.request.request_id for r in runs if not r.finished]
@@ -541,9 +563,13 @@ class LLM:
             # nothing of this call may stay queued: the next call must find an idle,
             # consistent engine.
             unfinished = [r.request.request_id for r in runs if not r.finished]
+            self._pending.clear()
             if unfinished or self._mid_step:
                 self._abandon(unfinished)
             self._flush_tier_ops()
+            if self.remote is not None:
+                # A call's blocks are in the store when it returns (bounded wait).
+                self.remote.flush()
             self._runs = {}
             self._aborted = []
             self.runner.sampler.num_logprobs = 0
@@ -556,6 +582,65 @@ class LLM:
                 "elapsed_s": elapsed,
                 "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
+
+    def _queue_runs(self, runs: list[RequestRun]) -> None:
+        """Queue a call's requests: straight to the scheduler without a remote tier, else
+        behind a prefetch of their blocks from the store (see :meth:`_admit_prefetched`)."""
+        if self.remote is None:
+            for run in runs:
+                self.scheduler.add_request(run.request)
+            return
+        wait = self.remote.options.fetch_wait_s
+        for run in runs:
+            fetch = self.remote.prefetch(run.request.prompt_token_ids)
+            self._pending.append((run, fetch, time.monotonic() + wait))
+
+    def _admit_prefetched(self) -> None:
+        """Hand held-back requests to the scheduler, in arrival order, once their read came
+        back (its blocks are imported first) or its wait ran out (then they are computed).
+
+        Between two steps only: imports confirm their slots. While other requests run, a
+        read still under way holds its request (and those behind it) for a later step;
+        with nothing else to run the engine waits for it, up to ``fetch_wait_s``.
+        """
+        remote = self.remote
+        while self._pending and remote is not None:
+            run, fetch, deadline = self._pending[0]
+            if fetch is not None and not fetch.done():
+                busy = self.scheduler.has_unfinished_requests()
+                if not fetch.wait(0.0 if busy else deadline - time.monotonic()) and (
+                    time.monotonic() < deadline
+                ):
+                    return
+            if fetch is not None:
+                remote.complete(fetch)
+            self._pending.popleft()
+            self.scheduler.add_request(run.request)
+
+    def _refetch_preempted(self) -> None:
+        """Probe the remote store again for the requests a step preempted by recompute.
+
+        Their blocks may have reached the store since they were admitted (offloaded by
+        themselves or by another instance); they are imported before the step that
+        re-admits them. Each waiting completion's tokens (prompt + generated) are probed:
+        a recomputed sequence computes exactly those.
+        """
+        if self.remote is None:
+            return
+        running = set(self.scheduler.running_request_ids())
+        held = {run.request.request_id for run, _, _ in self._pending}
+        token_lists: list[list[int]] = []
+        for rid, run in self._runs.items():
+            if run.finished or rid in running or rid in held:
+                continue
+            prompt = list(run.request.prompt_token_ids)
+            live = [c for c in run.completions.values() if c.finish_reason is None]
+            if live:
+                token_lists.extend(prompt + c.tokens for c in live)
+            else:
+                token_lists.append(prompt)
+        if token_lists:
+            self.remote.refetch(token_lists)
 
     def _take_aborted(self) -> list[RequestOutput]:
         records, self._aborted = self._aborted, []
@@ -690,6 +775,22 @@ class LLM:
         if self.remote is not None:
             stats["remote"] = {**vars(self.remote.stats), **vars(self.remote.store.stats())}
         return stats
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> bool:
+        """End the engine's background remote-tier I/O: queued writes reach the store
+        within ``timeout`` (default ``RemoteTierOptions.close_timeout_s``), later ones are
+        dropped; whether the thread ended in time. The store itself stays open (its owner
+        closes it). Without a remote tier there is nothing to end."""
+        if self.remote is None:
+            return True
+        return self.remote.close(timeout)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:

@@ -1,23 +1,40 @@
-"""A shared remote tier (e.g. :class:`~kvblocks.tiers.valkey_tier.ValkeyTier`) below the
-engine's host tier.
+"""A shared remote tier (e.g. :class:`~kvblocks.tiers.valkey_tier.ValkeyTier` or a
+:class:`~kvblocks.tiers.disk.DiskTier` directory) below the engine's host tier.
 
 The core decides, this module moves bytes. Every block the core offloads to the host tier
 is also written to the remote store, keyed by its block hash, once the step's ops have
 copied it into the host pool (write-through, ``host_offload="commit"``, makes every
-computed block reach the store). Before a request is queued, the blocks of its prompt past
-what the instance holds (GPU prefix cache + host tier) are read from the store; the leading
-run of hits is imported into host-tier slots (``KVCacheManager.import_tier_blocks``), their
-payloads written into the host pool and confirmed, so the scheduler's claim loads them
-instead of recomputing them.
+computed block reach the store). Before a request is scheduled, the blocks of its prompt
+past what the instance holds (GPU prefix cache + host tier) are read from the store; the
+leading run of hits is imported into host-tier slots (``KVCacheManager.import_tier_blocks``),
+their payloads written into the host pool and confirmed, so the scheduler's claim loads
+them instead of recomputing them. A request preempted by recompute is probed again before
+it is re-admitted (its blocks may have reached the store meanwhile).
+
+**Off the step path** (``RemoteTierOptions(async_io=True)``, the default): one background
+thread does every store call. A write-back copies the offloaded rows out of the host pool
+into a staging tensor on the step thread (the GPU-to-host copy of the ``"offload"`` op has
+completed by then, and the slots are still pinned), then queues it; the queue is bounded
+(``max_pending_write_blocks``) and a write-back that does not fit is dropped and counted
+(``dropped_writes``), so a slow or hung store never blocks a step. Reads are queued ahead
+of writes. A prefetched payload is written into host-pool slots by the step thread,
+between two steps, before the slots are confirmed: a load never reads a slot before its
+bytes are there.
 
 The store never fails the engine: an unreachable server reads as misses (the store warns
 once) and a value that fails its checks is rejected and read as a miss; both mean
-recompute.
+recompute. A store call that raises anyway is counted (``worker_errors``) and read as a
+miss.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,16 +48,199 @@ from kvblocks.router.hasher import PromptHasher
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.store import TierStore
 
-__all__ = ["RemoteTierLink", "RemoteTierStats"]
+__all__ = ["PendingFetch", "RemoteTierLink", "RemoteTierOptions", "RemoteTierStats"]
+
+
+@dataclass(frozen=True)
+class RemoteTierOptions:
+    """How the engine talks to its remote tier.
+
+    Attributes:
+        async_io: store calls on a background thread (writes queued, reads prefetched);
+            False makes every call on the step thread, as it happens.
+        max_pending_write_blocks: blocks queued for writing at most; a write-back beyond
+            it is dropped (``dropped_writes``), never waited for.
+        fetch_wait_s: how long a new request waits for its prefetch before it is
+            scheduled without it (recompute; ``fetch_timeouts``). While other requests
+            run the wait costs no step time; an idle engine waits for the read. A
+            request preempted by recompute waits at most this long, once, before its
+            re-admission.
+        close_timeout_s: how long ``flush``/``close`` wait for queued writes (the end of
+            each ``generate`` flushes, so that a call's blocks are in the store when it
+            returns).
+    """
+
+    async_io: bool = True
+    max_pending_write_blocks: int = 256
+    fetch_wait_s: float = 1.0
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.async_io, bool):
+            raise InvalidArgumentError(f"async_io must be a bool, got {self.async_io!r}")
+        if (
+            isinstance(self.max_pending_write_blocks, bool)
+            or not isinstance(self.max_pending_write_blocks, int)
+            or self.max_pending_write_blocks < 1
+        ):
+            raise InvalidArgumentError(
+                "max_pending_write_blocks must be a positive int, got "
+                f"{self.max_pending_write_blocks!r}"
+            )
+        for name in ("fetch_wait_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InvalidArgumentError(f"{name} must be a number >= 0, got {value!r}")
 
 
 @dataclass
 class RemoteTierStats:
-    """What the engine did with the remote tier: ``imported_blocks`` were read and loaded
-    into the host tier, ``published_blocks`` offered to the store (``put_many``)."""
+    """What the engine did with the remote tier.
+
+    ``imported_blocks`` were read and loaded into the host tier (``refetched_blocks`` of
+    them for requests preempted by recompute); ``published_blocks`` were handed to the
+    store's ``put_many``; ``dropped_writes`` blocks were not, because the write queue was
+    full; ``fetch_timeouts`` requests were scheduled before their read came back;
+    ``worker_errors`` store calls raised (read as misses / dropped writes).
+    """
 
     imported_blocks: int = 0
     published_blocks: int = 0
+    dropped_writes: int = 0
+    fetches: int = 0
+    fetch_timeouts: int = 0
+    refetches: int = 0
+    refetched_blocks: int = 0
+    worker_errors: int = 0
+
+
+class PendingFetch:
+    """A read of one prompt's blocks past the local hit, queued or done."""
+
+    def __init__(self, hashes: list[bytes]) -> None:
+        self.hashes = hashes
+        self.payloads: list[torch.Tensor | None] | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        """Whether the read came back."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the read; whether it came back."""
+        return self._done.wait(max(0.0, timeout))
+
+    def _finish(self, payloads: list[torch.Tensor | None] | None) -> None:
+        self.payloads = payloads
+        self._done.set()
+
+
+# One lock per store object: engines of one process may share a store, and a tier is not
+# thread-safe. Weak keys: the lock goes with the store.
+_STORE_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def _store_lock(store: Any) -> threading.Lock:
+    with _STORE_LOCKS_GUARD:
+        try:
+            lock = _STORE_LOCKS.get(store)
+            if lock is None:
+                lock = _STORE_LOCKS[store] = threading.Lock()
+        except TypeError:  # not weak-referenceable: a lock of its own
+            lock = threading.Lock()
+        return lock
+
+
+class _Worker:
+    """The background thread that makes every store call of one link, reads first."""
+
+    def __init__(self, link: RemoteTierLink, max_pending: int) -> None:
+        self._link = link
+        self._max_pending = max_pending
+        self._cond = threading.Condition()
+        self._reads: deque[PendingFetch] = deque()
+        self._writes: deque[tuple[list[bytes], torch.Tensor]] = deque()
+        self._pending_blocks = 0
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvblocks-remote-tier", daemon=True)
+        self._thread.start()
+
+    def submit_read(self, fetch: PendingFetch) -> None:
+        with self._cond:
+            if self._stopping:
+                fetch._finish(None)
+                return
+            self._reads.append(fetch)
+            self._cond.notify_all()
+
+    def submit_write(self, hashes: list[bytes], rows: torch.Tensor) -> int:
+        """Queue what fits; how many blocks were dropped."""
+        with self._cond:
+            room = 0 if self._stopping else self._max_pending - self._pending_blocks
+            keep = max(0, min(room, len(hashes)))
+            if keep:
+                self._writes.append((hashes[:keep], rows[:keep]))
+                self._pending_blocks += keep
+                self._cond.notify_all()
+            return len(hashes) - keep
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running; whether that happened in time."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._reads or self._writes or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def stop(self, timeout: float) -> bool:
+        """Write what is queued (within ``timeout``), then end the thread; whether it ended.
+
+        Writes still queued at the deadline are dropped (counted); a store call still
+        running is left to the daemon thread, which ends after it.
+        """
+        flushed = self.flush(timeout)
+        with self._cond:
+            self._stopping = True
+            if not flushed:
+                dropped = sum(len(h) for h, _ in self._writes)
+                self._link.stats.dropped_writes += dropped
+                self._writes.clear()
+                self._pending_blocks = 0
+            for fetch in self._reads:
+                fetch._finish(None)
+            self._reads.clear()
+            self._cond.notify_all()
+        self._thread.join(max(0.0, min(timeout, 1.0)) if not flushed else timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._reads or self._writes or self._stopping):
+                    self._cond.wait()
+                if self._reads:
+                    job: Any = self._reads.popleft()
+                elif self._writes:
+                    job = self._writes.popleft()
+                else:
+                    return  # stopping with nothing queued
+                self._busy = True
+            try:
+                if isinstance(job, PendingFetch):
+                    job._finish(self._link._read(job.hashes))
+                else:
+                    self._link._write(*job)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    if not isinstance(job, PendingFetch):
+                        self._pending_blocks -= len(job[0])
+                    self._cond.notify_all()
 
 
 class RemoteTierLink:
@@ -53,10 +253,17 @@ class RemoteTierLink:
         manager: the engine's manager (with a host tier).
         host_pool: the runner's uint8 ``[slots, payload_nbytes]`` host pool.
         layout: the host pool's layout.
+        options: synchronous or background I/O and its bounds (default
+            :class:`RemoteTierOptions`: background).
     """
 
     def __init__(
-        self, store: Any, manager: KVCacheManager, host_pool: torch.Tensor | None, layout: KVLayout
+        self,
+        store: Any,
+        manager: KVCacheManager,
+        host_pool: torch.Tensor | None,
+        layout: KVLayout,
+        options: RemoteTierOptions | None = None,
     ) -> None:
         if not isinstance(store, TierStore):
             raise InvalidArgumentError(
@@ -69,17 +276,57 @@ class RemoteTierLink:
                 f"remote_tier's layout {store.layout} does not match the engine's KV cache "
                 f"{layout} (layers, KV heads, block size, head size, dtype)"
             )
+        if options is None:
+            options = RemoteTierOptions()
+        if not isinstance(options, RemoteTierOptions):
+            raise InvalidArgumentError(
+                f"remote_tier_options must be RemoteTierOptions, got {type(options).__name__}"
+            )
         self.store = store
         self.manager = manager
         self.host_pool = host_pool
+        self.options = options
         self.hasher = PromptHasher(manager.block_size, manager.hash_algo)
         self.stats = RemoteTierStats()
+        self._lock = _store_lock(store)
+        self._worker = _Worker(self, options.max_pending_write_blocks) if options.async_io else None
 
+    # -- store calls (the worker's thread, or the caller's when synchronous) -------------
+    def _read(self, hashes: list[bytes]) -> list[torch.Tensor | None] | None:
+        try:
+            with self._lock:
+                return self.store.get_many(hashes)
+        except Exception as exc:  # a store must never take the engine down
+            self._store_failed("get_many", exc)
+            return None
+
+    def _write(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+        try:
+            with self._lock:
+                self.store.put_many(hashes, list(rows.unbind(0)))
+        except Exception as exc:  # a store must never take the engine down
+            self._store_failed("put_many", exc)
+            return
+        self.stats.published_blocks += len(hashes)
+
+    def _store_failed(self, call: str, exc: Exception) -> None:
+        self.stats.worker_errors += 1
+        if self.stats.worker_errors == 1:
+            warnings.warn(
+                f"remote tier {type(self.store).__name__}.{call} raised {exc!r}: read as a "
+                "miss / write dropped (recompute)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # -- writes --------------------------------------------------------------------------
     def publish(self, memory_ops: Sequence[tuple[str, object]]) -> None:
         """Write the rows the applied ``"offload"`` ops filled to the store.
 
         Call after the ops were applied and before ``confirm_memory_ops`` (their slots are
-        pinned until then, so each still holds the hash it was offloaded under).
+        pinned until then, so each still holds the hash it was offloaded under). The rows
+        are copied out of the pool here, so the slots may be reused once this returns;
+        with background I/O the copy is queued (or dropped when the queue is full).
         """
         slots = [
             np.asarray(pairs, dtype=np.int64).reshape(-1, 2)[:, 1]
@@ -95,32 +342,53 @@ class RemoteTierLink:
         keep = [i for i, h in enumerate(hashes) if h is not None]
         if not keep:
             return
+        # Advanced indexing copies: the staging rows own their bytes.
         rows = self.host_pool[torch.as_tensor(ids[keep], dtype=torch.long)]
-        self.store.put_many([hashes[i] for i in keep], list(rows.unbind(0)))
-        self.stats.published_blocks += len(keep)
+        chosen: list[bytes] = [hashes[i] for i in keep]  # type: ignore[misc]
+        if self._worker is None:
+            self._write(chosen, rows)
+        else:
+            self.stats.dropped_writes += self._worker.submit_write(chosen, rows)
 
-    def fetch(self, prompt_token_ids: Sequence[int]) -> int:
-        """Import the prompt's blocks past the local hit from the store; blocks imported.
-
-        Call between steps with no op in flight: the imported slots are confirmed here.
-        """
+    # -- reads ---------------------------------------------------------------------------
+    def prefetch(self, prompt_token_ids: Sequence[int]) -> PendingFetch | None:
+        """Start reading the prompt's blocks past the local hit; None when there is
+        nothing to read. Synchronous I/O reads here; background I/O queues the read."""
         block_size = self.manager.block_size
         # A claim never covers the whole prompt: its last token is always computed.
         limit = (len(prompt_token_ids) - 1) // block_size
         if limit <= 0:
-            return 0
+            return None
         hashes = self.hasher.block_hashes(np.asarray(prompt_token_ids, dtype=np.int64))[:limit]
         start = self.manager.num_cached_prefix_blocks(hashes)
-        wanted = hashes[start : start + self.manager.host_cache_blocks]
+        wanted = list(hashes[start : start + self.manager.host_cache_blocks])
         if not wanted:
+            return None
+        fetch = PendingFetch(wanted)
+        self.stats.fetches += 1
+        if self._worker is None:
+            fetch._finish(self._read(wanted))
+        else:
+            self._worker.submit_read(fetch)
+        return fetch
+
+    def complete(self, fetch: PendingFetch) -> int:
+        """Import a finished read's leading hits into host-tier slots; blocks imported.
+
+        Call between steps with no op in flight: the imported slots are confirmed here.
+        A read that has not come back imports nothing (``fetch_timeouts``).
+        """
+        payloads = fetch.payloads if fetch.done() else None
+        if not fetch.done():
+            self.stats.fetch_timeouts += 1
+        if not payloads:
             return 0
-        payloads = self.store.get_many(wanted)
         found = 0
         while found < len(payloads) and payloads[found] is not None:
             found += 1
         if not found:
             return 0
-        slots = self.manager.import_tier_blocks(wanted[:found])
+        slots = self.manager.import_tier_blocks(fetch.hashes[:found])
         rows = [i for i in range(found) if slots[i] >= 0]
         try:
             if rows:
@@ -135,3 +403,48 @@ class RemoteTierLink:
         self.manager.confirm_memory_ops()
         self.stats.imported_blocks += len(rows)
         return len(rows)
+
+    def fetch(self, prompt_token_ids: Sequence[int]) -> int:
+        """Read and import the prompt's blocks past the local hit now (waiting up to
+        ``fetch_wait_s`` for a background read); blocks imported.
+
+        Call between steps with no op in flight: the imported slots are confirmed here.
+        """
+        pending = self.prefetch(prompt_token_ids)
+        if pending is None:
+            return 0
+        pending.wait(self.options.fetch_wait_s)
+        return self.complete(pending)
+
+    def refetch(self, token_lists: Sequence[Sequence[int]]) -> int:
+        """Probe the store again for sequences preempted by recompute, before their
+        re-admission (the reads run together; one ``fetch_wait_s`` bounds them all);
+        blocks imported. Call between steps."""
+        pending = [p for tokens in token_lists if (p := self.prefetch(tokens)) is not None]
+        if not pending:
+            return 0
+        self.stats.refetches += len(pending)
+        deadline = time.monotonic() + self.options.fetch_wait_s
+        imported = 0
+        for p in pending:
+            p.wait(deadline - time.monotonic())
+            imported += self.complete(p)
+        self.stats.refetched_blocks += imported
+        return imported
+
+    # -- lifetime ------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (up to ``timeout``, default ``close_timeout_s``) until every queued write
+        reached the store; whether it did (always True for synchronous I/O)."""
+        if self._worker is None:
+            return True
+        return self._worker.flush(self.options.close_timeout_s if timeout is None else timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued (bounded by ``timeout``, default ``close_timeout_s``) and
+        end the background thread; whether it ended in time. Writes still queued then
+        are dropped (``dropped_writes``). The store stays open (its owner closes it)."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return True
+        return worker.stop(self.options.close_timeout_s if timeout is None else timeout)
