@@ -8,6 +8,7 @@
 
 #include "../cache_ops.cu"
 #include "../paged_attention.cu"
+#include "../prefill_attention.cu"
 #include "selftest_kernels.cuh"
 #include "wmma_selftest.cuh"
 
@@ -39,6 +40,13 @@ struct Entry {
   KVB_ATTN(T, 64), KVB_ATTN(T, 80), KVB_ATTN(T, 96), KVB_ATTN(T, 112), KVB_ATTN(T, 128), \
       KVB_ATTN(T, 256)
 
+#define KVB_PREFILL(T, D) \
+  KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D>)
+
+#define KVB_PREFILL_ALL_D(T)                                                               \
+  KVB_PREFILL(T, 64), KVB_PREFILL(T, 80), KVB_PREFILL(T, 96), KVB_PREFILL(T, 112),         \
+      KVB_PREFILL(T, 128), KVB_PREFILL(T, 256)
+
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),
     KVB_ENTRY(0, copy_blocks_kernel),
@@ -55,6 +63,8 @@ const Entry kEntries[] = {
     KVB_ATTN_ALL_D(float),
     KVB_ATTN_ALL_D(__half),
     KVB_ATTN_ALL_D(__nv_bfloat16),
+    KVB_PREFILL_ALL_D(__half),
+    KVB_PREFILL_ALL_D(__nv_bfloat16),
 };
 
 std::string squeeze(const char* s) {

@@ -23,17 +23,21 @@ __all__ = [
     "CTYPE_NAMES",
     "DECODE_ROWS",
     "PREFILL_ROWS",
+    "PREFILL_SOURCE",
     "attention_kernel_name",
     "cuda_dir",
     "cuda_include_dirs",
     "kernel_names",
     "merge_kernel_name",
     "nvrtc_options",
+    "prefill_kernel_name",
     "read_source",
 ]
 
 ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
+PREFILL_SOURCE = "prefill_attention.cu"
+"""The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses ATTENTION_SOURCE)."""
 DECODE_ROWS = 8
 """Query rows per CTA of the decode instantiation (heads of one KV group)."""
 PREFILL_ROWS = 16
@@ -116,6 +120,11 @@ def merge_kernel_name(dtype: torch.dtype, head_size: int) -> str:
     return f"merge_splits_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
 
 
+def prefill_kernel_name(dtype: torch.dtype, head_size: int) -> str:
+    """Name expression of the tensor-core prefill instantiation (fp16/bf16 only)."""
+    return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
+
+
 def kernel_names(source: str) -> list[str]:
     """Every kernel (name expression) the front-ends can launch from ``source``."""
     if source == CACHE_OPS_SOURCE:
@@ -128,4 +137,10 @@ def kernel_names(source: str) -> list[str]:
                 names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
                 names.append(merge_kernel_name(dtype, head_size))
         return names
+    if source == PREFILL_SOURCE:
+        return [
+            prefill_kernel_name(dtype, head_size)
+            for dtype in (torch.float16, torch.bfloat16)
+            for head_size in SUPPORTED_HEAD_SIZES
+        ]
     raise ValueError(f"unknown CUDA source {source!r}")

@@ -35,6 +35,7 @@ from kvblocks.ops.cuda_sources import (
     ATTENTION_SOURCE,
     CACHE_OPS_SOURCE,
     CTYPE_NAMES,
+    PREFILL_SOURCE,
     cuda_dir,
     kernel_names,
     nvrtc_options,
@@ -86,6 +87,8 @@ def cache_dir() -> Path:
 
 def source_of(name: str) -> str:
     """The ``.cu`` file that defines kernel ``name`` (a name expression)."""
+    if name.startswith("prefill_attention_kernel<"):
+        return PREFILL_SOURCE
     return CACHE_OPS_SOURCE if name in kernel_names(CACHE_OPS_SOURCE) else ATTENTION_SOURCE
 
 
@@ -255,7 +258,10 @@ def precompile(
             raise InvalidArgumentError(f"no kernels for head size {head!r}")
     wanted = [f"<{CTYPE_NAMES[d]}, {h}" for d in dtypes for h in head_sizes]
     names = kernel_names(CACHE_OPS_SOURCE) + [
-        n for n in kernel_names(ATTENTION_SOURCE) if any(w in n for w in wanted)
+        n
+        for source in (ATTENTION_SOURCE, PREFILL_SOURCE)
+        for n in kernel_names(source)
+        if any(w in n for w in wanted)
     ]
     before = _stats["compiled"]
     for arch in targets:

@@ -1,0 +1,1 @@
+../../../../cuda/prefill_attention.cu

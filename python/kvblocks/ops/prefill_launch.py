@@ -1,0 +1,210 @@
+"""Plan and launch the tensor-core prefill kernel (``cuda/prefill_attention.cu``).
+
+fp16/bf16 prefill/extend goes to ``prefill_attention_kernel<T, HEAD>``; fp32 keeps the
+CUDA-core kernel of :mod:`kvblocks.ops.kernel_driver`. Like that driver, everything here
+works on host-side sizes and raw addresses, so the CUDA backend (CuPy launcher) and the CPU
+emulation in the tests run the same plan. The shared-memory formula mirrors
+``kvb::PrefillShape`` (a test compares them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops import kernel_driver
+from kvblocks.ops.cuda_sources import prefill_kernel_name
+from kvblocks.ops.launch_plan import THREADS, KernelLaunch
+
+__all__ = [
+    "MAX_GRID_YZ",
+    "PrefillPlan",
+    "plan_prefill",
+    "prefill_launch",
+    "prefill_rows",
+    "prefill_smem_bytes",
+    "prefill_tile",
+    "run_prefill",
+]
+
+MAX_GRID_YZ = 65535
+"""CUDA's limit on grid.y and grid.z."""
+
+
+def prefill_rows(head_size: int) -> int:
+    """Query rows per CTA (``kvb::PrefillShape::kRows``): 4 warps x 16, or 2 x 16 at head
+    256 where two warps share a row block's head columns."""
+    return 32 if head_size > 128 else 64
+
+
+def prefill_tile(head_size: int) -> int:
+    """K/V tokens per tile (``kTile``): 64 while K, V and the scores fit 48 KiB."""
+    return 64 if head_size <= 96 else 32
+
+
+def prefill_smem_bytes(head_size: int) -> int:
+    """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes)."""
+    rows, tile = prefill_rows(head_size), prefill_tile(head_size)
+    d_split = 2 if head_size > 128 else 1
+    kv = 2 * tile * (head_size + 8) * 2
+    scores = d_split * rows * (tile + 4) * 4
+    warps = THREADS // 32
+    return kv + scores + warps * 256 * 4 + 2 * rows * 4 + warps * 4
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How one prefill call maps onto CTAs (grid: KV head x head chunk, sequence, tile)."""
+
+    kernel: str
+    rows: int
+    heads_per_cta: int
+    queries_per_cta: int
+    head_chunks: int
+    q_tiles: int
+    smem_bytes: int
+    grid: tuple[int, int, int]
+
+
+def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
+    """Query heads of one KV group packed into a CTA: all rows go to one head's queries
+    for long chunks; short chunks (decode-like rows) share the CTA's K/V tiles across
+    heads. The largest divisor of ``group`` that fits, so no head chunk is half empty."""
+    fit = max(1, rows // max(1, max_query_len))
+    return max(d for d in range(1, min(group, fit) + 1) if group % d == 0)
+
+
+def plan_prefill(
+    *,
+    dtype: torch.dtype,
+    head_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_seqs: int,
+    max_query_len: int,
+) -> PrefillPlan:
+    """Plan a tensor-core prefill launch. ``max_query_len`` is a hint: below the real
+    longest chunk it costs parallelism (the kernel loops over query tiles), never rows."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise InvalidArgumentError(f"the tensor-core prefill kernel takes fp16/bf16, not {dtype}")
+    group = num_heads // num_kv_heads
+    rows = prefill_rows(head_size)
+    heads_per_cta = _heads_per_cta(group, rows, max_query_len)
+    queries_per_cta = rows // heads_per_cta
+    head_chunks = math.ceil(group / heads_per_cta)
+    q_tiles = min(MAX_GRID_YZ, max(1, math.ceil(max_query_len / queries_per_cta)))
+    if num_seqs > MAX_GRID_YZ:
+        raise InvalidArgumentError(
+            f"a batch of {num_seqs} sequences exceeds the CUDA grid limit of {MAX_GRID_YZ} "
+            "per launch; split the batch"
+        )
+    return PrefillPlan(
+        kernel=prefill_kernel_name(dtype, head_size),
+        rows=rows,
+        heads_per_cta=heads_per_cta,
+        queries_per_cta=queries_per_cta,
+        head_chunks=head_chunks,
+        q_tiles=q_tiles,
+        smem_bytes=prefill_smem_bytes(head_size),
+        # z (query tiles, issued slowest and reversed in the kernel: longest first).
+        grid=(num_kv_heads * head_chunks, num_seqs, q_tiles),
+    )
+
+
+def prefill_launch(
+    plan: PrefillPlan,
+    *,
+    out: int,
+    query: int,
+    key_cache: int,
+    value_cache: int,
+    block_tables: int,
+    seq_lens: int,
+    query_start_loc: int,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    max_blocks: int,
+    num_blocks: int,
+    scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+) -> KernelLaunch:
+    """The kernel launch for ``plan``; addresses as ints."""
+    args = (
+        np.uint64(out), np.uint64(query), np.uint64(key_cache), np.uint64(value_cache),
+        np.uint64(block_tables), np.uint64(seq_lens), np.uint64(query_start_loc),
+        np.int32(num_tokens), np.int32(num_heads), np.int32(num_kv_heads),
+        np.int32(block_size), np.int32(max_blocks), np.int32(num_blocks),
+        np.int32(plan.heads_per_cta), np.float32(scale), np.float32(soft_cap or 0.0),
+        np.int32(sliding_window or 0),
+    )  # fmt: skip
+    return KernelLaunch(plan.kernel, plan.grid, (THREADS, 1, 1), plan.smem_bytes, args)
+
+
+def run_prefill(
+    launch: kernel_driver.Launcher,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_query_len: int,
+    target_ctas: int,
+) -> torch.Tensor:
+    """Prefill/extend attention (validated arguments): the tensor-core kernel for
+    fp16/bf16, :func:`kernel_driver.run_attention` for fp32 (``target_ctas`` is its)."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return kernel_driver.run_attention(
+            launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
+        )  # fmt: skip
+    kernel_driver._check_caches(key_cache, value_cache)
+    num_tokens, num_heads, head_size = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    query = kernel_driver._aligned(query)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    plan = plan_prefill(
+        dtype=query.dtype,
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+    )
+    launch(
+        prefill_launch(
+            plan,
+            out=out.data_ptr(),
+            query=query.data_ptr(),
+            key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(),
+            query_start_loc=query_start_loc.data_ptr(),
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            num_blocks=num_blocks,
+            scale=1.0 / math.sqrt(head_size) if scale is None else scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+        )
+    )
+    return out
