@@ -17,6 +17,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvblocks._extras import raise_missing_extra
 
 try:
@@ -41,6 +43,7 @@ from kvblocks.ops.checks import (
     check_optional_positive,
     check_tokens_like_cache,
 )
+from kvblocks.ops.decode_attention import DecodeAttention
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -49,6 +52,7 @@ __all__ = [
     "SUPPORTED_BLOCK_SIZES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_SIZES",
+    "DecodeAttention",
     "allocate_kv_cache",
     "copy_blocks",
     "paged_attention",
@@ -214,6 +218,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     max_seq_len: int | None = None,
+    seq_lens_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns ``[num_seqs, num_heads, head_size]``.
 
@@ -227,8 +232,24 @@ def paged_attention(
     it saves a device sync when planning the split-K launch. It is a planning hint: a
     value below the real maximum (a CUDA graph captured for shorter contexts) is still
     correct, the last split covering the rest of each sequence, only less parallel.
+
+    On CUDA, fp16/bf16 run the tensor-core ``decode_attention_kernel`` through the
+    length-aware split planner (:mod:`kvblocks.ops.decode_plan`), which needs the lengths
+    on the host: pass them as ``seq_lens_host`` (a NumPy copy of ``seq_lens``, which the
+    scheduler has anyway; the plan is then cached across a step's layers and no device
+    sync happens), or give neither hint and ``seq_lens`` is read back (a sync). With
+    only ``max_seq_len`` the older split-K kernel runs, as for fp32. Engines that want
+    CUDA graphs or the least host time per layer use :class:`DecodeAttention` directly.
     """
     _check_hint(max_seq_len, "max_seq_len")
+    if seq_lens_host is not None and (
+        not isinstance(seq_lens_host, np.ndarray)
+        or seq_lens_host.dtype.kind not in "iu"
+        or seq_lens_host.shape != (query.shape[0] if isinstance(query, torch.Tensor) else 0,)
+    ):
+        raise InvalidArgumentError(
+            "seq_lens_host must be a 1-D NumPy integer array with one length per sequence"
+        )
     _check_attention_args(
         query,
         key_cache,
@@ -251,6 +272,7 @@ def paged_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             max_seq_len=max_seq_len,
+            seq_lens_host=seq_lens_host,
         )
     return reference.paged_attention(
         query,

@@ -14,14 +14,22 @@ import functools
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvblocks.errors import KVBlocksError
 from kvblocks.ops import kernel_cache, kernel_driver
 from kvblocks.ops.cuda_sources import nvrtc_options, read_source
+from kvblocks.ops.decode_attention import decode_kernel_supported
 from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
 
-__all__ = ["copy_blocks", "paged_attention", "paged_prefill_attention", "reshape_and_cache"]
+__all__ = [
+    "copy_blocks",
+    "decode_launcher",
+    "paged_attention",
+    "paged_prefill_attention",
+    "reshape_and_cache",
+]
 
 
 def _cupy() -> Any:
@@ -97,6 +105,34 @@ def _launcher(device: torch.device) -> kernel_driver.Launcher:
     return launch
 
 
+def _current_stream(index: int) -> int:
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+@functools.cache
+def decode_launcher(index: int) -> kernel_driver.Launcher:
+    """A launcher for device ``index`` that stays valid across calls (the decode path
+    keeps it): the stream is torch's current one at each launch (so CUDA-graph capture
+    on a side stream works), its CuPy wrapper is made once per stream."""
+    cupy = _cupy()
+    device = cupy.cuda.Device(index)
+    streams: dict[int, Any] = {}
+
+    def launch(item: KernelLaunch) -> None:
+        ptr = _current_stream(index)
+        stream = streams.get(ptr)
+        if stream is None:
+            if len(streams) > 64:
+                streams.clear()
+            stream = streams[ptr] = cupy.cuda.ExternalStream(ptr, index)
+        with device:
+            _function(index, item.name)(
+                item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream
+            )
+
+    return launch
+
+
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -121,9 +157,27 @@ def paged_attention(
     sliding_window: int | None,
     soft_cap: float | None,
     max_seq_len: int | None,
+    seq_lens_host: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """See :func:`kvblocks.ops.paged_attention` (validated arguments)."""
+    """See :func:`kvblocks.ops.paged_attention` (validated arguments).
+
+    fp16/bf16 run ``decode_attention_kernel`` through the length-aware planner when the
+    lengths are known on the host (``seq_lens_host``, or read from the device when no
+    ``max_seq_len`` hint says to avoid that sync); otherwise the older split-K kernel.
+    """
     device = key_cache.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _, _, block_size, head_size = key_cache.shape
+    if decode_kernel_supported(query.dtype, head_size, block_size) and (
+        seq_lens_host is not None or max_seq_len is None
+    ):
+        if seq_lens_host is None:
+            seq_lens_host = seq_lens.cpu().numpy()
+        return kernel_driver.run_decode(
+            decode_launcher(index), query, key_cache, value_cache, block_tables,
+            seq_lens_host, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            target_ctas=_target_ctas(index),
+        )  # fmt: skip
     return kernel_driver.run_attention(
         _launcher(device), query, key_cache, value_cache, block_tables, seq_lens, None,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,

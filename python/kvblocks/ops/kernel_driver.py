@@ -8,11 +8,14 @@ on CPU tensors. Everything between the validated front-end call and the launch
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvblocks.ops.checks import check_cache_pair
+from kvblocks.ops.decode_attention import DecodeAttention
 from kvblocks.ops.launch_plan import (
     PARTITION_TOKENS,
     KernelLaunch,
@@ -22,7 +25,14 @@ from kvblocks.ops.launch_plan import (
     reshape_and_cache_launch,
 )
 
-__all__ = ["Launcher", "run_attention", "run_copy_blocks", "run_reshape_and_cache"]
+__all__ = [
+    "Launcher",
+    "decode_attention_for",
+    "run_attention",
+    "run_copy_blocks",
+    "run_decode",
+    "run_reshape_and_cache",
+]
 
 Launcher = Callable[[KernelLaunch], None]
 """Runs one :class:`KernelLaunch` (on the current stream, for CuPy)."""
@@ -140,6 +150,73 @@ def run_attention(
     for item in launches:
         launch(item)
     return out
+
+
+_DECODERS: OrderedDict[tuple[object, ...], DecodeAttention] = OrderedDict()
+_MAX_DECODERS = 16  # (shape, window, batch capacity) combinations kept with their workspaces
+
+
+def decode_attention_for(
+    launch: Launcher,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    num_seqs: int,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    target_ctas: int,
+) -> DecodeAttention:
+    """The cached :class:`DecodeAttention` serving the functional decode path.
+
+    One per shape, window and launcher, with room for the batch rounded up to a power
+    of two (at least 64), so the layers of a step share it and its plan.
+    """
+    capacity = max(64, 1 << max(0, num_seqs - 1).bit_length())
+    key = (launch, device, dtype, num_heads, num_kv_heads, head_size, block_size, capacity,
+           scale, sliding_window, soft_cap, target_ctas)  # fmt: skip
+    decoder = _DECODERS.get(key)
+    if decoder is None:
+        decoder = DecodeAttention(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+            block_size=block_size, dtype=dtype, device=device, max_seqs=capacity,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            target_ctas=target_ctas, launcher=launch,
+        )  # fmt: skip
+        _DECODERS[key] = decoder
+        if len(_DECODERS) > _MAX_DECODERS:
+            _DECODERS.popitem(last=False)
+    return decoder
+
+
+def run_decode(
+    launch: Launcher,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens_host: np.ndarray,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    target_ctas: int,
+) -> torch.Tensor:
+    """fp16/bf16 decode through ``decode_attention_kernel`` and the length-aware plan
+    (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``)."""
+    _, num_kv_heads, block_size, head_size = key_cache.shape
+    decoder = decode_attention_for(
+        launch, device=key_cache.device, dtype=query.dtype, num_heads=query.shape[1],
+        num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
+        num_seqs=query.shape[0], scale=scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, target_ctas=target_ctas,
+    )  # fmt: skip
+    decoder.plan(seq_lens_host, block_tables)
+    return decoder.run(query, key_cache, value_cache)
 
 
 def run_copy_blocks(
