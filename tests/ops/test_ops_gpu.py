@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from ops_cases import make_case, tolerance
@@ -58,6 +59,70 @@ def test_decode_split_k_long_context(dtype, sliding_window, soft_cap):
     want = reference.paged_attention(case.query, case.key_cache, case.value_cache,
                                      case.block_tables, case.seq_lens, **kw)  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+MIXED_LENS = [8192, 37, 1, 0, 300, 16, 2049, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, None), (1000, None), (None, 30.0)])
+def test_decode_planned_gqa8_mixed_lengths(dtype, head_size, sliding_window, soft_cap):
+    """The tensor-core kernel through the length-aware planner (host lengths given)."""
+    lens = MIXED_LENS
+    case = make_case(21, lens, [1] * len(lens), num_kv_heads=2, group=8, head_size=head_size,
+                     dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    got = ops.paged_attention(dev["query"], dev["key_cache"], dev["value_cache"],
+                              dev["block_tables"], dev["seq_lens"],
+                              seq_lens_host=np.array(lens, dtype=np.int32), **kw)  # fmt: skip
+    want = reference.paged_attention(case.query, case.key_cache, case.value_cache,
+                                     case.block_tables, case.seq_lens, **kw)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+def _graph_decoder(case, dtype, cuda_graph=True):
+    _, num_kv_heads, block_size, head_size = case.key_cache.shape
+    return ops.DecodeAttention(
+        num_heads=case.query.shape[1], num_kv_heads=num_kv_heads, head_size=head_size,
+        block_size=block_size, dtype=dtype, device="cuda", max_seqs=case.query.shape[0],
+        cuda_graph=cuda_graph,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_cuda_graph_replay_with_longer_sequences(dtype):
+    """Capture once with short lengths; plan() longer (and other) ones and replay."""
+    long_lens = MIXED_LENS
+    case = make_case(22, long_lens, [1] * len(long_lens), num_kv_heads=8, group=8,
+                     head_size=128, dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    dec = _graph_decoder(case, dtype)
+    out = torch.empty_like(dev["query"])
+    short = np.array([40, 10, 1, 0, 200, 16, 3, 100], dtype=np.int32)
+    dec.plan(short, dev["block_tables"])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (kernel loading) off the capture
+        dec.run(dev["query"], dev["key_cache"], dev["value_cache"], out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(dev["query"], dev["key_cache"], dev["value_cache"], out=out)
+    for lens in (
+        np.array(long_lens, dtype=np.int32),
+        short,
+        np.array(long_lens, dtype=np.int32) * 3 // 4,
+    ):
+        dec.plan(lens, dev["block_tables"])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        case.seq_lens = torch.from_numpy(lens)
+        want = reference.paged_attention(case.query, case.key_cache, case.value_cache,
+                                         case.block_tables, case.seq_lens)  # fmt: skip
+        torch.testing.assert_close(out.cpu(), want, **tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -105,6 +105,9 @@ def _launcher(device: torch.device) -> kernel_driver.Launcher:
     return launch
 
 
+_STATIC_SMEM_LIMIT = 48 * 1024
+
+
 def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
@@ -117,6 +120,7 @@ def decode_launcher(index: int) -> kernel_driver.Launcher:
     cupy = _cupy()
     device = cupy.cuda.Device(index)
     streams: dict[int, Any] = {}
+    opted_in: dict[str, int] = {}
 
     def launch(item: KernelLaunch) -> None:
         ptr = _current_stream(index)
@@ -125,10 +129,13 @@ def decode_launcher(index: int) -> kernel_driver.Launcher:
             if len(streams) > 64:
                 streams.clear()
             stream = streams[ptr] = cupy.cuda.ExternalStream(ptr, index)
+        function = _function(index, item.name)
         with device:
-            _function(index, item.name)(
-                item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream
-            )
+            if item.smem_bytes > opted_in.get(item.name, _STATIC_SMEM_LIMIT):
+                # Above 48 KiB of dynamic shared memory a kernel must opt in, once.
+                function.max_dynamic_shared_size_bytes = item.smem_bytes
+                opted_in[item.name] = item.smem_bytes
+            function(item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream)
 
     return launch
 
