@@ -82,6 +82,9 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(16) int4 {
+  int x, y, z, w;
+};
 
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
@@ -472,10 +475,28 @@ struct Warp {
   unsigned long long exchange[32] = {};
 };
 
+// One asynchronous global->shared copy (cp.async) of a CUDA thread, queued until a wait.
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  size_t bytes;      // destination bytes
+  size_t src_bytes;  // bytes read from src; the rest of dst is zero-filled
+};
+
+// A thread's cp.async state: the open (uncommitted) copies and the committed groups,
+// oldest first. Copies land only in async_wait_prior (cuda_pipeline_primitives.h).
+struct AsyncPipe {
+  std::vector<AsyncCopy> open;
+  std::vector<std::vector<AsyncCopy>> committed;
+};
+
 // State shared by the thread team of one launch.
 struct Team {
   Team(int threads, size_t smem_bytes)
-      : threads(threads), smem_bytes(smem_bytes), block_barrier(threads, "the block") {
+      : threads(threads),
+        smem_bytes(smem_bytes),
+        block_barrier(threads, "the block"),
+        pipes(static_cast<size_t>(threads)) {
     for (int w = 0; w * 32 < threads; ++w) {
       warps.emplace_back(new Warp(std::min(32, threads - w * 32)));
     }
@@ -491,6 +512,7 @@ struct Team {
   size_t smem_bytes;
   unsigned char* smem = nullptr;
   Barrier block_barrier;
+  std::vector<AsyncPipe> pipes;  // per thread; a block starts with none in flight
   std::vector<std::unique_ptr<Warp>> warps;
 };
 
@@ -515,6 +537,44 @@ inline void check_aligned16(const void* ptr, const char* file, int line) {
 }
 
 inline Warp& my_warp() { return *tl_team->warps[linear_tid() / 32]; }
+
+// cp.async, emulated strictly: the destination is poisoned (0xFF) when the copy is issued
+// and the data lands only when a wait retires its group, so a read of the destination
+// between issue and wait (a missing wait, or a missing __syncwarp after another lane's
+// wait) sees NaN, and a copy issued into a buffer still being read clobbers it at once.
+inline void async_copy(void* dst, const void* src, size_t bytes, size_t src_bytes) {
+  if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async copies 4, 8 or 16 bytes");
+  if (src_bytes > bytes) fail("cp.async reads more bytes than it writes");
+  const auto d = reinterpret_cast<std::uintptr_t>(dst);
+  const auto s = reinterpret_cast<std::uintptr_t>(src);
+  if (d % bytes != 0 || (src_bytes != 0 && s % bytes != 0)) {
+    char msg[192];
+    std::snprintf(msg, sizeof msg, "misaligned %zu-byte cp.async (dst %p, src %p) in block (%u,%u,%u)",
+                  bytes, dst, src, blockIdx.x, blockIdx.y, blockIdx.z);
+    fail(msg);
+  }
+  std::memset(dst, 0xff, bytes);
+  tl_team->pipes[linear_tid()].open.push_back(
+      {static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes, src_bytes});
+}
+
+inline void async_commit() {
+  AsyncPipe& p = tl_team->pipes[linear_tid()];
+  p.committed.push_back(std::move(p.open));
+  p.open.clear();
+}
+
+// Retire every committed group but the newest `prior`: their data lands now.
+inline void async_wait_prior(size_t prior) {
+  AsyncPipe& p = tl_team->pipes[linear_tid()];
+  while (p.committed.size() > prior) {
+    for (const AsyncCopy& c : p.committed.front()) {
+      if (c.src_bytes) std::memcpy(c.dst, c.src, c.src_bytes);
+      std::memset(c.dst + c.src_bytes, 0, c.bytes - c.src_bytes);
+    }
+    p.committed.erase(p.committed.begin());
+  }
+}
 inline int my_lane() { return linear_tid() % 32; }
 
 inline void check_mask(unsigned mask, const char* what) {
@@ -576,6 +636,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::functi
         for (unsigned y = 0; y < grid.y; ++y) {
           for (unsigned x = 0; x < grid.x; ++x) {
             blockIdx = {x, y, z};
+            team.pipes[t] = AsyncPipe{};  // copies left in flight by the last block die with it
             if (t == 0 && team.smem) std::memset(team.smem, 0xff, team.smem_bytes);
             team.block_barrier.wait(kBlockPoisoned);
             body();
@@ -620,6 +681,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::functi
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = {x, y, z};
+        for (AsyncPipe& p : team.pipes) p = AsyncPipe{};  // nothing in flight across blocks
         if (team.smem) std::memset(team.smem, 0xff, team.smem_bytes);
         sched.run_block(fiber_entry, block, deadlock);
       }

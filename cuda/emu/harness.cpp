@@ -7,9 +7,11 @@
 #include <string>
 
 #include "../cache_ops.cu"
+#include "../decode_attention.cu"
 #include "../paged_attention.cu"
 #include "../prefill_attention.cu"
 #include "selftest_kernels.cuh"
+#include "selftest_pipeline.h"
 #include "wmma_selftest.cuh"
 
 namespace {
@@ -47,6 +49,20 @@ struct Entry {
   KVB_PREFILL(T, 64), KVB_PREFILL(T, 80), KVB_PREFILL(T, 96), KVB_PREFILL(T, 112),         \
       KVB_PREFILL(T, 128), KVB_PREFILL(T, 256)
 
+// Tensor-core decode (fp16/bf16): every block size and GROUP the planner picks.
+#define KVB_DECODE(T, D, B, G) \
+  KVB_ENTRY((kvb::DecodeShape<T, D, B, G>::kSmemBytes), decode_attention_kernel<T, D, B, G>)
+#define KVB_DECODE_G(T, D, B) \
+  KVB_DECODE(T, D, B, 1), KVB_DECODE(T, D, B, 2), KVB_DECODE(T, D, B, 4), KVB_DECODE(T, D, B, 8)
+#define KVB_DECODE_D(T, D)                                                                 \
+  KVB_DECODE_G(T, D, 8), KVB_DECODE_G(T, D, 16), KVB_DECODE_G(T, D, 32),                   \
+      KVB_DECODE(T, D, 8, 16), KVB_DECODE(T, D, 16, 16), KVB_DECODE(T, D, 32, 16),         \
+      KVB_ENTRY(0, merge_partials_kernel<T, D>)
+#define KVB_DECODE_ALL(T)                                                                   \
+  KVB_DECODE_D(T, 64), KVB_DECODE_D(T, 80), KVB_DECODE_D(T, 96), KVB_DECODE_D(T, 112),      \
+      KVB_DECODE_D(T, 128), KVB_DECODE_G(T, 256, 8), KVB_DECODE_G(T, 256, 16),              \
+      KVB_DECODE_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
+
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),
     KVB_ENTRY(0, copy_blocks_kernel),
@@ -60,6 +76,9 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_wmma_kernel<__half, 32, 8, 16, nvcuda::wmma::row_major, nvcuda::wmma::row_major>),
     KVB_ENTRY(0, emu_wmma_kernel<__nv_bfloat16, 8, 32, 16, nvcuda::wmma::col_major, nvcuda::wmma::col_major>),
     KVB_ENTRY(0, emu_wmma_sync_kernel),
+    KVB_ENTRY(0, emu_pipeline_kernel),
+    KVB_DECODE_ALL(__half),
+    KVB_DECODE_ALL(__nv_bfloat16),
     KVB_ATTN_ALL_D(float),
     KVB_ATTN_ALL_D(__half),
     KVB_ATTN_ALL_D(__nv_bfloat16),

@@ -21,14 +21,22 @@ __all__ = [
     "ATTENTION_SOURCE",
     "CACHE_OPS_SOURCE",
     "CTYPE_NAMES",
+    "DECODE_BLOCK_SIZES",
+    "DECODE_GROUPS",
     "DECODE_ROWS",
+    "DECODE_SOURCE",
+    "DECODE_THREADS",
     "PREFILL_ROWS",
     "PREFILL_SOURCE",
     "attention_kernel_name",
     "cuda_dir",
     "cuda_include_dirs",
+    "decode_instantiated",
+    "decode_kernel_name",
+    "decode_smem_bytes",
     "kernel_names",
     "merge_kernel_name",
+    "merge_partials_name",
     "nvrtc_options",
     "prefill_kernel_name",
     "read_source",
@@ -38,6 +46,16 @@ ATTENTION_SOURCE = "paged_attention.cu"
 CACHE_OPS_SOURCE = "cache_ops.cu"
 PREFILL_SOURCE = "prefill_attention.cu"
 """The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses ATTENTION_SOURCE)."""
+DECODE_SOURCE = "decode_attention.cu"
+"""The tensor-core decode kernel and its partial merge (fp16/bf16; fp32 uses ATTENTION_SOURCE)."""
+DECODE_THREADS = 128
+"""Threads per CTA of ``decode_attention_kernel`` and ``merge_partials_kernel``
+(``kvb::kDecodeThreads``)."""
+DECODE_GROUPS: tuple[int, ...] = (1, 2, 4, 8, 16)
+"""``GROUP`` values of ``decode_attention_kernel`` (query heads per CTA); 16 is not
+instantiated at head size 256 (see :func:`decode_instantiated`)."""
+DECODE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
+"""``BLOCK`` values of ``decode_attention_kernel`` (cache block sizes)."""
 DECODE_ROWS = 8
 """Query rows per CTA of the decode instantiation (heads of one KV group)."""
 PREFILL_ROWS = 16
@@ -125,6 +143,35 @@ def prefill_kernel_name(dtype: torch.dtype, head_size: int) -> str:
     return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
 
 
+def decode_kernel_name(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> str:
+    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP>`` (``group_t`` is
+    the template's GROUP, one of :data:`DECODE_GROUPS`)."""
+    return f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, {group_t}>"
+
+
+def merge_partials_name(dtype: torch.dtype, head_size: int) -> str:
+    """Name expression of ``merge_partials_kernel<T, D>``."""
+    return f"merge_partials_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
+
+
+def decode_instantiated(head_size: int, group_t: int) -> bool:
+    """Whether ``decode_attention_kernel`` exists for this head size and GROUP: GROUP 16 at
+    head 256 would need 128 accumulator registers per thread (use GROUP 8 and two CTAs)."""
+    return group_t in DECODE_GROUPS and not (head_size > 128 and group_t > 8)
+
+
+def decode_smem_bytes(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> int:
+    """Dynamic shared memory of a ``decode_attention_kernel`` launch (mirrors
+    ``kvb::DecodeShape::kSmemBytes``; above 48 KiB the launch must opt in)."""
+    del dtype, block_size  # 2-byte elements only; the block size only sets the chunk length
+    warps, tokens, table_slots = DECODE_THREADS // 32, 32, 256
+    heads = 8 * ((group_t + 7) // 8)
+    ld = (head_size + 31) // 32 * 32 + 8
+    warp_bytes = 2 * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
+    warp_bytes += heads * tokens * 4
+    return warps * warp_bytes + heads * ld * 2 + table_slots * 4 + warps * heads * 2 * 4
+
+
 def kernel_names(source: str) -> list[str]:
     """Every kernel (name expression) the front-ends can launch from ``source``."""
     if source == CACHE_OPS_SOURCE:
@@ -143,4 +190,16 @@ def kernel_names(source: str) -> list[str]:
             for dtype in (torch.float16, torch.bfloat16)
             for head_size in SUPPORTED_HEAD_SIZES
         ]
+    if source == DECODE_SOURCE:
+        names = []
+        for dtype in (torch.float16, torch.bfloat16):
+            for head_size in SUPPORTED_HEAD_SIZES:
+                names += [
+                    decode_kernel_name(dtype, head_size, block, group_t)
+                    for block in DECODE_BLOCK_SIZES
+                    for group_t in DECODE_GROUPS
+                    if decode_instantiated(head_size, group_t)
+                ]
+                names.append(merge_partials_name(dtype, head_size))
+        return names
     raise ValueError(f"unknown CUDA source {source!r}")

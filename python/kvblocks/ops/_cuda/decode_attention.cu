@@ -1,0 +1,1 @@
+../../../../cuda/decode_attention.cu
