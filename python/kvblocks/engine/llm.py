@@ -253,6 +253,9 @@ class LLM:
         # Requests of the running call held back until their prefetch came back (or its
         # wait ran out), in arrival order: (run, read or None).
         self._pending: deque[tuple[RequestRun, PendingFetch | None, float]] = deque()
+        # Sequences preempted by recompute, waiting for re-admission: (request id,
+        # completion index) -> (tokens to recompute, blocks missing at the last probe).
+        self._readmit: dict[tuple[str, int], tuple[list[int], int | None]] = {}
         self._next_request = 0
         self._mid_step = False  # between schedule() and update() (see _run)
         self._runs: dict[str, RequestRun] = {}  # the running call's requests
@@ -513,6 +516,7 @@ class LLM:
                 self._admit_prefetched()
                 if not self.scheduler.has_unfinished_requests():
                     break
+                self._refetch_preempted()
                 self._mid_step = True
                 # logprobs=0 still wants the drawn token's log-prob: keep at least 1.
                 self.runner.sampler.num_logprobs = max(
@@ -523,13 +527,13 @@ class LLM:
                     ),
                     default=0,
                 )
+                recomputes = self.scheduler.counters.num_preemptions_recompute
                 out = self.scheduler.schedule()
                 result = self.runner.execute(out)
                 if self.remote is not None:
                     # The step's offloads are in the host pool; their slots stay pinned
                     # (keyed by their hashes) until update() confirms them.
                     self.remote.publish(out.memory_ops)
-                recomputes = self.scheduler.counters.num_preemptions_recompute
                 step = self.scheduler.update(out, result)
                 self._mid_step = False
                 steps += 1
@@ -551,8 +555,10 @@ class LLM:
                 logprobs = self._step_logprobs(out, result)
                 for record in step:
                     yield from self._emit(record, logprobs)
-                if self.scheduler.counters.num_preemptions_recompute > recomputes:
-                    self._refetch_preempted()
+                if self.remote is not None and (
+                    self.scheduler.counters.num_preemptions_recompute > recomputes
+                ):
+                    self._track_preempted()
             for record in self._take_aborted():
                 yield from self._emit(record, {})
             missing = [r.request.request_id for r in runs if not r.finished]
@@ -564,6 +570,7 @@ class LLM:
             # consistent engine.
             unfinished = [r.request.request_id for r in runs if not r.finished]
             self._pending.clear()
+            self._readmit.clear()
             if unfinished or self._mid_step:
                 self._abandon(unfinished)
             self._flush_tier_ops()
@@ -617,30 +624,48 @@ class LLM:
             self._pending.popleft()
             self.scheduler.add_request(run.request)
 
-    def _refetch_preempted(self) -> None:
-        """Probe the remote store again for the requests a step preempted by recompute.
-
-        Their blocks may have reached the store since they were admitted (offloaded by
-        themselves or by another instance); they are imported before the step that
-        re-admits them. Each waiting completion's tokens (prompt + generated) are probed:
-        a recomputed sequence computes exactly those.
-        """
-        if self.remote is None:
-            return
+    def _track_preempted(self) -> None:
+        """Note the sequences a step preempted by recompute (waiting to be re-admitted):
+        each waiting completion's tokens, prompt + generated, which it recomputes."""
         running = set(self.scheduler.running_request_ids())
-        held = {run.request.request_id for run, _, _ in self._pending}
-        token_lists: list[list[int]] = []
         for rid, run in self._runs.items():
-            if run.finished or rid in running or rid in held:
+            if run.finished or rid in running:
                 continue
             prompt = list(run.request.prompt_token_ids)
             live = [c for c in run.completions.values() if c.finish_reason is None]
-            if live:
-                token_lists.extend(prompt + c.tokens for c in live)
-            else:
-                token_lists.append(prompt)
-        if token_lists:
-            self.remote.refetch(token_lists)
+            for c in live or [None]:
+                key = (rid, -1 if c is None else c.index)
+                if key not in self._readmit:
+                    self._readmit[key] = (prompt + ([] if c is None else c.tokens), None)
+
+    def _refetch_preempted(self) -> None:
+        """Probe the remote store for preempted sequences that lost blocks locally.
+
+        While a preempted sequence waits, other requests evict its blocks from the device
+        pool and the host tier; they may be in the store (write-through put them there,
+        or another instance did). Before each step, a sequence with more blocks missing
+        locally than at its last probe is read again and its hits imported, so its
+        re-admission loads them instead of recomputing them. The reads of one step run
+        together, bounded by ``fetch_wait_s``; only steps where a waiting sequence lost
+        blocks pay for it.
+        """
+        if self.remote is None or not self._readmit:
+            return
+        running = set(self.scheduler.running_request_ids())
+        probe: list[tuple[tuple[str, int], list[int]]] = []
+        for key, (tokens, seen) in list(self._readmit.items()):
+            run = self._runs.get(key[0])
+            if run is None or run.finished or key[0] in running:
+                del self._readmit[key]  # re-admitted (or gone): nothing more to do
+                continue
+            missing = len(self.remote.missing(tokens))
+            if missing and (seen is None or missing > seen):
+                probe.append((key, tokens))
+            self._readmit[key] = (tokens, missing)
+        if probe:
+            self.remote.refetch([tokens for _, tokens in probe])
+            for key, tokens in probe:
+                self._readmit[key] = (tokens, len(self.remote.missing(tokens)))
 
     def _take_aborted(self) -> list[RequestOutput]:
         records, self._aborted = self._aborted, []

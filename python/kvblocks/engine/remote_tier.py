@@ -161,6 +161,9 @@ class _Worker:
         self._cond = threading.Condition()
         self._reads: deque[PendingFetch] = deque()
         self._writes: deque[tuple[list[bytes], torch.Tensor]] = deque()
+        # Rows queued for writing, by hash: a read that overtakes their write (reads go
+        # first) is answered from them, so an instance always reads its own writes.
+        self._staged: dict[bytes, torch.Tensor] = {}
         self._pending_blocks = 0
         self._busy = False
         self._stopping = False
@@ -182,6 +185,7 @@ class _Worker:
             keep = max(0, min(room, len(hashes)))
             if keep:
                 self._writes.append((hashes[:keep], rows[:keep]))
+                self._staged.update(zip(hashes[:keep], rows[:keep].unbind(0), strict=True))
                 self._pending_blocks += keep
                 self._cond.notify_all()
             return len(hashes) - keep
@@ -210,6 +214,7 @@ class _Worker:
                 dropped = sum(len(h) for h, _ in self._writes)
                 self._link.stats.dropped_writes += dropped
                 self._writes.clear()
+                self._staged.clear()
                 self._pending_blocks = 0
             for fetch in self._reads:
                 fetch._finish(None)
@@ -232,7 +237,7 @@ class _Worker:
                 self._busy = True
             try:
                 if isinstance(job, PendingFetch):
-                    job._finish(self._link._read(job.hashes))
+                    job._finish(self._read(job.hashes))
                 else:
                     self._link._write(*job)
             finally:
@@ -240,7 +245,17 @@ class _Worker:
                     self._busy = False
                     if not isinstance(job, PendingFetch):
                         self._pending_blocks -= len(job[0])
+                        for h, row in zip(job[0], job[1].unbind(0), strict=True):
+                            if self._staged.get(h) is row:
+                                del self._staged[h]
                     self._cond.notify_all()
+
+    def _read(self, hashes: list[bytes]) -> list[torch.Tensor | None] | None:
+        with self._cond:
+            staged = [self._staged.get(h) for h in hashes]
+        rest = [h for h, row in zip(hashes, staged, strict=True) if row is None]
+        stored = iter(self._link._read(rest) or [None] * len(rest)) if rest else iter(())
+        return [row if row is not None else next(stored) for row in staged]
 
 
 class RemoteTierLink:
@@ -351,17 +366,22 @@ class RemoteTierLink:
             self.stats.dropped_writes += self._worker.submit_write(chosen, rows)
 
     # -- reads ---------------------------------------------------------------------------
+    def missing(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Hashes of the blocks of ``token_ids`` a claim could use that this instance does
+        not hold (past its GPU and host-tier hit; at most the host tier's size)."""
+        block_size = self.manager.block_size
+        # A claim never covers the whole prompt: its last token is always computed.
+        limit = (len(token_ids) - 1) // block_size
+        if limit <= 0:
+            return []
+        hashes = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))[:limit]
+        start = self.manager.num_cached_prefix_blocks(hashes)
+        return list(hashes[start : start + self.manager.host_cache_blocks])
+
     def prefetch(self, prompt_token_ids: Sequence[int]) -> PendingFetch | None:
         """Start reading the prompt's blocks past the local hit; None when there is
         nothing to read. Synchronous I/O reads here; background I/O queues the read."""
-        block_size = self.manager.block_size
-        # A claim never covers the whole prompt: its last token is always computed.
-        limit = (len(prompt_token_ids) - 1) // block_size
-        if limit <= 0:
-            return None
-        hashes = self.hasher.block_hashes(np.asarray(prompt_token_ids, dtype=np.int64))[:limit]
-        start = self.manager.num_cached_prefix_blocks(hashes)
-        wanted = list(hashes[start : start + self.manager.host_cache_blocks])
+        wanted = self.missing(prompt_token_ids)
         if not wanted:
             return None
         fetch = PendingFetch(wanted)
@@ -417,9 +437,9 @@ class RemoteTierLink:
         return self.complete(pending)
 
     def refetch(self, token_lists: Sequence[Sequence[int]]) -> int:
-        """Probe the store again for sequences preempted by recompute, before their
-        re-admission (the reads run together; one ``fetch_wait_s`` bounds them all);
-        blocks imported. Call between steps."""
+        """Read and import several sequences' missing blocks now (sequences preempted by
+        recompute, before their re-admission): the reads run together and one
+        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps."""
         pending = [p for tokens in token_lists if (p := self.prefetch(tokens)) is not None]
         if not pending:
             return 0
