@@ -574,9 +574,6 @@ class LLM:
             if unfinished or self._mid_step:
                 self._abandon(unfinished)
             self._flush_tier_ops()
-            if self.remote is not None:
-                # A call's blocks are in the store when it returns (bounded wait).
-                self.remote.flush()
             self._runs = {}
             self._aborted = []
             self.runner.sampler.num_logprobs = 0
@@ -589,6 +586,10 @@ class LLM:
                 "elapsed_s": elapsed,
                 "generated_tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             }
+            if self.remote is not None:
+                # A call's blocks are in the store when it returns (a bounded wait, not
+                # counted in elapsed_s: the steps did not wait for it).
+                self.remote.flush()
 
     def _queue_runs(self, runs: list[RequestRun]) -> None:
         """Queue a call's requests: straight to the scheduler without a remote tier, else
