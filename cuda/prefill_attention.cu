@@ -62,6 +62,9 @@ struct PrefillShape {
   static constexpr int kPStride = 2 * kSStride;           // T per P row (P overwrites S)
   static constexpr int kTileBytes = kTile * kKVStride * 2;  // one of K or V
   static constexpr int kLoads = (kTile * kVecsPerRow + kThreads - 1) / kThreads;
+  // Prefetch the next tile into registers while computing this one, up to 4 K+V vectors
+  // per thread (32 registers); head 80/96 at 64 tokens and head 256 load in the loop.
+  static constexpr bool kPrefetch = kLoads <= 4;
   static constexpr int kThreadsPerRow = kThreads / kRows;
   static constexpr int kColsPerThread = kTile / kThreadsPerRow;
   // Layout (bytes): K tile | V tile (the pair also stages Q) | scores (kDSplit partials) |
@@ -85,6 +88,47 @@ struct PrefillShape {
 
 // Lazy rescaling threshold (log2 units): P = 2^(s - m_used) < 2^kRescaleLog2.
 constexpr float kRescaleLog2 = 8.f;
+
+// 2^x for the softmax: one MUFU.EX2 (ex2.approx.ftz: ~2 ulp, -inf -> 0, subnormal results
+// flush to 0, all far below what P keeps in fp16/bf16) instead of exp2f's range handling.
+__device__ __forceinline__ float exp2_approx(float x) {
+#ifdef KVB_EMULATION
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+namespace wmma = nvcuda::wmma;
+
+// Fragment loads from shared memory. NVVM gives the fp16 WMMA loads the .shared state space
+// (ldmatrix) but leaves the bf16 ones generic (per-element LD); the bf16 overloads state it
+// in PTX. The emulator has the plain API.
+template <typename Frag, typename T>
+__device__ __forceinline__ void load_shared(Frag& f, const T* p, unsigned ldm) {
+  wmma::load_matrix_sync(f, p, ldm);
+}
+
+#ifndef KVB_EMULATION
+#define KVB_BF16_LOAD_SHARED(USE, LAYOUT, AB, ROWCOL)                                         \
+  __device__ __forceinline__ void load_shared(                                               \
+      wmma::fragment<wmma::USE, 16, 16, 16, __nv_bfloat16, wmma::LAYOUT>& f,                 \
+      const __nv_bfloat16* p, unsigned ldm) {                                                \
+    unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);                                      \
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));                \
+    asm volatile("wmma.load." AB ".sync.aligned." ROWCOL                                      \
+                 ".m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;"                        \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                            \
+                 : "r"(addr), "r"(ldm)                                                       \
+                 : "memory");                                                                \
+  }
+KVB_BF16_LOAD_SHARED(matrix_a, row_major, "a", "row")
+KVB_BF16_LOAD_SHARED(matrix_b, row_major, "b", "row")
+KVB_BF16_LOAD_SHARED(matrix_b, col_major, "b", "col")
+#undef KVB_BF16_LOAD_SHARED
+#endif
 
 }  // namespace kvb
 
@@ -153,6 +197,9 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
   const int in_block = block_size - 1;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
   const long long head_stride = static_cast<long long>(block_size) * D;
+  const long long block_stride = head_stride * num_kv_heads;
+  const T* k_head = key_cache + kv_head * head_stride;
+  const T* v_head = value_cache + kv_head * head_stride;
 
   // The softmax row of this thread and its visible key range [lo, hi).
   const int srow = tid / TPR;
@@ -164,6 +211,9 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
     // Keys the CTA needs: up to its last query, from the first query's window start.
     const int kv_hi = min(min(seq_len, first_pos + q0 + q_rows), kv_cap);
     const int kv_lo = sliding_window > 0 ? max(0, first_pos + q0 - sliding_window + 1) : 0;
+    // Tiles inside [full_lo, full_hi) are visible to every row: no per-score mask.
+    const int full_hi = min(first_pos + q0 + 1, kv_hi);
+    const int full_lo = sliding_window > 0 ? first_pos + q0 + q_rows - sliding_window : kv_lo;
 
     int row_lo = 0, row_hi = 0;  // empty for padding rows and heads past the group
     {
@@ -193,7 +243,7 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
     FragA q_frag[DH / 16];
 #pragma unroll
     for (int k = 0; k < DH / 16; ++k) {
-      wmma::load_matrix_sync(q_frag[k], q_stage + rb * 16 * KVS + col0 + k * 16, KVS);
+      kvb::load_shared(q_frag[k], q_stage + rb * 16 * KVS + col0 + k * 16, KVS);
     }
     FragC o_frag[DH / 16];
 #pragma unroll
@@ -201,30 +251,54 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
     float m_run = KVB_NEG_INF;  // running max (base 2) of this thread's row, as used by P
     float l_part = 0.f;         // this thread's share of the row's sum of P
 
-    for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
-      __syncthreads();  // the previous tile's V and P (or the staged Q) are consumed
-      // K and V rows of the tile; tokens past kv_hi are zeros (P = 0 must not meet NaN).
+    // K and V rows of a tile into registers; tokens past kv_hi are zeros (P = 0 must not
+    // meet NaN garbage in the P V product).
+    kvb::Vec16 k_reg[S::kLoads], v_reg[S::kLoads];
+    auto fetch = [&](int t0) {
+      // All block-table reads first: each K/V address waits for one, and issued in order
+      // behind each other they would serialize their latencies.
+      int blk[S::kLoads];
 #pragma unroll
       for (int l = 0; l < S::kLoads; ++l) {
         const int idx = tid + l * NT;
-        const int t = idx / VPR;
-        const int v = idx % VPR;
-        const int j = t0 + t;
-        if (S::kLoads * NT != TILE * VPR && idx >= TILE * VPR) break;  // head 112 only
-        kvb::Vec16 kv = kvb::zero16(), vv = kvb::zero16();
-        if (j < kv_hi) {
-          int blk = table[j >> shift];
-          if (blk < 0 || blk >= num_blocks) blk = 0;  // never read outside the cache
-          const long long off = (static_cast<long long>(blk) * num_kv_heads + kv_head) *
-                                    head_stride +
-                                static_cast<long long>(j & in_block) * D + v * VEC;
-          kv = kvb::load16(key_cache + off);
-          vv = kvb::load16(value_cache + off);
-        }
-        kvb::store16(k_s + t * KVS + v * VEC, kv);
-        kvb::store16(v_s + t * KVS + v * VEC, vv);
+        const int j = t0 + idx / VPR;
+        const bool live = (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi;
+        blk[l] = live ? table[j >> shift] : -1;
       }
+#pragma unroll
+      for (int l = 0; l < S::kLoads; ++l) {
+        const int idx = tid + l * NT;
+        const int j = t0 + idx / VPR;
+        k_reg[l] = kvb::zero16();
+        v_reg[l] = kvb::zero16();
+        if ((S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi) {
+          const int b = blk[l] < 0 || blk[l] >= num_blocks ? 0 : blk[l];  // stay in the cache
+          const long long off = b * block_stride + ((j & in_block) * D + (idx % VPR) * VEC);
+          k_reg[l] = kvb::load16(k_head + off);
+          v_reg[l] = kvb::load16(v_head + off);
+        }
+      }
+    };
+    auto stage = [&]() {
+#pragma unroll
+      for (int l = 0; l < S::kLoads; ++l) {
+        const int idx = tid + l * NT;
+        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) {
+          const int off = (idx / VPR) * KVS + (idx % VPR) * VEC;
+          kvb::store16(k_s + off, k_reg[l]);
+          kvb::store16(v_s + off, v_reg[l]);
+        }
+      }
+    };
+    if (S::kPrefetch && kv_lo < kv_hi) fetch(kv_lo);
+
+    for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
+      if (!S::kPrefetch) fetch(t0);
+      __syncthreads();  // the previous tile's V and P (or the staged Q) are consumed
+      stage();
       __syncthreads();
+      // The next tile's loads fly while this one is computed (when registers allow).
+      if (S::kPrefetch && t0 + TILE < kv_hi) fetch(t0 + TILE);
 
       // 1. S (partial over this warp's head columns) = Q K^T.
       {
@@ -236,7 +310,7 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
 #pragma unroll
           for (int n = 0; n < TILE / 16; ++n) {
             FragKt k_frag;
-            wmma::load_matrix_sync(k_frag, k_s + n * 16 * KVS + col0 + k * 16, KVS);
+            kvb::load_shared(k_frag, k_s + n * 16 * KVS + col0 + k * 16, KVS);
             wmma::mma_sync(s_frag[n], q_frag[k], k_frag, s_frag[n]);
           }
         }
@@ -270,24 +344,27 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
             s[c + 3] += v.w;
           }
         }
+        // Base-2 logits: s * scale * log2(e), or cap * log2(e) * tanh(s * scale / cap).
+        const float qk = soft_cap > 0.f ? scale / soft_cap : scale * kvb::kLog2e;
+#pragma unroll
+        for (int c = 0; c < CPT; ++c) s[c] *= qk;
         if (soft_cap > 0.f) {
-          const float inner = scale / soft_cap;
           const float outer = soft_cap * kvb::kLog2e;
 #pragma unroll
-          for (int c = 0; c < CPT; ++c) s[c] = outer * tanhf(s[c] * inner);
-        } else {
-          const float qk = scale * kvb::kLog2e;
-#pragma unroll
-          for (int c = 0; c < CPT; ++c) s[c] *= qk;
+          for (int c = 0; c < CPT; ++c) s[c] = outer * tanhf(s[c]);
         }
-        const int j0 = t0 + spart * CPT;
+        const bool mask_tile = t0 + TILE > full_hi || t0 < full_lo;  // uniform over the CTA
+        if (mask_tile) {
+          const int j0 = t0 + spart * CPT;
+#pragma unroll
+          for (int c = 0; c < CPT; ++c) {
+            const int j = j0 + c;
+            s[c] = (j >= row_lo && j < row_hi) ? s[c] : KVB_NEG_INF;
+          }
+        }
         float mx = KVB_NEG_INF;
 #pragma unroll
-        for (int c = 0; c < CPT; ++c) {
-          const int j = j0 + c;
-          s[c] = (j >= row_lo && j < row_hi) ? s[c] : KVB_NEG_INF;
-          mx = fmaxf(mx, s[c]);
-        }
+        for (int c = 0; c < CPT; ++c) mx = fmaxf(mx, s[c]);
 #pragma unroll
         for (int o = 1; o < TPR; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
         // The max P is taken against: fixed until it falls kRescaleLog2 behind.
@@ -296,7 +373,7 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
         if (m_run == KVB_NEG_INF) {
           m_run = mx;  // first visible tile (or still none): O and l are zero
         } else if (mx > m_run + kvb::kRescaleLog2) {
-          alpha = exp2f(m_run - mx);
+          alpha = kvb::exp2_approx(m_run - mx);
           l_part *= alpha;
           m_run = mx;
           rescale = 1;
@@ -304,7 +381,7 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
         const float base = m_run == KVB_NEG_INF ? 0.f : m_run;  // all -inf: P = 0, not NaN
 #pragma unroll
         for (int c = 0; c < CPT; ++c) {
-          s[c] = exp2f(s[c] - base);
+          s[c] = kvb::exp2_approx(s[c] - base);
           l_part += s[c];
         }
 #pragma unroll
@@ -337,14 +414,14 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
       FragA p_frag[TILE / 16];
 #pragma unroll
       for (int k = 0; k < TILE / 16; ++k) {
-        wmma::load_matrix_sync(p_frag[k], p_s + rb * 16 * S::kPStride + k * 16, S::kPStride);
+        kvb::load_shared(p_frag[k], p_s + rb * 16 * S::kPStride + k * 16, S::kPStride);
       }
 #pragma unroll
       for (int n = 0; n < DH / 16; ++n) {
 #pragma unroll
         for (int k = 0; k < TILE / 16; ++k) {
           FragV v_frag;
-          wmma::load_matrix_sync(v_frag, v_s + k * 16 * KVS + col0 + n * 16, KVS);
+          kvb::load_shared(v_frag, v_s + k * 16 * KVS + col0 + n * 16, KVS);
           wmma::mma_sync(o_frag[n], p_frag[k], v_frag, o_frag[n]);
         }
       }
