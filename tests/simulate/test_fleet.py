@@ -139,9 +139,83 @@ def test_requests_too_long_for_an_instance_are_rejected_with_their_later_turns()
     assert r.num_finished == 20 and r.num_rejected == 40
 
 
+def _tiered(router: str, remote_blocks: int = 0, **kw: object) -> FleetResult:
+    """The chat trace on 4 small instances with write-through host tiers and, with
+    ``remote_blocks``, one remote tier shared by all four."""
+    return _fleet(
+        router,
+        num_blocks=kw.pop("num_blocks", 64),
+        host_cache_blocks=64,
+        host_offload="commit",
+        remote_tier_blocks=remote_blocks,
+        **kw,
+    )
+
+
+def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
+    """Round-robin sends a follow-up elsewhere 3 times in 4: its history is on another
+    instance (GPU or host tier), which only a tier shared by the fleet can serve."""
+    host = _tiered("round-robin")
+    shared = _tiered("round-robin", remote_blocks=4096)
+    for r in (host, shared):
+        assert r.num_finished == 60 and r.num_rejected == 0
+    assert host.remote.blocks_imported == host.remote.blocks_published == 0
+    remote = shared.remote
+    # Every offloaded block was written (write-through: every committed full block).
+    assert remote.blocks_published == shared.tier.blocks_offloaded > 0
+    assert 0 < remote.blocks_imported <= remote.hits <= remote.lookups
+    # Imported blocks are loaded, not computed: the hit rate rises, prefill falls.
+    assert shared.tier.blocks_loaded >= remote.blocks_imported
+    assert shared.prefix_hit_rate >= 2 * host.prefix_hit_rate, (
+        shared.prefix_hit_rate,
+        host.prefix_hit_rate,
+    )
+    assert shared.tier.prefill_tokens_computed < 0.7 * host.tier.prefill_tokens_computed
+    # Reads are charged by bytes over the remote bandwidth.
+    cost = shared.config.cost_model
+    assert remote.transfer_s == pytest.approx(
+        remote.blocks_imported * cost.block_bytes(8) / cost.remote_bandwidth_bytes_per_s
+    )
+    summary = shared.summary()
+    assert summary["remote_blocks_imported"] == remote.blocks_imported
+    assert summary["remote_hit_rate"] == pytest.approx(
+        remote.blocks_imported * 8 / shared.prompt_tokens_admitted
+    )
+    assert shared.label == "round-robin + host + remote"
+
+
+def test_remote_reads_cost_step_time_by_bandwidth() -> None:
+    fast = _tiered("round-robin", 4096, cost_model=CostModel(remote_bandwidth_bytes_per_s=1e12))
+    slow = _tiered("round-robin", 4096, cost_model=CostModel(remote_bandwidth_bytes_per_s=1e8))
+    assert fast.remote.blocks_imported > 0 and slow.remote.blocks_imported > 0
+    assert slow.remote.transfer_s > 100 * fast.remote.transfer_s
+    assert slow.simulated_time_s > fast.simulated_time_s
+
+
+def test_a_small_remote_tier_evicts_lru_and_serves_less() -> None:
+    big = _tiered("round-robin", 4096)
+    small = _tiered("round-robin", 16)
+    assert small.remote.evictions > 0 and big.remote.evictions == 0
+    assert small.remote.blocks_imported < big.remote.blocks_imported
+    assert small.num_finished == 60
+
+
+def test_remote_runs_are_deterministic() -> None:
+    a = _tiered("cache-aware", 4096).summary()
+    b = _tiered("cache-aware", 4096).summary()
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
+        ({"remote_tier_blocks": 8}, "needs a host tier"),
+        ({"remote_tier_blocks": -1}, "remote_tier_blocks"),
+        (
+            {"remote_tier_blocks": 8, "host_cache_blocks": 8, "enable_prefix_caching": False},
+            "prefix caching",
+        ),
         ({"router": "random"}, "router must be one of"),
         ({"num_instances": 0}, "num_instances"),
         ({"max_concurrency": 0}, "max_concurrency"),

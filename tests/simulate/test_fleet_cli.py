@@ -45,6 +45,29 @@ def test_one_router_table_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_remote_tier_adds_a_row_per_router() -> None:
+    tiers = ["--host-cache-blocks", "64", "--host-offload", "commit", "--num-blocks", "64"]
+    remote = ["--remote-tier-blocks", "4096", "--remote-gbps", "2.5"]
+    proc = _cli(*TINY, *tiers, *remote, "--instances", "4", "--router", "round-robin", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["config"]["remote_tier_blocks"] == 4096
+    assert doc["config"]["cost_model"]["remote_bandwidth_bytes_per_s"] == 2.5e9
+    rows = doc["routers"]
+    assert [(r["host_cache_blocks"], r["remote_tier_blocks"]) for r in rows] == [
+        (0, 0),
+        (64, 0),
+        (64, 4096),
+    ]
+    assert rows[2]["remote_blocks_imported"] > 0 and rows[1]["remote_blocks_imported"] == 0
+    assert rows[2]["prefix_hit_rate"] > rows[1]["prefix_hit_rate"]
+    table = _cli(*TINY, *tiers, *remote, "--instances", "4", "--router", "round-robin")
+    assert table.returncode == 0, table.stderr
+    assert "round-robin + host + remote vs round-robin + host:" in table.stdout
+    assert "remote tier of 4096 blocks shared by all instances" in table.stdout
+    assert "2.5 GB/s" in table.stdout
+
+
 def test_router_alone_means_one_instance() -> None:
     proc = _cli(*TINY, "--router", "round-robin", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -60,6 +83,10 @@ def test_router_alone_means_one_instance() -> None:
         (["--router", "random"], "--router"),
         (["--instances", "2", "--max-concurrency", "0"], "--max-concurrency"),
         (["--max-concurrency", "4"], "--max-concurrency needs --instances"),
+        (["--instances", "2", "--remote-tier-blocks", "64"], "needs --host-cache-blocks"),
+        (["--host-cache-blocks", "8", "--remote-tier-blocks", "64"], "needs --instances"),
+        (["--instances", "2", "--remote-gbps", "5"], "--remote-gbps needs --remote-tier"),
+        (["--instances", "2", "--remote-tier-blocks", "-1"], "--remote-tier-blocks"),
     ],
 )
 def test_bad_fleet_options_are_one_line_and_exit_2(argv: list[str], message: str) -> None:

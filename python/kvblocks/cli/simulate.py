@@ -16,7 +16,11 @@ from kvblocks.cli.arg_types import (
     positive_int,
 )
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.simulate.cost_model import DEFAULT_HOST_BANDWIDTH_GBPS, DEFAULT_KV_BYTES_PER_TOKEN
+from kvblocks.simulate.cost_model import (
+    DEFAULT_HOST_BANDWIDTH_GBPS,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_REMOTE_BANDWIDTH_GBPS,
+)
 
 if TYPE_CHECKING:
     from kvblocks.scheduler import SchedulerConfig
@@ -201,6 +205,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "all; --router alone means --instances 1)",
     )
     f.add_argument(
+        "--remote-tier-blocks",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="a remote tier of N blocks shared by all instances (one Valkey, modelled in "
+        "process; needs --host-cache-blocks): offloaded blocks are written to it, a routed "
+        "request's missing blocks are read from it. Adds a '+ host + remote' row per router "
+        "(default 0: none)",
+    )
+    f.add_argument(
+        "--remote-gbps",
+        type=positive_float,
+        default=None,
+        metavar="GB/S",
+        help=f"bandwidth of remote-tier reads into host memory (default "
+        f"{DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); reads add to the "
+        "instance's next step",
+    )
+    f.add_argument(
         "--max-concurrency",
         type=positive_int,
         default=None,
@@ -333,9 +356,13 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
     )
 
     routers = _ROUTER_NAMES if args.router in (None, "all") else (args.router,)
-    tiers = (0, args.host_cache_blocks) if args.host_cache_blocks else (0,)
+    tiers: list[tuple[int, int]] = [(0, 0)]
+    if args.host_cache_blocks:
+        tiers.append((args.host_cache_blocks, 0))
+    if args.remote_tier_blocks:
+        tiers.append((args.host_cache_blocks, args.remote_tier_blocks))
     results = []
-    for name, host_blocks in [(r, t) for r in routers for t in tiers]:
+    for name, (host_blocks, remote_blocks) in [(r, t) for r in routers for t in tiers]:
         config = FleetConfig(
             workload=workload,
             num_instances=args.instances or 1,
@@ -347,6 +374,7 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             host_cache_blocks=host_blocks,
             host_offload=args.host_offload or "evict",
+            remote_tier_blocks=remote_blocks,
             cost_model=_cost_model(args),
             max_concurrency=args.max_concurrency,
             progress=not args.no_progress and not args.json,
@@ -362,7 +390,14 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
 
 
 def _check_tier_options(args: argparse.Namespace) -> str | None:
-    """A usage error in the host-tier options, or ``None``."""
+    """A usage error in the host- and remote-tier options, or ``None``."""
+    if args.remote_gbps is not None and not args.remote_tier_blocks:
+        return "--remote-gbps needs --remote-tier-blocks N (N > 0)"
+    if args.remote_tier_blocks:
+        if args.instances is None and args.router is None:
+            return "--remote-tier-blocks needs --instances or --router (a fleet)"
+        if not args.host_cache_blocks:
+            return "--remote-tier-blocks needs --host-cache-blocks N (N > 0)"
     if args.host_cache_blocks == 0:
         for flag, value in (
             ("--host-offload", args.host_offload),
@@ -381,7 +416,9 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     from kvblocks.simulate import CostModel
 
     gbps = args.host_bandwidth_gbps or DEFAULT_HOST_BANDWIDTH_GBPS
+    remote_gbps = args.remote_gbps or DEFAULT_REMOTE_BANDWIDTH_GBPS
     return CostModel(
         kv_bytes_per_token=args.kv_bytes_per_token or DEFAULT_KV_BYTES_PER_TOKEN,
         host_bandwidth_bytes_per_s=gbps * 1e9,
+        remote_bandwidth_bytes_per_s=remote_gbps * 1e9,
     )

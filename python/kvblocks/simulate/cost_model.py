@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.output import SchedulerOutput
 
-__all__ = ["DEFAULT_HOST_BANDWIDTH_GBPS", "DEFAULT_KV_BYTES_PER_TOKEN", "CostModel", "tier_ops"]
+__all__ = [
+    "DEFAULT_HOST_BANDWIDTH_GBPS",
+    "DEFAULT_KV_BYTES_PER_TOKEN",
+    "DEFAULT_REMOTE_BANDWIDTH_GBPS",
+    "CostModel",
+    "tier_ops",
+]
 
 DEFAULT_KV_BYTES_PER_TOKEN = 32 * 2 * 4096 * 2
 """KV bytes per token of the modelled 7B fp16 model: 32 layers x (K + V) x 4,096 x 2 bytes
@@ -16,6 +22,10 @@ DEFAULT_KV_BYTES_PER_TOKEN = 32 * 2 * 4096 * 2
 DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
 """Effective host<->GPU bandwidth, GB/s: PCIe 4.0 x16 (32 GB/s raw) at ~80% for pinned
 copies."""
+
+DEFAULT_REMOTE_BANDWIDTH_GBPS = 5.0
+"""Effective bandwidth from a shared remote store (Valkey) into an instance's host memory,
+GB/s: a 50 Gb/s network link at ~80%."""
 
 
 def tier_ops(output: SchedulerOutput) -> tuple[int, int]:
@@ -52,12 +62,16 @@ class CostModel:
     better pays less: the tier's gain shown is a lower bound. Swaps to the CPU swap space
     are not charged (as before the tier).
 
+    A shared remote tier (fleet simulations) moves blocks into a host tier over the
+    network: ``blocks * block bytes / remote_bandwidth`` (:meth:`remote_transfer_time`).
+
     Attributes:
         fixed_s: seconds per step regardless of the batch.
         per_token_s: seconds per token computed in the step.
         per_context_token_s: seconds per token of attended context (sum of ``seq_lens``).
         kv_bytes_per_token: KV bytes one token occupies over all layers (K and V).
         host_bandwidth_bytes_per_s: effective host<->GPU copy bandwidth.
+        remote_bandwidth_bytes_per_s: effective remote store -> host memory bandwidth.
     """
 
     fixed_s: float = 7e-3
@@ -65,6 +79,7 @@ class CostModel:
     per_context_token_s: float = 2.5e-7
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
     host_bandwidth_bytes_per_s: float = DEFAULT_HOST_BANDWIDTH_GBPS * 1e9
+    remote_bandwidth_bytes_per_s: float = DEFAULT_REMOTE_BANDWIDTH_GBPS * 1e9
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 1:
@@ -74,6 +89,10 @@ class CostModel:
         if not self.host_bandwidth_bytes_per_s > 0:
             raise InvalidArgumentError(
                 f"host_bandwidth_bytes_per_s must be > 0, got {self.host_bandwidth_bytes_per_s}"
+            )
+        if not self.remote_bandwidth_bytes_per_s > 0:
+            raise InvalidArgumentError(
+                f"remote_bandwidth_bytes_per_s must be > 0, got {self.remote_bandwidth_bytes_per_s}"
             )
 
     def step_time(
@@ -110,6 +129,10 @@ class CostModel:
     def transfer_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move ``num_blocks`` blocks between host and GPU memory."""
         return num_blocks * self.block_bytes(block_size) / self.host_bandwidth_bytes_per_s
+
+    def remote_transfer_time(self, num_blocks: int, block_size: int) -> float:
+        """Seconds to read ``num_blocks`` blocks from the shared remote store."""
+        return num_blocks * self.block_bytes(block_size) / self.remote_bandwidth_bytes_per_s
 
     def time(self, num_tokens: int, context_tokens: int) -> float:
         """Simulated seconds of a non-empty step computing ``num_tokens`` over

@@ -45,6 +45,7 @@ from kvblocks.router import (
 from kvblocks.router.events import EventRecord
 from kvblocks.scheduler import Scheduler, SchedulerConfig
 from kvblocks.simulate.cost_model import CostModel
+from kvblocks.simulate.fleet_remote import RemoteTotals, SharedRemoteTier
 from kvblocks.simulate.metrics import RequestMetrics
 from kvblocks.simulate.runner import (
     SimulationError,
@@ -71,7 +72,12 @@ class FleetConfig:
         host_cache_blocks, host_offload: each instance's host tier (0: none), as in
             :class:`~kvblocks.simulate.SimulationConfig`; the cost model charges its
             loads and offloads.
-        cost_model: simulated step time of each instance.
+        remote_tier_blocks: a remote tier of this many blocks shared by every instance
+            (0: none; needs a host tier), as one Valkey below their host tiers: each
+            offloaded block is written to it, and a routed request's blocks past what its
+            instance holds are imported from it (:mod:`kvblocks.simulate.fleet_remote`).
+        cost_model: simulated step time of each instance (remote reads are charged at
+            its ``remote_bandwidth_bytes_per_s``).
         max_concurrency: at most this many conversations in progress at once, as a pool
             of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
             while the pool is full starts when one ends, and its arrival time is then.
@@ -92,6 +98,7 @@ class FleetConfig:
     hash_algo: str = "blake3"
     host_cache_blocks: int = 0
     host_offload: str = "evict"
+    remote_tier_blocks: int = 0
     cost_model: CostModel = field(default_factory=CostModel)
     max_concurrency: int | None = None
     follow_ups_first: bool = True
@@ -110,6 +117,16 @@ class FleetConfig:
             )
         if self.num_blocks < 2:
             raise InvalidArgumentError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.remote_tier_blocks < 0:
+            raise InvalidArgumentError(
+                f"remote_tier_blocks must be >= 0, got {self.remote_tier_blocks}"
+            )
+        if self.remote_tier_blocks and not (
+            self.host_cache_blocks > 0 and self.enable_prefix_caching
+        ):
+            raise InvalidArgumentError(
+                "remote_tier_blocks needs a host tier (host_cache_blocks > 0) and prefix caching"
+            )
 
 
 @dataclass
@@ -129,6 +146,7 @@ class FleetResult:
         hit_rate_per_instance: each instance's prefix hit rate.
         wall_s: wall-clock seconds of the run.
         tier: prefill tokens computed and host-tier traffic, fleet totals.
+        remote: the shared remote tier's traffic (all zero without one).
     """
 
     config: FleetConfig
@@ -145,11 +163,16 @@ class FleetResult:
     hit_rate_per_instance: list[float]
     wall_s: float
     tier: TierTotals = field(default_factory=TierTotals)
+    remote: RemoteTotals = field(default_factory=RemoteTotals)
 
     @property
     def label(self) -> str:
-        """The router's name, ``+ host`` with a host tier."""
-        return self.config.router + (" + host" if self.config.host_cache_blocks else "")
+        """The router's name, ``+ host`` with a host tier, ``+ remote`` with a shared one."""
+        return (
+            self.config.router
+            + (" + host" if self.config.host_cache_blocks else "")
+            + (" + remote" if self.config.remote_tier_blocks else "")
+        )
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -166,6 +189,7 @@ class FleetResult:
         return {
             "router": self.config.router,
             "host_cache_blocks": self.config.host_cache_blocks,
+            "remote_tier_blocks": self.config.remote_tier_blocks,
             "num_instances": self.config.num_instances,
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
@@ -186,6 +210,11 @@ class FleetResult:
                 self.config.block_size,
                 self.prompt_tokens_admitted,
                 self.cached_tokens_admitted,
+            ),
+            **self.remote.summary(
+                self.config.cost_model.block_bytes(self.config.block_size),
+                self.config.block_size,
+                self.prompt_tokens_admitted,
             ),
         }
 
@@ -215,6 +244,7 @@ class _Instance:
     step_start: float = 0.0
     queued_blocks: int = 0
     routed: int = 0
+    remote_s: float = 0.0  # remote reads to add to the next step
 
 
 class _CompletionWindow:
@@ -277,6 +307,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     clock = 0.0
     bar = _progress_bar(num_requests, config.progress)
     tier = TierTotals()
+    remote = SharedRemoteTier(config.remote_tier_blocks) if config.remote_tier_blocks else None
     _started: set[str] = set()  # requests whose first step has ended
     _first: set[str] = set()  # requests whose first token has been sampled
 
@@ -299,6 +330,13 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         inst = fleet[i]
         index = arrived
         arrived += 1
+        if remote is not None and len(tokens) > bs:
+            # A claim never covers the last token: only the blocks before it are read.
+            limit = (len(tokens) - 1) // bs
+            claimable = list(hashes[:limit] if hashes else hasher.block_hashes(tokens)[:limit])
+            imported = remote.fetch(inst.manager, claimable)
+            if imported:
+                inst.remote_s += config.cost_model.remote_transfer_time(imported, bs)
         try:
             inst.scheduler.add_request(request_for(sim, config.follow_ups_first))
         except InvalidArgumentError:
@@ -318,10 +356,18 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     def start_step(i: int, now: float) -> None:
         inst = fleet[i]
         output = inst.scheduler.schedule()
+        if remote is not None:
+            remote.publish(inst.manager, output)  # before update() unpins the slots
         result = _fake_model(output, rng, vocab)
         outputs = inst.scheduler.update(output, result)
         dt = config.cost_model.step_time(output, bs, config.host_offload == "commit")
         tier.add(output, config.cost_model, bs, dt)
+        if dt > 0.0 and inst.remote_s:
+            # The step that follows a remote read waits for its bytes.
+            dt += inst.remote_s
+            assert remote is not None
+            remote.totals.transfer_s += inst.remote_s
+            inst.remote_s = 0.0
         if dt == 0.0:
             # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
             # new request to change the picture.
@@ -435,4 +481,5 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         hit_rate_per_instance=per_hit,
         wall_s=time.perf_counter() - started,
         tier=tier,
+        remote=remote.totals if remote is not None else RemoteTotals(),
     )

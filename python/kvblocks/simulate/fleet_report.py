@@ -16,8 +16,8 @@ from kvblocks.simulate.metrics import PERCENTILES
 __all__ = ["format_fleet_json", "format_fleet_table", "write_fleet_plot"]
 
 
-def _config_doc(result: FleetResult) -> dict[str, Any]:
-    cfg = result.config
+def _config_doc(results: Sequence[FleetResult]) -> dict[str, Any]:
+    cfg = results[0].config
     w = cfg.workload
     doc: dict[str, Any] = {
         "num_instances": cfg.num_instances,
@@ -36,6 +36,7 @@ def _config_doc(result: FleetResult) -> dict[str, Any]:
         "system_prompt_len": w.system_prompt_len,
         "seed": w.seed,
         "host_offload": cfg.host_offload,
+        "remote_tier_blocks": max(r.config.remote_tier_blocks for r in results),
         "cost_model": asdict(cfg.cost_model),
     }
     return doc
@@ -44,7 +45,7 @@ def _config_doc(result: FleetResult) -> dict[str, Any]:
 def format_fleet_json(results: Sequence[FleetResult]) -> str:
     """``{"config": ..., "routers": [summary, ...]}`` (config of the first run)."""
     doc = {
-        "config": _config_doc(results[0]) if results else {},
+        "config": _config_doc(results) if results else {},
         "routers": [r.summary() for r in results],
     }
     return json.dumps(doc, indent=2)
@@ -69,13 +70,16 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
     ]
     q = "/".join(f"p{p}" for p in PERCENTILES)
     tiered = any(r.config.host_cache_blocks for r in results)
-    name_w = 20 if tiered else 13
+    remote = any(r.config.remote_tier_blocks for r in results)
+    name_w = 29 if remote else 20 if tiered else 13
     header = (
         f"{'router':<{name_w}} {'hit rate':>8} {'req/s':>8} {'out tok/s':>10} "
         f"{'TTFT ' + q + ' (s)':>24} {'TPOT ' + q + ' (ms)':>22} {'finished':>9}"
     )
     if tiered:
         header += f" {'GPU+host hits':>14} {'loaded/offloaded':>17}"
+    if remote:
+        header += f" {'remote hits':>11} {'remote in/out':>14}"
     lines += [header, "-" * len(header)]
     for r in results:
         m = r.metrics
@@ -90,6 +94,10 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             hits = f"{100 * t['gpu_hit_rate']:.1f}+{100 * t['host_hit_rate']:.1f}%"
             moved = f"{t['blocks_loaded']}/{t['blocks_offloaded']}"
             line += f" {hits:>14} {moved:>17}"
+        if remote:
+            t = r.summary()
+            inout = f"{t['remote_blocks_imported']}/{t['remote_blocks_published']}"
+            line += f" {100 * t['remote_hit_rate']:>10.1f}% {inout:>14}"
         lines.append(line)
     lines += _ratios(results)
     if tiered:
@@ -107,6 +115,17 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
                 else "offloads at eviction add too."
             ),
         ]
+    if remote:
+        cost = cfg.cost_model
+        blocks = max(r.config.remote_tier_blocks for r in results)
+        lines.append(
+            f"+ remote: one remote tier of {blocks} blocks shared by all instances (LRU); "
+            "every block offloaded to a host tier is written to it off the step path, and a "
+            "routed request's blocks past its instance's own hit are read into the host tier "
+            f"at {cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
+            f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s, added to the instance's next "
+            "step. Remote hits: imported tokens over prompt tokens (part of the host hits)."
+        )
     return "\n".join(lines)
 
 
@@ -117,8 +136,12 @@ def _ratio(a: float, b: float) -> float:
 def _ratios(results: Sequence[FleetResult]) -> list[str]:
     """Each router against round-robin (same tier setting), and each tier against none."""
     lines: list[str] = []
-    for host in sorted({r.config.host_cache_blocks for r in results}):
-        same = [r for r in results if r.config.host_cache_blocks == host]
+
+    def tiers(r: FleetResult) -> tuple[int, int]:
+        return r.config.host_cache_blocks, r.config.remote_tier_blocks
+
+    for setting in sorted({tiers(r) for r in results}):
+        same = [r for r in results if tiers(r) == setting]
         base = next((r for r in same if r.config.router == "round-robin"), None)
         for r in same:
             if base is None or r is base:
@@ -141,15 +164,33 @@ def _ratios(results: Sequence[FleetResult]) -> list[str]:
         )
         if base is None:
             continue
-        ttft = _ratio(r.metrics.ttft.percentile(50), base.metrics.ttft.percentile(50))
-        prefill = _ratio(r.tier.prefill_tokens_computed, base.tier.prefill_tokens_computed)
-        lines.append(
-            f"{r.label} vs {base.label}: "
-            f"{_ratio(r.prefix_hit_rate, base.prefix_hit_rate):.2f}x hit rate, "
-            f"{_ratio(r.requests_per_s, base.requests_per_s):.2f}x throughput, "
-            f"TTFT p50 {ttft:.2f}x, prefill tokens computed {prefill:.2f}x"
-        )
+        lines.append(_tier_ratio(r, base))
+        if r.config.remote_tier_blocks:
+            host_only = next(
+                (
+                    b
+                    for b in results
+                    if b.config.router == r.config.router
+                    and b.config.host_cache_blocks == r.config.host_cache_blocks
+                    and not b.config.remote_tier_blocks
+                ),
+                None,
+            )
+            if host_only is not None:
+                lines.append(_tier_ratio(r, host_only))
     return ["", *lines] if lines else []
+
+
+def _tier_ratio(r: FleetResult, base: FleetResult) -> str:
+    """A tiered run against the same router with fewer tiers."""
+    ttft = _ratio(r.metrics.ttft.percentile(50), base.metrics.ttft.percentile(50))
+    prefill = _ratio(r.tier.prefill_tokens_computed, base.tier.prefill_tokens_computed)
+    return (
+        f"{r.label} vs {base.label}: "
+        f"{_ratio(r.prefix_hit_rate, base.prefix_hit_rate):.2f}x hit rate, "
+        f"{_ratio(r.requests_per_s, base.requests_per_s):.2f}x throughput, "
+        f"TTFT p50 {ttft:.2f}x, prefill tokens computed {prefill:.2f}x"
+    )
 
 
 def write_fleet_plot(results: Sequence[FleetResult], path: str | Path) -> None:
