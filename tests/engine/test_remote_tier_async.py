@@ -281,3 +281,35 @@ def test_remote_tier_options_are_checked(tiny_llama: LlamaForCausalLM, tmp_path:
             RemoteTierOptions(**bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="RemoteTierOptions"):
         _engine(tiny_llama, DiskTier(tmp_path, LAYOUT, 8), {"async_io": False})  # type: ignore[arg-type]
+
+
+def test_a_request_held_for_its_prefetch_can_be_aborted(
+    tiny_llama: LlamaForCausalLM, tmp_path: Path
+) -> None:
+    """Reads that never come back (a gated store): a request with blocks to read waits
+    outside the scheduler while another runs, and aborting it ends it at once."""
+    store = _GatedDisk(tmp_path, LAYOUT, 100)
+    reads = store.get_many
+
+    def gated_get_many(block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
+        store.gate.wait(60.0)
+        return reads(block_hashes)
+
+    store.get_many = gated_get_many  # type: ignore[method-assign]
+    short = TARGET[: BLOCK - 1]  # no full block before its last token: nothing to read
+    llm = _engine(tiny_llama, store, RemoteTierOptions(fetch_wait_s=30.0))
+    final = {}
+    aborted = False
+    for out in llm.generate([short, TARGET], GREEDY, stream=True):
+        if not aborted:
+            assert out.request_id == "0"  # "1" is held: its read is behind the gate
+            assert llm.abort("1")
+            aborted = True
+        if out.finished:
+            final[out.request_id] = out.outputs[0]
+    assert final["1"].finish_reason == "abort" and final["1"].token_ids == []
+    assert final["0"].token_ids == _plain(tiny_llama, [short], GREEDY, num_blocks=POOL)[0]
+    assert llm.stats()["remote"]["imported_blocks"] == 0
+    store.gate.set()
+    assert llm.close(timeout=10.0)
+    llm.manager.check_invariants()

@@ -220,8 +220,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         metavar="GB/S",
         help=f"bandwidth of remote-tier reads into host memory (default "
-        f"{DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); reads add to the "
-        "instance's next step",
+        f"{DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); a request joins its "
+        "instance once its read is done, one read at a time per instance",
     )
     f.add_argument(
         "--max-concurrency",

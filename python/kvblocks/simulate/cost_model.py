@@ -63,7 +63,8 @@ class CostModel:
     are not charged (as before the tier).
 
     A shared remote tier (fleet simulations) moves blocks into a host tier over the
-    network: ``blocks * block bytes / remote_bandwidth`` (:meth:`remote_transfer_time`).
+    network: ``blocks * block bytes / remote_bandwidth`` (:meth:`remote_transfer_time`),
+    which delays the reading request, not the step.
 
     Attributes:
         fixed_s: seconds per step regardless of the batch.

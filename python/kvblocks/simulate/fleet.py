@@ -76,8 +76,9 @@ class FleetConfig:
             (0: none; needs a host tier), as one Valkey below their host tiers: each
             offloaded block is written to it, and a routed request's blocks past what its
             instance holds are imported from it (:mod:`kvblocks.simulate.fleet_remote`).
-        cost_model: simulated step time of each instance (remote reads are charged at
-            its ``remote_bandwidth_bytes_per_s``).
+        cost_model: simulated step time of each instance; a request with blocks to read
+            from the remote tier joins its instance once they crossed the network at
+            ``remote_bandwidth_bytes_per_s`` (one read at a time per instance).
         max_concurrency: at most this many conversations in progress at once, as a pool
             of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
             while the pool is full starts when one ends, and its arrival time is then.
@@ -244,7 +245,7 @@ class _Instance:
     step_start: float = 0.0
     queued_blocks: int = 0
     routed: int = 0
-    remote_s: float = 0.0  # remote reads to add to the next step
+    link_free: float = 0.0  # when its link to the remote tier finishes its last read
 
 
 class _CompletionWindow:
@@ -301,6 +302,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     window = _CompletionWindow(num_requests)
     # (end time, instance) of the steps in flight
     ends: list[tuple[float, int]] = []
+    # (end time, index, instance, request, prompt blocks, router credit) of remote reads
+    reads: list[tuple[float, int, int, SimRequest, int, float]] = []
     arrived = finished = rejected = generated = 0
     active = 0  # conversations in progress
     limit = config.max_concurrency
@@ -317,7 +320,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         router.set_load(i, InstanceLoad(active, inst.queued_blocks))
 
     def route(sim: SimRequest, now: float) -> None:
-        nonlocal arrived, rejected, active
+        nonlocal arrived, active
         if sim.turn == 0:
             active += 1
             if sim.arrival_time < now:  # held back by the client pool
@@ -336,7 +339,21 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             claimable = list(hashes[:limit] if hashes else hasher.block_hashes(tokens)[:limit])
             imported = remote.fetch(inst.manager, claimable)
             if imported:
-                inst.remote_s += config.cost_model.remote_transfer_time(imported, bs)
+                # The request waits for its read, as the engine holds a prefetching
+                # request back; the instance's link carries one read at a time.
+                transfer = config.cost_model.remote_transfer_time(imported, bs)
+                remote.totals.transfer_s += transfer
+                inst.link_free = max(now, inst.link_free) + transfer
+                heapq.heappush(reads, (inst.link_free, index, i, sim, prompt_blocks, credit))
+                return
+        admit(i, sim, index, prompt_blocks, credit, now)
+
+    def admit(
+        i: int, sim: SimRequest, index: int, prompt_blocks: int, credit: float, now: float
+    ) -> None:
+        """Queue a routed request on instance ``i``."""
+        nonlocal rejected, active
+        inst = fleet[i]
         try:
             inst.scheduler.add_request(request_for(sim, config.follow_ups_first))
         except InvalidArgumentError:
@@ -362,12 +379,6 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         outputs = inst.scheduler.update(output, result)
         dt = config.cost_model.step_time(output, bs, config.host_offload == "commit")
         tier.add(output, config.cost_model, bs, dt)
-        if dt > 0.0 and inst.remote_s:
-            # The step that follows a remote read waits for its bytes.
-            dt += inst.remote_s
-            assert remote is not None
-            remote.totals.transfer_s += inst.remote_s
-            inst.remote_s = 0.0
         if dt == 0.0:
             # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
             # new request to change the picture.
@@ -438,13 +449,18 @@ def run_fleet(config: FleetConfig) -> FleetResult:
                 and inst.scheduler.has_unfinished_requests()
             ]
             t_start = min(startable)[0] if startable else None
-            times = [t for t in (t_end, t_arr, t_start) if t is not None]
+            t_read = reads[0][0] if reads else None
+            times = [t for t in (t_end, t_read, t_arr, t_start) if t is not None]
             if not times:
                 break
             now = clock = max(clock, min(times))
             if t_end is not None and t_end <= now:
                 _, i = heapq.heappop(ends)
                 end_step(i)
+            elif t_read is not None and t_read <= now:
+                while reads and reads[0][0] <= now:
+                    _, index, i, sim, blocks, credit = heapq.heappop(reads)
+                    admit(i, sim, index, blocks, credit, now)
             elif t_arr is not None and t_arr <= now:
                 while (sim := arrivals.pop_due(now, limit is None or active < limit)) is not None:
                     route(sim, now)

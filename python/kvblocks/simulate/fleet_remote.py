@@ -12,9 +12,10 @@ way ``LLM(remote_tier=...)`` uses a real store (:mod:`kvblocks.engine.remote_tie
   looked up; the leading run of hits is imported into host-tier slots
   (``KVCacheManager.import_tier_blocks``), which the request's admission then loads like
   offloaded blocks. Their bytes cross the network at the cost model's
-  ``remote_bandwidth_bytes_per_s``; that time is added to the instance's next step (the
-  read must land before the load reads it; nothing overlaps, so the gain shown is a lower
-  bound).
+  ``remote_bandwidth_bytes_per_s`` and the request joins its instance's queue only when
+  they have (the engine holds a prefetching request back the same way, while the others
+  run); an instance's link carries one read at a time. The host-tier loads that follow
+  are charged like any other load.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class RemoteTotals:
         blocks_imported: blocks read from it into an instance's host tier.
         lookups, hits: blocks looked up at routing / found.
         evictions: blocks the store dropped to stay within its capacity.
-        transfer_s: seconds the imported blocks took over the network (added to steps).
+        transfer_s: seconds the imported blocks took over the network (their requests
+            waited for them).
     """
 
     blocks_published: int = 0
