@@ -219,9 +219,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_float,
         default=None,
         metavar="GB/S",
-        help=f"bandwidth of remote-tier reads into host memory (default "
-        f"{DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); a request joins its "
-        "instance once its read is done, one read at a time per instance",
+        help=f"bandwidth of the remote tier's server link, shared by every instance's reads "
+        f"(default {DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); a request "
+        "joins its instance once its read arrived",
     )
     f.add_argument(
         "--max-concurrency",

@@ -24,8 +24,8 @@ DEFAULT_HOST_BANDWIDTH_GBPS = 25.0
 copies."""
 
 DEFAULT_REMOTE_BANDWIDTH_GBPS = 5.0
-"""Effective bandwidth from a shared remote store (Valkey) into an instance's host memory,
-GB/s: a 50 Gb/s network link at ~80%."""
+"""Effective bandwidth of a shared remote store's (Valkey's) link, GB/s, which every
+instance's reads share: a 50 Gb/s network link at ~80%."""
 
 
 def tier_ops(output: SchedulerOutput) -> tuple[int, int]:

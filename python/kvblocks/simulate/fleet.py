@@ -78,7 +78,8 @@ class FleetConfig:
             instance holds are imported from it (:mod:`kvblocks.simulate.fleet_remote`).
         cost_model: simulated step time of each instance; a request with blocks to read
             from the remote tier joins its instance once they crossed the network at
-            ``remote_bandwidth_bytes_per_s`` (one read at a time per instance).
+            ``remote_bandwidth_bytes_per_s``, the store's link, which serves the whole
+            fleet's reads one at a time.
         max_concurrency: at most this many conversations in progress at once, as a pool
             of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
             while the pool is full starts when one ends, and its arrival time is then.
@@ -245,7 +246,6 @@ class _Instance:
     step_start: float = 0.0
     queued_blocks: int = 0
     routed: int = 0
-    link_free: float = 0.0  # when its link to the remote tier finishes its last read
 
 
 class _CompletionWindow:
@@ -340,11 +340,9 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             imported = remote.fetch(inst.manager, claimable)
             if imported:
                 # The request waits for its read, as the engine holds a prefetching
-                # request back; the instance's link carries one read at a time.
-                transfer = config.cost_model.remote_transfer_time(imported, bs)
-                remote.totals.transfer_s += transfer
-                inst.link_free = max(now, inst.link_free) + transfer
-                heapq.heappush(reads, (inst.link_free, index, i, sim, prompt_blocks, credit))
+                # request back; the store's one link serves the fleet's reads in turn.
+                done = remote.read_done(now, imported, config.cost_model, bs)
+                heapq.heappush(reads, (done, index, i, sim, prompt_blocks, credit))
                 return
         admit(i, sim, index, prompt_blocks, credit, now)
 

@@ -12,10 +12,12 @@ way ``LLM(remote_tier=...)`` uses a real store (:mod:`kvblocks.engine.remote_tie
   looked up; the leading run of hits is imported into host-tier slots
   (``KVCacheManager.import_tier_blocks``), which the request's admission then loads like
   offloaded blocks. Their bytes cross the network at the cost model's
-  ``remote_bandwidth_bytes_per_s`` and the request joins its instance's queue only when
-  they have (the engine holds a prefetching request back the same way, while the others
-  run); an instance's link carries one read at a time. The host-tier loads that follow
-  are charged like any other load.
+  ``remote_bandwidth_bytes_per_s``, the bandwidth of the one server's link, which serves
+  the whole fleet's reads one at a time; the request joins its instance's queue only when
+  its bytes have arrived (the engine holds a prefetching request back the same way, while
+  the others run). The host-tier loads that follow are charged like any other load.
+  Writes are not charged: they leave each instance off its step path, in the other
+  direction of the (full-duplex) links.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from kvblocks._core import KVCacheManager
 from kvblocks.scheduler.output import SchedulerOutput
+from kvblocks.simulate.cost_model import CostModel
 
 __all__ = ["RemoteTotals", "SharedRemoteTier"]
 
@@ -74,6 +77,15 @@ class SharedRemoteTier:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self.totals = RemoteTotals()
+        self.link_free = 0.0  # when the server's link has sent every read asked so far
+
+    def read_done(self, now: float, num_blocks: int, cost: CostModel, block_size: int) -> float:
+        """When a read of ``num_blocks`` asked at ``now`` has arrived: reads share the
+        server's link, first come first served."""
+        transfer = cost.remote_transfer_time(num_blocks, block_size)
+        self.totals.transfer_s += transfer
+        self.link_free = max(now, self.link_free) + transfer
+        return self.link_free
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -123,8 +123,8 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             "every block offloaded to a host tier is written to it off the step path, and a "
             "routed request's blocks past its instance's own hit are read into the host tier "
             f"at {cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
-            f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s (one read at a time per "
-            "instance) before the request joins its queue. Remote hits: imported tokens over "
+            f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s (the server's link, one read at "
+            "a time) before the request joins its queue. Remote hits: imported tokens over "
             "prompt tokens (part of the host hits)."
         )
     return "\n".join(lines)
