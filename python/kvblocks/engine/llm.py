@@ -627,17 +627,20 @@ class LLM:
 
     def _track_preempted(self) -> None:
         """Note the sequences a step preempted by recompute (waiting to be re-admitted):
-        each waiting completion's tokens, prompt + generated, which it recomputes."""
+        each waiting completion's tokens, prompt + generated, which it recomputes.
+
+        Requests that have generated nothing yet are left out: a prompt never admitted
+        was read at arrival already, and one preempted mid-prefill is rare.
+        """
         running = set(self.scheduler.running_request_ids())
         for rid, run in self._runs.items():
             if run.finished or rid in running:
                 continue
             prompt = list(run.request.prompt_token_ids)
-            live = [c for c in run.completions.values() if c.finish_reason is None]
-            for c in live or [None]:
-                key = (rid, -1 if c is None else c.index)
-                if key not in self._readmit:
-                    self._readmit[key] = (prompt + ([] if c is None else c.tokens), None)
+            for c in run.completions.values():
+                key = (rid, c.index)
+                if c.finish_reason is None and c.tokens and key not in self._readmit:
+                    self._readmit[key] = (prompt + c.tokens, None)
 
     def _refetch_preempted(self) -> None:
         """Probe the remote store for preempted sequences that lost blocks locally.

@@ -463,7 +463,8 @@ class RemoteTierLink:
     def close(self, timeout: float | None = None) -> bool:
         """Write what is queued (bounded by ``timeout``, default ``close_timeout_s``) and
         end the background thread; whether it ended in time. Writes still queued then
-        are dropped (``dropped_writes``). The store stays open (its owner closes it)."""
+        are dropped (``dropped_writes``). Later calls are synchronous. The store stays open
+        (its owner closes it)."""
         worker, self._worker = self._worker, None
         if worker is None:
             return True
