@@ -163,7 +163,8 @@ def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
     remote = shared.remote
     # Every offloaded block was written (write-through: every committed full block).
     assert remote.blocks_published == shared.tier.blocks_offloaded > 0
-    assert 0 < remote.blocks_imported <= remote.hits <= remote.lookups
+    assert 0 < remote.blocks_imported <= remote.blocks_read == remote.hits <= remote.lookups
+    assert remote.fetch_timeouts == 0
     # Imported blocks are loaded, not computed: the hit rate rises, prefill falls.
     assert shared.tier.blocks_loaded >= remote.blocks_imported
     assert shared.prefix_hit_rate >= 2 * host.prefix_hit_rate, (
@@ -174,7 +175,7 @@ def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
     # Reads are charged by bytes over the remote bandwidth.
     cost = shared.config.cost_model
     assert remote.transfer_s == pytest.approx(
-        remote.blocks_imported * cost.block_bytes(8) / cost.remote_bandwidth_bytes_per_s
+        remote.blocks_read * cost.block_bytes(8) / cost.remote_bandwidth_bytes_per_s
     )
     summary = shared.summary()
     assert summary["remote_blocks_imported"] == remote.blocks_imported
@@ -185,13 +186,39 @@ def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
 
 
 def test_remote_reads_cost_step_time_by_bandwidth() -> None:
-    fast = _tiered("round-robin", 4096, cost_model=CostModel(remote_bandwidth_bytes_per_s=1e12))
-    slow = _tiered("round-robin", 4096, cost_model=CostModel(remote_bandwidth_bytes_per_s=1e8))
+    # Every read waited for (no fetch timeout): the bandwidth alone decides.
+    fast = _tiered(
+        "round-robin",
+        4096,
+        cost_model=CostModel(remote_bandwidth_bytes_per_s=1e12),
+        remote_fetch_wait_s=1e9,
+    )
+    slow = _tiered(
+        "round-robin",
+        4096,
+        cost_model=CostModel(remote_bandwidth_bytes_per_s=1e8),
+        remote_fetch_wait_s=1e9,
+    )
     assert fast.remote.blocks_imported > 0 and slow.remote.blocks_imported > 0
     assert slow.remote.transfer_s > 100 * fast.remote.transfer_s
     assert slow.simulated_time_s > fast.simulated_time_s
     # One server link serves every instance's reads one at a time: never busier than 100%.
     assert slow.remote.transfer_s <= slow.simulated_time_s
+
+
+def test_reads_slower_than_the_fetch_wait_are_left_unused() -> None:
+    """A saturated link: a read due after ``remote_fetch_wait_s`` is not waited for (the
+    request computes its blocks, as the engine does after its ``fetch_wait_s``)."""
+    slow = CostModel(remote_bandwidth_bytes_per_s=1e8)  # 4 MiB blocks: 42 ms each
+    patient = _tiered("round-robin", 4096, cost_model=slow, remote_fetch_wait_s=1e9)
+    hasty = _tiered("round-robin", 4096, cost_model=slow, remote_fetch_wait_s=0.05)
+    assert patient.remote.fetch_timeouts == 0
+    assert patient.remote.blocks_imported > 0
+    assert hasty.remote.fetch_timeouts > 0 and hasty.num_finished == 60
+    assert hasty.remote.blocks_imported < patient.remote.blocks_imported
+    # Not waiting for the link: the first tokens come sooner.
+    assert hasty.metrics.ttft.percentile(99) < patient.metrics.ttft.percentile(99)
+    assert hasty.summary()["remote_fetch_timeouts"] == hasty.remote.fetch_timeouts
 
 
 def test_a_small_remote_tier_evicts_lru_and_serves_less() -> None:
@@ -214,6 +241,7 @@ def test_remote_runs_are_deterministic() -> None:
     [
         ({"remote_tier_blocks": 8}, "needs a host tier"),
         ({"remote_tier_blocks": -1}, "remote_tier_blocks"),
+        ({"remote_fetch_wait_s": -1.0}, "remote_fetch_wait_s"),
         (
             {"remote_tier_blocks": 8, "host_cache_blocks": 8, "enable_prefix_caching": False},
             "prefix caching",

@@ -47,11 +47,12 @@ def test_one_router_table_and_plot(tmp_path: Path) -> None:
 
 def test_remote_tier_adds_a_row_per_router() -> None:
     tiers = ["--host-cache-blocks", "64", "--host-offload", "commit", "--num-blocks", "64"]
-    remote = ["--remote-tier-blocks", "4096", "--remote-gbps", "2.5"]
+    remote = ["--remote-tier-blocks", "4096", "--remote-gbps", "2.5", "--remote-fetch-wait", "2"]
     proc = _cli(*TINY, *tiers, *remote, "--instances", "4", "--router", "round-robin", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["config"]["remote_tier_blocks"] == 4096
+    assert doc["config"]["remote_fetch_wait_s"] == 2.0
     assert doc["config"]["cost_model"]["remote_bandwidth_bytes_per_s"] == 2.5e9
     rows = doc["routers"]
     assert [(r["host_cache_blocks"], r["remote_tier_blocks"]) for r in rows] == [
@@ -86,6 +87,7 @@ def test_router_alone_means_one_instance() -> None:
         (["--instances", "2", "--remote-tier-blocks", "64"], "needs --host-cache-blocks"),
         (["--host-cache-blocks", "8", "--remote-tier-blocks", "64"], "needs --instances"),
         (["--instances", "2", "--remote-gbps", "5"], "--remote-gbps needs --remote-tier"),
+        (["--instances", "2", "--remote-fetch-wait", "1"], "--remote-fetch-wait needs"),
         (["--instances", "2", "--remote-tier-blocks", "-1"], "--remote-tier-blocks"),
     ],
 )

@@ -224,6 +224,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "joins its instance once its read arrived",
     )
     f.add_argument(
+        "--remote-fetch-wait",
+        type=non_negative_float,
+        default=None,
+        metavar="S",
+        help="a request whose remote read would take longer than S seconds goes ahead "
+        "without it and computes its blocks (default 1, the engine's fetch_wait_s)",
+    )
+    f.add_argument(
         "--max-concurrency",
         type=positive_int,
         default=None,
@@ -375,6 +383,7 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
             host_cache_blocks=host_blocks,
             host_offload=args.host_offload or "evict",
             remote_tier_blocks=remote_blocks,
+            remote_fetch_wait_s=1.0 if args.remote_fetch_wait is None else args.remote_fetch_wait,
             cost_model=_cost_model(args),
             max_concurrency=args.max_concurrency,
             progress=not args.no_progress and not args.json,
@@ -391,8 +400,12 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
 
 def _check_tier_options(args: argparse.Namespace) -> str | None:
     """A usage error in the host- and remote-tier options, or ``None``."""
-    if args.remote_gbps is not None and not args.remote_tier_blocks:
-        return "--remote-gbps needs --remote-tier-blocks N (N > 0)"
+    for flag, value in (
+        ("--remote-gbps", args.remote_gbps),
+        ("--remote-fetch-wait", args.remote_fetch_wait),
+    ):
+        if value is not None and not args.remote_tier_blocks:
+            return f"{flag} needs --remote-tier-blocks N (N > 0)"
     if args.remote_tier_blocks:
         if args.instances is None and args.router is None:
             return "--remote-tier-blocks needs --instances or --router (a fleet)"

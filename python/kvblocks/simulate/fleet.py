@@ -76,6 +76,8 @@ class FleetConfig:
             (0: none; needs a host tier), as one Valkey below their host tiers: each
             offloaded block is written to it, and a routed request's blocks past what its
             instance holds are imported from it (:mod:`kvblocks.simulate.fleet_remote`).
+        remote_fetch_wait_s: a request whose read would take longer goes ahead without
+            it and computes its blocks (the engine's ``RemoteTierOptions.fetch_wait_s``).
         cost_model: simulated step time of each instance; a request with blocks to read
             from the remote tier joins its instance once they crossed the network at
             ``remote_bandwidth_bytes_per_s``, the store's link, which serves the whole
@@ -101,6 +103,7 @@ class FleetConfig:
     host_cache_blocks: int = 0
     host_offload: str = "evict"
     remote_tier_blocks: int = 0
+    remote_fetch_wait_s: float = 1.0
     cost_model: CostModel = field(default_factory=CostModel)
     max_concurrency: int | None = None
     follow_ups_first: bool = True
@@ -119,6 +122,10 @@ class FleetConfig:
             )
         if self.num_blocks < 2:
             raise InvalidArgumentError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if not self.remote_fetch_wait_s >= 0:
+            raise InvalidArgumentError(
+                f"remote_fetch_wait_s must be >= 0, got {self.remote_fetch_wait_s}"
+            )
         if self.remote_tier_blocks < 0:
             raise InvalidArgumentError(
                 f"remote_tier_blocks must be >= 0, got {self.remote_tier_blocks}"
@@ -302,8 +309,9 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     window = _CompletionWindow(num_requests)
     # (end time, instance) of the steps in flight
     ends: list[tuple[float, int]] = []
-    # (end time, index, instance, request, prompt blocks, router credit) of remote reads
-    reads: list[tuple[float, int, int, SimRequest, int, float]] = []
+    # (end time, index, instance, request, prompt blocks, router credit, blocks read) of
+    # the remote reads in flight
+    reads: list[tuple[float, int, int, SimRequest, int, float, list[bytes]]] = []
     arrived = finished = rejected = generated = 0
     active = 0  # conversations in progress
     limit = config.max_concurrency
@@ -337,13 +345,15 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             # A claim never covers the last token: only the blocks before it are read.
             limit = (len(tokens) - 1) // bs
             claimable = list(hashes[:limit] if hashes else hasher.block_hashes(tokens)[:limit])
-            imported = remote.fetch(inst.manager, claimable)
-            if imported:
+            found = remote.lookup(inst.manager, claimable)
+            if found:
                 # The request waits for its read, as the engine holds a prefetching
                 # request back; the store's one link serves the fleet's reads in turn.
-                done = remote.read_done(now, imported, config.cost_model, bs)
-                heapq.heappush(reads, (done, index, i, sim, prompt_blocks, credit))
-                return
+                done = remote.read_done(now, len(found), config.cost_model, bs)
+                if done - now <= config.remote_fetch_wait_s:
+                    heapq.heappush(reads, (done, index, i, sim, prompt_blocks, credit, found))
+                    return
+                remote.totals.fetch_timeouts += 1
         admit(i, sim, index, prompt_blocks, credit, now)
 
     def admit(
@@ -457,7 +467,9 @@ def run_fleet(config: FleetConfig) -> FleetResult:
                 end_step(i)
             elif t_read is not None and t_read <= now:
                 while reads and reads[0][0] <= now:
-                    _, index, i, sim, blocks, credit = heapq.heappop(reads)
+                    _, index, i, sim, blocks, credit, found = heapq.heappop(reads)
+                    assert remote is not None
+                    remote.import_blocks(fleet[i].manager, found)
                     admit(i, sim, index, blocks, credit, now)
             elif t_arr is not None and t_arr <= now:
                 while (sim := arrivals.pop_due(now, limit is None or active < limit)) is not None:

@@ -13,11 +13,14 @@ way ``LLM(remote_tier=...)`` uses a real store (:mod:`kvblocks.engine.remote_tie
   (``KVCacheManager.import_tier_blocks``), which the request's admission then loads like
   offloaded blocks. Their bytes cross the network at the cost model's
   ``remote_bandwidth_bytes_per_s``, the bandwidth of the one server's link, which serves
-  the whole fleet's reads one at a time; the request joins its instance's queue only when
-  its bytes have arrived (the engine holds a prefetching request back the same way, while
-  the others run). The host-tier loads that follow are charged like any other load.
-  Writes are not charged: they leave each instance off its step path, in the other
-  direction of the (full-duplex) links.
+  the whole fleet's reads one at a time; the request joins its instance's queue when its
+  bytes have arrived and are imported (the engine holds a prefetching request back the
+  same way, while the others run), unless they would arrive later than
+  ``remote_fetch_wait_s`` after it was routed: then it joins at once and computes them, as
+  the engine does after ``RemoteTierOptions.fetch_wait_s`` (the link still carries the
+  read, like the engine's background thread). The host-tier loads that follow are
+  charged like any other load. Writes are not charged: they leave each instance off its
+  step path, in the other direction of the (full-duplex) links.
 """
 
 from __future__ import annotations
@@ -42,15 +45,21 @@ class RemoteTotals:
 
     Attributes:
         blocks_published: offloaded blocks written to the store (rewrites included).
-        blocks_imported: blocks read from it into an instance's host tier.
+        blocks_read: blocks sent over the server's link (hits of every read).
+        blocks_imported: read blocks imported into an instance's host tier.
         lookups, hits: blocks looked up at routing / found.
+        fetch_timeouts: reads that would arrive later than the fleet's
+            ``remote_fetch_wait_s``: the request went ahead without them (recompute),
+            while the link still carried them, as the engine's background read does.
         evictions: blocks the store dropped to stay within its capacity.
         transfer_s: seconds the imported blocks took over the network (their requests
             waited for them).
     """
 
     blocks_published: int = 0
+    blocks_read: int = 0
     blocks_imported: int = 0
+    fetch_timeouts: int = 0
     lookups: int = 0
     hits: int = 0
     evictions: int = 0
@@ -60,11 +69,13 @@ class RemoteTotals:
         """JSON-ready numbers; ``remote_hit_rate``: imported tokens over prompt tokens."""
         return {
             "remote_blocks_published": self.blocks_published,
+            "remote_blocks_read": self.blocks_read,
             "remote_blocks_imported": self.blocks_imported,
+            "remote_fetch_timeouts": self.fetch_timeouts,
             "remote_lookups": self.lookups,
             "remote_hits": self.hits,
             "remote_evictions": self.evictions,
-            "remote_transfer_bytes": self.blocks_imported * block_bytes,
+            "remote_transfer_bytes": self.blocks_read * block_bytes,
             "remote_transfer_s": self.transfer_s,
             "remote_hit_rate": self.blocks_imported * block_size / max(prompt_tokens, 1),
         }
@@ -83,6 +94,7 @@ class SharedRemoteTier:
         """When a read of ``num_blocks`` asked at ``now`` has arrived: reads share the
         server's link, first come first served."""
         transfer = cost.remote_transfer_time(num_blocks, block_size)
+        self.totals.blocks_read += num_blocks
         self.totals.transfer_s += transfer
         self.link_free = max(now, self.link_free) + transfer
         return self.link_free
@@ -119,22 +131,26 @@ class SharedRemoteTier:
         self.totals.blocks_published += written
         return written
 
-    def fetch(self, manager: KVCacheManager, block_hashes: Sequence[bytes]) -> int:
-        """Import a prompt's blocks past the instance's own hit (its full blocks but the
-        last token's, ``block_hashes``); blocks imported. Call between steps."""
+    def lookup(self, manager: KVCacheManager, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """The leading run of a prompt's blocks past the instance's own hit (its full
+        blocks but the last token's, ``block_hashes``; at most the host tier's size) that
+        the store holds: what a read brings back."""
         start = manager.num_cached_prefix_blocks(list(block_hashes))
         wanted = list(block_hashes[start : start + manager.host_cache_blocks])
-        if not wanted:
-            return 0
         self.totals.lookups += len(wanted)
         found = 0
         while found < len(wanted) and wanted[found] in self._blocks:
             self._blocks.move_to_end(wanted[found])
             found += 1
         self.totals.hits += found
-        if not found:
+        return wanted[:found]
+
+    def import_blocks(self, manager: KVCacheManager, block_hashes: Sequence[bytes]) -> int:
+        """Import read blocks into the instance's host tier (between steps); how many got
+        a slot (none for blocks it holds by now)."""
+        if not block_hashes:
             return 0
-        slots = manager.import_tier_blocks(wanted[:found])
+        slots = manager.import_tier_blocks(list(block_hashes))
         # Nothing is written in a simulation: the reserved slots are ready at once.
         manager.confirm_memory_ops()
         imported = int((np.asarray(slots) >= 0).sum())

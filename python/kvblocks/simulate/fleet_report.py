@@ -37,6 +37,7 @@ def _config_doc(results: Sequence[FleetResult]) -> dict[str, Any]:
         "seed": w.seed,
         "host_offload": cfg.host_offload,
         "remote_tier_blocks": max(r.config.remote_tier_blocks for r in results),
+        "remote_fetch_wait_s": cfg.remote_fetch_wait_s,
         "cost_model": asdict(cfg.cost_model),
     }
     return doc
@@ -79,7 +80,7 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
     if tiered:
         header += f" {'GPU+host hits':>14} {'loaded/offloaded':>17}"
     if remote:
-        header += f" {'remote hits':>11} {'remote in/out':>14}"
+        header += f" {'remote hits':>11} {'remote in/out':>14} {'timeouts':>8}"
     lines += [header, "-" * len(header)]
     for r in results:
         m = r.metrics
@@ -98,6 +99,7 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             t = r.summary()
             inout = f"{t['remote_blocks_imported']}/{t['remote_blocks_published']}"
             line += f" {100 * t['remote_hit_rate']:>10.1f}% {inout:>14}"
+            line += f" {t['remote_fetch_timeouts']:>8}"
         lines.append(line)
     lines += _ratios(results)
     if tiered:
@@ -124,8 +126,10 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             "routed request's blocks past its instance's own hit are read into the host tier "
             f"at {cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
             f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s (the server's link, one read at "
-            "a time) before the request joins its queue. Remote hits: imported tokens over "
-            "prompt tokens (part of the host hits)."
+            f"a time) before the request joins its queue; a read that would take over "
+            f"{cfg.remote_fetch_wait_s:g} s is left to finish unused and the request computes "
+            "its blocks (timeouts). Remote hits: imported tokens over prompt tokens (part of "
+            "the host hits)."
         )
     return "\n".join(lines)
 
