@@ -30,13 +30,22 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.checks import (
+    SUPPORTED_HEAD_SIZES,
     check_block_size,
     check_cache_pair,
     check_head_size,
     check_index_tensor,
     check_optional_positive,
 )
-from kvblocks.ops.cuda_sources import CTYPE_NAMES
+from kvblocks.ops.cuda_sources import (
+    DECODE_BLOCK_SIZES,
+    DECODE_GROUPS,
+    DECODE_THREADS,
+    decode_instantiated,
+    decode_kernel_name,
+    decode_smem_bytes,
+    merge_partials_name,
+)
 from kvblocks.ops.decode_plan import (
     DEFAULT_GRANULARITY,
     DEFAULT_MIN_CHUNK_TOKENS,
@@ -47,59 +56,32 @@ from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
 
 __all__ = [
     "DECODE_DTYPES",
-    "DECODE_GROUPS",
-    "DECODE_THREADS",
-    "MERGE_THREADS",
     "DecodeAttention",
-    "decode_kernel_name",
+    "decode_kernel_group",
     "decode_kernel_supported",
-    "merge_partials_kernel_name",
 ]
 
 DECODE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 """Element types ``decode_attention_kernel`` is instantiated for (fp32 keeps the old kernel)."""
-DECODE_GROUPS: tuple[int, ...] = (1, 2, 4, 8, 16)
-"""``GROUP`` template values: query heads one CTA serves for one KV head."""
-DECODE_THREADS = 128
-"""Threads per CTA of ``decode_attention_kernel`` (``kvb::kDecodeThreads``)."""
-MERGE_THREADS = 128
-"""Threads per CTA of ``merge_partials_kernel``."""
 _PLAN_CACHE = 16  # plans kept per object: a step's lengths plus a few alternating batches
 
 
-def decode_kernel_group(group: int) -> int:
+def decode_kernel_group(head_size: int, group: int) -> int:
     """The ``GROUP`` instantiation serving ``group`` query heads per KV head.
 
     The smallest instantiated value at least ``group``; a larger group is split into
-    ``ceil(group / 16)`` CTAs per KV head (grid.y).
+    ``ceil(group / GROUP)`` CTAs per KV head (grid.y).
     """
-    for value in DECODE_GROUPS:
-        if value >= group:
-            return value
-    return DECODE_GROUPS[-1]
-
-
-def decode_kernel_name(dtype: torch.dtype, head_size: int, block_size: int, group: int) -> str:
-    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP>`` for ``group``."""
-    return (
-        f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, "
-        f"{decode_kernel_group(group)}>"
-    )
-
-
-def merge_partials_kernel_name(dtype: torch.dtype, head_size: int) -> str:
-    """Name expression of ``merge_partials_kernel<T, D>``."""
-    return f"merge_partials_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
+    values = [g for g in DECODE_GROUPS if decode_instantiated(head_size, g)]
+    return next((g for g in values if g >= group), values[-1])
 
 
 def decode_kernel_supported(dtype: torch.dtype, head_size: int, block_size: int) -> bool:
     """Whether ``decode_attention_kernel`` is instantiated for these parameters."""
-    from kvblocks.ops.checks import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
-
     return (
         dtype in DECODE_DTYPES
         and head_size in SUPPORTED_HEAD_SIZES
-        and block_size in SUPPORTED_BLOCK_SIZES
+        and block_size in DECODE_BLOCK_SIZES
     )
 
 
@@ -222,7 +204,8 @@ class DecodeAttention:
         self.granularity = granularity
         self.min_chunk_tokens = min_chunk_tokens
         group = num_heads // num_kv_heads
-        self.head_chunks = math.ceil(group / decode_kernel_group(group))
+        group_t = decode_kernel_group(head_size, group)
+        self.head_chunks = math.ceil(group / group_t)
         self.target_items = max(1, target_ctas // (num_kv_heads * self.head_chunks))
         if max_items is None:
             max_items = self.target_items + max_seqs
@@ -233,8 +216,9 @@ class DecodeAttention:
         if max_items > 2**31 - 1 or num_kv_heads * self.head_chunks > 65535:
             raise InvalidArgumentError("the decode grid exceeds CUDA's limits")
         self.max_items = max_items
-        self.kernel = decode_kernel_name(dtype, head_size, block_size, group)
-        self.merge_kernel = merge_partials_kernel_name(dtype, head_size)
+        self.kernel = decode_kernel_name(dtype, head_size, block_size, group_t)
+        self.merge_kernel = merge_partials_name(dtype, head_size)
+        self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t)
         # One int32 buffer = one host-to-device copy per new plan: [0] item count,
         # [4, 4 + 4 * max_items) items (int4, 16-byte aligned), then merge_indptr.
         self._items_at = 4
@@ -473,13 +457,19 @@ class DecodeAttention:
             cache[1], *self._scalar_args,
         )  # fmt: skip
         self._launch(
-            KernelLaunch(self.kernel, launches.attention_grid, (DECODE_THREADS, 1, 1), 0, args)
+            KernelLaunch(
+                self.kernel,
+                launches.attention_grid,
+                (DECODE_THREADS, 1, 1),
+                self.smem_bytes,
+                args,
+            )
         )
         if launches.merge:
             self._launch(
                 KernelLaunch(
                     self.merge_kernel, (launches.num_seqs, self.num_heads, 1),
-                    (MERGE_THREADS, 1, 1), 0, (out_ptr, *launches.merge_tail),
+                    (DECODE_THREADS, 1, 1), 0, (out_ptr, *launches.merge_tail),
                 )
             )  # fmt: skip
         return out

@@ -35,6 +35,7 @@ from kvblocks.ops.cuda_sources import (
     ATTENTION_SOURCE,
     CACHE_OPS_SOURCE,
     CTYPE_NAMES,
+    DECODE_SOURCE,
     PREFILL_SOURCE,
     cuda_dir,
     kernel_names,
@@ -89,6 +90,8 @@ def source_of(name: str) -> str:
     """The ``.cu`` file that defines kernel ``name`` (a name expression)."""
     if name.startswith("prefill_attention_kernel<"):
         return PREFILL_SOURCE
+    if name.startswith(("decode_attention_kernel<", "merge_partials_kernel<")):
+        return DECODE_SOURCE
     return CACHE_OPS_SOURCE if name in kernel_names(CACHE_OPS_SOURCE) else ATTENTION_SOURCE
 
 
@@ -259,7 +262,7 @@ def precompile(
     wanted = [f"<{CTYPE_NAMES[d]}, {h}" for d in dtypes for h in head_sizes]
     names = kernel_names(CACHE_OPS_SOURCE) + [
         n
-        for source in (ATTENTION_SOURCE, PREFILL_SOURCE)
+        for source in (ATTENTION_SOURCE, PREFILL_SOURCE, DECODE_SOURCE)
         for n in kernel_names(source)
         if any(w in n for w in wanted)
     ]
