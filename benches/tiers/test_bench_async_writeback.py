@@ -32,7 +32,7 @@ BLOCK = 16
 PROMPTS = 8
 PROMPT_LEN = 4 * BLOCK
 PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 4,

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,7 +109,7 @@ def test_a_readmitted_request_loads_its_blocks_from_the_store(
     host tier while it waited; write-through had put them in Valkey, and the probe before
     its re-admission imports them: it loads them instead of recomputing them. Without
     the probe (``refetch=False``, the engine as it was) the checks fail."""
-    pool = {"num_blocks": 10, "preemption_mode": "recompute"}
+    pool: dict[str, Any] = {"num_blocks": 10, "preemption_mode": "recompute"}
     want = _plain(tiny_llama, CROWD, LONG, **pool)
     if not refetch:
         monkeypatch.setattr(LLM, "_refetch_preempted", lambda self: None)
@@ -144,7 +145,7 @@ def test_a_readmitted_request_loads_its_blocks_from_the_store(
 def test_readmission_with_background_io_keeps_the_tokens(
     tiny_llama: LlamaForCausalLM, server: ServerProcess
 ) -> None:
-    pool = {"num_blocks": 10, "preemption_mode": "recompute"}
+    pool: dict[str, Any] = {"num_blocks": 10, "preemption_mode": "recompute"}
     want = _plain(tiny_llama, CROWD, LONG, **pool)
     with _engine(tiny_llama, _valkey(server), host_cache_blocks=6, **pool) as llm:
         assert _generate(llm, CROWD, LONG) == want

@@ -37,9 +37,10 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvblocks._core import KVCacheManager
@@ -49,6 +50,9 @@ from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.store import TierStore
 
 __all__ = ["PendingFetch", "RemoteTierLink", "RemoteTierOptions", "RemoteTierStats"]
+
+TokenIds = Sequence[int] | npt.NDArray[np.int64]
+"""A sequence's token ids (a list or an int64 array)."""
 
 
 @dataclass(frozen=True)
@@ -366,7 +370,7 @@ class RemoteTierLink:
             self.stats.dropped_writes += self._worker.submit_write(chosen, rows)
 
     # -- reads ---------------------------------------------------------------------------
-    def missing(self, token_ids: Sequence[int]) -> list[bytes]:
+    def missing(self, token_ids: TokenIds) -> list[bytes]:
         """Hashes of the blocks of ``token_ids`` a claim could use that this instance does
         not hold (past its GPU and host-tier hit; at most the host tier's size)."""
         block_size = self.manager.block_size
@@ -374,11 +378,12 @@ class RemoteTierLink:
         limit = (len(token_ids) - 1) // block_size
         if limit <= 0:
             return []
-        hashes = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))[:limit]
+        digests = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))
+        hashes = cast("list[bytes]", digests)[:limit]
         start = self.manager.num_cached_prefix_blocks(hashes)
         return list(hashes[start : start + self.manager.host_cache_blocks])
 
-    def prefetch(self, prompt_token_ids: Sequence[int]) -> PendingFetch | None:
+    def prefetch(self, prompt_token_ids: TokenIds) -> PendingFetch | None:
         """Start reading the prompt's blocks past the local hit; None when there is
         nothing to read. Synchronous I/O reads here; background I/O queues the read."""
         wanted = self.missing(prompt_token_ids)
@@ -424,7 +429,7 @@ class RemoteTierLink:
         self.stats.imported_blocks += len(rows)
         return len(rows)
 
-    def fetch(self, prompt_token_ids: Sequence[int]) -> int:
+    def fetch(self, prompt_token_ids: TokenIds) -> int:
         """Read and import the prompt's blocks past the local hit now (waiting up to
         ``fetch_wait_s`` for a background read); blocks imported.
 
@@ -436,7 +441,7 @@ class RemoteTierLink:
         pending.wait(self.options.fetch_wait_s)
         return self.complete(pending)
 
-    def refetch(self, token_lists: Sequence[Sequence[int]]) -> int:
+    def refetch(self, token_lists: Sequence[TokenIds]) -> int:
         """Read and import several sequences' missing blocks now (sequences preempted by
         recompute, before their re-admission): the reads run together and one
         ``fetch_wait_s`` bounds them all; blocks imported. Call between steps."""

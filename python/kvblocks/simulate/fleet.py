@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -344,7 +344,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         if remote is not None and len(tokens) > bs:
             # A claim never covers the last token: only the blocks before it are read.
             limit = (len(tokens) - 1) // bs
-            claimable = list(hashes[:limit] if hashes else hasher.block_hashes(tokens)[:limit])
+            digests = hashes if hashes else hasher.block_hashes(tokens)
+            claimable = cast("list[bytes]", list(digests[:limit]))
             found = remote.lookup(inst.manager, claimable)
             if found:
                 # The request waits for its read, as the engine holds a prefetching
@@ -467,10 +468,10 @@ def run_fleet(config: FleetConfig) -> FleetResult:
                 end_step(i)
             elif t_read is not None and t_read <= now:
                 while reads and reads[0][0] <= now:
-                    _, index, i, sim, blocks, credit, found = heapq.heappop(reads)
+                    _, index, i, waited, blocks, credit, found = heapq.heappop(reads)
                     assert remote is not None
                     remote.import_blocks(fleet[i].manager, found)
-                    admit(i, sim, index, blocks, credit, now)
+                    admit(i, waited, index, blocks, credit, now)
             elif t_arr is not None and t_arr <= now:
                 while (sim := arrivals.pop_due(now, limit is None or active < limit)) is not None:
                     route(sim, now)
