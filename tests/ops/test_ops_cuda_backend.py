@@ -13,12 +13,14 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from emu_runtime import emu_launch
 from ops_cases import make_case
 
-from kvblocks.ops import cuda_backend, kernel_cache, reference
+from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver, reference
+from kvblocks.ops.cuda_sources import decode_smem_bytes
 from kvblocks.ops.launch_plan import KernelLaunch
 
 
@@ -56,14 +58,21 @@ class FakeCupy(types.ModuleType):
 
             def get_function(self, name):
                 assert name == self.meta["lowered"], (name, self.meta)
-                expr = self.meta["name"]
+                return Function(self.meta["name"])
 
-                def kernel(grid, block, args, shared_mem=0):
-                    assert fake.current_stream == 1234, "launched off torch's stream"
-                    fake.launches.append(expr)
-                    emu_launch(KernelLaunch(expr, grid, block, shared_mem, tuple(args)))
+        class Function:
+            """cupy.cuda.function.Function: launches on ``stream`` or the current one."""
 
-                return kernel
+            def __init__(self, expr):
+                self.expr = expr
+                self.max_dynamic_shared_size_bytes = 48 * 1024
+
+            def __call__(self, grid, block, args, shared_mem=0, stream=None):
+                on = fake.current_stream if stream is None else stream.ptr
+                assert on == 1234, "launched off torch's stream"
+                assert shared_mem <= self.max_dynamic_shared_size_bytes, "no smem opt-in"
+                fake.launches.append(self.expr)
+                emu_launch(KernelLaunch(self.expr, grid, block, shared_mem, tuple(args)))
 
         self.RawModule = RawModule
         self.cuda = types.SimpleNamespace(
@@ -95,9 +104,13 @@ def fake_cupy(monkeypatch, kernel_cache_dir):
     cuda_backend._function.cache_clear()
     cuda_backend._arch.cache_clear()
     cuda_backend._target_ctas.cache_clear()
+    cuda_backend.decode_launcher.cache_clear()
+    kernel_driver._DECODERS.clear()
     yield fake
     cuda_backend._function.cache_clear()
     cuda_backend._target_ctas.cache_clear()
+    cuda_backend.decode_launcher.cache_clear()
+    kernel_driver._DECODERS.clear()
 
 
 def test_decode_through_the_backend(fake_cupy):
@@ -124,6 +137,39 @@ def test_decode_through_the_backend(fake_cupy):
         for m in fake_cupy.modules
     )
     assert fake_cupy.streams and all(ptr == 1234 for ptr, _ in fake_cupy.streams)
+
+
+def test_planned_decode_through_the_backend(fake_cupy):
+    """fp16 with host lengths: the tensor-core kernel through the length-aware planner,
+    its plan cached across calls (layers) with the same lengths."""
+    lens = [2000, 30, 0, 300]
+    case = make_case(5, lens, [1] * 4, num_kv_heads=2, group=8, head_size=128,
+                     dtype=torch.float16)  # fmt: skip
+    host = np.array(lens, dtype=np.int32)
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
+    )
+    for _ in range(2):
+        got = cuda_backend.paged_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+            scale=None, sliding_window=None, soft_cap=None, max_seq_len=None,
+            seq_lens_host=host,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # 2 KV heads on the fake 1-SM device: the 2000-token sequence is split, then merged.
+    assert fake_cupy.launches == 2 * [
+        "decode_attention_kernel<__half, 128, 16, 8>",
+        "merge_partials_kernel<__half, 128>",
+    ]
+    assert decode_smem_bytes(torch.float16, 128, 16, 8) > 48 * 1024, "the opt-in was needed"
+    assert len(kernel_driver._DECODERS) == 1, "one cached plan object for both calls"
+    # Without host lengths and without a max_seq_len hint, seq_lens is read back.
+    got = cuda_backend.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        scale=None, sliding_window=None, soft_cap=None, max_seq_len=None,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert fake_cupy.launches[-2].startswith("decode_attention_kernel<")
 
 
 def test_prefill_and_cache_ops_through_the_backend(fake_cupy):
