@@ -54,6 +54,7 @@ class PagedAttention:
         block_tables: Tensor,
         query_start_loc: Tensor,
         seq_lens: Tensor,
+        seq_lens_host: np.ndarray,
         decode_only: bool,
         max_seq_len: int,
         max_query_len: int,
@@ -65,6 +66,8 @@ class PagedAttention:
         self.block_tables = block_tables
         self.query_start_loc = query_start_loc
         self.seq_lens = seq_lens
+        # The host copy lets fp16/bf16 decode plan its splits by length without a sync.
+        self.seq_lens_host = seq_lens_host
         self.decode_only = decode_only
         # Host-side maxima spare the CUDA path a device sync per layer when planning launches.
         self.max_seq_len = max_seq_len
@@ -87,6 +90,7 @@ class PagedAttention:
                 scale=self.scale,
                 sliding_window=window,
                 max_seq_len=self.max_seq_len,
+                seq_lens_host=self.seq_lens_host,
             )
         return ops.paged_prefill_attention(
             query,
@@ -297,6 +301,7 @@ class ModelRunner:
             block_tables=self.step_block_tables(out),
             query_start_loc=self._to_device(out.query_start_loc, torch.int32),
             seq_lens=self._to_device(out.seq_lens, torch.int32),
+            seq_lens_host=np.asarray(out.seq_lens),
             decode_only=out.num_decode_seqs == out.num_seqs,
             max_seq_len=int(np.max(out.seq_lens)),
             max_query_len=int(np.max(out.num_scheduled_tokens)),
