@@ -19,7 +19,7 @@ from ops_cases import make_case, tolerance
 
 import kvblocks.ops as ops
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops import decode_plan, reference
+from kvblocks.ops import decode_plan, kernel_driver, reference
 
 
 def make_decoder(case, launcher, **kwargs):
@@ -202,3 +202,39 @@ def test_scale_and_empty_batch():
     assert dec.run(case.query[:0], case.key_cache, case.value_cache).shape == (0, 2, 64)
     assert launcher.launches == []
     assert math.isclose(dec.scale, 0.05)
+
+
+def test_functional_path_shares_one_plan_across_layers(monkeypatch):
+    lens = [2500, 9, 0, 400]
+    case = make_case(10, lens, [1] * 4, num_kv_heads=2, group=8, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    launcher = AbiLauncher()
+    kernel_driver._DECODERS.clear()
+    planned = []
+    real = decode_plan.plan_decode
+    monkeypatch.setattr(
+        "kvblocks.ops.decode_attention.plan_decode",
+        lambda *a, **k: planned.append(1) or real(*a, **k),
+    )
+    host = np.array(lens, dtype=np.int32)
+    for _layer in range(3):
+        got = kernel_driver.run_decode(
+            launcher, case.query, case.key_cache, case.value_cache, case.block_tables, host,
+            scale=None, sliding_window=None, soft_cap=None, target_ctas=16,
+        )  # fmt: skip
+        torch.testing.assert_close(got, want(case), **tolerance(torch.bfloat16))
+    assert len(planned) == 1 and len(kernel_driver._DECODERS) == 1
+    kernel_driver._DECODERS.clear()
+
+
+@pytest.mark.parametrize("bad", [[3, 4], np.array([3.0, 4.0]), np.array([3]), np.array([[3, 4]])])
+def test_front_end_rejects_a_bad_seq_lens_host(bad):
+    case = make_case(11, [3, 4], [1, 1], num_kv_heads=1, group=2, head_size=64,
+                     dtype=torch.float16)  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="seq_lens_host"):
+        ops.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                            case.seq_lens, seq_lens_host=bad)  # fmt: skip
+    # On the CPU the reference runs; a valid host copy is accepted and changes nothing.
+    got = ops.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                              case.seq_lens, seq_lens_host=np.array([3, 4]))  # fmt: skip
+    torch.testing.assert_close(got, want(case))
