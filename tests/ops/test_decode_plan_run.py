@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from decode_abi import AbiLauncher
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_cases import make_case, tolerance
 
 import kvblocks.ops as ops
@@ -238,3 +240,31 @@ def test_front_end_rejects_a_bad_seq_lens_host(bad):
     got = ops.paged_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
                               case.seq_lens, seq_lens_host=np.array([3, 4]))  # fmt: skip
     torch.testing.assert_close(got, want(case))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.integers(0, 3000), min_size=1, max_size=6), min_size=1, max_size=12),
+    repeat=st.lists(st.integers(0, 11), max_size=8),
+)
+def test_plan_buffer_holds_the_current_plan(steps, repeat):
+    """Whatever order plans arrive in (new, cached, repeated), the device buffer the kernel
+    reads holds exactly the last plan: its count, items and merge ranges."""
+    dec = ops.DecodeAttention(
+        num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float16,
+        device="cpu", max_seqs=6, target_ctas=16, launcher=AbiLauncher(), min_chunk_tokens=64,
+    )  # fmt: skip
+    order = [*steps, *[steps[i % len(steps)] for i in repeat]]
+    for lens in order:
+        arr = np.array(lens, dtype=np.int32)
+        tables = torch.zeros((len(lens), 200), dtype=torch.int32)
+        plan = dec.plan(arr, tables)
+        buf = dec._plan_buf.numpy()
+        assert buf[0] == plan.num_items
+        items = buf[dec._items_at : dec._items_at + 4 * plan.num_items].reshape(-1, 4)
+        assert np.array_equal(items, plan.items)
+        indptr = buf[dec._indptr_at : dec._indptr_at + len(lens) + 1]
+        assert np.array_equal(indptr, plan.merge_indptr)
+        assert np.array_equal(plan.items, decode_plan.plan_decode(
+            arr, target_items=dec.target_items, max_items=dec.max_items, min_chunk_tokens=64
+        ).items)  # fmt: skip
