@@ -135,7 +135,7 @@ KVB_BF16_LOAD_SHARED(matrix_b, col_major, "b", "col")
 template <typename T, int D>
 // 4 warps; the register budget follows from the accumulators (no spills, checked by the
 // NVRTC tests), 2-3 CTAs per SM.
-__global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
+__global__ void __launch_bounds__(kvb::kThreads, 2) prefill_attention_kernel(
     T* __restrict__ out,                      // [tokens, num_heads, D]
     const T* __restrict__ query,              // [tokens, num_heads, D]
     const T* __restrict__ key_cache,          // [num_blocks, num_kv_heads, block_size, D]
@@ -254,10 +254,11 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
     // K and V rows of a tile into registers; tokens past kv_hi are zeros (P = 0 must not
     // meet NaN garbage in the P V product).
     kvb::Vec16 k_reg[S::kLoads], v_reg[S::kLoads];
-    auto fetch = [&](int t0) {
-      // All block-table reads first: each K/V address waits for one, and issued in order
-      // behind each other they would serialize their latencies.
-      int blk[S::kLoads];
+    int blk[S::kLoads];
+    // Block ids of a tile's tokens, all read before any K/V address needs one (issued in
+    // order behind each other, their latencies would add up). Without the K/V prefetch they
+    // are read a tile ahead, so only the K/V loads' own latency remains in the loop.
+    auto lookup = [&](int t0) {
 #pragma unroll
       for (int l = 0; l < S::kLoads; ++l) {
         const int idx = tid + l * NT;
@@ -265,6 +266,8 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
         const bool live = (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi;
         blk[l] = live ? table[j >> shift] : -1;
       }
+    };
+    auto fetch = [&](int t0) {
 #pragma unroll
       for (int l = 0; l < S::kLoads; ++l) {
         const int idx = tid + l * NT;
@@ -290,6 +293,7 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
         }
       }
     };
+    if (kv_lo < kv_hi) lookup(kv_lo);
     if (S::kPrefetch && kv_lo < kv_hi) fetch(kv_lo);
 
     for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
@@ -298,7 +302,10 @@ __global__ void __launch_bounds__(kvb::kThreads) prefill_attention_kernel(
       stage();
       __syncthreads();
       // The next tile's loads fly while this one is computed (when registers allow).
-      if (S::kPrefetch && t0 + TILE < kv_hi) fetch(t0 + TILE);
+      if (t0 + TILE < kv_hi) {
+        lookup(t0 + TILE);
+        if (S::kPrefetch) fetch(t0 + TILE);
+      }
 
       // 1. S (partial over this warp's head columns) = Q K^T.
       {

@@ -68,3 +68,130 @@ def test_mixed_chunks_match_reference(dtype, head_size, block_size, group):
     case = make_case(3 + head_size + group, seq_lens, q_lens, num_kv_heads=2, group=group,
                      head_size=head_size, block_size=block_size, dtype=dtype)  # fmt: skip
     torch.testing.assert_close(emu_prefill(case), ref_prefill(case), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "q_lens"), [(8, [1, 3, 8, 2]), (6, [5, 1, 11, 4]), (4, [16, 1])])
+def test_short_chunks_pack_gqa_heads_into_one_cta(dtype, group, q_lens):
+    # Short chunks (decode-like rows, speculative extends) fill a CTA with several heads of
+    # the group: rows are (query, head) pairs that share the K/V tiles.
+    seq_lens = [n + 37 for n in q_lens]
+    case = make_case(50 + group, seq_lens, q_lens, num_kv_heads=2, group=group, head_size=128,
+                     block_size=16, dtype=dtype)  # fmt: skip
+    launches = []
+    got = emu_prefill(case, recording(launches))
+    plan = prefill_launch.plan_prefill(
+        dtype=dtype, head_size=128, num_heads=2 * group, num_kv_heads=2,
+        num_seqs=len(q_lens), max_query_len=max(q_lens),
+    )  # fmt: skip
+    assert plan.heads_per_cta > 1 and group % plan.heads_per_cta == 0
+    assert launches[0].grid == plan.grid == (2 * plan.head_chunks, len(q_lens), plan.q_tiles)
+    torch.testing.assert_close(got, ref_prefill(case), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("head_size", "sliding_window", "soft_cap"),
+    [(64, 5, None), (128, None, 4.0), (256, 12, 1.5), (96, 70, None), (64, 1, 30.0)],
+)
+def test_window_and_soft_cap(dtype, head_size, sliding_window, soft_cap):
+    # Windows narrower than a tile, wider than a query tile, one token; caps that bite.
+    case = make_case(21 + head_size, [150, 30, 90], [130, 12, 1], num_kv_heads=1, group=2,
+                     head_size=head_size, block_size=8, dtype=dtype)  # fmt: skip
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap, "scale": 0.3}
+    torch.testing.assert_close(emu_prefill(case, **kw), ref_prefill(case, **kw),
+                               **tolerance(dtype))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_running_max_jumps_rescale_the_accumulators(dtype):
+    # Later keys score far above the first tiles' (by more than 2^8 in P), so the lazy
+    # rescale of the output fragments must run, several times and for some rows only.
+    case = make_case(77, [200, 140], [200, 60], num_kv_heads=1, group=1, head_size=64,
+                     block_size=16, dtype=dtype)  # fmt: skip
+    boost = torch.linspace(1.0, 6.0, case.key_cache.shape[0]).to(dtype)
+    case.key_cache.mul_(boost.view(-1, 1, 1, 1))
+    case.key_cache[0] = 50.0
+    got = emu_prefill(case, scale=0.5)
+    torch.testing.assert_close(got, ref_prefill(case, scale=0.5), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("max_query_len", [0, 1, 7, 64])
+def test_understated_max_query_len_writes_every_row(max_query_len):
+    # The hint shapes the grid (and the head packing); the kernel loops over query tiles
+    # so every row of a longer chunk is still computed.
+    case = make_case(31, [200, 70, 5], [150, 17, 5], num_kv_heads=2, group=4, head_size=64,
+                     dtype=torch.float16)  # fmt: skip
+    launches = []
+    got = emu_prefill(case, recording(launches), max_query_len=max_query_len, sliding_window=40)
+    assert launches[0].grid[2] * prefill_launch.plan_prefill(
+        dtype=torch.float16, head_size=64, num_heads=8, num_kv_heads=2, num_seqs=3,
+        max_query_len=max_query_len,
+    ).queries_per_cta < 150  # fmt: skip
+    want = ref_prefill(case, sliding_window=40)
+    torch.testing.assert_close(got, want, **tolerance(torch.float16))
+
+
+def test_out_of_range_block_ids_read_the_null_block():
+    # Corrupt ids (past the cache, negative) read block 0, never out of bounds (the ASan
+    # build runs this too).
+    case = make_case(5, [60, 20], [60, 20], num_kv_heads=1, group=2, block_size=8,
+                     dtype=torch.bfloat16)  # fmt: skip
+    bad = case.block_tables.clone()
+    bad[0, 1] = 10_000
+    bad[1, 2] = -7
+    good = case.block_tables
+    case.block_tables = bad
+    got = emu_prefill(case)
+    case.block_tables = good.clone()
+    case.block_tables[0, 1] = 0
+    case.block_tables[1, 2] = 0
+    torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.bfloat16))
+
+
+def test_query_start_loc_past_the_tokens_is_clamped():
+    case = make_case(22, [30, 20], [10, 6], num_kv_heads=1, group=2, head_size=64,
+                     dtype=torch.float16)  # fmt: skip
+    bad = case.query_start_loc.clone()
+    bad[-1] = 1000
+    got = prefill_launch.run_prefill(
+        emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables, bad,
+        case.seq_lens, scale=None, sliding_window=None, soft_cap=None, max_query_len=16,
+        target_ctas=528,
+    )  # fmt: skip
+    torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float16))
+
+
+def test_fp32_keeps_the_cuda_core_kernel():
+    case = make_case(8, [40, 9], [40, 3], num_kv_heads=1, group=2, head_size=64)
+    launches = []
+    got = emu_prefill(case, recording(launches))
+    assert [item.name.split("<")[0] for item in launches] == ["paged_attention_kernel"]
+    torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float32))
+
+
+def test_plan_longest_tiles_first_and_grid_limits():
+    from kvblocks.errors import InvalidArgumentError
+
+    args = {"dtype": torch.bfloat16, "head_size": 128, "num_heads": 32, "num_kv_heads": 8}
+    plan = prefill_launch.plan_prefill(num_seqs=3, max_query_len=1000, **args)
+    assert (plan.heads_per_cta, plan.queries_per_cta) == (1, 64)
+    assert plan.grid == (8 * 4, 3, 16)  # query tiles in z: issued last-dimension-slowest
+    assert prefill_launch.plan_prefill(num_seqs=1, max_query_len=1 << 30, **args).grid[2] == 65535
+    head256 = prefill_launch.plan_prefill(num_seqs=1, max_query_len=1, **{**args, "head_size": 256})
+    assert (head256.rows, head256.heads_per_cta) == (32, 4)
+    with pytest.raises(InvalidArgumentError, match="65535"):
+        prefill_launch.plan_prefill(num_seqs=65536, max_query_len=1, **args)
+    with pytest.raises(InvalidArgumentError, match="fp16/bf16"):
+        prefill_launch.plan_prefill(num_seqs=1, max_query_len=1, **{**args, "dtype": torch.float32})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "head_size"), [(torch.bfloat16, 128), (torch.bfloat16, 256)])
+def test_long_prompts(dtype, head_size):
+    # A whole prompt of a thousand tokens (16 query tiles, up to 32 K/V tiles each) and an
+    # extend behind a long context (emulated tensor cores are slow: every lane computes
+    # the whole tile).
+    case = make_case(99, [1024, 1500], [1024, 100], num_kv_heads=1, group=1,
+                     head_size=head_size, block_size=32, dtype=dtype)  # fmt: skip
+    torch.testing.assert_close(emu_prefill(case), ref_prefill(case), **tolerance(dtype))

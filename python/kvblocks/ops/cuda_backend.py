@@ -22,6 +22,7 @@ from kvblocks.ops import kernel_cache, kernel_driver
 from kvblocks.ops.cuda_sources import nvrtc_options, read_source
 from kvblocks.ops.decode_attention import decode_kernel_supported
 from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
+from kvblocks.ops.prefill_launch import run_prefill
 
 __all__ = [
     "copy_blocks",
@@ -205,13 +206,14 @@ def paged_prefill_attention(
     soft_cap: float | None,
     max_query_len: int,
 ) -> torch.Tensor:
-    """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments)."""
+    """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the
+    tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the CUDA-core
+    one for fp32."""
     device = key_cache.device
-    return kernel_driver.run_attention(
-        _launcher(device), query, key_cache, value_cache, block_tables, seq_lens,
-        query_start_loc, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        max_query_len=max_query_len, max_seq_len=None,
-        target_ctas=_target_ctas(device.index or 0),
+    return run_prefill(
+        _launcher(device), query, key_cache, value_cache, block_tables, query_start_loc,
+        seq_lens, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        max_query_len=max_query_len, target_ctas=_target_ctas(device.index or 0),
     )  # fmt: skip
 
 

@@ -1,0 +1,40 @@
+"""The tensor-core prefill kernel compiles with NVRTC for sm_80 and sm_90, every
+instantiation, without spills (no GPU needed: ptxas' report gives registers and spills).
+The fixture of test_ops_nvrtc.py covers the other sources; this one the prefill source."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
+from kvblocks.ops.cuda_sources import PREFILL_SOURCE, kernel_names
+from kvblocks.ops.prefill_launch import prefill_smem_bytes
+
+nvrtc_build = pytest.importorskip("kvblocks.ops.nvrtc_build")
+pytest.importorskip("cuda.bindings.nvrtc")
+
+
+@pytest.fixture(scope="module", params=["sm_80", "sm_90"])
+def compiled(request):
+    arch = request.param
+    return arch, nvrtc_build.compile_source(PREFILL_SOURCE, arch, kernel_names(PREFILL_SOURCE))
+
+
+def test_every_instantiation_compiles_without_spills(compiled):
+    arch, result = compiled
+    assert result.cubin_bytes > 0
+    assert set(result.kernels) == set(kernel_names(PREFILL_SOURCE))
+    assert len(result.kernels) == 2 * len(SUPPORTED_HEAD_SIZES)  # fp16, bf16
+    for kernel in result.kernels.values():
+        assert kernel.spill_stores == 0 and kernel.spill_loads == 0, f"{arch} {kernel}"
+        assert kernel.stack_bytes == 0, f"{arch} {kernel}"
+
+
+def test_two_ctas_fit_an_sm(compiled):
+    # __launch_bounds__(128, 2): at most 255 registers, so two CTAs' registers fit 64K, and
+    # the shared memory stays under the default 48 KiB (no opt-in at launch).
+    arch, result = compiled
+    for kernel in result.kernels.values():
+        assert 2 * 128 * kernel.registers <= 65536, f"{arch} {kernel}"
+        head = int(kernel.name.split(", ")[1].rstrip(">"))
+        assert kernel.static_smem_bytes + prefill_smem_bytes(head) <= 48 * 1024, kernel.name
