@@ -72,9 +72,14 @@ EventRecord = BlockStoredRecord | BlockRemovedRecord | AllBlocksClearedRecord
 def records_from_manager(
     instance: int,
     events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
-    medium: str = DEFAULT_MEDIUM,
+    medium: str | None = None,
 ) -> list[EventRecord]:
     """Convert events drained from ``KVCacheManager.take_events()`` into records.
+
+    Each record keeps its event's tier (``"GPU"``, or ``"CPU"`` for the host tier): a
+    block leaving the host tier must not erase the GPU copy from a router's index.
+    ``medium``, when given, is recorded for every event instead (only right for a manager
+    without a host tier, whose events are all on the GPU).
 
     Raises:
         TypeError: an item is not one of the binding's three event classes.
@@ -83,10 +88,19 @@ def records_from_manager(
     for ev in events:
         if isinstance(ev, BlockStored):
             out.append(
-                BlockStoredRecord(instance, tuple(ev.block_hashes), ev.parent_block_hash, medium)
+                BlockStoredRecord(
+                    instance,
+                    tuple(ev.block_hashes),
+                    ev.parent_block_hash,
+                    ev.medium if medium is None else medium,
+                )
             )
         elif isinstance(ev, BlockRemoved):
-            out.append(BlockRemovedRecord(instance, tuple(ev.block_hashes), medium))
+            out.append(
+                BlockRemovedRecord(
+                    instance, tuple(ev.block_hashes), ev.medium if medium is None else medium
+                )
+            )
         elif isinstance(ev, AllBlocksCleared):
             out.append(AllBlocksClearedRecord(instance))
         else:
