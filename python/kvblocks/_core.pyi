@@ -131,9 +131,19 @@ class BlockStored:
     @property
     def lora_id(self) -> int | None: ...
     @property
+    def lora_name(self) -> str | None:
+        """Name of the sequence's LoRA when its id was registered (``register_lora``)."""
+    @property
+    def extra_keys(self) -> list[tuple[tuple[str, ...], ...] | None] | None:
+        """vLLM's ``extra_keys``: one entry per block, the keys hashed into it
+        (``("lora", lora_name, lora_path)`` on every block of a LoRA sequence,
+        ``("cache_salt", salt)`` on the chain's first block) or ``None``. ``None`` as a
+        whole unless ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks
+        offloaded at eviction (hashes only)."""
+    @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
-        eviction carry hashes only: no parent, no tokens)."""
+        eviction carry hashes only: no parent, no tokens, no LoRA)."""
 
 @final
 class BlockRemoved:
@@ -259,14 +269,34 @@ class KVCacheManager:
         *,
         cache_salt: str | bytes | None = None,
         lora_id: int | None = None,
+        retention_priority: int | None = None,
     ) -> int:
         """Register a sequence and its prompt; return how many leading tokens are cached.
 
         Hashes the prompt's full blocks once (released GIL) and probes the prefix cache
         without claiming anything. The hit is whole blocks and never the whole prompt:
         at most ``floor((len(token_ids) - 1) / block_size)`` blocks, so the last prompt
-        token is always computed.
+        token is always computed. ``retention_priority``: see
+        :meth:`set_retention_priority` (``None``: 35); out of range raises
+        ``InvalidArgumentError`` before anything is added.
         """
+    def set_retention_priority(self, seq_id: int, priority: int) -> None:
+        """Set the sequence's retention priority, an int in ``[0, 100]`` (default 35, as
+        TensorRT-LLM's).
+
+        The blocks the sequence commits or claims from now on carry it into the host
+        tier (a block shared by several sequences keeps the highest), where the lowest
+        priority is evicted first, the least recently used among equals, and an offload
+        of lower priority than every evictable block is skipped
+        (``host_offloads_skipped``). Forks inherit it. The GPU prefix cache's own
+        eviction order stays LRU.
+
+        Raises:
+            InvalidArgumentError: ``priority`` outside ``[0, 100]`` (nothing changes).
+            UnknownSequenceError: ``seq_id`` is not held.
+        """
+    def retention_priority(self, seq_id: int) -> int:
+        """The sequence's retention priority (see :meth:`set_retention_priority`)."""
     def has_sequence(self, seq_id: int) -> bool: ...
     def num_tokens(self, seq_id: int) -> int:
         """Known tokens of the sequence: prompt plus committed sampled tokens."""

@@ -14,6 +14,7 @@ use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind, TierStats};
+use crate::retention::RetentionPriority;
 
 impl KVCacheManager {
     /// Drain every queued block move (swaps, copy-on-write copies, host-tier offloads and
@@ -63,7 +64,8 @@ impl KVCacheManager {
     /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
     /// remote store), one entry per digest: the slot to write the block's KV into, or -1
     /// when nothing is to be written (already in the GPU prefix cache or the tier, or
-    /// every slot pinned). Reserved slots are pinned and no prefix hit until the engine
+    /// every slot pinned or holding blocks of higher retention priority than the default
+    /// the imports get). Reserved slots are pinned and no prefix hit until the engine
     /// has written them and called `confirm_memory_ops`; then a probe finds them and a
     /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
     ///
@@ -101,7 +103,7 @@ impl KVCacheManager {
                 slots.push(-1);
                 continue;
             };
-            let Some((slot, evicted)) = tier.reserve(hash) else {
+            let Some((slot, evicted)) = tier.reserve(hash, RetentionPriority::DEFAULT) else {
                 slots.push(-1);
                 continue;
             };
@@ -123,6 +125,8 @@ impl KVCacheManager {
                         token_ids: Vec::new(),
                         block_size: 0,
                         lora_id: None,
+                        lora_name: None,
+                        extra_keys: None,
                         medium: Medium::Cpu,
                     }));
             }

@@ -5,6 +5,7 @@ use crate::block_pool::BlockPool;
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
+use crate::retention::RetentionPriority;
 use crate::NULL_BLOCK;
 
 /// Running counters (see [`crate::Stats`]).
@@ -34,6 +35,10 @@ pub(super) struct Pools {
     pub tier: Option<HostTier>,
     /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
     pub ops: Vec<MemoryOp>,
+    /// Retention priority of each cached GPU block (the highest of the sequences that
+    /// committed or claimed it), what an offload at eviction hands the tier. Empty
+    /// without a tier.
+    pub retention: Vec<RetentionPriority>,
 }
 
 impl Pools {
@@ -57,27 +62,37 @@ impl Pools {
                     .as_ref()
                     .is_some_and(|t| t.policy == OffloadPolicy::OnEvict)
                 {
-                    self.offload(id, hash, None, &[], 0, None);
+                    let priority = self.retention_of(id);
+                    // The GPU cache keeps no tokens nor keys: the event has the hash only.
+                    self.offload(id, hash, priority, || BlockStored {
+                        block_hashes: Vec::new(),
+                        parent_block_hash: None,
+                        token_ids: Vec::new(),
+                        block_size: 0,
+                        lora_id: None,
+                        lora_name: None,
+                        extra_keys: None,
+                        medium: Medium::Cpu,
+                    });
                 }
             }
         }
         Some(id)
     }
 
-    /// Copy cached GPU block `id` (content `hash`) to the host tier, with its events.
+    /// Copy cached GPU block `id` (content `hash`) to the host tier at retention
+    /// `priority`, with its events; `event` makes the `BlockStored` (its hash is added).
     pub fn offload(
         &mut self,
         id: u32,
         hash: BlockHash,
-        parent: Option<BlockHash>,
-        tokens: &[u32],
-        block_size: usize,
-        lora_id: Option<u64>,
+        priority: RetentionPriority,
+        event: impl FnOnce() -> BlockStored,
     ) {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        let (evicted, stored) = tier.offload(id, hash, &mut self.ops);
+        let (evicted, stored) = tier.offload(id, hash, priority, &mut self.ops);
         if !self.record_events {
             return;
         }
@@ -88,14 +103,38 @@ impl Pools {
             }));
         }
         if stored {
-            self.events.push(KvCacheEvent::BlockStored(BlockStored {
-                block_hashes: vec![hash],
-                parent_block_hash: parent,
-                token_ids: tokens.to_vec(),
-                block_size,
-                lora_id,
-                medium: Medium::Cpu,
-            }));
+            let mut ev = event();
+            ev.block_hashes.push(hash);
+            self.events.push(KvCacheEvent::BlockStored(ev));
+        }
+    }
+
+    /// Retention priority of cached GPU block `id` (the default without a tier).
+    #[inline]
+    pub fn retention_of(&self, id: u32) -> RetentionPriority {
+        self.retention.get(id as usize).copied().unwrap_or_default()
+    }
+
+    /// Block `id` enters the GPU cache for a sequence of retention `priority`.
+    #[inline]
+    pub fn set_retention(&mut self, id: u32, priority: RetentionPriority) {
+        if let Some(r) = self.retention.get_mut(id as usize) {
+            *r = priority;
+        }
+    }
+
+    /// A sequence of retention `priority` shares cached block `id` (content `hash`):
+    /// the block, and its host-tier copy if any, keep the higher priority.
+    #[inline]
+    pub fn raise_retention(&mut self, id: u32, hash: &BlockHash, priority: RetentionPriority) {
+        let Some(r) = self.retention.get_mut(id as usize) else {
+            return;
+        };
+        if priority > *r {
+            *r = priority;
+            if let Some(t) = self.tier.as_mut() {
+                t.raise_priority(hash, priority);
+            }
         }
     }
 
