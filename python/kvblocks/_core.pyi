@@ -315,6 +315,21 @@ class KVCacheManager:
     def num_tier_tokens(self, seq_id: int) -> int:
         """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
         charges as loads instead of recompute (0 without a tier)."""
+    def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
+        """Cap a waiting sequence's claim so that it loads at most ``max_loads`` blocks
+        from the host tier; return the cached tokens it would claim now.
+
+        The cached prefix is cut right before its ``max_loads + 1``-th host-tier block;
+        the blocks past the cut are computed instead of loaded. How a scheduler bounds a
+        step's host-to-GPU transfers (``SchedulerConfig.max_load_blocks_per_step``);
+        ``refresh_prefixes`` restores the full hit. No change without a tier or when the
+        loads fit.
+
+        Raises:
+            InvalidArgumentError: ``max_loads`` is negative or not an int.
+            UnknownSequenceError: ``seq_id`` is not held.
+            SequenceStateError: the sequence is already allocated, or swapped.
+        """
     def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]: ...
     def is_swapped(self, seq_id: int) -> bool: ...
     def probe_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:

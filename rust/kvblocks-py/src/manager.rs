@@ -837,6 +837,17 @@ impl KVCacheManager {
         Ok(slots.into_pyarray(py))
     }
 
+    /// Cap a waiting sequence's host-tier loads; see the stub.
+    fn limit_tier_loads(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        max_loads: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let max = args::count(max_loads, "max_loads")?;
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.limit_tier_loads(id, max))
+    }
+
     /// Of the sequence's cached tokens, those loaded (or, before the first
     /// ``allocate_slots``, to be loaded) from the host tier.
     fn num_tier_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {

@@ -182,6 +182,42 @@ impl KVCacheManager {
         })
     }
 
+    /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
+    /// `max_loads` blocks from the host tier: the hit is cut right before its
+    /// `max_loads + 1`-th tier block, and the blocks past the cut are computed instead.
+    /// Returns the cached tokens the sequence would claim now. How a scheduler bounds a
+    /// step's host-to-GPU transfers; `refresh_prefixes` restores the full hit. Nothing
+    /// changes without a tier or when the loads fit. Errors: `UnknownSequence`,
+    /// `SequenceState` (already allocated, or swapped).
+    pub fn limit_tier_loads(&mut self, seq_id: u64, max_loads: usize) -> Result<usize> {
+        let slot = self.slot_of(seq_id)?;
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "limit_tier_loads")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "limit_tier_loads: sequence {seq_id} already has slots (its prefix was \
+                 claimed); only waiting sequences can be limited"
+            )));
+        }
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        let mut cap = hit;
+        if self.pools.tier.is_some() {
+            let mut loads = 0;
+            for (i, h) in seq.hashes[..hit].iter().enumerate() {
+                if self.pools.cache.lookup(h).is_none() {
+                    if loads == max_loads {
+                        cap = i;
+                        break;
+                    }
+                    loads += 1;
+                }
+            }
+        }
+        // cap <= hit <= probe_cap_blocks: the cap only shrinks, as through eviction.
+        self.slots[slot].probe_cap_blocks = cap;
+        Ok(cap * self.config.block_size)
+    }
+
     /// Counters of the host tier, `None` without one.
     pub fn tier_stats(&self) -> Option<TierStats> {
         self.pools.tier.as_ref().map(|t| t.stats())
