@@ -29,8 +29,9 @@
 //!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
 //!   computing, so a scheduler can hold a request back a step instead of recomputing them.
 //! * **Host tier.** With `host_cache_blocks > 0`, prefix blocks evicted from the GPU
-//!   cache (or, write-through, every cached block) are offloaded to LRU host slots keyed
-//!   by hash, and a probe continues into the tier: a hit there is claimed by taking a
+//!   cache (or, write-through, every cached block) are offloaded to host slots keyed by
+//!   hash, evicted by [`RetentionPriority`] (lowest first, LRU among equals), and a probe
+//!   continues into the tier: a hit there is claimed by taking a
 //!   fresh GPU block and queuing a load. Every block move (swaps, copies, offloads,
 //!   loads) goes into one ordered list, `take_memory_ops`; tier slots stay pinned until
 //!   `confirm_memory_ops` (see the `host_tier` module).
