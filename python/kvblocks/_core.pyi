@@ -288,8 +288,9 @@ class KVCacheManager:
         tier (a block shared by several sequences keeps the highest), where the lowest
         priority is evicted first, the least recently used among equals, and an offload
         of lower priority than every evictable block is skipped
-        (``host_offloads_skipped``). Forks inherit it. The GPU prefix cache's own
-        eviction order stays LRU.
+        (``host_offloads_skipped``). The GPU prefix cache evicts in the same order
+        (uncached blocks first, then cached ones by priority, LRU among equals; with one
+        priority for every sequence this is vLLM's order). Forks inherit it.
 
         Raises:
             InvalidArgumentError: ``priority`` outside ``[0, 100]`` (nothing changes).

@@ -95,3 +95,35 @@ def test_set_retention_priority_rejects_bad_values_and_changes_nothing() -> None
     m.set_retention_priority(1, 0)
     assert m.retention_priority(1) == 0
     m.check_invariants()
+
+
+class GpuEngine(Engine):
+    """The same driver over a manager without a host tier: only the GPU prefix cache."""
+
+    def __init__(self) -> None:
+        self.m = KVCacheManager(GPU_BLOCKS, BLOCK, watermark=0.0)
+        self.mem = KVMemory(GPU_BLOCKS, 0, BLOCK)
+        self.ids = PrefixIds()
+        self.next_id = 0
+
+
+def small_flood(engine: Engine, priority: int | None) -> None:
+    # Five blocks each: room for them beside a three-block prefix in the 8-block pool.
+    for r in range(4):
+        engine.run([300 + 41 * r + i for i in range(5 * BLOCK)], priority)
+
+
+def test_the_gpu_cache_evicts_lower_priorities_first() -> None:
+    engine = GpuEngine()
+    engine.run([*PREFIX, 99], 90)
+    small_flood(engine, 10)
+    assert engine.m.stats()["evictions"] > 0
+    # Hit in the GPU cache itself (no tier): the three blocks were never evicted.
+    assert engine.run([*PREFIX, 98, 97], 10) == (3 * BLOCK, 0)
+
+
+def test_with_equal_priorities_the_gpu_cache_is_lru() -> None:
+    engine = GpuEngine()
+    engine.run([*PREFIX, 99], None)
+    small_flood(engine, None)
+    assert engine.run([*PREFIX, 98, 97], None) == (0, 0)

@@ -23,7 +23,7 @@
 use rustc_hash::FxHashMap;
 
 use crate::block_hash::BlockHash;
-use crate::priority_lru::{PriorityLru, EMPTY_LEVEL};
+use crate::priority_lru::{cached_level, PriorityLru, EMPTY_LEVEL};
 use crate::retention::RetentionPriority;
 
 /// Kind of a memory op (see [`MemoryOp`]).
@@ -171,7 +171,7 @@ impl Slot {
         if self.phase == Phase::Empty {
             EMPTY_LEVEL
         } else {
-            self.priority.get() + 1
+            cached_level(self.priority)
         }
     }
 }
@@ -213,7 +213,7 @@ impl HostTier {
                 };
                 capacity
             ],
-            lru: PriorityLru::new(capacity),
+            lru: PriorityLru::new(capacity, 0),
             queued: Vec::new(),
             in_flight: Vec::new(),
             policy,
@@ -298,7 +298,7 @@ impl HostTier {
         priority: RetentionPriority,
     ) -> Option<(u32, Option<BlockHash>)> {
         let lowest = self.lru.lowest_level()?;
-        if lowest != EMPTY_LEVEL && lowest > priority.get() + 1 {
+        if lowest != EMPTY_LEVEL && lowest > cached_level(priority) {
             // Everything evictable is worth more than the block offered.
             return None;
         }

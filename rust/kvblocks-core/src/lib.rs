@@ -17,8 +17,10 @@
 //!   the manager exactly as it was, free-queue order included.
 //! * **Free order.** Freed blocks are processed last block first: unhashed blocks go to
 //!   the front of the free queue (reused first), cached blocks to the back (evicted last,
-//!   a prompt's tail before its head). Sliding-window releases inside one `commit` follow
-//!   the same rule (last released block first). The CPU pool has a single rule: freed
+//!   a prompt's tail before its head) of their [`RetentionPriority`]'s level: lower
+//!   priorities are evicted first (one priority for all, the default, is vLLM's order).
+//!   Sliding-window releases inside one `commit` follow the same rule (last released
+//!   block first). The CPU pool has a single rule: freed
 //!   blocks go to the front, last first.
 //! * **Prefix cache.** Block hashes chain the parent hash and the extra keys (cache salt,
 //!   LoRA id); see [`BlockHasher`] for the exact, domain-separated encoding. Eviction is
@@ -64,7 +66,6 @@ pub mod cbor;
 mod config;
 mod error;
 mod events;
-mod free_queue;
 mod host_tier;
 mod manager;
 mod prefix_cache;

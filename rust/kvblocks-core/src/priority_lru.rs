@@ -1,14 +1,23 @@
-//! LRU lists of host-tier slots, one per retention level, over one index arena.
+//! Eviction-ordered lists of free blocks or host-tier slots, one per retention level,
+//! over one index arena.
 
 /// "No slot" marker of the links.
 const NIL: u32 = u32::MAX;
-/// Levels: empty slots, then one per retention priority `0..=100`.
+/// Levels: empty slots (uncached blocks), then one per retention priority `0..=100`.
 pub(crate) const LEVELS: usize = 102;
-/// The level of empty slots (reused before any written one).
+/// The level of empty slots and uncached blocks (reused before any cached one).
 pub(crate) const EMPTY_LEVEL: u8 = 0;
 
-/// Unpinned slots in eviction order: the lowest non-empty level first, within a level the
-/// front (least recently used) first.
+/// The level of a cached block or written slot of retention `priority`.
+#[inline]
+pub(crate) fn cached_level(priority: crate::RetentionPriority) -> u8 {
+    priority.get() + 1
+}
+
+/// Queued ids in eviction order: the lowest non-empty level first, within a level the
+/// front first (pushed to the front, or least recently pushed to the back). With every
+/// cached id at one level this is a single queue with uncached ids in front and cached
+/// ones behind, which is vLLM's free-queue order.
 ///
 /// One intrusive doubly linked list per level, sharing the link arrays (a slot sits in at
 /// most one list) and a bit mask of the non-empty levels, so push, remove and pop are
@@ -28,8 +37,8 @@ pub struct PriorityLru {
 }
 
 impl PriorityLru {
-    /// Every slot `0..capacity` queued at the empty level, ascending.
-    pub fn new(capacity: usize) -> Self {
+    /// Ids `first..capacity` queued at the empty level, ascending.
+    pub fn new(capacity: usize, first: u32) -> Self {
         let mut q = PriorityLru {
             prev: vec![NIL; capacity],
             next: vec![NIL; capacity],
@@ -40,10 +49,16 @@ impl PriorityLru {
             nonempty: 0,
             len: 0,
         };
-        for id in 0..capacity as u32 {
+        for id in first..capacity as u32 {
             q.push_back(id, EMPTY_LEVEL);
         }
         q
+    }
+
+    /// The id `pop_front` would return.
+    #[inline]
+    pub fn front(&self) -> Option<u32> {
+        Some(self.head[usize::from(self.lowest_level()?)])
     }
 
     /// Queued slots.
@@ -67,7 +82,7 @@ impl PriorityLru {
     /// Remove and return the next slot to reuse.
     #[inline]
     pub fn pop_front(&mut self) -> Option<u32> {
-        let id = self.head[usize::from(self.lowest_level()?)];
+        let id = self.front()?;
         self.remove(id);
         Some(id)
     }
@@ -208,7 +223,7 @@ mod tests {
 
     #[test]
     fn lowest_level_first_then_lru() {
-        let mut q = PriorityLru::new(6);
+        let mut q = PriorityLru::new(6, 0);
         let order: Vec<u32> = q.iter().collect();
         assert_eq!(order, vec![0, 1, 2, 3, 4, 5]);
         for _ in 0..6 {
@@ -234,10 +249,11 @@ mod tests {
 
     #[test]
     fn check_detects_corruption() {
-        let mut q = PriorityLru::new(4);
+        let mut q = PriorityLru::new(4, 1);
+        assert_eq!((q.len(), q.front(), q.contains(0)), (3, Some(1), false));
         q.nonempty = 0;
         assert!(q.check().is_err());
-        let mut q = PriorityLru::new(4);
+        let mut q = PriorityLru::new(4, 0);
         q.len = 3;
         assert!(q.check().is_err());
     }

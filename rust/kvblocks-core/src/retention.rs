@@ -1,14 +1,16 @@
-//! Retention priorities: which host-tier blocks are kept when the tier is full.
+//! Retention priorities: which cached blocks are kept when the GPU pool or the host tier
+//! is full.
 
 use crate::error::{KvError, Result};
 
 /// A sequence's retention priority, `0..=100` (TensorRT-LLM's scale, default 35).
 ///
 /// The blocks a sequence commits or claims carry its priority (the highest one when
-/// several sequences share a block); the host tier evicts the lowest priority first and
-/// the least recently used block among equals, and an offload of lower priority than
-/// every evictable block is skipped. A newtype so an unchecked integer never reaches the
-/// tier: [`RetentionPriority::new`] is the only way in from outside.
+/// several sequences share a block); the GPU free queue and the host tier evict the
+/// lowest priority first and the least recently used block among equals, and an offload
+/// of lower priority than every evictable tier block is skipped. A newtype so an
+/// unchecked integer never reaches the queues: [`RetentionPriority::new`] is the only way
+/// in from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RetentionPriority(u8);
 

@@ -168,3 +168,38 @@ fn other_algorithms_report_the_lora_name_but_no_extra_keys() {
     assert_eq!(ev.lora_name.as_deref(), Some("chat"));
     assert!(ev.extra_keys.is_none() && ev.block_extra_keys(0).is_none());
 }
+
+#[test]
+fn gpu_eviction_takes_lower_priorities_first_and_lru_among_equals() {
+    // 8 usable blocks, no tier.
+    let mut m = manager(9, 4);
+    prefill_at(&mut m, 1, &toks(0, 12), 90); // 3 cached blocks, freed
+    prefill_at(&mut m, 2, &toks(100, 12), 10); // 3 more, lower priority
+    let order = m.free_block_ids();
+    // Uncached blocks first, then priority 10 (blocks 4-6), then priority 90 (1-3).
+    let mut tail: Vec<u32> = order[order.len() - 6..].to_vec();
+    tail[..3].sort_unstable();
+    tail[3..].sort_unstable();
+    assert_eq!(tail, vec![4, 5, 6, 1, 2, 3]);
+    // 5 fresh blocks: the 2 never used, then the 3 of priority 10; priority 90 stays.
+    prefill_at(&mut m, 3, &toks(500, 20), 35);
+    assert_eq!(m.add_sequence(4, &toks(0, 13), None, None).unwrap(), 12);
+    assert_eq!(m.add_sequence(5, &toks(100, 13), None, None).unwrap(), 0);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_duplicate_commit_raises_a_free_blocks_priority() {
+    let mut m = manager(9, 4);
+    prefill_at(&mut m, 1, &toks(0, 4), 10); // block 1 cached at 10, free
+                                            // The same content committed again by a priority-80 sequence (a duplicate: a prompt
+                                            // of one block never claims it, its last token is always computed).
+    m.add_sequence(3, &toks(0, 4), None, None).unwrap();
+    m.set_retention_priority(3, prio(80)).unwrap();
+    m.allocate_slots(3, 4, 0).unwrap().unwrap();
+    m.commit(3, 4, &[]).unwrap();
+    m.free(3).unwrap();
+    m.check_invariants().unwrap();
+    // Block 1 moved to the priority-80 level: last in the queue.
+    assert_eq!(m.free_block_ids().last(), Some(&1));
+}

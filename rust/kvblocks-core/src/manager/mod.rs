@@ -69,7 +69,7 @@ impl KVCacheManager {
                 tier: (config.host_cache_blocks > 0)
                     .then(|| HostTier::new(config.host_cache_blocks, config.host_offload)),
                 ops: Vec::new(),
-                retention: if config.host_cache_blocks > 0 && caching {
+                retention: if caching {
                     vec![Default::default(); config.num_blocks]
                 } else {
                     Vec::new()

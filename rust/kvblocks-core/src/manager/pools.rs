@@ -5,6 +5,7 @@ use crate::block_pool::BlockPool;
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
+use crate::priority_lru::{cached_level, EMPTY_LEVEL};
 use crate::retention::RetentionPriority;
 use crate::NULL_BLOCK;
 
@@ -36,8 +37,8 @@ pub(super) struct Pools {
     /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
     pub ops: Vec<MemoryOp>,
     /// Retention priority of each cached GPU block (the highest of the sequences that
-    /// committed or claimed it), what an offload at eviction hands the tier. Empty
-    /// without a tier.
+    /// committed or claimed it): its level in the free queue, and what an offload at
+    /// eviction hands the tier. Empty without prefix caching.
     pub retention: Vec<RetentionPriority>,
 }
 
@@ -124,7 +125,8 @@ impl Pools {
     }
 
     /// A sequence of retention `priority` shares cached block `id` (content `hash`):
-    /// the block, and its host-tier copy if any, keep the higher priority.
+    /// the block, and its host-tier copy if any, keep the higher priority (a free block
+    /// moves to the back of its new level, as a block just used).
     #[inline]
     pub fn raise_retention(&mut self, id: u32, hash: &BlockHash, priority: RetentionPriority) {
         let Some(r) = self.retention.get_mut(id as usize) else {
@@ -132,6 +134,11 @@ impl Pools {
         };
         if priority > *r {
             *r = priority;
+            let queue = self.gpu.free_queue_mut();
+            if queue.contains(id) {
+                queue.remove(id);
+                queue.push_back(id, cached_level(priority));
+            }
             if let Some(t) = self.tier.as_mut() {
                 t.raise_priority(hash, priority);
             }
@@ -139,7 +146,9 @@ impl Pools {
     }
 
     /// Drop one reference to a GPU block; at zero it is queued: cached blocks at the
-    /// back (evicted last), others at the front (reused first).
+    /// back of their retention priority's level (evicted after uncached blocks and after
+    /// cached ones of lower priority; with one priority, simply last), others at the
+    /// front (reused first).
     #[inline]
     pub fn release_gpu(&mut self, id: u32) {
         if id == NULL_BLOCK {
@@ -147,9 +156,10 @@ impl Pools {
         }
         if self.gpu.decref(id) == 0 {
             if self.caching && self.cache.is_cached(id) {
-                self.gpu.free_queue_mut().push_back(id);
+                let level = cached_level(self.retention_of(id));
+                self.gpu.free_queue_mut().push_back(id, level);
             } else {
-                self.gpu.free_queue_mut().push_front(id);
+                self.gpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
             }
         }
     }
@@ -158,7 +168,7 @@ impl Pools {
     #[inline]
     pub fn release_cpu(&mut self, id: u32) {
         if self.cpu.decref(id) == 0 {
-            self.cpu.free_queue_mut().push_front(id);
+            self.cpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
         }
     }
 

@@ -118,8 +118,9 @@ impl KVCacheManager {
     }
 
     /// Set the sequence's retention priority (default [`RetentionPriority::DEFAULT`]): the
-    /// blocks it commits or claims from now on carry it into the host tier, where the
-    /// lowest priority is evicted first (see [`RetentionPriority`]). Forks inherit it.
+    /// blocks it commits or claims from now on carry it, in the GPU free queue and into
+    /// the host tier, where the lowest priority is evicted first (see
+    /// [`RetentionPriority`]). Forks inherit it.
     /// Errors: `UnknownSequence`.
     pub fn set_retention_priority(
         &mut self,
