@@ -3,10 +3,14 @@
 
 /// "No slot" marker of the links.
 const NIL: u32 = u32::MAX;
-/// Levels: empty slots (uncached blocks), then one per retention priority `0..=100`.
-pub(crate) const LEVELS: usize = 102;
+/// Levels: empty slots (uncached blocks), then one per retention priority `0..=100`
+/// (levels up to 101 are used; 128, a power of two, lets `slot` mask an index instead of
+/// bounds-checking it, and fits the `u128` mask).
+pub(crate) const LEVELS: usize = 128;
 /// The level of empty slots and uncached blocks (reused before any cached one).
 pub(crate) const EMPTY_LEVEL: u8 = 0;
+/// `level` of an id that is not queued (one byte per id says both whether and where).
+const NOT_QUEUED: u8 = u8::MAX;
 
 /// The level of a cached block or written slot of retention `priority`.
 #[inline]
@@ -26,9 +30,8 @@ pub(crate) fn cached_level(priority: crate::RetentionPriority) -> u8 {
 pub struct PriorityLru {
     prev: Vec<u32>,
     next: Vec<u32>,
-    /// Level of each queued slot (meaningless for the others).
+    /// Level of each queued id, `NOT_QUEUED` for the others.
     level: Vec<u8>,
-    queued: Vec<bool>,
     head: [u32; LEVELS],
     tail: [u32; LEVELS],
     /// Bit `l` set iff level `l` holds a slot.
@@ -42,8 +45,7 @@ impl PriorityLru {
         let mut q = PriorityLru {
             prev: vec![NIL; capacity],
             next: vec![NIL; capacity],
-            level: vec![EMPTY_LEVEL; capacity],
-            queued: vec![false; capacity],
+            level: vec![NOT_QUEUED; capacity],
             head: [NIL; LEVELS],
             tail: [NIL; LEVELS],
             nonempty: 0,
@@ -56,9 +58,9 @@ impl PriorityLru {
     }
 
     /// The id `pop_front` would return.
-    #[inline]
+    #[cfg(test)]
     pub fn front(&self) -> Option<u32> {
-        Some(self.head[usize::from(self.lowest_level()?)])
+        Some(self.head[Self::slot(self.lowest_level()?)])
     }
 
     /// Queued slots.
@@ -70,7 +72,13 @@ impl PriorityLru {
     /// Whether `id` is queued.
     #[inline]
     pub fn contains(&self, id: u32) -> bool {
-        self.queued[id as usize]
+        self.level[id as usize] != NOT_QUEUED
+    }
+
+    /// Array index of a level (masked: never out of bounds, no check on the hot path).
+    #[inline]
+    fn slot(level: u8) -> usize {
+        usize::from(level) & (LEVELS - 1)
     }
 
     /// The lowest non-empty level, if any slot is queued.
@@ -82,16 +90,29 @@ impl PriorityLru {
     /// Remove and return the next slot to reuse.
     #[inline]
     pub fn pop_front(&mut self) -> Option<u32> {
-        let id = self.front()?;
-        self.remove(id);
+        let l = Self::slot(self.lowest_level()?);
+        let id = self.head[l];
+        let i = id as usize;
+        // Unlink the head of level `l` (its level is known: no lookup, fewer branches).
+        let n = self.next[i];
+        self.head[l] = n;
+        if n == NIL {
+            self.tail[l] = NIL;
+            self.nonempty &= !(1 << l);
+        } else {
+            self.prev[n as usize] = NIL;
+        }
+        self.next[i] = NIL;
+        self.level[i] = NOT_QUEUED;
+        self.len -= 1;
         Some(id)
     }
 
     /// Queue `id` at the back of `level` (reused last among its level).
     #[inline]
     pub fn push_back(&mut self, id: u32, level: u8) {
-        debug_assert!(!self.queued[id as usize] && usize::from(level) < LEVELS);
-        let (i, l) = (id as usize, usize::from(level));
+        debug_assert!(!self.contains(id) && usize::from(level) < LEVELS);
+        let (i, l) = (id as usize, Self::slot(level));
         self.next[i] = NIL;
         self.prev[i] = self.tail[l];
         if self.tail[l] == NIL {
@@ -102,15 +123,14 @@ impl PriorityLru {
         }
         self.tail[l] = id;
         self.level[i] = level;
-        self.queued[i] = true;
         self.len += 1;
     }
 
     /// Queue `id` at the front of `level` (reused first among its level).
     #[inline]
     pub fn push_front(&mut self, id: u32, level: u8) {
-        debug_assert!(!self.queued[id as usize] && usize::from(level) < LEVELS);
-        let (i, l) = (id as usize, usize::from(level));
+        debug_assert!(!self.contains(id) && usize::from(level) < LEVELS);
+        let (i, l) = (id as usize, Self::slot(level));
         self.prev[i] = NIL;
         self.next[i] = self.head[l];
         if self.head[l] == NIL {
@@ -121,16 +141,15 @@ impl PriorityLru {
         }
         self.head[l] = id;
         self.level[i] = level;
-        self.queued[i] = true;
         self.len += 1;
     }
 
     /// Unlink a queued `id`.
     #[inline]
     pub fn remove(&mut self, id: u32) {
-        debug_assert!(self.queued[id as usize]);
+        debug_assert!(self.contains(id));
         let i = id as usize;
-        let l = usize::from(self.level[i]);
+        let l = Self::slot(self.level[i]);
         let (p, n) = (self.prev[i], self.next[i]);
         if p == NIL {
             self.head[l] = n;
@@ -147,7 +166,7 @@ impl PriorityLru {
         }
         self.prev[i] = NIL;
         self.next[i] = NIL;
-        self.queued[i] = false;
+        self.level[i] = NOT_QUEUED;
         self.len -= 1;
     }
 
@@ -185,7 +204,7 @@ impl PriorityLru {
             let mut cur = self.head[l];
             while cur != NIL {
                 let i = cur as usize;
-                if i >= self.queued.len() || !self.queued[i] || usize::from(self.level[i]) != l {
+                if i >= self.level.len() || usize::from(self.level[i]) != l {
                     return Err(format!(
                         "priority LRU: level {l} links to slot {cur} wrongly"
                     ));
@@ -206,7 +225,7 @@ impl PriorityLru {
                 ));
             }
         }
-        let marked = self.queued.iter().filter(|&&q| q).count();
+        let marked = self.level.iter().filter(|&&l| l != NOT_QUEUED).count();
         if count != self.len || marked != self.len {
             return Err(format!(
                 "priority LRU: length {} but walks visit {count} and {marked} slots are marked",
