@@ -110,7 +110,7 @@ impl Pools {
         }
     }
 
-    /// Retention priority of cached GPU block `id` (the default without a tier).
+    /// Retention priority of cached GPU block `id` (the default without prefix caching).
     #[inline]
     pub fn retention_of(&self, id: u32) -> RetentionPriority {
         self.retention.get(id as usize).copied().unwrap_or_default()
