@@ -481,7 +481,8 @@ class KVCacheManager:
 
         One int64 per hash: the slot whose host-pool row the engine writes the block's KV
         into, or -1 when there is nothing to write (already in the GPU prefix cache or the
-        tier, or every slot pinned). Reserved slots are pinned and no prefix hit until
+        tier, or no slot free: every one pinned or holding a block of higher retention
+        priority than the imports' default, 35). Reserved slots are pinned and no prefix hit until
         ``confirm_memory_ops``; then probes find them and claims load them like offloaded
         blocks. Emits ``BlockStored`` with medium ``"CPU"`` per reserved slot.
 
@@ -493,7 +494,8 @@ class KVCacheManager:
         """Release the sequence's blocks (last block first) and forget it.
 
         Unhashed blocks go to the front of the free queue (reused first); cached blocks to
-        the back, so a prompt's tail is evicted before its head. Works on swapped sequences.
+        the back (of their retention priority's level, see ``set_retention_priority``), so
+        a prompt's tail is evicted before its head. Works on swapped sequences.
         """
 
     # -- swap ------------------------------------------------------------------------
