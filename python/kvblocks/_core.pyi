@@ -131,9 +131,19 @@ class BlockStored:
     @property
     def lora_id(self) -> int | None: ...
     @property
+    def lora_name(self) -> str | None:
+        """Name of the sequence's LoRA when its id was registered (``register_lora``)."""
+    @property
+    def extra_keys(self) -> list[tuple[tuple[str, ...], ...] | None] | None:
+        """vLLM's ``extra_keys``: one entry per block, the keys hashed into it
+        (``("lora", lora_name, lora_path)`` on every block of a LoRA sequence,
+        ``("cache_salt", salt)`` on the chain's first block) or ``None``. ``None`` as a
+        whole unless ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks
+        offloaded at eviction (hashes only)."""
+    @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
-        eviction carry hashes only: no parent, no tokens)."""
+        eviction carry hashes only: no parent, no tokens, no LoRA)."""
 
 @final
 class BlockRemoved:
@@ -259,14 +269,35 @@ class KVCacheManager:
         *,
         cache_salt: str | bytes | None = None,
         lora_id: int | None = None,
+        retention_priority: int | None = None,
     ) -> int:
         """Register a sequence and its prompt; return how many leading tokens are cached.
 
         Hashes the prompt's full blocks once (released GIL) and probes the prefix cache
         without claiming anything. The hit is whole blocks and never the whole prompt:
         at most ``floor((len(token_ids) - 1) / block_size)`` blocks, so the last prompt
-        token is always computed.
+        token is always computed. ``retention_priority``: see
+        :meth:`set_retention_priority` (``None``: 35); out of range raises
+        ``InvalidArgumentError`` before anything is added.
         """
+    def set_retention_priority(self, seq_id: int, priority: int) -> None:
+        """Set the sequence's retention priority, an int in ``[0, 100]`` (default 35, as
+        TensorRT-LLM's).
+
+        The blocks the sequence commits or claims from now on carry it into the host
+        tier (a block shared by several sequences keeps the highest), where the lowest
+        priority is evicted first, the least recently used among equals, and an offload
+        of lower priority than every evictable block is skipped
+        (``host_offloads_skipped``). The GPU prefix cache evicts in the same order
+        (uncached blocks first, then cached ones by priority, LRU among equals; with one
+        priority for every sequence this is vLLM's order). Forks inherit it.
+
+        Raises:
+            InvalidArgumentError: ``priority`` outside ``[0, 100]`` (nothing changes).
+            UnknownSequenceError: ``seq_id`` is not held.
+        """
+    def retention_priority(self, seq_id: int) -> int:
+        """The sequence's retention priority (see :meth:`set_retention_priority`)."""
     def has_sequence(self, seq_id: int) -> bool: ...
     def num_tokens(self, seq_id: int) -> int:
         """Known tokens of the sequence: prompt plus committed sampled tokens."""
@@ -285,6 +316,21 @@ class KVCacheManager:
     def num_tier_tokens(self, seq_id: int) -> int:
         """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
         charges as loads instead of recompute (0 without a tier)."""
+    def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
+        """Cap a waiting sequence's claim so that it loads at most ``max_loads`` blocks
+        from the host tier; return the cached tokens it would claim now.
+
+        The cached prefix is cut right before its ``max_loads + 1``-th host-tier block;
+        the blocks past the cut are computed instead of loaded. How a scheduler bounds a
+        step's host-to-GPU transfers (``SchedulerConfig.max_load_blocks_per_step``);
+        ``refresh_prefixes`` restores the full hit. No change without a tier or when the
+        loads fit.
+
+        Raises:
+            InvalidArgumentError: ``max_loads`` is negative or not an int.
+            UnknownSequenceError: ``seq_id`` is not held.
+            SequenceStateError: the sequence is already allocated, or swapped.
+        """
     def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]: ...
     def is_swapped(self, seq_id: int) -> bool: ...
     def probe_prefixes(self, seq_ids: _SeqIds) -> npt.NDArray[np.int64]:
@@ -435,7 +481,8 @@ class KVCacheManager:
 
         One int64 per hash: the slot whose host-pool row the engine writes the block's KV
         into, or -1 when there is nothing to write (already in the GPU prefix cache or the
-        tier, or every slot pinned). Reserved slots are pinned and no prefix hit until
+        tier, or no slot free: every one pinned or holding a block of higher retention
+        priority than the imports' default, 35). Reserved slots are pinned and no prefix hit until
         ``confirm_memory_ops``; then probes find them and claims load them like offloaded
         blocks. Emits ``BlockStored`` with medium ``"CPU"`` per reserved slot.
 
@@ -447,7 +494,8 @@ class KVCacheManager:
         """Release the sequence's blocks (last block first) and forget it.
 
         Unhashed blocks go to the front of the free queue (reused first); cached blocks to
-        the back, so a prompt's tail is evicted before its head. Works on swapped sequences.
+        the back (of their retention priority's level, see ``set_retention_priority``), so
+        a prompt's tail is evicted before its head. Works on swapped sequences.
         """
 
     # -- swap ------------------------------------------------------------------------

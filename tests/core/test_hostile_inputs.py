@@ -128,6 +128,7 @@ FUZZ = textwrap.dedent(
         "can_swap_out": 1, "can_swap_in": 1, "refresh_prefixes": 1, "probe_prefixes": 1,
         "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1, "num_tier_tokens": 1,
         "import_tier_blocks": 1, "num_cached_prefix_blocks": 1, "tier_slot_hashes": 1,
+        "set_retention_priority": 2, "retention_priority": 1, "limit_tier_loads": 2,
     }
     for _ in range(6000):
         name = rng.choice(sorted(methods))
@@ -135,6 +136,8 @@ FUZZ = textwrap.dedent(
         kwargs = {}
         if name == "block_tables" and rng.random() < 0.5:
             kwargs["max_blocks"] = rng.choice(values)
+        if name == "add_sequence" and rng.random() < 0.5:
+            kwargs["retention_priority"] = rng.choice(values)
         if name in ("allocate_slots", "allocate_slots_batch") and rng.random() < 0.5:
             kwargs["num_lookahead_tokens"] = rng.choice(values)
         attempt(lambda: getattr(m, name)(*args, **kwargs))

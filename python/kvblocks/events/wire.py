@@ -158,7 +158,9 @@ def to_wire_events(
     """Convert :meth:`KVCacheManager.take_events` output to vLLM's event structs.
 
     Events that already are wire structs pass through unchanged. ``medium`` is the event's
-    own when it has one (lower tiers), else ``"GPU"``. kvblocks runs one KV-cache group
+    own when it has one (lower tiers), else ``"GPU"``. ``lora_name`` and ``extra_keys``
+    (vLLM's per-block keys, ``hash_algo="sha256_cbor"`` only) come from the event; the
+    array form carries ``lora_name`` but no ``extra_keys``. kvblocks runs one KV-cache group
     (``group_idx=0``), full attention or a uniform ``sliding_window``.
 
     Raises:
@@ -177,10 +179,11 @@ def to_wire_events(
             parent_w = None if parent is None else convert_hash(parent, hash_format)
             medium = getattr(ev, "medium", None) or MEDIUM_GPU
             tokens = list(ev.token_ids)
+            lora_name = ev.lora_name
             if array:
                 out.append(
                     ArrayBlockStored(
-                        hashes, parent_w, tokens, ev.block_size, ev.lora_id, medium, None
+                        hashes, parent_w, tokens, ev.block_size, ev.lora_id, medium, lora_name
                     )
                 )
             else:
@@ -192,7 +195,8 @@ def to_wire_events(
                         block_size=ev.block_size,
                         lora_id=ev.lora_id,
                         medium=medium,
-                        lora_name=None,
+                        lora_name=lora_name,
+                        extra_keys=ev.extra_keys,
                         group_idx=0,
                         kv_cache_spec_kind=kind,
                         kv_cache_spec_sliding_window=window,

@@ -37,6 +37,13 @@ class SchedulerConfig:
             than ``max_num_batched_tokens`` is rejected at ``add_request``); only a
             preempted sequence recomputed with more tokens than the budget is chunked.
         num_lookahead_tokens: extra slots reserved per decode step (speculative decoding).
+        max_load_blocks_per_step: most host-tier loads (host -> GPU block copies) one
+            step queues; ``None``: unbounded. Loads are transfers, not compute, so they
+            never count against ``max_num_batched_tokens``; this bounds them instead. A
+            request whose loads exceed what the step has left waits for the next step;
+            one whose loads exceed the whole bound is admitted in a step that has
+            queued no load yet, with only the prefix whose loads fit (the rest is
+            computed), so no request waits forever. Only matters with a host tier.
     """
 
     max_num_batched_tokens: int = 2048
@@ -45,6 +52,7 @@ class SchedulerConfig:
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
+    max_load_blocks_per_step: int | None = None
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -62,6 +70,13 @@ class SchedulerConfig:
         if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgumentError(
                 f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
+            )
+        bound = self.max_load_blocks_per_step
+        if bound is not None and (
+            isinstance(bound, bool) or not isinstance(bound, int) or bound < 0
+        ):
+            raise InvalidArgumentError(
+                f"max_load_blocks_per_step must be None or an int >= 0, got {bound!r}"
             )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise InvalidArgumentError(

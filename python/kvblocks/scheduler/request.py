@@ -50,6 +50,10 @@ class Request:
         cache_salt: prefix-cache namespace (blocks are shared only within one salt).
         lora_id: LoRA adapter; also a prefix-cache namespace.
         eos_token_id: the model's end-of-sequence token; ``None`` disables EOS stops.
+        retention_priority: how long the request's prefix blocks stay in the host tier,
+            an int in ``[0, 100]`` (TensorRT-LLM's scale): lower priorities are evicted
+            first (see ``KVCacheManager.set_retention_priority``). ``None``: the
+            manager's default, 35.
     """
 
     request_id: str
@@ -60,6 +64,7 @@ class Request:
     cache_salt: str | bytes | None = None
     lora_id: int | None = None
     eos_token_id: int | None = None
+    retention_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -98,6 +103,12 @@ class Request:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InvalidArgumentError(
                 f"request {self.request_id!r}: priority must be an int, got {self.priority!r}"
+            )
+        p = self.retention_priority
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100):
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: retention_priority must be an int in [0, 100] "
+                f"or None, got {p!r}"
             )
         if self.lora_id is not None and (
             isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int) or self.lora_id < 0

@@ -19,7 +19,9 @@ Each step, in this order:
    requests are admitted past it; after ``max_num_seqs`` holds the step's admission
    stops), and only while its cached prefix keeps growing between holds
    (:class:`~kvblocks.scheduler.queues.prefix_hold.PrefixHold`; see
-   docs/scheduler-engine-interface.md, *Same-step prefix sharing*).
+   docs/scheduler-engine-interface.md, *Same-step prefix sharing*). With a host tier,
+   ``max_load_blocks_per_step`` bounds the loads admissions queue (see
+   :class:`SchedulerConfig`); loaded tokens never count as batched tokens.
 
 Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
 over a thousand sequences is a few vectorised operations and a few Rust calls; Python
@@ -159,6 +161,8 @@ class Scheduler:
         self._num_split = 0  # requests in SPLIT state (their parts sit in the queues)
         self._prefix_hold = PrefixHold()
         self._prefix_caching = bool(manager.enable_prefix_caching)
+        # Host-tier loads the step in progress queued (admissions claim them).
+        self._step_loads = 0
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -199,6 +203,7 @@ class Scheduler:
                 request.prompt_token_ids,
                 cache_salt=request.cache_salt,
                 lora_id=request.lora_id,
+                **_retention_kwargs(request),
             )
         except Exception:
             self._free_seq_ids.append(seq_id)  # e.g. a LoRA id the manager rejects
@@ -349,6 +354,7 @@ class Scheduler:
         self._memory_ops = []
         swap_in_maps: list[npt.NDArray[np.int64]] = []
         self._preempted = False
+        self._step_loads = 0
 
         # 1. decodes, with preemption when the pool is short.
         end = min(len(table), budget, cfg.max_num_seqs)
@@ -1110,6 +1116,8 @@ class Scheduler:
         seq = state.seq_ids[0]
         if state.registered_step != self.counters.num_steps:
             self._register(state)  # claim against the cache as it is now
+        if not self._fit_loads(seq):
+            return None
         status = mgr.can_allocate(seq, num_lookahead_tokens=0)
         if status == AllocStatus.NEVER:
             self._end_early(state, FinishReason.LENGTH)
@@ -1131,6 +1139,10 @@ class Scheduler:
             length = budget
         if mgr.allocate_slots(seq, length) is None:
             return None
+        if self._tiered:
+            loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
+            self._step_loads += loads
+            self.counters.num_load_blocks += loads
         state.num_computed = int(mgr.num_computed_tokens(seq))
         self._waiting.remove(state)
         self._prefix_hold.release(state)
@@ -1150,6 +1162,29 @@ class Scheduler:
             counters.num_prompt_tokens_admitted += len(state.tokens)
             counters.num_cached_tokens_admitted += state.num_computed
         return length
+
+    def _fit_loads(self, seq: int) -> bool:
+        """Keep the waiting sequence's host-tier loads within what the step has left of
+        ``max_load_blocks_per_step``; ``False`` if it must wait for a later step.
+
+        Loads over what is left wait, unless the step has queued none yet: then the
+        request's loads exceed the whole bound, and it is admitted with only the prefix
+        whose loads fit (the rest computed), so it never waits forever.
+        """
+        bound = self.config.max_load_blocks_per_step
+        if bound is None or not self._tiered:
+            return True
+        mgr = self.manager
+        loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
+        left = bound - self._step_loads
+        if loads <= left:
+            return True
+        if self._step_loads > 0:
+            self.counters.num_loads_deferred += loads
+            return False
+        mgr.limit_tier_loads(seq, left)
+        self.counters.num_loads_recomputed += loads - left
+        return True
 
     def _wait_for_prefix(self, state: RequestState, seq: int, cached: int) -> bool:
         """Whether the prompt blocks right past ``state``'s cached prefix are being
@@ -1193,7 +1228,11 @@ class Scheduler:
         else:
             request = state.request
             mgr.add_sequence(
-                seq, state.tokens, cache_salt=request.cache_salt, lora_id=request.lora_id
+                seq,
+                state.tokens,
+                cache_salt=request.cache_salt,
+                lora_id=request.lora_id,
+                **_retention_kwargs(request),
             )
         state.registered_step = self.counters.num_steps
 
@@ -1448,8 +1487,17 @@ class Scheduler:
         row["num_prefill_tokens"] = float(output.num_prefill_tokens)
         row["num_decode_tokens"] = float(output.num_decode_tokens)
         row["num_preemptions"] = float(counters.num_preemptions)
+        row["num_load_blocks"] = float(self._step_loads)
         row["prefix_hit_rate"] = counters.prefix_hit_rate
         return row
+
+
+def _retention_kwargs(request: Request) -> dict[str, int]:
+    """``add_sequence``'s ``retention_priority`` argument when the request sets one (a
+    manager without retention priorities is never passed it otherwise)."""
+    if request.retention_priority is None:
+        return {}
+    return {"retention_priority": request.retention_priority}
 
 
 def _finish_reason(reason: FinishReason | str) -> FinishReason:

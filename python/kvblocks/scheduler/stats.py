@@ -19,7 +19,14 @@ _PERCENTILES = (50, 90, 99)
 
 @dataclass
 class SchedulerCounters:
-    """Counters since the scheduler was created (like the seed's ``Stats``)."""
+    """Counters since the scheduler was created (like the seed's ``Stats``).
+
+    Host-tier loads (``SchedulerConfig.max_load_blocks_per_step``): ``num_load_blocks``
+    queued; ``num_loads_deferred``, the loads of admissions put off to a later step
+    because the step's bound was reached (counted at each step a request waits);
+    ``num_loads_recomputed``, host-tier blocks computed instead of loaded because one
+    request's loads exceeded the whole bound.
+    """
 
     num_steps: int = 0
     num_requests_added: int = 0
@@ -34,6 +41,9 @@ class SchedulerCounters:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_generated_tokens: int = 0
+    num_load_blocks: int = 0
+    num_loads_deferred: int = 0
+    num_loads_recomputed: int = 0
 
     @property
     def num_preemptions(self) -> int:

@@ -1,6 +1,6 @@
 //! A pool of blocks of one device: reference counts plus the free queue.
 
-use crate::free_queue::FreeQueue;
+use crate::priority_lru::PriorityLru;
 
 /// Blocks `0..num_blocks` of one device; ids below `first` are reserved (the null block).
 ///
@@ -9,7 +9,7 @@ use crate::free_queue::FreeQueue;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockPool {
     ref_counts: Vec<u32>,
-    free: FreeQueue,
+    free: PriorityLru,
     first: u32,
 }
 
@@ -18,7 +18,7 @@ impl BlockPool {
     pub fn new(num_blocks: usize, first: u32) -> Self {
         BlockPool {
             ref_counts: vec![0; num_blocks],
-            free: FreeQueue::new(num_blocks, first),
+            free: PriorityLru::new(num_blocks, first),
             first,
         }
     }
@@ -70,13 +70,13 @@ impl BlockPool {
 
     /// The free queue (read only).
     #[inline]
-    pub fn free_queue(&self) -> &FreeQueue {
+    pub fn free_queue(&self) -> &PriorityLru {
         &self.free
     }
 
     /// The free queue, for the manager's eviction-ordering rules.
     #[inline]
-    pub fn free_queue_mut(&mut self) -> &mut FreeQueue {
+    pub fn free_queue_mut(&mut self) -> &mut PriorityLru {
         &mut self.free
     }
 

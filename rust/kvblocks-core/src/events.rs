@@ -1,7 +1,36 @@
 //! KV cache events for routers (one-to-one with prefix-cache entries).
 
+use std::sync::Arc;
+
 use crate::block_hash::BlockHash;
 use crate::host_tier::Medium;
+
+/// vLLM's LoRA hash key, `("lora", name, path)` (the fields of its `LoRARequest`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraKey {
+    /// `lora_name`.
+    pub name: Arc<str>,
+    /// `lora_path` (`""` when not given).
+    pub path: Arc<str>,
+}
+
+/// The extra keys `hash_algo="sha256_cbor"` hashed a sequence's blocks with, as vLLM's
+/// `generate_block_hash_extra_keys` builds them: the LoRA key on every block, the cache
+/// salt on the first block of the chain only (see [`crate::BlockHasher`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SeqExtraKeys {
+    /// The LoRA's key, if the sequence has a LoRA.
+    pub lora: Option<LoraKey>,
+    /// The cache salt (a non-empty UTF-8 salt; vLLM ignores an empty one).
+    pub cache_salt: Option<Arc<str>>,
+}
+
+impl SeqExtraKeys {
+    /// Whether no block carries a key (vLLM's `extra_keys` entry is then `None`).
+    pub fn is_empty(&self) -> bool {
+        self.lora.is_none() && self.cache_salt.is_none()
+    }
+}
 
 /// Full blocks entered the prefix cache (one event per run of consecutive blocks).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,9 +45,28 @@ pub struct BlockStored {
     pub block_size: usize,
     /// LoRA adapter of the sequence that stored the blocks.
     pub lora_id: Option<u64>,
+    /// Name of that LoRA, when its id was registered (`register_lora`).
+    pub lora_name: Option<Arc<str>>,
+    /// The extra keys the blocks were hashed with (`sha256_cbor` only, else `None`): the
+    /// cache salt applies to the event's first block when it starts the chain
+    /// (`parent_block_hash` is `None` and `token_ids` are given), the LoRA key to every
+    /// block. Events of blocks offloaded at eviction carry none (see `medium`).
+    pub extra_keys: Option<Arc<SeqExtraKeys>>,
     /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
     /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
     pub medium: Medium,
+}
+
+impl BlockStored {
+    /// vLLM's `extra_keys` entry of the event's block `j`: the LoRA key and the cache salt
+    /// hashed into it, `None` when it has neither or the event carries no extra keys.
+    pub fn block_extra_keys(&self, j: usize) -> Option<(Option<&LoraKey>, Option<&str>)> {
+        let keys = self.extra_keys.as_deref()?;
+        let chain_start = j == 0 && self.parent_block_hash.is_none();
+        let salt = keys.cache_salt.as_deref().filter(|_| chain_start);
+        let lora = keys.lora.as_ref();
+        (lora.is_some() || salt.is_some()).then_some((lora, salt))
+    }
 }
 
 /// Blocks left the prefix cache (evicted to be reused).

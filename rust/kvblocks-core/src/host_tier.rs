@@ -1,7 +1,8 @@
 //! The host tier: prefix blocks kept in host memory below the GPU pool.
 //!
-//! The core only decides: it keys `capacity` tier slots by block hash, evicts the least
-//! recently used one, and issues memory ops ([`MemoryOp`]) that the engine applies to the
+//! The core only decides: it keys `capacity` tier slots by block hash, evicts the block of
+//! the lowest retention priority ([`RetentionPriority`]; the least recently used one among
+//! equals), and issues memory ops ([`MemoryOp`]) that the engine applies to the
 //! bytes (`offload`: GPU block -> tier slot, `load`: tier slot -> GPU block).
 //!
 //! Transfers on the tier side may be asynchronous, so a slot is *pinned* from the moment
@@ -14,14 +15,16 @@
 //! * the source slot of a load has a reader: it leaves the LRU list, so no offload
 //!   overwrites it while the copy may still read it.
 //!
-//! Pinned slots are never evicted; when every slot is pinned an offload is skipped (the
-//! block is simply evicted, as without a tier) and counted, so a full tier never fails a
-//! request.
+//! Pinned slots are never evicted; when every slot is pinned, or every unpinned one holds a
+//! block of higher priority than the one offered, the offload is skipped (the block is
+//! simply evicted, as without a tier) and counted, so a full tier never fails a request
+//! and a flood of low-priority blocks never pushes out high-priority ones.
 
 use rustc_hash::FxHashMap;
 
 use crate::block_hash::BlockHash;
-use crate::free_queue::FreeQueue;
+use crate::priority_lru::{cached_level, PriorityLru, EMPTY_LEVEL};
+use crate::retention::RetentionPriority;
 
 /// Kind of a memory op (see [`MemoryOp`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -133,7 +136,8 @@ pub struct TierStats {
     pub loads: u64,
     /// Blocks offloaded (GPU block -> tier slot).
     pub offloads: u64,
-    /// Offloads skipped because every slot was pinned.
+    /// Offloads skipped because every slot was pinned or held a block of higher
+    /// retention priority.
     pub offloads_skipped: u64,
     /// Tier blocks evicted to make room for an offload or an import.
     pub evictions: u64,
@@ -157,6 +161,19 @@ struct Slot {
     phase: Phase,
     /// Loads from the slot that are queued or in flight.
     readers: u32,
+    /// Retention priority of the block (the highest one offered for it).
+    priority: RetentionPriority,
+}
+
+impl Slot {
+    /// The slot's level in the LRU lists.
+    fn level(&self) -> u8 {
+        if self.phase == Phase::Empty {
+            EMPTY_LEVEL
+        } else {
+            cached_level(self.priority)
+        }
+    }
 }
 
 /// What an unconfirmed op pins.
@@ -171,9 +188,9 @@ enum Pin {
 pub struct HostTier {
     map: FxHashMap<BlockHash, u32>,
     slots: Vec<Slot>,
-    /// Unpinned slots, front = next to reuse: empty slots first, then written ones from
-    /// least to most recently used.
-    lru: FreeQueue,
+    /// Unpinned slots in reuse order: empty slots first, then written ones by retention
+    /// priority, lowest first, and from least to most recently used among equals.
+    lru: PriorityLru,
     /// Pins of ops not yet taken by the engine.
     queued: Vec<Pin>,
     /// Pins of ops taken and not yet confirmed.
@@ -192,10 +209,11 @@ impl HostTier {
                     hash: BlockHash::default(),
                     phase: Phase::Empty,
                     readers: 0,
+                    priority: RetentionPriority::DEFAULT,
                 };
                 capacity
             ],
-            lru: FreeQueue::new(capacity, 0),
+            lru: PriorityLru::new(capacity, 0),
             queued: Vec::new(),
             in_flight: Vec::new(),
             policy,
@@ -213,23 +231,25 @@ impl HostTier {
         (self.slots[s as usize].phase == Phase::Ready).then_some(s)
     }
 
-    /// Copy GPU block `gpu` holding `hash` into a slot: queues the op and returns the
-    /// evicted tier hash (if any) and whether the block was stored. Already held: only
-    /// refreshes its LRU position.
+    /// Copy GPU block `gpu` holding `hash` (of retention `priority`) into a slot: queues
+    /// the op and returns the evicted tier hash (if any) and whether the block was stored.
+    /// Already held: only refreshes its LRU position and raises its priority.
     pub fn offload(
         &mut self,
         gpu: u32,
         hash: BlockHash,
+        priority: RetentionPriority,
         ops: &mut Vec<MemoryOp>,
     ) -> (Option<BlockHash>, bool) {
         if let Some(&s) = self.map.get(&hash) {
+            self.retain(s, priority);
             if self.lru.contains(s) {
                 self.lru.remove(s);
-                self.lru.push_back(s);
+                self.lru.push_back(s, self.slots[s as usize].level());
             }
             return (None, false);
         }
-        let Some((s, evicted)) = self.claim_lru_slot(hash) else {
+        let Some((s, evicted)) = self.claim_lru_slot(hash, priority) else {
             self.stats.offloads_skipped += 1;
             return (None, false);
         };
@@ -243,10 +263,45 @@ impl HostTier {
         (evicted, true)
     }
 
-    /// Take the least recently used unpinned slot for `hash`, to be written (evicting the
-    /// block it held, if any): the slot and the evicted hash; `None` when every slot is
-    /// pinned. The caller records the write's pin.
-    fn claim_lru_slot(&mut self, hash: BlockHash) -> Option<(u32, Option<BlockHash>)> {
+    /// Raise the retention of the block `hash` if the tier holds it (a sequence of
+    /// higher priority shares it); its LRU position is unchanged.
+    pub fn raise_priority(&mut self, hash: &BlockHash, priority: RetentionPriority) {
+        if let Some(&s) = self.map.get(hash) {
+            if priority > self.slots[s as usize].priority {
+                self.retain(s, priority);
+                if self.lru.contains(s) {
+                    // Same recency rank as a fresh use: it moves to its new level's back.
+                    self.lru.remove(s);
+                    self.lru.push_back(s, self.slots[s as usize].level());
+                }
+            }
+        }
+    }
+
+    /// Priority of the block a ready slot holds.
+    pub fn slot_priority(&self, s: u32) -> RetentionPriority {
+        self.slots[s as usize].priority
+    }
+
+    fn retain(&mut self, s: u32, priority: RetentionPriority) {
+        let slot = &mut self.slots[s as usize];
+        slot.priority = slot.priority.max(priority);
+    }
+
+    /// Take the next unpinned slot for `hash` (of retention `priority`), to be written,
+    /// evicting the block it held, if any: an empty slot, else the least recently used
+    /// of the lowest priority, if that priority is not above `priority`. The slot and the
+    /// evicted hash; `None` when no slot qualifies. The caller records the write's pin.
+    fn claim_lru_slot(
+        &mut self,
+        hash: BlockHash,
+        priority: RetentionPriority,
+    ) -> Option<(u32, Option<BlockHash>)> {
+        let lowest = self.lru.lowest_level()?;
+        if lowest != EMPTY_LEVEL && lowest > cached_level(priority) {
+            // Everything evictable is worth more than the block offered.
+            return None;
+        }
         let s = self.lru.pop_front()?;
         let slot = &mut self.slots[s as usize];
         let evicted = if slot.phase == Phase::Ready {
@@ -260,6 +315,7 @@ impl HostTier {
             hash,
             phase: Phase::Writing,
             readers: 0,
+            priority,
         };
         self.map.insert(hash, s);
         Some((s, evicted))
@@ -273,13 +329,17 @@ impl HostTier {
 
     /// Reserve a slot for `hash`, whose KV the engine writes from outside (an import from
     /// a remote store): the slot is `Writing` and its pin already counts as taken, so the
-    /// next `confirm` makes it a hit. `None` when the hash is held already or every slot
-    /// is pinned; else the slot and the evicted tier hash, if any.
-    pub fn reserve(&mut self, hash: BlockHash) -> Option<(u32, Option<BlockHash>)> {
+    /// next `confirm` makes it a hit. `None` when the hash is held already or no slot
+    /// qualifies (see `claim_lru_slot`); else the slot and the evicted tier hash, if any.
+    pub fn reserve(
+        &mut self,
+        hash: BlockHash,
+        priority: RetentionPriority,
+    ) -> Option<(u32, Option<BlockHash>)> {
         if self.map.contains_key(&hash) {
             return None;
         }
-        let (s, evicted) = self.claim_lru_slot(hash)?;
+        let (s, evicted) = self.claim_lru_slot(hash, priority)?;
         self.in_flight.push(Pin::Write(s));
         self.stats.imports += 1;
         Some((s, evicted))
@@ -321,14 +381,14 @@ impl HostTier {
                     let slot = &mut self.slots[s as usize];
                     slot.phase = Phase::Ready;
                     if slot.readers == 0 {
-                        self.lru.push_back(s);
+                        self.lru.push_back(s, slot.level());
                     }
                 }
                 Pin::Read(s) => {
                     let slot = &mut self.slots[s as usize];
                     slot.readers -= 1;
                     if slot.readers == 0 && slot.phase == Phase::Ready {
-                        self.lru.push_back(s);
+                        self.lru.push_back(s, slot.level());
                     }
                 }
             }
@@ -347,7 +407,7 @@ impl HostTier {
                 slot.phase = Phase::Empty;
                 // Empty slots are reused first.
                 self.lru.remove(s);
-                self.lru.push_front(s);
+                self.lru.push_front(s, EMPTY_LEVEL);
             }
         }
         removed
@@ -408,6 +468,14 @@ impl HostTier {
                     self.lru.contains(id)
                 ));
             }
+            if let Some(level) = self.lru.level_of(id) {
+                if level != slot.level() {
+                    return Err(format!(
+                        "host tier slot {s} is queued at level {level}, not {}",
+                        slot.level()
+                    ));
+                }
+            }
         }
         if held != self.map.len() {
             return Err(format!(
@@ -431,15 +499,17 @@ mod tests {
         h.block(None, &ns, &[token])
     }
 
+    const P: RetentionPriority = RetentionPriority::DEFAULT;
+
     #[test]
     fn lru_eviction_and_pins() {
         let mut t = HostTier::new(2, OffloadPolicy::OnEvict);
         let mut ops = Vec::new();
-        assert_eq!(t.offload(5, hash(1), &mut ops), (None, true));
-        assert_eq!(t.offload(6, hash(2), &mut ops), (None, true));
+        assert_eq!(t.offload(5, hash(1), P, &mut ops), (None, true));
+        assert_eq!(t.offload(6, hash(2), P, &mut ops), (None, true));
         // Both slots are being written: pinned, no hit, no room.
         assert!(t.lookup_ready(&hash(1)).is_none());
-        assert_eq!(t.offload(7, hash(3), &mut ops), (None, false));
+        assert_eq!(t.offload(7, hash(3), P, &mut ops), (None, false));
         assert_eq!(t.stats().offloads_skipped, 1);
         t.check().unwrap();
         // Confirm without taking: still pinned.
@@ -451,8 +521,8 @@ mod tests {
         assert!(t.lookup_ready(&hash(2)).is_some());
         // A load pins slot 1: the next offload evicts hash(2) instead.
         t.pin_read(s1);
-        assert_eq!(t.offload(8, hash(3), &mut ops), (Some(hash(2)), true));
-        assert_eq!(t.offload(9, hash(4), &mut ops), (None, false));
+        assert_eq!(t.offload(8, hash(3), P, &mut ops), (Some(hash(2)), true));
+        assert_eq!(t.offload(9, hash(4), P, &mut ops), (None, false));
         t.check().unwrap();
         t.mark_taken();
         t.confirm();
@@ -465,5 +535,62 @@ mod tests {
         assert_eq!(t.clear_unpinned().len(), 2);
         t.check().unwrap();
         assert_eq!(t.stats().num_blocks, 0);
+    }
+}
+
+#[cfg(test)]
+mod priority_tests {
+    use super::*;
+    use crate::block_hash::BlockHasher;
+    use crate::config::HashAlgo;
+
+    fn hash(token: u32) -> BlockHash {
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let ns = h.namespace(None, None).expect("no salt, no LoRA");
+        h.block(None, &ns, &[token])
+    }
+
+    fn prio(p: i64) -> RetentionPriority {
+        RetentionPriority::new(p).unwrap()
+    }
+
+    fn settle(t: &mut HostTier) {
+        t.mark_taken();
+        t.confirm();
+    }
+
+    #[test]
+    fn lowest_priority_is_evicted_first_and_low_offers_are_skipped() {
+        let mut t = HostTier::new(3, OffloadPolicy::OnEvict);
+        let mut ops = Vec::new();
+        t.offload(1, hash(1), prio(90), &mut ops);
+        t.offload(2, hash(2), prio(10), &mut ops);
+        t.offload(3, hash(3), prio(50), &mut ops);
+        settle(&mut t);
+        // Full: a priority-50 offer evicts the priority-10 block, though hash(1) is older.
+        assert_eq!(
+            t.offload(4, hash(4), prio(50), &mut ops),
+            (Some(hash(2)), true)
+        );
+        settle(&mut t);
+        // Among equals (3 and 4 at 50) the least recently used goes.
+        assert_eq!(
+            t.offload(5, hash(5), prio(60), &mut ops),
+            (Some(hash(3)), true)
+        );
+        settle(&mut t);
+        // An offer below everything held is skipped, nothing evicted.
+        assert_eq!(t.offload(6, hash(6), prio(10), &mut ops), (None, false));
+        assert_eq!(t.stats().offloads_skipped, 1);
+        assert!(t.lookup_ready(&hash(1)).is_some());
+        // Re-offering a held block raises its priority: hash(4) now outranks hash(5).
+        t.raise_priority(&hash(4), prio(95));
+        assert_eq!(
+            t.offload(7, hash(7), prio(60), &mut ops),
+            (Some(hash(5)), true)
+        );
+        settle(&mut t);
+        assert_eq!(t.slot_priority(t.lookup_ready(&hash(4)).unwrap()), prio(95));
+        t.check().unwrap();
     }
 }

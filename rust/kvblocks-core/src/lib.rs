@@ -17,8 +17,10 @@
 //!   the manager exactly as it was, free-queue order included.
 //! * **Free order.** Freed blocks are processed last block first: unhashed blocks go to
 //!   the front of the free queue (reused first), cached blocks to the back (evicted last,
-//!   a prompt's tail before its head). Sliding-window releases inside one `commit` follow
-//!   the same rule (last released block first). The CPU pool has a single rule: freed
+//!   a prompt's tail before its head) of their [`RetentionPriority`]'s level: lower
+//!   priorities are evicted first (one priority for all, the default, is vLLM's order).
+//!   Sliding-window releases inside one `commit` follow the same rule (last released
+//!   block first). The CPU pool has a single rule: freed
 //!   blocks go to the front, last first.
 //! * **Prefix cache.** Block hashes chain the parent hash and the extra keys (cache salt,
 //!   LoRA id); see [`BlockHasher`] for the exact, domain-separated encoding. Eviction is
@@ -29,8 +31,9 @@
 //!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
 //!   computing, so a scheduler can hold a request back a step instead of recomputing them.
 //! * **Host tier.** With `host_cache_blocks > 0`, prefix blocks evicted from the GPU
-//!   cache (or, write-through, every cached block) are offloaded to LRU host slots keyed
-//!   by hash, and a probe continues into the tier: a hit there is claimed by taking a
+//!   cache (or, write-through, every cached block) are offloaded to host slots keyed by
+//!   hash, evicted by [`RetentionPriority`] (lowest first, LRU among equals), and a probe
+//!   continues into the tier: a hit there is claimed by taking a
 //!   fresh GPU block and queuing a load. Every block move (swaps, copies, offloads,
 //!   loads) goes into one ordered list, `take_memory_ops`; tier slots stay pinned until
 //!   `confirm_memory_ops` (see the `host_tier` module).
@@ -63,10 +66,11 @@ pub mod cbor;
 mod config;
 mod error;
 mod events;
-mod free_queue;
 mod host_tier;
 mod manager;
 mod prefix_cache;
+mod priority_lru;
+mod retention;
 mod row_prefixes;
 mod sequence;
 mod stats;
@@ -78,9 +82,10 @@ pub use block_hash::{BlockHash, BlockHasher};
 pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
 pub use error::{KvError, Result};
-pub use events::{BlockRemoved, BlockStored, KvCacheEvent};
+pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
+pub use retention::RetentionPriority;
 pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;
 

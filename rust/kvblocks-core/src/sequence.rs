@@ -1,6 +1,11 @@
 //! Per-sequence state held by the manager.
 
+use std::sync::Arc;
+
 use crate::block_hash::BlockHash;
+use crate::events::{BlockStored, SeqExtraKeys};
+use crate::host_tier::Medium;
+use crate::retention::RetentionPriority;
 
 /// One sequence: its tokens, computed count, block table and prefix-cache bookkeeping.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +28,12 @@ pub struct Sequence {
     pub namespace: BlockHash,
     /// LoRA id, reported in `BlockStored` events.
     pub lora_id: Option<u64>,
+    /// The LoRA's registered name, reported in `BlockStored` events.
+    pub lora_name: Option<Arc<str>>,
+    /// vLLM's extra hash keys (`sha256_cbor` only), reported in `BlockStored` events.
+    pub extra_keys: Option<Arc<SeqExtraKeys>>,
+    /// Retention priority of the blocks it commits or claims (host-tier eviction order).
+    pub retention: RetentionPriority,
     /// Hashes of the leading full blocks (the prompt's at add, extended as blocks fill).
     pub hashes: Vec<BlockHash>,
     /// Cached-prefix blocks found at `add_sequence`: the claim never exceeds this.
@@ -45,4 +56,26 @@ pub struct Sequence {
     /// Table range the pending reservation fills with known-hash blocks (see
     /// `manager::in_flight`); empty without a reservation.
     pub in_flight: std::ops::Range<usize>,
+}
+
+impl Sequence {
+    /// An empty `BlockStored` run of this sequence's blocks, sized for `capacity` blocks.
+    pub fn stored_event(
+        &self,
+        parent: Option<BlockHash>,
+        capacity: usize,
+        block_size: usize,
+        medium: Medium,
+    ) -> BlockStored {
+        BlockStored {
+            block_hashes: Vec::with_capacity(capacity),
+            parent_block_hash: parent,
+            token_ids: Vec::with_capacity(capacity * block_size),
+            block_size,
+            lora_id: self.lora_id,
+            lora_name: self.lora_name.clone(),
+            extra_keys: self.extra_keys.clone(),
+            medium,
+        }
+    }
 }

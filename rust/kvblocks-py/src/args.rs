@@ -31,6 +31,17 @@ pub(crate) fn seq_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     Ok(int_in(obj, name, 0, SEQ_ID_END)? as u64)
 }
 
+/// A retention priority (`0..=100`), as the core's checked newtype.
+pub(crate) fn retention_priority(
+    obj: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<kvblocks_core::RetentionPriority> {
+    let value = scalar_int(obj, name)?;
+    let value = i64::try_from(value).unwrap_or(i64::MAX);
+    kvblocks_core::RetentionPriority::new(value)
+        .map_err(|_| invalid_argument(format!("{name} must be in [0, 100], got {value}")))
+}
+
 /// A non-negative count that fits `usize`.
 pub(crate) fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
     let value = int_in(obj, name, 0, COUNT_END)?;

@@ -2,7 +2,7 @@
 
 use kvblocks_core::{BlockHash, KvCacheEvent};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 fn hashes_to_py<'py>(py: Python<'py>, hashes: &[BlockHash]) -> Vec<Bound<'py, PyBytes>> {
     hashes
@@ -66,6 +66,39 @@ impl BlockStored {
         self.inner.lora_id
     }
 
+    /// Name of that LoRA when its id was registered (``register_lora``), else ``None``.
+    #[getter]
+    fn lora_name(&self) -> Option<&str> {
+        self.inner.lora_name.as_deref()
+    }
+
+    /// vLLM's ``extra_keys``: per block, the tuple of keys hashed into it
+    /// (``("lora", name, path)``, ``("cache_salt", salt)``) or ``None``; ``None`` as a
+    /// whole unless ``hash_algo="sha256_cbor"``.
+    #[getter]
+    fn extra_keys<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        if self.inner.extra_keys.is_none() {
+            return Ok(None);
+        }
+        let list = PyList::empty(py);
+        for j in 0..self.inner.block_hashes.len() {
+            match self.inner.block_extra_keys(j) {
+                None => list.append(py.None())?,
+                Some((lora, salt)) => {
+                    let mut keys: Vec<Bound<'py, PyTuple>> = Vec::with_capacity(2);
+                    if let Some(l) = lora {
+                        keys.push(PyTuple::new(py, ["lora", &*l.name, &*l.path])?);
+                    }
+                    if let Some(s) = salt {
+                        keys.push(PyTuple::new(py, ["cache_salt", s])?);
+                    }
+                    list.append(PyTuple::new(py, keys)?)?;
+                }
+            }
+        }
+        Ok(Some(list))
+    }
+
     /// Where the blocks were stored: ``"GPU"`` or ``"CPU"`` (the host tier; blocks
     /// offloaded at eviction carry hashes only, no parent and no tokens).
     #[getter]
@@ -75,10 +108,11 @@ impl BlockStored {
 
     fn __repr__(&self) -> String {
         format!(
-            "BlockStored(blocks={}, hashes=[{}], lora_id={:?})",
+            "BlockStored(blocks={}, hashes=[{}], lora_id={:?}, lora_name={:?})",
             self.inner.block_hashes.len(),
             hex(&self.inner.block_hashes),
-            self.inner.lora_id
+            self.inner.lora_id,
+            self.inner.lora_name.as_deref()
         )
     }
 }

@@ -476,7 +476,9 @@ impl KVCacheManager {
     // -- sequences -----------------------------------------------------------------
 
     /// Register a sequence and its prompt; return how many leading tokens are cached.
-    #[pyo3(signature = (seq_id, token_ids, *, cache_salt = None, lora_id = None))]
+    #[pyo3(signature = (
+        seq_id, token_ids, *, cache_salt = None, lora_id = None, retention_priority = None
+    ))]
     fn add_sequence(
         &self,
         py: Python<'_>,
@@ -484,6 +486,7 @@ impl KVCacheManager {
         token_ids: &Bound<'_, PyAny>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         lora_id: Option<&Bound<'_, PyAny>>,
+        retention_priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let id = args::seq_id(seq_id, "seq_id")?;
         let tokens = args::token_ids(token_ids, "token_ids")?;
@@ -492,10 +495,37 @@ impl KVCacheManager {
             Some(l) if !l.is_none() => Some(args::int_in(l, "lora_id", 0, 1 << 64)? as u64),
             _ => None,
         };
+        let priority = match retention_priority {
+            Some(p) if !p.is_none() => args::retention_priority(p, "retention_priority")?,
+            _ => core::RetentionPriority::DEFAULT,
+        };
         self.run(py, Work::for_tokens(tokens.len()), |m| {
-            m.add_sequence(id, &tokens, salt.as_deref(), lora)
+            let cached = m.add_sequence(id, &tokens, salt.as_deref(), lora)?;
+            // Cannot fail: the sequence was just added.
+            m.set_retention_priority(id, priority)?;
+            Ok(cached)
         })
         .py_err()
+    }
+
+    /// Set the sequence's retention priority (0..100); see the stub.
+    fn set_retention_priority(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        priority: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let p = args::retention_priority(priority, "priority")?;
+        self.on_seq(py, seq_id, Work::Short, |m, id| {
+            m.set_retention_priority(id, p)
+        })
+    }
+
+    /// The sequence's retention priority.
+    fn retention_priority(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<u8> {
+        self.on_seq(py, seq_id, Work::Short, |m, id| {
+            m.retention_priority(id).map(|p| p.get())
+        })
     }
 
     /// Whether the manager holds ``seq_id``.
@@ -805,6 +835,17 @@ impl KVCacheManager {
             })
             .py_err()?;
         Ok(slots.into_pyarray(py))
+    }
+
+    /// Cap a waiting sequence's host-tier loads; see the stub.
+    fn limit_tier_loads(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        max_loads: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let max = args::count(max_loads, "max_loads")?;
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.limit_tier_loads(id, max))
     }
 
     /// Of the sequence's cached tokens, those loaded (or, before the first

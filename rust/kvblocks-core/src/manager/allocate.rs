@@ -5,7 +5,7 @@ use crate::alloc_status::AllocStatus;
 use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
-use crate::events::{BlockStored, KvCacheEvent};
+use crate::events::KvCacheEvent;
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind};
 use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
@@ -217,6 +217,7 @@ impl KVCacheManager {
                     } else {
                         pools.gpu.incref(b);
                     }
+                    pools.raise_retention(b, h, seq.retention);
                     seq.table.push(b);
                 } else if let Some(s) = pools.tier.as_mut().and_then(|t| {
                     let s = t.lookup_ready(h)?;
@@ -237,24 +238,25 @@ impl KVCacheManager {
             for &(i, s) in &tier_hits {
                 let b = pools.pop_gpu()?;
                 seq.table[i] = b;
+                let hash = seq.hashes[i];
+                let mut priority = seq.retention;
                 if let Some(t) = pools.tier.as_mut() {
                     t.load(s, b, &mut pools.ops);
+                    // The block keeps the higher of its tier priority and this sequence's.
+                    priority = priority.max(t.slot_priority(s));
+                    t.raise_priority(&hash, priority);
                 }
-                let hash = seq.hashes[i];
                 let parent = (i > 0).then(|| seq.hashes[i - 1]);
                 let tokens = &seq.tokens[i * bs..(i + 1) * bs];
                 pools
                     .cache
                     .insert(b, CacheEntry::new(hash, parent, seq.namespace, tokens));
+                pools.set_retention(b, priority);
                 if pools.record_events {
-                    pools.events.push(KvCacheEvent::BlockStored(BlockStored {
-                        block_hashes: vec![hash],
-                        parent_block_hash: parent,
-                        token_ids: tokens.to_vec(),
-                        block_size: bs,
-                        lora_id: seq.lora_id,
-                        medium: Medium::Gpu,
-                    }));
+                    let mut ev = seq.stored_event(parent, 1, bs, Medium::Gpu);
+                    ev.block_hashes.push(hash);
+                    ev.token_ids.extend_from_slice(tokens);
+                    pools.events.push(KvCacheEvent::BlockStored(ev));
                 }
             }
             seq.allocated = true;

@@ -127,6 +127,9 @@ impl KVCacheManager {
                 if !fresh {
                     // Duplicate content: the cache keeps the block it already maps to;
                     // this one stays uncached. A gap ends the run of consecutive blocks.
+                    if let Some(b) = pools.cache.lookup(&hash) {
+                        pools.raise_retention(b, &hash, seq.retention);
+                    }
                     if let Some(ev) = run.take() {
                         pools.events.push(KvCacheEvent::BlockStored(ev));
                     }
@@ -137,25 +140,24 @@ impl KVCacheManager {
                 pools
                     .cache
                     .insert(block, CacheEntry::new(hash, parent, seq.namespace, tokens));
+                pools.set_retention(block, seq.retention);
                 if pools
                     .tier
                     .as_ref()
                     .is_some_and(|t| t.policy == OffloadPolicy::WriteThrough)
                 {
-                    pools.offload(block, hash, parent, tokens, bs, seq.lora_id);
+                    pools.offload(block, hash, seq.retention, || {
+                        let mut ev = seq.stored_event(parent, 1, bs, Medium::Cpu);
+                        ev.token_ids.extend_from_slice(tokens);
+                        ev
+                    });
                 }
                 if !pools.record_events {
                     continue;
                 }
                 // A run holds at most the blocks left to register: size it once.
-                let ev = run.get_or_insert_with(|| BlockStored {
-                    block_hashes: Vec::with_capacity(full - i),
-                    parent_block_hash: parent,
-                    token_ids: Vec::with_capacity((full - i) * bs),
-                    block_size: bs,
-                    lora_id: seq.lora_id,
-                    medium: Medium::Gpu,
-                });
+                let ev: &mut BlockStored =
+                    run.get_or_insert_with(|| seq.stored_event(parent, full - i, bs, Medium::Gpu));
                 ev.block_hashes.push(hash);
                 ev.token_ids.extend_from_slice(tokens);
             }

@@ -8,7 +8,8 @@ use crate::host_tier::Medium;
 impl KVCacheManager {
     /// Release the sequence's blocks (last block first) and forget it.
     ///
-    /// Unhashed blocks go to the front of the free queue, cached blocks to the back.
+    /// Unhashed blocks go to the front of the free queue, cached blocks to the back (of
+    /// their retention priority's level).
     /// Works on swapped sequences (their CPU blocks go to the CPU queue's front).
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         let slot = self.slot_of(seq_id)?;

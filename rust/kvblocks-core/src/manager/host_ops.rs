@@ -14,6 +14,7 @@ use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind, TierStats};
+use crate::retention::RetentionPriority;
 
 impl KVCacheManager {
     /// Drain every queued block move (swaps, copy-on-write copies, host-tier offloads and
@@ -63,7 +64,8 @@ impl KVCacheManager {
     /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
     /// remote store), one entry per digest: the slot to write the block's KV into, or -1
     /// when nothing is to be written (already in the GPU prefix cache or the tier, or
-    /// every slot pinned). Reserved slots are pinned and no prefix hit until the engine
+    /// every slot pinned or holding blocks of higher retention priority than the default
+    /// the imports get). Reserved slots are pinned and no prefix hit until the engine
     /// has written them and called `confirm_memory_ops`; then a probe finds them and a
     /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
     ///
@@ -101,7 +103,7 @@ impl KVCacheManager {
                 slots.push(-1);
                 continue;
             };
-            let Some((slot, evicted)) = tier.reserve(hash) else {
+            let Some((slot, evicted)) = tier.reserve(hash, RetentionPriority::DEFAULT) else {
                 slots.push(-1);
                 continue;
             };
@@ -123,6 +125,8 @@ impl KVCacheManager {
                         token_ids: Vec::new(),
                         block_size: 0,
                         lora_id: None,
+                        lora_name: None,
+                        extra_keys: None,
                         medium: Medium::Cpu,
                     }));
             }
@@ -176,6 +180,42 @@ impl KVCacheManager {
             let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
             self.pools.probe_tier(&seq.hashes, hit) * self.config.block_size
         })
+    }
+
+    /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
+    /// `max_loads` blocks from the host tier: the hit is cut right before its
+    /// `max_loads + 1`-th tier block, and the blocks past the cut are computed instead.
+    /// Returns the cached tokens the sequence would claim now. How a scheduler bounds a
+    /// step's host-to-GPU transfers; `refresh_prefixes` restores the full hit. Nothing
+    /// changes without a tier or when the loads fit. Errors: `UnknownSequence`,
+    /// `SequenceState` (already allocated, or swapped).
+    pub fn limit_tier_loads(&mut self, seq_id: u64, max_loads: usize) -> Result<usize> {
+        let slot = self.slot_of(seq_id)?;
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "limit_tier_loads")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "limit_tier_loads: sequence {seq_id} already has slots (its prefix was \
+                 claimed); only waiting sequences can be limited"
+            )));
+        }
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        let mut cap = hit;
+        if self.pools.tier.is_some() {
+            let mut loads = 0;
+            for (i, h) in seq.hashes[..hit].iter().enumerate() {
+                if self.pools.cache.lookup(h).is_none() {
+                    if loads == max_loads {
+                        cap = i;
+                        break;
+                    }
+                    loads += 1;
+                }
+            }
+        }
+        // cap <= hit <= probe_cap_blocks: the cap only shrinks, as through eviction.
+        self.slots[slot].probe_cap_blocks = cap;
+        Ok(cap * self.config.block_size)
     }
 
     /// Counters of the host tier, `None` without one.

@@ -212,11 +212,20 @@ impl KVCacheManager {
                 }
             }
         }
+        let queue = self.pools.gpu.free_queue();
         for (b, entry) in cache.entries() {
             if cache.lookup(&entry.hash) != Some(b) {
                 return Err(violation(format!(
                     "block {b} carries {:?} but the cache does not map it there",
                     entry.hash
+                )));
+            }
+            // A free cached block waits at its retention priority's level.
+            let want = crate::priority_lru::cached_level(self.pools.retention_of(b));
+            if let Some(level) = queue.level_of(b).filter(|&l| l != want) {
+                return Err(violation(format!(
+                    "free cached block {b} is queued at level {level}, not {want} (its \
+                     retention priority + 1)"
                 )));
             }
         }
@@ -260,7 +269,7 @@ mod tests {
     #[test]
     fn detects_a_referenced_block_in_the_free_queue() {
         let mut m = busy();
-        m.pools.gpu.free_queue_mut().push_back(1);
+        m.pools.gpu.free_queue_mut().push_back(1, 0);
         assert_violation(&m);
     }
 

@@ -44,6 +44,11 @@ pub struct KVCacheManager {
     scratch: BatchScratch,
     /// Sequence last written into each row of the caller's block table (`sync_block_table`).
     row_owner: FxHashMap<u32, u64>,
+    /// LoRA id -> its registered name and path (`register_lora`), for events.
+    loras: FxHashMap<u64, crate::events::LoraKey>,
+    /// The extra keys of the last sequence added with `sha256_cbor`, shared by the next
+    /// ones that have the same (most have none).
+    recent_extra_keys: Option<std::sync::Arc<crate::events::SeqExtraKeys>>,
 }
 
 impl KVCacheManager {
@@ -64,6 +69,11 @@ impl KVCacheManager {
                 tier: (config.host_cache_blocks > 0)
                     .then(|| HostTier::new(config.host_cache_blocks, config.host_offload)),
                 ops: Vec::new(),
+                retention: if caching {
+                    vec![Default::default(); config.num_blocks]
+                } else {
+                    Vec::new()
+                },
             },
             hasher: BlockHasher::with_seed(config.hash_algo, config.hash_seed.as_deref()),
             index: FxHashMap::default(),
@@ -73,6 +83,8 @@ impl KVCacheManager {
             in_flight: InFlight::default(),
             scratch: BatchScratch::default(),
             row_owner: FxHashMap::default(),
+            loras: FxHashMap::default(),
+            recent_extra_keys: None,
             config,
         })
     }

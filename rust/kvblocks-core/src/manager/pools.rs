@@ -5,6 +5,8 @@ use crate::block_pool::BlockPool;
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
+use crate::priority_lru::{cached_level, EMPTY_LEVEL};
+use crate::retention::RetentionPriority;
 use crate::NULL_BLOCK;
 
 /// Running counters (see [`crate::Stats`]).
@@ -34,6 +36,10 @@ pub(super) struct Pools {
     pub tier: Option<HostTier>,
     /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
     pub ops: Vec<MemoryOp>,
+    /// Retention priority of each cached GPU block (the highest of the sequences that
+    /// committed or claimed it): its level in the free queue, and what an offload at
+    /// eviction hands the tier. Empty without prefix caching.
+    pub retention: Vec<RetentionPriority>,
 }
 
 impl Pools {
@@ -57,27 +63,37 @@ impl Pools {
                     .as_ref()
                     .is_some_and(|t| t.policy == OffloadPolicy::OnEvict)
                 {
-                    self.offload(id, hash, None, &[], 0, None);
+                    let priority = self.retention_of(id);
+                    // The GPU cache keeps no tokens nor keys: the event has the hash only.
+                    self.offload(id, hash, priority, || BlockStored {
+                        block_hashes: Vec::new(),
+                        parent_block_hash: None,
+                        token_ids: Vec::new(),
+                        block_size: 0,
+                        lora_id: None,
+                        lora_name: None,
+                        extra_keys: None,
+                        medium: Medium::Cpu,
+                    });
                 }
             }
         }
         Some(id)
     }
 
-    /// Copy cached GPU block `id` (content `hash`) to the host tier, with its events.
+    /// Copy cached GPU block `id` (content `hash`) to the host tier at retention
+    /// `priority`, with its events; `event` makes the `BlockStored` (its hash is added).
     pub fn offload(
         &mut self,
         id: u32,
         hash: BlockHash,
-        parent: Option<BlockHash>,
-        tokens: &[u32],
-        block_size: usize,
-        lora_id: Option<u64>,
+        priority: RetentionPriority,
+        event: impl FnOnce() -> BlockStored,
     ) {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        let (evicted, stored) = tier.offload(id, hash, &mut self.ops);
+        let (evicted, stored) = tier.offload(id, hash, priority, &mut self.ops);
         if !self.record_events {
             return;
         }
@@ -88,19 +104,51 @@ impl Pools {
             }));
         }
         if stored {
-            self.events.push(KvCacheEvent::BlockStored(BlockStored {
-                block_hashes: vec![hash],
-                parent_block_hash: parent,
-                token_ids: tokens.to_vec(),
-                block_size,
-                lora_id,
-                medium: Medium::Cpu,
-            }));
+            let mut ev = event();
+            ev.block_hashes.push(hash);
+            self.events.push(KvCacheEvent::BlockStored(ev));
+        }
+    }
+
+    /// Retention priority of cached GPU block `id` (the default without prefix caching).
+    #[inline]
+    pub fn retention_of(&self, id: u32) -> RetentionPriority {
+        self.retention.get(id as usize).copied().unwrap_or_default()
+    }
+
+    /// Block `id` enters the GPU cache for a sequence of retention `priority`.
+    #[inline]
+    pub fn set_retention(&mut self, id: u32, priority: RetentionPriority) {
+        if let Some(r) = self.retention.get_mut(id as usize) {
+            *r = priority;
+        }
+    }
+
+    /// A sequence of retention `priority` shares cached block `id` (content `hash`):
+    /// the block, and its host-tier copy if any, keep the higher priority (a free block
+    /// moves to the back of its new level, as a block just used).
+    #[inline]
+    pub fn raise_retention(&mut self, id: u32, hash: &BlockHash, priority: RetentionPriority) {
+        let Some(r) = self.retention.get_mut(id as usize) else {
+            return;
+        };
+        if priority > *r {
+            *r = priority;
+            let queue = self.gpu.free_queue_mut();
+            if queue.contains(id) {
+                queue.remove(id);
+                queue.push_back(id, cached_level(priority));
+            }
+            if let Some(t) = self.tier.as_mut() {
+                t.raise_priority(hash, priority);
+            }
         }
     }
 
     /// Drop one reference to a GPU block; at zero it is queued: cached blocks at the
-    /// back (evicted last), others at the front (reused first).
+    /// back of their retention priority's level (evicted after uncached blocks and after
+    /// cached ones of lower priority; with one priority, simply last), others at the
+    /// front (reused first).
     #[inline]
     pub fn release_gpu(&mut self, id: u32) {
         if id == NULL_BLOCK {
@@ -108,9 +156,10 @@ impl Pools {
         }
         if self.gpu.decref(id) == 0 {
             if self.caching && self.cache.is_cached(id) {
-                self.gpu.free_queue_mut().push_back(id);
+                let level = cached_level(self.retention_of(id));
+                self.gpu.free_queue_mut().push_back(id, level);
             } else {
-                self.gpu.free_queue_mut().push_front(id);
+                self.gpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
             }
         }
     }
@@ -119,7 +168,7 @@ impl Pools {
     #[inline]
     pub fn release_cpu(&mut self, id: u32) {
         if self.cpu.decref(id) == 0 {
-            self.cpu.free_queue_mut().push_front(id);
+            self.cpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
         }
     }
 

@@ -2,6 +2,7 @@
 
 use super::KVCacheManager;
 use crate::error::{KvError, Result};
+use crate::retention::RetentionPriority;
 use crate::sequence::Sequence;
 
 impl KVCacheManager {
@@ -39,6 +40,11 @@ impl KVCacheManager {
         } else {
             namespace = Default::default();
         }
+        let extra_keys = if self.pools.caching {
+            self.extra_keys(cache_salt, lora_id)
+        } else {
+            None
+        };
         let seq = Sequence {
             id: seq_id,
             tokens: token_ids.to_vec(),
@@ -49,6 +55,9 @@ impl KVCacheManager {
             allocated: false,
             namespace,
             lora_id,
+            lora_name: self.lora_name(lora_id),
+            extra_keys,
+            retention: RetentionPriority::DEFAULT,
             hashes,
             probe_cap_blocks: cap,
             num_cached_tokens: 0,
@@ -106,6 +115,26 @@ impl KVCacheManager {
         self.index.insert(child_id, self.slots.len() as u32);
         self.slots.push(child);
         Ok(())
+    }
+
+    /// Set the sequence's retention priority (default [`RetentionPriority::DEFAULT`]): the
+    /// blocks it commits or claims from now on carry it, in the GPU free queue and into
+    /// the host tier, where the lowest priority is evicted first (see
+    /// [`RetentionPriority`]). Forks inherit it.
+    /// Errors: `UnknownSequence`.
+    pub fn set_retention_priority(
+        &mut self,
+        seq_id: u64,
+        priority: RetentionPriority,
+    ) -> Result<()> {
+        let slot = self.slot_of(seq_id)?;
+        self.slots[slot].retention = priority;
+        Ok(())
+    }
+
+    /// The sequence's retention priority.
+    pub fn retention_priority(&self, seq_id: u64) -> Result<RetentionPriority> {
+        Ok(self.seq(seq_id)?.retention)
     }
 
     /// Whether the sequence is held.
