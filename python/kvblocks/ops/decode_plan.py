@@ -14,7 +14,9 @@ heads), the way FlashInfer's ``plan()`` does:
   ``min(max_items, target_items + num_seqs)``: about ``target_items`` chunks' worth of
   work (``target_items`` = the device's resident CTAs / CTAs per item) plus at most one
   shorter tail per sequence, so each CTA gets about ``total_keys / target_items`` keys
-  and a long sequence gets proportionally many items while short ones get one;
+  and a long sequence gets proportionally many items while short ones get one; item
+  boundaries fall on multiples of ``granularity`` counted from key 0 (the first item of
+  a windowed sequence starts at the window), so kernel tiles are never cut mid-item;
 * a sequence cut in ``n > 1`` items owns ``n`` consecutive partial slots
   ``merge_indptr[s] .. merge_indptr[s + 1]`` (fp32 partial outputs the merge kernel
   combines by log-sum-exp); a sequence in one item (``partial_slot = -1``) is written
@@ -43,8 +45,11 @@ __all__ = [
     "visible_ranges",
 ]
 
-DEFAULT_GRANULARITY = 64
-"""Chunk sizes are multiples of this many keys (a multiple of every block size)."""
+DEFAULT_GRANULARITY = 128
+"""Chunk sizes are multiples of this many keys, and item boundaries fall on multiples of it
+(the first item of a windowed sequence starts at the window): one round of
+``decode_attention_kernel``'s four warps over 32-key tiles, and a multiple of every block
+size, so no item starts or ends inside a tile except at the window's edge."""
 DEFAULT_MIN_CHUNK_TOKENS = 128
 """No chunk is shorter than this (except a sequence's tail): below it the partial
 write and merge cost more than the parallelism gains."""
@@ -132,7 +137,10 @@ def plan_decode(
             "needs at least one item"
         )
     begin, end = visible_ranges(lens, sliding_window)
-    span = end - begin
+    # Boundaries fall on multiples of the granularity counted from 0, the first item
+    # clipped to the window: the span is measured from the aligned start below it.
+    base = begin - begin % granularity
+    span = np.where(end > begin, end - base, 0)
     budget = (
         target_items + num_seqs if max_items is None else min(max_items, target_items + num_seqs)
     )
@@ -156,8 +164,9 @@ def plan_decode(
     first = np.cumsum(counts) - counts
     seq = np.repeat(np.arange(num_seqs, dtype=np.int64), counts)
     k = np.arange(total, dtype=np.int64) - np.repeat(first, counts)
-    item_begin = begin[seq] + k * chunk
-    item_end = np.minimum(item_begin + chunk, end[seq])
+    start = base[seq] + k * chunk
+    item_begin = np.maximum(start, begin[seq])
+    item_end = np.minimum(start + chunk, end[seq])
     split = np.where(counts > 1, counts, 0)
     merge_indptr = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(split, out=merge_indptr[1:])
