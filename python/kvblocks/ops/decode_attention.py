@@ -333,7 +333,7 @@ class DecodeAttention:
             self._plan_buf.copy_(self._host, non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         else:
             self._plan_buf.copy_(self._host)
 
