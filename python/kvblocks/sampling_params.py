@@ -54,6 +54,10 @@ class SamplingParams:
         logprobs: ``kvblocks.engine.LLM`` also returns, for each generated token, its
             log-prob and the ``logprobs`` most likely tokens' (log-softmax of the raw
             logits); ``None`` for none. Not with beam search.
+        retention_priority: how long this request's prefix blocks are kept once cached,
+            0..100 (TensorRT-LLM's scale): the GPU prefix cache and the host tier evict
+            lower priorities first, least recently used among equals; ``None`` keeps the
+            manager's default (35). See ``KVCacheManager.set_retention_priority``.
     """
 
     max_tokens: int = 16
@@ -70,6 +74,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    retention_priority: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -98,6 +103,12 @@ class SamplingParams:
             )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        if self.retention_priority is not None:
+            _check_int("retention_priority", self.retention_priority, 0)
+            if self.retention_priority > 100:
+                raise InvalidArgumentError(
+                    f"retention_priority must be in [0, 100], got {self.retention_priority}"
+                )
         if self.beam_width > 1 and (self.min_tokens or self.logprobs is not None):
             raise InvalidArgumentError("min_tokens and logprobs are not supported with beam search")
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -267,3 +267,36 @@ def test_write_through_offloads_of_the_last_step_are_applied_before_generate_ret
     again = llm.generate([whole], SamplingParams(max_tokens=1, temperature=0.0))
     assert llm.stats()["cache"]["host_loads"] == 2
     assert again[0].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("others_priority", [10, 90])
+def test_retention_priority_keeps_a_prefix_through_a_flood(
+    tiny_llama: LlamaForCausalLM, expected: list[int], others_priority: int
+) -> None:
+    """``SamplingParams.retention_priority`` reaches the manager: TARGET at 90 outlives a
+    flood of six other prompts at 10 (in the device cache or the 4-block host tier) and comes
+    back with the K/V its first run wrote; at equal priorities the same flood pushes it
+    out of both, so its second run recomputes every block."""
+    llm = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0, host_cache_blocks=4)
+    keep = SamplingParams(max_tokens=4, temperature=0.0, retention_priority=90)
+    flood = SamplingParams(max_tokens=4, temperature=0.0, retention_priority=others_priority)
+    first = llm.generate([TARGET], keep)[0].outputs[0].token_ids
+    written = _prefix_payloads(llm, TARGET)
+    for i in range(6):
+        llm.generate([_prompt(4 * BLOCK, 20 + i)], flood)
+    before = llm.scheduler.counters.num_prefill_tokens
+    second = llm.generate([TARGET], keep)[0].outputs[0].token_ids
+    prefill = llm.scheduler.counters.num_prefill_tokens - before
+    assert first == second == expected
+    if others_priority < 90:
+        assert prefill == BLOCK
+        assert torch.equal(_prefix_payloads(llm, TARGET), written)
+    else:
+        assert prefill == len(TARGET)
+    llm.manager.check_invariants()
+
+
+def test_retention_priority_is_checked() -> None:
+    for bad in (-1, 101, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="retention_priority"):
+            SamplingParams(retention_priority=bad)  # type: ignore[arg-type]

@@ -491,6 +491,7 @@ class LLM:
                 sampling_params=req_params,
                 eos_token_id=eos,
                 priority=prio,
+                retention_priority=params.retention_priority,
             )
             runs.append(RequestRun(request, params, text, i))
         self._next_request += len(runs)
