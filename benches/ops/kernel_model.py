@@ -129,8 +129,15 @@ class Instantiation:
         return DECODE_ROWS if self.kind == "decode" else PREFILL_ROWS
 
     @property
+    def source(self) -> str:
+        """The ``.cu`` file of the kernel."""
+        return _PREFILL_SOURCE if self.kind == "prefill" else _RULES_SOURCE
+
+    @property
     def kernel_name(self) -> str:
         """Name expression of the instantiation."""
+        if self.kind == "prefill":
+            return f"prefill_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}>"
         return (
             f"paged_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, {self.template_rows}>"
         )
@@ -157,8 +164,10 @@ class Shape:
 
     @classmethod
     def of(cls, inst: Instantiation) -> Shape:
-        """Shape of ``inst`` as ``paged_attention.cu`` and ``launch_plan`` compute it."""
+        """Shape of ``inst`` as its ``.cu`` file and host planner compute it."""
         esize = _CTYPES[inst.dtype][1]
+        if inst.kind == "prefill":
+            return _prefill_shape(inst, esize)
         row_bytes = inst.head * esize
         per_tile = 8192 // row_bytes
         tile = 32 if per_tile >= 32 else 16 if per_tile >= 16 else 8
@@ -171,6 +180,17 @@ class Shape:
 
 
 _RULES_SOURCE = "paged_attention.cu"
+_PREFILL_SOURCE = "prefill_attention.cu"
+
+
+def _prefill_shape(inst: Instantiation, esize: int) -> Shape:
+    """``kvb::PrefillShape`` of the tensor-core prefill kernel (long chunks: one head's
+    queries fill the CTA's rows); ``nslice``/``items`` have no meaning there."""
+    from kvblocks.ops.prefill_launch import prefill_rows, prefill_tile
+
+    rows, tile = prefill_rows(inst.head), prefill_tile(inst.head)
+    vpr = inst.head * esize // 16
+    return Shape(esize, inst.head, tile, vpr, rows, 1, rows * vpr)
 
 
 def _warp_fraction(threads: int) -> float:
@@ -198,6 +218,22 @@ PAGED_ATTENTION_RULES: dict[str, dict[str, object]] = {
 the :class:`Shape` and the occurrence number of that line's branch. A steady-state tile:
 full, every key visible, next tile prefetched, no soft cap or window (every other branch
 falls through, i.e. the default of :func:`sass.count_loop`)."""
+
+
+PREFILL_ATTENTION_RULES: dict[str, dict[str, object]] = {
+    # Steady state: no soft cap (the tanh branch is skipped) and a stable running max (the
+    # lazy rescale through shared memory does not run).
+    "if (soft_cap > 0.f)": {"fallthrough": lambda s, k: 0.0},
+    "if (rescale)": {"fallthrough": lambda s, k: 0.0},
+    # A tile below the causal diagonal, inside the window and the keys: no per-score mask.
+    "if (mask_tile)": {"fallthrough": lambda s, k: 0.0},
+    "for (int e = lane; e < 256; e += 32)": {"trips": lambda s, k: 8},  # inside the rescale
+}
+"""Branch rules of ``prefill_attention_kernel`` (as :data:`PAGED_ATTENTION_RULES`). Every
+other branch of the tile loop falls through: full tiles, every key loaded."""
+
+RULES = {_RULES_SOURCE: PAGED_ATTENTION_RULES, _PREFILL_SOURCE: PREFILL_ATTENTION_RULES}
+"""Branch rules by the kernel's source file."""
 
 
 def find_nvdisasm() -> str | None:
@@ -234,7 +270,9 @@ def _cache_path(key: str) -> Path:
     return kernel_cache.cache_dir() / "model" / key
 
 
-def compile_and_disassemble(names: tuple[str, ...], arch: str, ftz: bool = False) -> Compiled:
+def compile_and_disassemble(
+    names: tuple[str, ...], arch: str, ftz: bool = False, source: str | None = None
+) -> Compiled:
     """Compile ``names`` in one NVRTC program for ``arch`` and disassemble the cubin.
 
     The result is kept on disk next to the kernel cache, keyed by the sources, options,
@@ -242,6 +280,8 @@ def compile_and_disassemble(names: tuple[str, ...], arch: str, ftz: bool = False
     """
     from kvblocks.ops import kernel_cache, nvrtc_build
     from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, cuda_dir
+
+    source = source or ATTENTION_SOURCE
 
     options = [*kernel_cache._options(arch), *(["-ftz=true"] if ftz else [])]
     tool = find_nvdisasm()
@@ -255,6 +295,7 @@ def compile_and_disassemble(names: tuple[str, ...], arch: str, ftz: bool = False
         },
         "options": options,
         "names": list(names),
+        "program": source,
         "nvrtc": list(nvrtc_build.nvrtc_version()),
         "nvdisasm": Path(tool).stat().st_size,
     }
@@ -266,7 +307,7 @@ def compile_and_disassemble(names: tuple[str, ...], arch: str, ftz: bool = False
     except (OSError, ValueError, TypeError):
         pass
     program = nvrtc_build.compile_program(
-        ATTENTION_SOURCE, list(names), [*options, "-lineinfo", "--ptxas-options=-v"]
+        source, list(names), [*options, "-lineinfo", "--ptxas-options=-v"]
     )
     by_lowered = {low: expr for expr, low in program.lowered.items()}
     resources = {
@@ -357,13 +398,15 @@ class ModelRow:
         return out
 
 
-def _rule(kind: str):
+def _rule(kind: str, rules_source: str = _RULES_SOURCE):
+    table = RULES[rules_source]
+
     def lookup(shape: Shape, source: dict[int, str]):
         def rule(ins: sass.Instruction, k: int) -> float | None:
-            if ins.file is not None and Path(ins.file).name != _RULES_SOURCE:
+            if ins.file is not None and Path(ins.file).name != rules_source:
                 return None  # an inlined header line, not a line of the kernel's source
             text = source.get(ins.line or -1, "")
-            for needle, rules in PAGED_ATTENTION_RULES.items():
+            for needle, rules in table.items():
                 if needle in text and kind in rules:
                     return float(rules[kind](shape, k))  # type: ignore[operator]
             return None
@@ -400,16 +443,22 @@ class TileCount:
         return sum(self.by_class.values())
 
 
-def count_tile(listing: sass.Listing, shape: Shape, source: dict[int, str]) -> TileCount:
+def count_tile(
+    listing: sass.Listing,
+    shape: Shape,
+    source: dict[int, str],
+    rules_source: str = _RULES_SOURCE,
+) -> TileCount:
     """Count the main loop of ``listing`` for ``shape``; ``source`` maps the listing's line
-    numbers to the text the branch rules match (the kernel's ``.cu`` file)."""
+    numbers to the text the branch rules match (the kernel's ``.cu`` file, whose name
+    ``rules_source`` selects the rules in :data:`RULES`)."""
     loop = _main_loop(listing)
     counts, notes = sass.count_loop(
         listing,
         loop,
         float(WARPS),
-        fallthrough=_rule("fallthrough")(shape, source),
-        trips=_rule("trips")(shape, source),
+        fallthrough=_rule("fallthrough", rules_source)(shape, source),
+        trips=_rule("trips", rules_source)(shape, source),
     )
     by_class = dict.fromkeys(sass.CLASSES, 0.0)
     moved = {"global_load": 0.0, "global_store": 0.0, "shared_load": 0.0, "shared_store": 0.0}
@@ -420,8 +469,8 @@ def count_tile(listing: sass.Listing, shape: Shape, source: dict[int, str]) -> T
         by_class[cls] += n
         if cls in moved:
             moved[cls] += n * 32 * sass.width_bytes(ins)
-    fall = _rule("fallthrough")(shape, source)
-    trip = _rule("trips")(shape, source)
+    fall = _rule("fallthrough", rules_source)(shape, source)
+    trip = _rule("trips", rules_source)(shape, source)
     inner = {lp.tail: lp for lp in listing.loops()}
 
     def falls_through(ins: sass.Instruction, k: int) -> bool:
@@ -442,22 +491,26 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     """Count the main loop of ``inst``'s kernel in ``compiled`` and apply the model."""
     import torch
 
-    from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, read_source
+    from kvblocks.ops.cuda_sources import read_source
     from kvblocks.ops.launch_plan import attention_smem_bytes
+    from kvblocks.ops.prefill_launch import prefill_smem_bytes
 
     shape = Shape.of(inst)
     lowered = compiled.lowered[inst.kernel_name]
     listing = sass.parse_listing(compiled.sass_text)[lowered]
-    source = dict(enumerate(read_source(ATTENTION_SOURCE).splitlines(), start=1))
-    tile = count_tile(listing, shape, source)
+    source = dict(enumerate(read_source(inst.source).splitlines(), start=1))
+    tile = count_tile(listing, shape, source, inst.source)
     by_class, moved, notes = tile.by_class, tile.moved, tile.notes
     total = sum(by_class.values())
     res = compiled.resources[inst.kernel_name]
     gpu = GPUS[inst.arch]
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[inst.dtype]
-    smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
-        res["static_smem_bytes"]
-    )
+    if inst.kind == "prefill":
+        smem = prefill_smem_bytes(inst.head) + int(res["static_smem_bytes"])
+    else:
+        smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
+            res["static_smem_bytes"]
+        )
     occ = occupancy(int(res["registers"]), smem, gpu)
     kv_bytes = 2 * shape.tile * inst.head * shape.esize
     cycles = total / ISSUE_PER_CYCLE
@@ -529,18 +582,19 @@ def default_instantiations(archs: list[str]) -> list[Instantiation]:
 
 
 @functools.cache
-def _compiled(names: tuple[str, ...], arch: str, ftz: bool) -> Compiled:
-    return compile_and_disassemble(names, arch, ftz)
+def _compiled(names: tuple[str, ...], arch: str, ftz: bool, source: str) -> Compiled:
+    return compile_and_disassemble(names, arch, ftz, source)
 
 
 def run_model(insts: list[Instantiation], ftz: bool = False) -> list[ModelRow]:
-    """Model every instantiation, compiling one program per architecture."""
+    """Model every instantiation, compiling one program per architecture and source."""
     rows = []
-    for arch in sorted({i.arch for i in insts}):
-        names = tuple(sorted({i.kernel_name for i in insts if i.arch == arch}))
-        compiled = _compiled(names, arch, ftz)
-        rows += [model(i, compiled) for i in insts if i.arch == arch]
-    return rows
+    for arch, source in sorted({(i.arch, i.source) for i in insts}):
+        mine = [i for i in insts if (i.arch, i.source) == (arch, source)]
+        compiled = _compiled(tuple(sorted({i.kernel_name for i in mine})), arch, ftz, source)
+        rows += [model(i, compiled) for i in mine]
+    order = {id(i): n for n, i in enumerate(insts)}
+    return sorted(rows, key=lambda r: order.get(id(r.inst), 0))
 
 
 _SHORT = {
