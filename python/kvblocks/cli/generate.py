@@ -11,9 +11,13 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvblocks.cli.arg_types import non_negative_int, positive_int, token_ids
+from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["add_parser", "format_table", "run"]
 
@@ -91,6 +95,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="slots of a host-memory tier below the KV cache: evicted prefix blocks are "
         "kept there and loaded back on a hit (default: 0, no tier; needs prefix caching)",
     )
+    eng.add_argument(
+        "--host-offload",
+        choices=("evict", "commit"),
+        default=None,
+        help="when a block is copied to the host tier: evict (when its KV cache block is "
+        "reused) or commit (write-through, every computed block; default with a remote "
+        "tier, which is written what the host tier is; otherwise evict)",
+    )
     eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     eng.add_argument("--max-num-seqs", type=positive_int, default=256)
     eng.add_argument("--preemption-mode", choices=("recompute", "swap"), default=None)
@@ -113,6 +125,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to "
         "split, torch's default for a checkpoint)",
     )
+    tier = p.add_argument_group(
+        "remote tier",
+        "A store below the host tier (needs --host-cache-blocks), shared by every engine "
+        "that uses it with the same model: each block offloaded to the host tier is also "
+        "written there, and a prompt's blocks past this engine's own prefix hit are read "
+        "from it and loaded instead of computed. An unreachable server or a damaged value "
+        "reads as a miss: the blocks are computed, with one warning line on stderr, and "
+        "the run succeeds.",
+    )
+    where = tier.add_mutually_exclusive_group()
+    where.add_argument(
+        "--valkey-url",
+        metavar="URL",
+        help="a Valkey or Redis server, e.g. valkey://127.0.0.1:6379/0 (pip install "
+        "'kvblocks[tiers]'); its maxmemory bounds the tier",
+    )
+    where.add_argument(
+        "--disk-tier",
+        metavar="DIR",
+        help="a directory of block files; it survives restarts, so the next run on it "
+        "loads what this one computed",
+    )
+    tier.add_argument(
+        "--disk-tier-blocks",
+        type=positive_int,
+        default=65536,
+        metavar="N",
+        help="blocks the --disk-tier directory holds at most, least recently used evicted "
+        "first (default: 65536)",
+    )
+    tier.add_argument(
+        "--model-id",
+        metavar="ID",
+        default=None,
+        help="names the weights in the remote tier: engines share blocks only under one "
+        "id (default: the checkpoint's absolute path, or tiny-llama-seed<engine seed>)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument(
         "--no-stream", action="store_true", help="print only the final outputs, not each step"
@@ -121,7 +170,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
+def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any], Any] | None:
+    """The engine's ``remote_tier`` factory for ``--valkey-url`` / ``--disk-tier`` (None
+    without either); each store it opens is appended to ``opened`` (the caller closes it).
+
+    Raises:
+        InvalidArgumentError: no host tier below which to put it.
+    """
+    if args.valkey_url is None and args.disk_tier is None:
+        return None
+    option = "--valkey-url" if args.valkey_url is not None else "--disk-tier"
+    if args.host_cache_blocks == 0:
+        raise InvalidArgumentError(
+            f"{option} needs a host tier to load into (--host-cache-blocks N, N > 0)"
+        )
+    model_id = args.model_id
+    if model_id is None:
+        model_id = (
+            f"tiny-llama-seed{args.engine_seed}"
+            if args.model is None
+            else str(Path(args.model).resolve())
+        )
+
+    def build(layout: Any) -> Any:
+        layout = dataclasses.replace(layout, model_id=model_id)
+        try:
+            if args.valkey_url is not None:
+                from kvblocks.tiers.valkey_tier import ValkeyTier
+
+                store: Any = ValkeyTier(layout, url=args.valkey_url)
+            else:
+                from kvblocks.tiers.disk import DiskTier
+
+                store = DiskTier(args.disk_tier, layout, args.disk_tier_blocks)
+        except (ValueError, OSError) as exc:  # a bad URL, an unusable directory
+            value = args.valkey_url if args.valkey_url is not None else args.disk_tier
+            raise InvalidArgumentError(f"{option} {value!r}: {exc}") from exc
+        opened.append(store)
+        return store
+
+    return build
+
+
+def _build(args: argparse.Namespace, opened: list[Any]) -> tuple[Any, list[Any], Any]:
     import torch
 
     from kvblocks.engine import LLM
@@ -131,6 +222,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
     if threads:
         torch.set_num_threads(threads)
 
+    remote = _remote_tier(args, opened)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -159,6 +251,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
         seed=args.engine_seed,
         max_model_len=args.max_model_len,
         host_cache_blocks=args.host_cache_blocks,
+        host_offload=args.host_offload or ("commit" if remote is not None else "evict"),
+        remote_tier=remote,
     )
     prompts: list[Any] = list(args.prompt) + list(args.prompt_ids)
     if not prompts:
@@ -257,9 +351,10 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
         f"{int(eng['generated_tokens'])} generated in {eng['elapsed_s']:.3f} s "
         f"({eng['generated_tokens_per_s']:.1f} tokens/s) on {llm.device} {llm.dtype}"
     )
-    for section in ("scheduler", "cache"):
-        print(f"{section}:")
-        print(format_table(stats[section]))
+    for section in ("scheduler", "cache", "remote"):
+        if section in stats:
+            print(f"{section}:")
+            print(format_table(stats[section]))
 
 
 def format_table(values: dict[str, Any], columns: int = 2) -> str:
@@ -294,20 +389,45 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``kvblocks generate``; return the process exit status.
 
     A :class:`~kvblocks.errors.KVBlocksError` propagates to :func:`kvblocks.cli.main`,
-    which prints it as one line; a missing engine dependency is reported here.
+    which prints it as one line; a missing engine dependency is reported here. Warnings
+    raised during the run (an unreachable remote tier, ...) print as one line each.
     """
-    try:
-        llm, prompts, params = _build(args)
-        if args.json or args.no_stream:
-            outputs = llm.generate(prompts, params)
-        else:
-            outputs = _stream(llm, prompts, params)
-    except ImportError as exc:
-        print(
-            f"kvblocks generate: error: the engine needs {exc.name or 'torch'} "
-            "(pip install 'kvblocks[engine]')",
-            file=sys.stderr,
-        )
-        return 1
-    _report(llm, outputs, args.json)
+    opened: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = _one_line_warning
+        try:
+            try:
+                llm, prompts, params = _build(args, opened)
+            except ImportError as exc:
+                tiers = exc.name == "valkey"
+                print(
+                    f"kvblocks generate: error: {'--valkey-url' if tiers else 'the engine'} "
+                    f"needs {exc.name or 'torch'} "
+                    f"(pip install 'kvblocks[{'tiers' if tiers else 'engine'}]')",
+                    file=sys.stderr,
+                )
+                return 1
+            with llm:
+                if args.json or args.no_stream:
+                    outputs = llm.generate(prompts, params)
+                else:
+                    outputs = _stream(llm, prompts, params)
+            _report(llm, outputs, args.json)
+        finally:
+            for store in opened:
+                store.close()
     return 0
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
+    """``warnings.showwarning`` for the command line: ``kvblocks generate: warning: ...``."""
+    text = " ".join(str(message).split())
+    print(f"kvblocks generate: warning: {text}", file=sys.stderr, flush=True)

@@ -41,6 +41,7 @@ from kvblocks.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from kvblocks.tiers.store import TierStore
 
 __all__ = ["LLM", "Prompt"]
 
@@ -148,7 +149,10 @@ class LLM:
             A dead server or a rejected value reads as a miss (recompute). A
             :class:`~kvblocks.tiers.disk.DiskTier` works the same way (a directory that
             survives restarts). The caller closes it; :meth:`close` ends the engine's
-            background I/O. See :mod:`kvblocks.engine.remote_tier`.
+            background I/O. See :mod:`kvblocks.engine.remote_tier`. A callable instead is
+            called once with the engine's :class:`~kvblocks.tiers.layout.KVLayout` (its
+            ``model_id`` empty) and returns the store (``kvblocks generate`` builds its
+            tier this way, its layout known only once the model is loaded).
         remote_tier_options: a
             :class:`~kvblocks.engine.remote_tier.RemoteTierOptions`: store calls on a
             background thread (the default: writes queued and bounded, a new request's
@@ -243,6 +247,9 @@ class LLM:
         )
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:
+            if callable(remote_tier) and not isinstance(remote_tier, TierStore):
+                # A factory: the store's layout is only known once the model is built.
+                remote_tier = remote_tier(self.runner.host_layout)
             self.remote = RemoteTierLink(
                 remote_tier,
                 self.manager,
