@@ -268,3 +268,17 @@ def test_plan_buffer_holds_the_current_plan(steps, repeat):
         assert np.array_equal(plan.items, decode_plan.plan_decode(
             arr, target_items=dec.target_items, max_items=dec.max_items, min_chunk_tokens=64
         ).items)  # fmt: skip
+
+
+def test_plan_keeps_a_temporary_block_table_alive():
+    """The packed launch holds the table's address: a temporary passed to plan() must not
+    be freed and its memory reused before run() (found by the KV-content oracle)."""
+    lens = [300, 46, 54]
+    case = make_case(12, lens, [1] * 3, num_kv_heads=2, group=2, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    dec = make_decoder(case, AbiLauncher())
+    dec.plan(np.array(lens), case.block_tables.clone())
+    junk = [torch.full_like(case.block_tables, 7) for _ in range(8)]  # reuses freed memory
+    got = dec.run(case.query, case.key_cache, case.value_cache)
+    torch.testing.assert_close(got, want(case), **tolerance(torch.bfloat16))
+    assert len(junk) == 8

@@ -190,6 +190,11 @@ class Engine:
             )  # fmt: skip
             assert not out[[i for i, n in enumerate(q_lens) if not n]].any()
             out = out[[i for i, n in enumerate(q_lens) if n]]
+            if self.dtype != torch.float32:
+                # fp16/bf16: also the tensor-core kernel through the length-aware planner.
+                planned = self.planned_decode(padded, seq_lens, order, window, split)
+                assert not planned[[i for i, n in enumerate(q_lens) if not n]].any()
+                planned_out = planned[[i for i, n in enumerate(q_lens) if n]]
         else:
             qsl = torch.zeros(len(order) + 1, dtype=torch.int32)
             qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
@@ -207,7 +212,26 @@ class Engine:
         torch.testing.assert_close(
             got, torch.cat(want).to(self.dtype).float(), **tolerance(self.dtype)
         )
+        if decode and self.dtype != torch.float32:
+            torch.testing.assert_close(
+                planned_out.float(), torch.cat(want).to(self.dtype).float(),
+                **tolerance(self.dtype),
+            )  # fmt: skip
         return got
+
+    def planned_decode(self, query, seq_lens, order, window, split) -> torch.Tensor:
+        """Decode through ``DecodeAttention`` (plan from host lengths, run on the emulator);
+        ``split`` plans 32-key chunks on a wide device so sequences are cut and merged."""
+        dec = ops.DecodeAttention(
+            num_heads=self.kvh * self.group, num_kv_heads=self.kvh, head_size=self.head,
+            block_size=self.kc.shape[2], dtype=self.dtype, device="cpu", max_seqs=len(order),
+            sliding_window=window, target_ctas=10_000 if split else 1, launcher=emu_launch,
+            granularity=32, min_chunk_tokens=32,
+        )  # fmt: skip
+        plan = dec.plan(seq_lens.numpy(), self.tables(order))
+        if split and int(seq_lens.max()) > 64:
+            assert plan.num_slots > 0, "the split step really splits"
+        return dec.run(query, self.kc, self.vc)
 
     def dense(self, sid: int, query: torch.Tensor, window: int | None) -> torch.Tensor:
         """Attention of the sequence's last ``len(query)`` positions over its own K/V, from

@@ -247,6 +247,7 @@ class DecodeAttention:
         self._plans: OrderedDict[tuple[str, bytes], DecodeItems] = OrderedDict()
         self._uploaded: tuple[str, bytes] | None = None  # the plan in the device buffer
         self._tables: tuple[int, torch.Size] | None = None
+        self._block_tables: torch.Tensor | None = None
         self._caches: dict[tuple[int, int], tuple[torch.Size, np.int32]] = {}
         self._launches: _Launches | None = None
         self.last_plan: DecodeItems | None = None
@@ -318,6 +319,9 @@ class DecodeAttention:
         if self._launches is None or tables != self._tables or items is not self.last_plan:
             self._launches = self._pack(items, num_seqs, block_tables)
             self._tables = tables
+        # The packed arguments hold its address: keep the tensor alive (a caller's
+        # temporary would otherwise be freed and its memory reused before run()).
+        self._block_tables = block_tables
         self.last_plan = items
         return items
 
