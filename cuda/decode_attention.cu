@@ -43,7 +43,8 @@
 //      16 in two column tiles); Q^T is read from shared memory (staged once per CTA).
 //   2. S^T to shared memory; lane (h, q) = (lane / 4, lane % 4) owns keys 8q..8q+7 of head h:
 //      scale, soft cap, mask, row max and sum over its 4 lanes with two xor-shuffles; P as T
-//      back to shared memory, and the rescale factor alpha[h] as a 32 x 8 fp32 matrix.
+//      back to shared memory, and the rescale factor alpha[h] as a 32 x 8 fp32 matrix written
+//      over the scores (each lane overwrites only the 8 it read).
 //   3. O^T[D x 8] = alpha * O^T + V^T[D x 32] . P^T[32 x 8]: wmma m32n8k16, V^T as a
 //      col_major matrix_a over the value rows. The per-head rescale of the accumulator is
 //      layout independent: alpha is loaded as an accumulator fragment of the same shape
@@ -101,12 +102,12 @@ struct DecodeShape {
   static constexpr int kLogBlock = Log2<BLOCK>::value;
   static constexpr int kChunkTokens = kTableSlots * BLOCK;
   static_assert(kChunkTokens % kCtaTokens == 0, "chunks hold whole CTA tiles");
-  // Per-warp region (bytes): key tile, value tile, scores, probabilities, alpha matrix.
+  // Per-warp region (bytes): key tile, value tile, scores (then the rescale matrix),
+  // probabilities.
   static constexpr int kKvBytes = kWarpTokens * kLd * 2;
   static constexpr int kSBytes = kHeads * kSLd * 4;
   static constexpr int kPBytes = kHeads * kPLd * 2;
-  static constexpr int kABytes = kHeads * kWarpTokens * 4;
-  static constexpr int kWarpBytes = 2 * kKvBytes + kSBytes + kPBytes + kABytes;
+  static constexpr int kWarpBytes = 2 * kKvBytes + kSBytes + kPBytes;
   static_assert(kHeads * kOLd * 4 <= 2 * kKvBytes, "final O fits in the K/V buffers");
   // CTA region: per-warp regions, Q (T), table slice, per-warp (max, sum) per head.
   static constexpr int kQOffset = kDecodeWarps * kWarpBytes;
@@ -114,7 +115,7 @@ struct DecodeShape {
   static constexpr int kMlOffset = kTableOffset + kTableSlots * 4;
   static constexpr int kSmemBytes = kMlOffset + kDecodeWarps * kHeads * 2 * 4;
   static_assert(kKvBytes % 32 == 0 && kSBytes % 32 == 0 && kPBytes % 32 == 0 &&
-                    kABytes % 32 == 0 && kQOffset % 32 == 0,
+                    kQOffset % 32 == 0,
                 "fragment pointers are 32-byte aligned");
 };
 
@@ -129,10 +130,25 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
 #endif
 }
 
+// Barrier and memory fence among the 32 threads of warp `warp`: a named barrier (ids 1..4;
+// 0 is __syncthreads) rather than __syncwarp, which compiles to a divergence check and a
+// slow path calling an ABI function inside the tile loop.
+__device__ __forceinline__ void warp_barrier(int warp) {
+#ifdef KVB_EMULATION
+  (void)warp;
+  __syncwarp();
+#else
+  asm volatile("bar.sync %0, 32;\n" ::"r"(warp + 1) : "memory");
+#endif
+}
+
 }  // namespace kvb
 
+// Occupancy is set by shared memory (2 CTAs per SM at head 128); the explicit minimum of 1
+// keeps ptxas from capping registers at its own occupancy target, where it spilled a few
+// words on sm_80.
 template <typename T, int D, int BLOCK, int GROUP>
-__global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
+__global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const T* __restrict__ query, const T* __restrict__ key_cache,
     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
@@ -170,7 +186,6 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
   T* v_s = reinterpret_cast<T*>(wbase + S::kKvBytes);
   float* s_s = reinterpret_cast<float*>(wbase + 2 * S::kKvBytes);
   T* p_s = reinterpret_cast<T*>(wbase + 2 * S::kKvBytes + S::kSBytes);
-  float* a_s = reinterpret_cast<float*>(wbase + 2 * S::kKvBytes + S::kSBytes + S::kPBytes);
   T* q_s = reinterpret_cast<T*>(smem + S::kQOffset);
   int* tbl_s = reinterpret_cast<int*>(smem + S::kTableOffset);
   float* ml_s = reinterpret_cast<float*>(smem + S::kMlOffset);
@@ -207,24 +222,63 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
   const bool capped = soft_cap > 0.f;
   const float qk_scale = capped ? scale : scale * kvb::kLog2e;
   const float cap_log2e = soft_cap * kvb::kLog2e;
-  const float inv_cap = capped ? 1.f / soft_cap : 0.f;
+  // __fdividef: no IEEE slow-path call (whose ABI made ptxas spill around it).
+  const float inv_cap = capped ? __fdividef(1.f, soft_cap) : 0.f;
   const long long head_stride = static_cast<long long>(BLOCK) * D;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
 
   // The 32 key rows of tile t0 into buf (keys outside the item: zeros, nothing read).
+  // When a row's 16-byte pieces divide among the lanes evenly (D = 64, 128, 256), a lane's
+  // pieces share one column and lie kStep rows apart, and the rows of one cache block are
+  // known at compile time: one table read and one 64-bit base per block, then one
+  // LDGSTS per piece with an immediate offset.
+  constexpr bool kEven = 32 % S::kPieces == 0;
+  constexpr int kStep = kEven ? 32 / S::kPieces : 1;
+  constexpr int kTileBlocks = S::kWarpTokens / BLOCK;
+  const int lane_row = kEven ? lane / S::kPieces : 0;
+  const int lane_col = lane % S::kPieces;
+  const int lane_dst = lane_row * kLd + lane_col * 8;
+  const int lane_src = lane_row * D + lane_col * 8;
   auto issue_tile = [&](T* buf, const T* cache, int t0, int first_block) {
+    if constexpr (kEven) {
+      const T* bases[kTileBlocks];
 #pragma unroll
-    for (int i = 0; i < S::kCopies; ++i) {
-      const int piece = lane + 32 * i;
-      const int row = piece / S::kPieces;
-      const int col = piece - row * S::kPieces;
-      const int j = t0 + row;
-      const bool ok = j >= kv_begin && j < kv_end;
-      const int blk = tbl_s[(j >> S::kLogBlock) - first_block];
-      const T* src =
-          cache + (static_cast<long long>(blk) * num_kv_heads + kv_head) * head_stride +
-          (j & (BLOCK - 1)) * D + col * 8;
-      kvb::cp_async16(buf + row * kLd + col * 8, ok ? src : cache, ok ? 16 : 0);
+      for (int b = 0; b < kTileBlocks; ++b) {
+        const int blk = tbl_s[(t0 >> S::kLogBlock) - first_block + b];
+        bases[b] = cache + (static_cast<long long>(blk) * num_kv_heads + kv_head) * head_stride +
+                   lane_src;
+      }
+      if (t0 >= kv_begin && t0 + S::kWarpTokens <= kv_end) {  // every key of the tile
+#pragma unroll
+        for (int i = 0; i < S::kCopies; ++i) {
+          const int row = i * kStep;  // + lane_row
+          kvb::cp_async16(buf + lane_dst + row * kLd,
+                          bases[row >> S::kLogBlock] + (row & (BLOCK - 1)) * D, 16);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < S::kCopies; ++i) {
+          const int row = i * kStep;
+          const int j = t0 + lane_row + row;
+          const bool ok = j >= kv_begin && j < kv_end;
+          const T* src = bases[row >> S::kLogBlock] + (row & (BLOCK - 1)) * D;
+          kvb::cp_async16(buf + lane_dst + row * kLd, ok ? src : cache, ok ? 16 : 0);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < S::kCopies; ++i) {
+        const int piece = lane + 32 * i;
+        const int row = piece / S::kPieces;
+        const int col = piece - row * S::kPieces;
+        const int j = t0 + row;
+        const bool ok = j >= kv_begin && j < kv_end;
+        const int blk = tbl_s[(j >> S::kLogBlock) - first_block];
+        const T* src =
+            cache + (static_cast<long long>(blk) * num_kv_heads + kv_head) * head_stride +
+            (j & (BLOCK - 1)) * D + col * 8;
+        kvb::cp_async16(buf + row * kLd + col * 8, ok ? src : cache, ok ? 16 : 0);
+      }
     }
   };
 
@@ -254,7 +308,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
       const int next = t0 + S::kCtaTokens;
       const bool has_next = next < c1;
       __pipeline_wait_prior(1);  // this tile's keys (its values may still be in flight)
-      __syncwarp();
+      kvb::warp_barrier(warp);              // every lane's key copies landed
 
       // 1. S^T = K . Q^T
       wmma::fragment<wmma::accumulator, 32, 8, 16, float> sacc[kHT];
@@ -275,7 +329,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
       for (int n = 0; n < kHT; ++n) {
         wmma::store_matrix_sync(s_s + n * 8 * S::kSLd, sacc[n], S::kSLd, wmma::mem_col_major);
       }
-      __syncwarp();  // scores visible; every lane is done reading the key tile
+      kvb::warp_barrier(warp);  // scores visible; every lane is done reading the key tile
       if (has_next) issue_tile(k_s, key_cache, next, first_block);
       __pipeline_commit();
 
@@ -319,21 +373,22 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
         l_run[n] = l_run[n] * (m_new == KVB_NEG_INF ? 1.f : alpha) + sum;
         m_run[n] = m_new;
         kvb::store16(p_s + r * S::kPLd + q * 8, kvb::pack<T>(pv));
+        // alpha over the 8 scores this lane read (no other lane reads them): the 32 x 8
+        // matrix (d, head) -> alpha[head] that rescales the O^T accumulators.
         const unsigned a = __float_as_uint(m_new == KVB_NEG_INF ? 1.f : alpha);
         const kvb::Vec16 a4 = {{a, a, a, a}};
-        float* adst = a_s + n * 8 * S::kWarpTokens + h * 32 + q * 8;
+        float* adst = s_s + r * S::kSLd + q * 8;
         kvb::store16(adst, a4);
         kvb::store16(adst + 4, a4);
       }
       __pipeline_wait_prior(1);  // this tile's values
-      __syncwarp();              // and every lane's P and alpha
+      kvb::warp_barrier(warp);              // and every lane's P and alpha
 
       // 3. O^T = alpha * O^T + V^T . P^T
 #pragma unroll
       for (int n = 0; n < kHT; ++n) {
         wmma::fragment<wmma::accumulator, 32, 8, 16, float> af;
-        wmma::load_matrix_sync(af, a_s + n * 8 * S::kWarpTokens, S::kWarpTokens,
-                               wmma::mem_col_major);
+        wmma::load_matrix_sync(af, s_s + n * 8 * S::kSLd, S::kSLd, wmma::mem_col_major);
 #pragma unroll
         for (int m = 0; m < S::kMTiles; ++m) {
 #pragma unroll
@@ -355,7 +410,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
           for (int n = 0; n < kHT; ++n) wmma::mma_sync(o[m][n], va, pb[n], o[m][n]);
         }
       }
-      __syncwarp();  // every lane is done reading the value tile, P and alpha
+      kvb::warp_barrier(warp);  // every lane is done reading the value tile, P and alpha
       if (has_next) issue_tile(v_s, value_cache, next, first_block);
       __pipeline_commit();
     }
@@ -363,7 +418,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
   }
 
   // Merge the four warps' states: O^T to the warp's own K/V buffers, (max, sum) per head.
-  __syncwarp();
+  kvb::warp_barrier(warp);
   float* o_s = reinterpret_cast<float*>(k_s);
 #pragma unroll
   for (int m = 0; m < S::kMTiles; ++m) {
@@ -406,7 +461,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) decode_attention_kernel(
     }
     const long long row = static_cast<long long>(head0 + r);
     if (slot < 0) {
-      const float inv = total > 0.f ? 1.f / total : 0.f;  // no visible key: zeros
+      const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;  // no visible key: zeros
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;
       kvb::store16(out + (seq * static_cast<long long>(num_heads) + row) * D + c * 8,

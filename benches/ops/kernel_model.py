@@ -116,7 +116,7 @@ PREFILL_ROWS = 16
 class Instantiation:
     """One modeled launch: a kernel template instance plus the runtime shape it runs."""
 
-    kind: str  # "decode" or "prefill"
+    kind: str  # "decode", "decode_tc" (tensor-core decode_attention_kernel) or "prefill"
     dtype: str  # "fp16", "bf16"
     head: int
     group: int  # query heads per KV head (GQA ratio)
@@ -131,6 +131,8 @@ class Instantiation:
     @property
     def source(self) -> str:
         """The ``.cu`` file of the kernel."""
+        if self.kind == "decode_tc":
+            return _DECODE_SOURCE
         return _PREFILL_SOURCE if self.kind == "prefill" else _RULES_SOURCE
 
     @property
@@ -138,6 +140,11 @@ class Instantiation:
         """Name expression of the instantiation."""
         if self.kind == "prefill":
             return f"prefill_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}>"
+        if self.kind == "decode_tc":
+            return (
+                f"decode_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, "
+                f"{self.block_size}, {decode_group_t(self.group)}>"
+            )
         return (
             f"paged_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, {self.template_rows}>"
         )
@@ -168,6 +175,8 @@ class Shape:
         esize = _CTYPES[inst.dtype][1]
         if inst.kind == "prefill":
             return _prefill_shape(inst, esize)
+        if inst.kind == "decode_tc":
+            return _decode_tc_shape(inst, esize)
         row_bytes = inst.head * esize
         per_tile = 8192 // row_bytes
         tile = 32 if per_tile >= 32 else 16 if per_tile >= 16 else 8
@@ -181,6 +190,24 @@ class Shape:
 
 _RULES_SOURCE = "paged_attention.cu"
 _PREFILL_SOURCE = "prefill_attention.cu"
+_DECODE_SOURCE = "decode_attention.cu"
+DECODE_TC_WARP_TOKENS = 32
+"""Keys per warp per main-loop iteration of ``decode_attention_kernel`` (wmma M = 32)."""
+
+
+def decode_group_t(group: int) -> int:
+    """The ``GROUP`` instantiation of ``decode_attention_kernel`` that serves ``group``."""
+    from kvblocks.ops.cuda_sources import DECODE_GROUPS
+
+    return next((g for g in DECODE_GROUPS if g >= group), DECODE_GROUPS[-1])
+
+
+def _decode_tc_shape(inst: Instantiation, esize: int) -> Shape:
+    """``kvb::DecodeShape``: a main-loop iteration is one 32-key tile per warp (128 keys per
+    CTA); ``rows`` is the padded N of the tensor-core products (8 or 16 heads)."""
+    rows = 8 * -(-min(inst.group, 16) // 8)
+    vpr = inst.head * esize // 16
+    return Shape(esize, inst.head, DECODE_TC_WARP_TOKENS * WARPS, vpr, rows, 1, rows * vpr)
 
 
 def _prefill_shape(inst: Instantiation, esize: int) -> Shape:
@@ -232,7 +259,24 @@ PREFILL_ATTENTION_RULES: dict[str, dict[str, object]] = {
 """Branch rules of ``prefill_attention_kernel`` (as :data:`PAGED_ATTENTION_RULES`). Every
 other branch of the tile loop falls through: full tiles, every key loaded."""
 
-RULES = {_RULES_SOURCE: PAGED_ATTENTION_RULES, _PREFILL_SOURCE: PREFILL_ATTENTION_RULES}
+DECODE_ATTENTION_RULES: dict[str, dict[str, object]] = {
+    # Steady state: no soft cap (its tanh is skipped).
+    "if (capped)": {"fallthrough": lambda s, k: 0.0},
+    # Where the compiler predicates the whole-tile copies and then branches over the
+    # masked copies (a branch at the copy's asm statement, whose line info is its last
+    # line), the masked path is not taken.
+    '"r"(src_bytes));': {"fallthrough": lambda s, k: 0.0},
+    # Back-edge of a warp-synchronous divergent slow path (BRA.DIV, never taken): one pass.
+    "every lane's key copies landed": {"trips": lambda s, k: 1},
+}
+"""Branch rules of ``decode_attention_kernel`` (as :data:`PAGED_ATTENTION_RULES`): a tile
+wholly inside the item (the unmasked copy path), the next tile prefetched."""
+
+RULES = {
+    _RULES_SOURCE: PAGED_ATTENTION_RULES,
+    _PREFILL_SOURCE: PREFILL_ATTENTION_RULES,
+    _DECODE_SOURCE: DECODE_ATTENTION_RULES,
+}
 """Branch rules by the kernel's source file."""
 
 
@@ -388,6 +432,8 @@ class ModelRow:
     fraction: float
     formula: str
     notes: list[str] = field(default_factory=list)
+    async_copy_bytes: float = 0.0
+    """Of ``global_load_bytes``, the bytes cp.async (LDGSTS) copies into shared memory."""
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready dict."""
@@ -416,11 +462,21 @@ def _rule(kind: str, rules_source: str = _RULES_SOURCE):
     return lookup
 
 
-def _main_loop(listing: sass.Listing) -> sass.Loop:
+MAIN_LOOP_OPS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    # Warps stream their own tiles with cp.async: the loop waits on the copies (DEPBAR),
+    # not on a CTA barrier; the table-slice loop around it has the BAR and the LDG.
+    _DECODE_SOURCE: (frozenset({"DEPBAR"}), frozenset({"LDGSTS"})),
+}
+"""(wait opcodes, load opcodes) that mark a kernel's main loop, by source file; default
+``BAR`` and ``LDG``."""
+
+
+def _main_loop(listing: sass.Listing, rules_source: str = _RULES_SOURCE) -> sass.Loop:
     ins = listing.instructions
+    waits, loads = MAIN_LOOP_OPS.get(rules_source, (frozenset({"BAR"}), frozenset({"LDG"})))
     for loop in listing.loops():  # innermost first
         body = ins[loop.head : loop.tail + 1]
-        if any(i.base == "BAR" for i in body) and any(i.base == "LDG" for i in body):
+        if any(i.base in waits for i in body) and any(i.base in loads for i in body):
             return loop
     raise ValueError(f"{listing.name}: no loop with a barrier and a global load")
 
@@ -452,7 +508,7 @@ def count_tile(
     """Count the main loop of ``listing`` for ``shape``; ``source`` maps the listing's line
     numbers to the text the branch rules match (the kernel's ``.cu`` file, whose name
     ``rules_source`` selects the rules in :data:`RULES`)."""
-    loop = _main_loop(listing)
+    loop = _main_loop(listing, rules_source)
     counts, notes = sass.count_loop(
         listing,
         loop,
@@ -469,6 +525,8 @@ def count_tile(
         by_class[cls] += n
         if cls in moved:
             moved[cls] += n * 32 * sass.width_bytes(ins)
+        if ins.base == "LDGSTS":
+            moved["async_copy"] = moved.get("async_copy", 0.0) + n * 32 * sass.width_bytes(ins)
     fall = _rule("fallthrough", rules_source)(shape, source)
     trip = _rule("trips", rules_source)(shape, source)
     inner = {lp.tail: lp for lp in listing.loops()}
@@ -491,7 +549,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     """Count the main loop of ``inst``'s kernel in ``compiled`` and apply the model."""
     import torch
 
-    from kvblocks.ops.cuda_sources import read_source
+    from kvblocks.ops.cuda_sources import decode_smem_bytes, read_source
     from kvblocks.ops.launch_plan import attention_smem_bytes
     from kvblocks.ops.prefill_launch import prefill_smem_bytes
 
@@ -507,6 +565,8 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[inst.dtype]
     if inst.kind == "prefill":
         smem = prefill_smem_bytes(inst.head) + int(res["static_smem_bytes"])
+    elif inst.kind == "decode_tc":
+        smem = decode_smem_bytes(dtype, inst.head, inst.block_size, decode_group_t(inst.group))
     else:
         smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
             res["static_smem_bytes"]
@@ -514,9 +574,13 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     occ = occupancy(int(res["registers"]), smem, gpu)
     kv_bytes = 2 * shape.tile * inst.head * shape.esize
     cycles = total / ISSUE_PER_CYCLE
-    if inst.kind == "decode":
+    # Bytes a resident CTA keeps in flight: the old kernel prefetches one tile; each warp of
+    # decode_attention_kernel always has its next key or value tile (half its K/V) in flight.
+    flight = kv_bytes // 2 if inst.kind == "decode_tc" else kv_bytes
+    decode = inst.kind in ("decode", "decode_tc")
+    if decode:
         metric, peak, work, unit = "HBM", gpu.hbm_bytes_per_cycle_sm, kv_bytes, "B"
-        latency = min(1.0, occ.ctas * kv_bytes / (peak * gpu.latency_cycles))
+        latency = min(1.0, occ.ctas * flight / (peak * gpu.latency_cycles))
     else:
         metric, peak, unit = "tensor", gpu.tensor_flops_per_cycle_sm, "FLOP"
         work = 4 * shape.rows * shape.tile * inst.head
@@ -530,9 +594,9 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
         f"path: {occ.ctas} CTA x {work} {unit} / {tile.path_cycles} cyc = "
         f"{occ.ctas * work / tile.path_cycles:.2f}"
         + (
-            f", in flight: {occ.ctas} x {kv_bytes} B / {gpu.latency_cycles} cyc = "
-            f"{occ.ctas * kv_bytes / gpu.latency_cycles:.2f}"
-            if inst.kind == "decode"
+            f", in flight: {occ.ctas} x {flight} B / {gpu.latency_cycles} cyc = "
+            f"{occ.ctas * flight / gpu.latency_cycles:.2f}"
+            if decode
             else ""
         )
         + f") / {peak:.2f} {unit}/cyc/SM"
@@ -565,6 +629,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
         fraction=frac,
         formula=formula,
         notes=notes,
+        async_copy_bytes=moved.get("async_copy", 0.0),
     )
 
 
@@ -577,6 +642,7 @@ def default_instantiations(archs: list[str]) -> list[Instantiation]:
                 for group in (1, 4, 8):
                     for block in (16, 32):
                         out.append(Instantiation("decode", dtype, head, group, block, arch))
+                        out.append(Instantiation("decode_tc", dtype, head, group, block, arch))
                 out.append(Instantiation("prefill", dtype, head, 8, 16, arch))
     return out
 
@@ -627,6 +693,7 @@ def render_table(rows: list[ModelRow]) -> str:
 
 _ANCHORS = {
     "decode": "FlashInfer 80-90%, vLLM v2 ~85% HBM",
+    "decode_tc": "FlashInfer 80-90%, vLLM v2 ~85% HBM",
     "prefill": "FA-2/3 50-75% tensor",
 }
 
@@ -664,7 +731,9 @@ def render_summary(rows: list[ModelRow]) -> str:
         for bs, by_arch in merged:
             any_row = next(iter(by_arch.values()))
             label = f"{kind} {dtype} head {head}"
-            label += f" GQA {group} block {bs}" if kind == "decode" else f" GQA {group}"
+            label += (
+                f" GQA {group} block {bs}" if kind in ("decode", "decode_tc") else f" GQA {group}"
+            )
             lines.append(
                 f"| {label} | {any_row.rows} x {any_row.tile_tokens} | "
                 f"{cell(by_arch.get('sm_90'))} | {cell(by_arch.get('sm_80'))} | {_ANCHORS[kind]} |"

@@ -124,8 +124,10 @@ class Listing:
     labels: dict[str, int] = field(default_factory=dict)
 
     def target_index(self, ins: Instruction) -> int | None:
-        """Index of the instruction a branch jumps to (None for calls, returns, exits)."""
-        if ins.target is None or ins.base not in ("BRA", "JMP"):
+        """Index of the instruction a branch jumps to (None for calls, returns, exits, and
+        ``BRA.DIV``: the jump to a warp-synchronous operation's divergent slow path, not
+        taken by a converged warp)."""
+        if ins.target is None or ins.base not in ("BRA", "JMP") or ".DIV" in ins.opcode:
             return None
         return self.labels.get(ins.target)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from decode_kernel_cases import run_decode
+from decode_kernel_cases import expected_out, expected_partial, run_decode, run_merge
 from emu_runtime import emu_launch, library
 from ops_cases import make_case, tolerance
 
@@ -93,5 +93,128 @@ def test_single_item_per_sequence_matches_reference(dtype, head_size, block_size
     want = reference.paged_attention(
         case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
         scale=scale,
+    )  # fmt: skip
+    check_out(run.out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_size", "group"), [(64, 1), (128, 4), (256, 8)])
+def test_splits_and_merge(dtype, head_size, group):
+    """Several items per sequence with partial slots (uneven, unaligned cuts, one empty
+    split), merged by merge_partials_kernel; a sequence with one item writes out itself."""
+    lens = [700, 45, 300]
+    block_size = 16
+    case = make_case(
+        7 + head_size, lens, [1] * len(lens), num_kv_heads=2, group=group,
+        head_size=head_size, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    scale = 0.11
+    items = [
+        (0, 0, 129, 0), (0, 129, 130, 1), (0, 130, 517, 2), (0, 517, 517, 3), (0, 517, 700, 4),
+        (1, 0, 45, -1),
+        (2, 0, 160, 5), (2, 160, 300, 6),
+    ]  # fmt: skip
+    run = run_decode(case, items, group_t=decode_group(group), scale=scale, num_slots=7)
+    for seq, begin, end, slot in items:
+        if slot < 0:
+            continue
+        acc, m, total = expected_partial(case, seq, begin, end, scale)
+        got_m, got_l = run.part_ml[slot, :, 0], run.part_ml[slot, :, 1]
+        if end == begin:
+            assert torch.isneginf(got_m).all() and (got_l == 0).all()
+            assert (run.part_out[slot] == 0).all()
+            continue
+        # The kernel's partial is relative to its own max; compare at a common scale.
+        torch.testing.assert_close(got_m, m, rtol=0, atol=0.05)
+        scale_to_ref = torch.exp2(got_m - m)
+        torch.testing.assert_close(got_l * scale_to_ref, total, rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(
+            run.part_out[slot] * scale_to_ref[:, None], acc, rtol=2e-2, atol=2e-2
+        )
+    assert torch.isnan(run.out[[0, 2]]).all()  # not written before the merge
+    run_merge(case, run, [0, 5, 5, 7])
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        scale=scale,
+    )  # fmt: skip
+    check_out(run.out, want, dtype)
+
+
+def decode_group(group: int) -> int:
+    return next(g for g in (1, 2, 4, 8, 16) if g >= group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "window", "soft_cap"), [(8, 37, 0.0), (32, 100, 5.0),
+                                                                 (16, 1, 2.0)])  # fmt: skip
+def test_window_items_and_soft_cap(dtype, block_size, window, soft_cap):
+    """Items that start inside a tile (a sliding window: kv_begin = len - window) and a
+    soft cap, against the reference's own window and cap."""
+    lens = [260, 37, 5, 1000]
+    case = make_case(
+        block_size + window, lens, [1] * len(lens), num_kv_heads=1, group=8, head_size=128,
+        block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    items = [(s, max(0, n - window), n, -1) for s, n in enumerate(lens)]
+    run = run_decode(case, items, group_t=8, scale=0.09, soft_cap=soft_cap)
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        scale=0.09, sliding_window=window, soft_cap=soft_cap or None,
+    )  # fmt: skip
+    check_out(run.out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_items_and_grid_tail(dtype):
+    """Empty ranges write zeros (out) or (-inf, 0) and zero partials; CTAs past *num_items
+    (whose item slots hold garbage) touch nothing."""
+    case = make_case(3, [40, 40], [1, 1], num_kv_heads=2, group=4, head_size=64, dtype=dtype)
+    items = [(0, 10, 10, -1), (1, 30, 5, 0)]
+    run = run_decode(case, items, group_t=4, scale=0.1, num_slots=2, spare_ctas=3)
+    assert (run.out[0] == 0).all()
+    assert torch.isnan(run.out[1]).all()
+    assert torch.isneginf(run.part_ml[0, :, 0]).all() and (run.part_ml[0, :, 1] == 0).all()
+    assert (run.part_out[0] == 0).all()
+    assert torch.isnan(run.part_out[1]).all() and torch.isnan(run.part_ml[1]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_out_of_range_plan_fields_are_clamped(dtype):
+    """A bad plan or table gives wrong numbers, never an out-of-bounds access (the ASan run
+    of this test checks the never): block ids outside the cache read block 0 (the null
+    block), sequences and key ranges are clamped."""
+    lens = [64, 50, 30]
+    case = make_case(5, lens, [1] * 3, num_kv_heads=2, group=2, head_size=64, dtype=dtype,
+                     block_size=16)  # fmt: skip
+    case.block_tables[1, 1] = 10_000
+    case.block_tables[1, 2] = -7
+    # Seq 0: whole-capacity range from a negative seq; seq 2: seq 99 clamped to the last.
+    items = [(1, 0, 50, -1), (-3, -100, 10**9, -1), (99, 0, 64, -1)]
+    run = run_decode(case, items, group_t=2, scale=0.1)
+    assert torch.isfinite(run.out.float()).all()
+    null_k, null_v = case.key_cache[0].float(), case.value_cache[0].float()
+    keys, vals = case.dense_keys[1], case.dense_values[1]
+    case.dense_keys[1] = torch.cat([keys[:, :16], null_k, null_k, keys[:, 48:]], dim=1)
+    case.dense_values[1] = torch.cat([vals[:, :16], null_v, null_v, vals[:, 48:]], dim=1)
+    torch.testing.assert_close(
+        run.out[1].float(), expected_out(case, 1, 0, 50, 0.1), **tolerance(dtype)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_contexts_span_table_slices(dtype):
+    """8k+ keys: several 256-block table slices per item (block 8: 2048 keys a slice),
+    split across items and merged, and one whole-sequence item."""
+    lens = [8200, 3000]
+    case = make_case(
+        17, lens, [1, 1], num_kv_heads=1, group=8, head_size=128, block_size=8, dtype=dtype,
+    )  # fmt: skip
+    items = [(0, 0, 5000, 0), (0, 5000, 8200, 1), (1, 0, 3000, -1)]
+    run = run_decode(case, items, group_t=8, scale=128**-0.5, num_slots=2)
+    run_merge(case, run, [0, 2, 2])
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        scale=128**-0.5,
     )  # fmt: skip
     check_out(run.out, want, dtype)

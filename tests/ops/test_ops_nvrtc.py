@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, CACHE_OPS_SOURCE, kernel_names
+from kvblocks.ops.cuda_sources import (
+    ATTENTION_SOURCE,
+    CACHE_OPS_SOURCE,
+    DECODE_SOURCE,
+    kernel_names,
+)
 
 nvrtc_build = pytest.importorskip("kvblocks.ops.nvrtc_build")
 pytest.importorskip("cuda.bindings.nvrtc")
@@ -21,7 +26,7 @@ def compiled(request):
     arch = request.param
     return arch, {
         source: nvrtc_build.compile_source(source, arch, kernel_names(source))
-        for source in (CACHE_OPS_SOURCE, ATTENTION_SOURCE)
+        for source in (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE)
     }
 
 
@@ -93,3 +98,30 @@ def test_compiling_leaves_the_interpreters_shared_bytes_alone():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_decode_kernel_registers_never_limit_occupancy(compiled):
+    """The tensor-core decode kernel: every (dtype, head, block, GROUP) instantiation,
+    spill-free (test_no_kernel_spills); at the modeled shapes (head 64/128/256, GROUP <= 8)
+    its registers never cost a CTA per SM below what its shared memory allows."""
+    import math
+
+    import torch
+
+    from kvblocks.ops.cuda_sources import decode_smem_bytes
+
+    arch, results = compiled
+    smem_per_sm = {"sm_80": 164 * 1024, "sm_90": 228 * 1024}[arch]
+    kernels = results[DECODE_SOURCE].kernels
+    decode = [k for k in kernels.values() if k.name.startswith("decode_attention_kernel")]
+    assert len(decode) == 2 * (5 * 3 * 5 + 3 * 4)  # 6 head sizes, 3 blocks, 5 (4 at 256) GROUPs
+    for kernel in decode:
+        ctype, head, block, group_t = kernel.name[kernel.name.index("<") + 1 : -1].split(", ")
+        dtype = {"__half": torch.float16, "__nv_bfloat16": torch.bfloat16}[ctype]
+        smem = decode_smem_bytes(dtype, int(head), int(block), int(group_t))
+        by_smem = smem_per_sm // (smem + 1024)
+        by_regs = 65536 // (128 * math.ceil(kernel.registers / 8) * 8)
+        assert by_smem >= 1, f"{arch} {kernel}: {smem} B of shared memory"
+        if int(head) in (64, 128, 256) and int(group_t) <= 8:  # the modeled shapes
+            assert by_regs >= by_smem, f"{arch} {kernel}: {by_regs} < {by_smem} CTAs/SM"
+        assert kernel.stack_bytes == 0, f"{arch} {kernel}"

@@ -168,7 +168,6 @@ def decode_smem_bytes(dtype: torch.dtype, head_size: int, block_size: int, group
     heads = 8 * ((group_t + 7) // 8)
     ld = (head_size + 31) // 32 * 32 + 8
     warp_bytes = 2 * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
-    warp_bytes += heads * tokens * 4
     return warps * warp_bytes + heads * ld * 2 + table_slots * 4 + warps * heads * 2 * 4
 
 
