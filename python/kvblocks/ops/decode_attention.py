@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,7 +141,7 @@ class DecodeAttention:
         target_ctas: int | None = None,
         max_items: int | None = None,
         cuda_graph: bool = False,
-        launcher: object | None = None,
+        launcher: Callable[[KernelLaunch], None] | None = None,
         granularity: int = DEFAULT_GRANULARITY,
         min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS,
     ) -> None:
@@ -148,6 +149,8 @@ class DecodeAttention:
             ("num_heads", num_heads),
             ("num_kv_heads", num_kv_heads),
             ("max_seqs", max_seqs),
+            ("granularity", granularity),
+            ("min_chunk_tokens", min_chunk_tokens),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -185,7 +188,7 @@ class DecodeAttention:
 
             launcher = cuda_backend.decode_launcher(self.device.index or 0)
             if target_ctas is None:
-                target_ctas = cuda_backend.target_ctas(self.device.index or 0)
+                target_ctas = cuda_backend._target_ctas(self.device.index or 0)
         if target_ctas is None:
             target_ctas = CTAS_PER_SM
         if isinstance(target_ctas, bool) or not isinstance(target_ctas, int) or target_ctas < 1:
