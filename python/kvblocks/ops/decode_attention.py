@@ -179,16 +179,17 @@ class DecodeAttention:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if launcher is None:
-            if self.device.type != "cuda":
-                raise InvalidArgumentError(
-                    f"DecodeAttention on {self.device} needs an explicit launcher"
-                )
+        if self.device.type == "cuda":
             from kvblocks.ops import cuda_backend
 
-            launcher = cuda_backend.decode_launcher(self.device.index or 0)
+            if launcher is None:
+                launcher = cuda_backend.decode_launcher(self.device.index or 0)
             if target_ctas is None:
                 target_ctas = cuda_backend._target_ctas(self.device.index or 0)
+        elif launcher is None:
+            raise InvalidArgumentError(
+                f"DecodeAttention on {self.device} needs an explicit launcher"
+            )
         if target_ctas is None:
             target_ctas = CTAS_PER_SM
         if isinstance(target_ctas, bool) or not isinstance(target_ctas, int) or target_ctas < 1:
