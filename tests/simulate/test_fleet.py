@@ -165,18 +165,25 @@ def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
     assert remote.blocks_published == shared.tier.blocks_offloaded > 0
     assert 0 < remote.blocks_imported <= remote.blocks_read == remote.hits <= remote.lookups
     assert remote.fetch_timeouts == 0
-    # Imported blocks are loaded, not computed: the hit rate rises, prefill falls.
-    assert shared.tier.blocks_loaded >= remote.blocks_imported
+    # Imported blocks are loaded, not computed: the hit rate rises, prefill falls. (A few
+    # are stranded: their instance lost a block before them while the read was queued
+    # behind the writes on the link, so their request's claim stops short of them.)
+    assert remote.blocks_stranded < 0.05 * remote.blocks_imported
+    assert shared.tier.blocks_loaded >= remote.blocks_imported - remote.blocks_stranded
     assert shared.prefix_hit_rate >= 2 * host.prefix_hit_rate, (
         shared.prefix_hit_rate,
         host.prefix_hit_rate,
     )
     assert shared.tier.prefill_tokens_computed < 0.7 * host.tier.prefill_tokens_computed
-    # Reads are charged by bytes over the remote bandwidth.
+    # Reads and writes are charged by bytes over the remote bandwidth, on one link.
     cost = shared.config.cost_model
     assert remote.transfer_s == pytest.approx(
         remote.blocks_read * cost.block_bytes(8) / cost.remote_bandwidth_bytes_per_s
     )
+    assert remote.write_s == pytest.approx(
+        remote.blocks_published * cost.block_bytes(8) / cost.remote_bandwidth_bytes_per_s
+    )
+    assert remote.transfer_s + remote.write_s <= shared.simulated_time_s
     summary = shared.summary()
     assert summary["remote_blocks_imported"] == remote.blocks_imported
     assert summary["remote_hit_rate"] == pytest.approx(
@@ -186,7 +193,9 @@ def test_a_shared_remote_tier_serves_history_from_other_instances() -> None:
 
 
 def test_remote_reads_cost_step_time_by_bandwidth() -> None:
-    # Every read waited for (no fetch timeout): the bandwidth alone decides.
+    # Every read waited for (no fetch timeout): the bandwidth alone decides. (1 GB/s: the
+    # link also carries the fleet's write-through traffic, 2.5 s of it here; at 100 MB/s
+    # the writes never land in time to be read: see the saturation test below.)
     fast = _tiered(
         "round-robin",
         4096,
@@ -196,7 +205,7 @@ def test_remote_reads_cost_step_time_by_bandwidth() -> None:
     slow = _tiered(
         "round-robin",
         4096,
-        cost_model=CostModel(remote_bandwidth_bytes_per_s=1e8),
+        cost_model=CostModel(remote_bandwidth_bytes_per_s=1e9),
         remote_fetch_wait_s=1e9,
     )
     assert fast.remote.blocks_imported > 0 and slow.remote.blocks_imported > 0
@@ -209,7 +218,7 @@ def test_remote_reads_cost_step_time_by_bandwidth() -> None:
 def test_reads_slower_than_the_fetch_wait_are_left_unused() -> None:
     """A saturated link: a read due after ``remote_fetch_wait_s`` is not waited for (the
     request computes its blocks, as the engine does after its ``fetch_wait_s``)."""
-    slow = CostModel(remote_bandwidth_bytes_per_s=1e8)  # 4 MiB blocks: 42 ms each
+    slow = CostModel(remote_bandwidth_bytes_per_s=2e9)  # 4 MiB blocks: 2.1 ms each
     patient = _tiered("round-robin", 4096, cost_model=slow, remote_fetch_wait_s=1e9)
     hasty = _tiered("round-robin", 4096, cost_model=slow, remote_fetch_wait_s=0.05)
     assert patient.remote.fetch_timeouts == 0

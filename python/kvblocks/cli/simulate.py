@@ -219,9 +219,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=positive_float,
         default=None,
         metavar="GB/S",
-        help=f"bandwidth of the remote tier's server link, shared by every instance's reads "
-        f"(default {DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s link at ~80%%); a request "
-        "joins its instance once its read arrived",
+        help=f"bandwidth of the remote tier's server link, which carries every instance's "
+        f"reads and write-backs in turn (default {DEFAULT_REMOTE_BANDWIDTH_GBPS:g}: a 50 Gb/s "
+        "link at ~80%%); a request joins its instance once its read arrived, a written "
+        "block can be read once it crossed",
     )
     f.add_argument(
         "--remote-fetch-wait",

@@ -78,10 +78,13 @@ class FleetConfig:
             instance holds are imported from it (:mod:`kvblocks.simulate.fleet_remote`).
         remote_fetch_wait_s: a request whose read would take longer goes ahead without
             it and computes its blocks (the engine's ``RemoteTierOptions.fetch_wait_s``).
+        remote_max_pending_write_blocks: blocks an instance's write-back queue holds at
+            most; a write that does not fit is dropped (the engine's
+            ``RemoteTierOptions.max_pending_write_blocks``).
         cost_model: simulated step time of each instance; a request with blocks to read
             from the remote tier joins its instance once they crossed the network at
-            ``remote_bandwidth_bytes_per_s``, the store's link, which serves the whole
-            fleet's reads one at a time.
+            ``remote_bandwidth_bytes_per_s``, the store's link, which carries the whole
+            fleet's reads and writes one at a time.
         max_concurrency: at most this many conversations in progress at once, as a pool
             of closed-loop clients (a benchmark's ``--num-clients``): a conversation due
             while the pool is full starts when one ends, and its arrival time is then.
@@ -104,6 +107,7 @@ class FleetConfig:
     host_offload: str = "evict"
     remote_tier_blocks: int = 0
     remote_fetch_wait_s: float = 1.0
+    remote_max_pending_write_blocks: int = 256
     cost_model: CostModel = field(default_factory=CostModel)
     max_concurrency: int | None = None
     follow_ups_first: bool = True
@@ -125,6 +129,11 @@ class FleetConfig:
         if not self.remote_fetch_wait_s >= 0:
             raise InvalidArgumentError(
                 f"remote_fetch_wait_s must be >= 0, got {self.remote_fetch_wait_s}"
+            )
+        if self.remote_max_pending_write_blocks < 1:
+            raise InvalidArgumentError(
+                "remote_max_pending_write_blocks must be >= 1, got "
+                f"{self.remote_max_pending_write_blocks}"
             )
         if self.remote_tier_blocks < 0:
             raise InvalidArgumentError(
@@ -224,6 +233,7 @@ class FleetResult:
                 self.config.cost_model.block_bytes(self.config.block_size),
                 self.config.block_size,
                 self.prompt_tokens_admitted,
+                self.simulated_time_s,
             ),
         }
 
@@ -309,16 +319,20 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     window = _CompletionWindow(num_requests)
     # (end time, instance) of the steps in flight
     ends: list[tuple[float, int]] = []
-    # (end time, index, instance, request, prompt blocks, router credit, blocks read) of
-    # the remote reads in flight
-    reads: list[tuple[float, int, int, SimRequest, int, float, list[bytes]]] = []
+    # (end time, index, instance, request, prompt blocks, router credit, blocks read,
+    # blocks before them) of the remote reads in flight
+    reads: list[tuple[float, int, int, SimRequest, int, float, list[bytes], list[bytes]]] = []
     arrived = finished = rejected = generated = 0
     active = 0  # conversations in progress
     limit = config.max_concurrency
     clock = 0.0
     bar = _progress_bar(num_requests, config.progress)
     tier = TierTotals()
-    remote = SharedRemoteTier(config.remote_tier_blocks) if config.remote_tier_blocks else None
+    remote = (
+        SharedRemoteTier(config.remote_tier_blocks, config.remote_max_pending_write_blocks)
+        if config.remote_tier_blocks
+        else None
+    )
     _started: set[str] = set()  # requests whose first step has ended
     _first: set[str] = set()  # requests whose first token has been sampled
 
@@ -346,13 +360,16 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             limit = (len(tokens) - 1) // bs
             digests = hashes if hashes else hasher.block_hashes(tokens)
             claimable = cast("list[bytes]", list(digests[:limit]))
-            found = remote.lookup(inst.manager, claimable)
+            found = remote.lookup(inst.manager, claimable, now)
             if found:
                 # The request waits for its read, as the engine holds a prefetching
                 # request back; the store's one link serves the fleet's reads in turn.
                 done = remote.read_done(now, len(found), config.cost_model, bs)
                 if done - now <= config.remote_fetch_wait_s:
-                    heapq.heappush(reads, (done, index, i, sim, prompt_blocks, credit, found))
+                    before = claimable[: claimable.index(found[0])]
+                    heapq.heappush(
+                        reads, (done, index, i, sim, prompt_blocks, credit, found, before)
+                    )
                     return
                 remote.totals.fetch_timeouts += 1
         admit(i, sim, index, prompt_blocks, credit, now)
@@ -383,7 +400,9 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         inst = fleet[i]
         output = inst.scheduler.schedule()
         if remote is not None:
-            remote.publish(inst.manager, output)  # before update() unpins the slots
+            # Before update() unpins the slots; the write-back is queued as the step's
+            # ops copy the blocks to the host tier.
+            remote.publish(i, inst.manager, output, now, config.cost_model, bs)
         result = _fake_model(output, rng, vocab)
         outputs = inst.scheduler.update(output, result)
         dt = config.cost_model.step_time(output, bs, config.host_offload == "commit")
@@ -468,9 +487,9 @@ def run_fleet(config: FleetConfig) -> FleetResult:
                 end_step(i)
             elif t_read is not None and t_read <= now:
                 while reads and reads[0][0] <= now:
-                    _, index, i, waited, blocks, credit, found = heapq.heappop(reads)
+                    _, index, i, waited, blocks, credit, found, before = heapq.heappop(reads)
                     assert remote is not None
-                    remote.import_blocks(fleet[i].manager, found)
+                    remote.import_blocks(fleet[i].manager, found, before)
                     admit(i, waited, index, blocks, credit, now)
             elif t_arr is not None and t_arr <= now:
                 while (sim := arrivals.pop_due(now, limit is None or active < limit)) is not None:

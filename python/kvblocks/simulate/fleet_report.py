@@ -38,6 +38,7 @@ def _config_doc(results: Sequence[FleetResult]) -> dict[str, Any]:
         "host_offload": cfg.host_offload,
         "remote_tier_blocks": max(r.config.remote_tier_blocks for r in results),
         "remote_fetch_wait_s": cfg.remote_fetch_wait_s,
+        "remote_max_pending_write_blocks": cfg.remote_max_pending_write_blocks,
         "cost_model": asdict(cfg.cost_model),
     }
     return doc
@@ -80,7 +81,10 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
     if tiered:
         header += f" {'GPU+host hits':>14} {'loaded/offloaded':>17}"
     if remote:
-        header += f" {'remote hits':>11} {'remote in/out':>14} {'timeouts':>8}"
+        header += (
+            f" {'remote hits':>11} {'remote in/out':>14} {'timeouts':>8}"
+            f" {'dropped':>8} {'link busy':>9}"
+        )
     lines += [header, "-" * len(header)]
     for r in results:
         m = r.metrics
@@ -99,7 +103,8 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
             t = r.summary()
             inout = f"{t['remote_blocks_imported']}/{t['remote_blocks_published']}"
             line += f" {100 * t['remote_hit_rate']:>10.1f}% {inout:>14}"
-            line += f" {t['remote_fetch_timeouts']:>8}"
+            line += f" {t['remote_fetch_timeouts']:>8} {t['remote_dropped_writes']:>8}"
+            line += f" {100 * t['remote_link_busy']:>8.0f}%"
         lines.append(line)
     lines += _ratios(results)
     if tiered:
@@ -122,14 +127,17 @@ def format_fleet_table(results: Sequence[FleetResult]) -> str:
         blocks = max(r.config.remote_tier_blocks for r in results)
         lines.append(
             f"+ remote: one remote tier of {blocks} blocks shared by all instances (LRU); "
-            "every block offloaded to a host tier is written to it off the step path, and a "
-            "routed request's blocks past its instance's own hit are read into the host tier "
-            f"at {cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
-            f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s (the server's link, one read at "
-            f"a time) before the request joins its queue; a read that would take over "
-            f"{cfg.remote_fetch_wait_s:g} s is left to finish unused and the request computes "
-            "its blocks (timeouts). Remote hits: imported tokens over prompt tokens (part of "
-            "the host hits)."
+            "every block offloaded to a host tier is written to it off the step path (an "
+            f"instance queues {cfg.remote_max_pending_write_blocks} blocks at most, and drops "
+            "the rest: dropped), and a routed request's blocks past its instance's own hit "
+            "are read into the host tier before the request joins its queue. Reads and writes "
+            f"cross the server's one link in turn at "
+            f"{cost.block_bytes(cfg.block_size) / 2**20:.1f} MiB per block over "
+            f"{cost.remote_bandwidth_bytes_per_s / 1e9:g} GB/s (link busy: their time over the "
+            "run; over 100%: writes still queued at the end), and a written block can be "
+            f"read once it crossed; a read that would take over {cfg.remote_fetch_wait_s:g} s "
+            "is left to finish unused and the request computes its blocks (timeouts). Remote "
+            "hits: imported tokens over prompt tokens (part of the host hits)."
         )
     return "\n".join(lines)
 
