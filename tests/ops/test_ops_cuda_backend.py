@@ -105,11 +105,13 @@ def fake_cupy(monkeypatch, kernel_cache_dir):
     cuda_backend._arch.cache_clear()
     cuda_backend._target_ctas.cache_clear()
     cuda_backend.decode_launcher.cache_clear()
+    cuda_backend.decode_target_ctas.cache_clear()
     kernel_driver._DECODERS.clear()
     yield fake
     cuda_backend._function.cache_clear()
     cuda_backend._target_ctas.cache_clear()
     cuda_backend.decode_launcher.cache_clear()
+    cuda_backend.decode_target_ctas.cache_clear()
     kernel_driver._DECODERS.clear()
 
 
@@ -194,3 +196,20 @@ def test_prefill_and_cache_ops_through_the_backend(fake_cupy):
     assert fake_cupy.launches[-2:] == ["reshape_and_cache_kernel", "copy_blocks_kernel"]
     # extern "C" kernels keep their names.
     assert fake_cupy.modules[-1]["lowered"] == "copy_blocks_kernel"
+
+
+def test_decode_target_ctas_follow_shared_memory(monkeypatch):
+    """The planner fills the device with as many decode CTAs as fit an SM's shared memory."""
+    h100 = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: h100)
+    cuda_backend.decode_target_ctas.cache_clear()
+    try:
+        assert (
+            cuda_backend.decode_target_ctas(0, decode_smem_bytes(torch.float16, 128, 16, 8)) == 264
+        )
+        assert (
+            cuda_backend.decode_target_ctas(0, decode_smem_bytes(torch.bfloat16, 256, 16, 8)) == 132
+        )
+        assert cuda_backend.decode_target_ctas(0, 1024) == 132 * 4  # capped like the old kernel
+    finally:
+        cuda_backend.decode_target_ctas.cache_clear()

@@ -27,6 +27,7 @@ from kvblocks.ops.prefill_launch import run_prefill
 __all__ = [
     "copy_blocks",
     "decode_launcher",
+    "decode_target_ctas",
     "paged_attention",
     "paged_prefill_attention",
     "reshape_and_cache",
@@ -89,6 +90,17 @@ def _function(device: int, name: str) -> Any:
 @functools.cache
 def _target_ctas(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
+
+
+@functools.cache
+def decode_target_ctas(device: int, smem_bytes: int) -> int:
+    """CTAs of ``decode_attention_kernel`` that fill ``device`` once: SMs x the CTAs whose
+    ``smem_bytes`` of shared memory fit an SM (1 KiB reserved per CTA), at most
+    ``CTAS_PER_SM`` (2 on H100/A100 at head 128, 1 at head 256)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
+    resident = min(CTAS_PER_SM, per_sm // (smem_bytes + 1024)) if per_sm else CTAS_PER_SM
+    return props.multi_processor_count * max(1, resident)
 
 
 def _launcher(device: torch.device) -> kernel_driver.Launcher:
@@ -184,7 +196,7 @@ def paged_attention(
         return kernel_driver.run_decode(
             decode_launcher(index), query, key_cache, value_cache, block_tables,
             seq_lens_host, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            target_ctas=_target_ctas(index),
+            target_ctas=None,
         )  # fmt: skip
     return kernel_driver.run_attention(
         _launcher(device), query, key_cache, value_cache, block_tables, seq_lens, None,

@@ -110,7 +110,8 @@ class DecodeAttention:
         scale, sliding_window, soft_cap: as in :func:`kvblocks.ops.paged_attention`
             (fixed per object: a model with per-layer windows keeps one object per
             window).
-        target_ctas: CTAs that fill the device once; default ``SMs x 4`` of ``device``.
+        target_ctas: CTAs that fill the device once; default on CUDA the SM count times
+            the CTAs whose shared memory fits an SM (2 at head 128 on H100/A100).
         max_items: capacity of the item buffer (and of the partials); default
             ``target_ctas / (num_kv_heads x head_chunks) + max_seqs``, enough for every
             plan :func:`~kvblocks.ops.decode_plan.plan_decode` makes.
@@ -179,13 +180,18 @@ class DecodeAttention:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        group = num_heads // num_kv_heads
+        group_t = decode_kernel_group(head_size, group)
+        self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t)
         if self.device.type == "cuda":
             from kvblocks.ops import cuda_backend
 
             if launcher is None:
                 launcher = cuda_backend.decode_launcher(self.device.index or 0)
             if target_ctas is None:
-                target_ctas = cuda_backend._target_ctas(self.device.index or 0)
+                target_ctas = cuda_backend.decode_target_ctas(
+                    self.device.index or 0, self.smem_bytes
+                )
         elif launcher is None:
             raise InvalidArgumentError(
                 f"DecodeAttention on {self.device} needs an explicit launcher"
@@ -207,8 +213,6 @@ class DecodeAttention:
         self.cuda_graph = bool(cuda_graph)
         self.granularity = granularity
         self.min_chunk_tokens = min_chunk_tokens
-        group = num_heads // num_kv_heads
-        group_t = decode_kernel_group(head_size, group)
         self.head_chunks = math.ceil(group / group_t)
         self.target_items = max(1, target_ctas // (num_kv_heads * self.head_chunks))
         if max_items is None:
@@ -222,7 +226,6 @@ class DecodeAttention:
         self.max_items = max_items
         self.kernel = decode_kernel_name(dtype, head_size, block_size, group_t)
         self.merge_kernel = merge_partials_name(dtype, head_size)
-        self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t)
         # One int32 buffer = one host-to-device copy per new plan: [0] item count,
         # [4, 4 + 4 * max_items) items (int4, 16-byte aligned), then merge_indptr.
         self._items_at = 4

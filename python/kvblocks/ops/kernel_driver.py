@@ -169,7 +169,7 @@ def decode_attention_for(
     scale: float | None,
     sliding_window: int | None,
     soft_cap: float | None,
-    target_ctas: int,
+    target_ctas: int | None,
 ) -> DecodeAttention:
     """The cached :class:`DecodeAttention` serving the functional decode path.
 
@@ -204,10 +204,11 @@ def run_decode(
     scale: float | None,
     sliding_window: int | None,
     soft_cap: float | None,
-    target_ctas: int,
+    target_ctas: int | None,
 ) -> torch.Tensor:
     """fp16/bf16 decode through ``decode_attention_kernel`` and the length-aware plan
-    (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``)."""
+    (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``;
+    ``target_ctas`` None: from the device, see :class:`DecodeAttention`)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
     decoder = decode_attention_for(
         launch, device=key_cache.device, dtype=query.dtype, num_heads=query.shape[1],
