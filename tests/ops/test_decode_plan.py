@@ -89,13 +89,13 @@ def test_plan_invariants(lens, window, target_items, extra, granularity, min_chu
 
 def test_one_long_sequence_among_short_ones_gets_many_splits():
     lens = np.array([32768] + [100] * 63, dtype=np.int32)
-    plan = plan_decode(lens, target_items=66)  # 132 SMs x 4 CTAs / 8 KV heads
+    plan = plan_decode(lens, target_items=33)  # H100 at head 128: 132 SMs x 2 CTAs / 8 KV heads
     counts = np.bincount(plan.items[:, 0])
-    assert counts[0] >= 32 and np.all(counts[1:] == 1)
+    assert counts[0] >= 30 and np.all(counts[1:] == 1)
     assert plan.num_slots == counts[0] and plan.merge_indptr[1] == counts[0]
     # Alone, a long sequence fills the device; a full batch of long ones is not split.
-    assert plan_decode(np.array([32768]), target_items=66).num_items >= 60
-    assert plan_decode(np.full(256, 4096), target_items=66).num_slots == 0
+    assert plan_decode(np.array([32768]), target_items=33).num_items >= 30
+    assert plan_decode(np.full(256, 4096), target_items=33).num_slots == 0
 
 
 def test_window_drops_whole_splits():
