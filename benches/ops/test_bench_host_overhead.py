@@ -5,7 +5,7 @@ checks, planning (cached or not), output/workspace allocation and argument packi
 launcher, the boundary where CuPy would take over, is the only stand-in: a no-op that
 keeps the last launches (so nothing is optimised away). Shapes are Llama-3-8B's decode
 at batch 64 (32 query heads over 8 KV heads of 128, fp16, block 16, mixed lengths up to
-4k) on an H100-sized plan (132 SMs x 4 CTAs). Tensors live on the CPU; no kernel runs.
+4k) on an H100-sized plan (132 SMs x 2 CTAs). Tensors live on the CPU; no kernel runs.
 
 * ``old``: the front-end checks plus the older split-K driver
   (``kernel_driver.run_attention``, planned from ``max_seq_len``), what
@@ -36,7 +36,8 @@ from kvblocks.ops import kernel_driver
 from kvblocks.ops.launch_plan import KernelLaunch
 
 BATCH, HEADS, KV_HEADS, HEAD, BLOCK, MAX_BLOCKS = 64, 32, 8, 128, 16, 512
-TARGET_CTAS = 132 * 4
+TARGET_CTAS = 132 * 2  # H100 at head 128: two decode CTAs fit an SM
+OLD_TARGET_CTAS = 132 * 4  # the older kernel's target (CTAS_PER_SM), as its backend plans
 DTYPE = torch.float16
 MEDIANS: dict[str, float] = {}
 
@@ -82,7 +83,7 @@ def old_call(launch: NoopLauncher, b: dict[str, Any], max_seq_len: int) -> torch
     return kernel_driver.run_attention(
         launch, b["query"], b["key_cache"], b["value_cache"], b["block_tables"],
         b["seq_lens"], None, scale=None, sliding_window=None, soft_cap=None,
-        max_query_len=1, max_seq_len=max_seq_len, target_ctas=TARGET_CTAS,
+        max_query_len=1, max_seq_len=max_seq_len, target_ctas=OLD_TARGET_CTAS,
     )  # fmt: skip
 
 
