@@ -65,6 +65,8 @@ struct PrefillShape {
   // Prefetch the next tile into registers while computing this one, up to 4 K+V vectors
   // per thread (32 registers); head 80/96 at 64 tokens and head 256 load in the loop.
   static constexpr bool kPrefetch = kLoads <= 4;
+  // CTAs per SM the register budget is sized for (__launch_bounds__).
+  static constexpr int kMinCtas = 2;
   static constexpr int kThreadsPerRow = kThreads / kRows;
   static constexpr int kColsPerThread = kTile / kThreadsPerRow;
   // Layout (bytes): K tile | V tile (the pair also stages Q) | scores (kDSplit partials) |
@@ -135,7 +137,8 @@ KVB_BF16_LOAD_SHARED(matrix_b, col_major, "b", "col")
 template <typename T, int D>
 // 4 warps; the register budget follows from the accumulators (no spills, checked by the
 // NVRTC tests), 2-3 CTAs per SM.
-__global__ void __launch_bounds__(kvb::kThreads, 2) prefill_attention_kernel(
+__global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinCtas))
+    prefill_attention_kernel(
     T* __restrict__ out,                      // [tokens, num_heads, D]
     const T* __restrict__ query,              // [tokens, num_heads, D]
     const T* __restrict__ key_cache,          // [num_blocks, num_kv_heads, block_size, D]
@@ -197,7 +200,9 @@ __global__ void __launch_bounds__(kvb::kThreads, 2) prefill_attention_kernel(
   const int in_block = block_size - 1;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
   const long long head_stride = static_cast<long long>(block_size) * D;
-  const long long block_stride = head_stride * num_kv_heads;
+  // Elements per cache block (all KV heads): far below 2^31, so a block's offset is one
+  // 32 x 32 -> 64-bit multiply.
+  const int block_stride = num_kv_heads * block_size * D;
   const T* k_head = key_cache + kv_head * head_stride;
   const T* v_head = value_cache + kv_head * head_stride;
 
@@ -276,7 +281,8 @@ __global__ void __launch_bounds__(kvb::kThreads, 2) prefill_attention_kernel(
         v_reg[l] = kvb::zero16();
         if ((S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi) {
           const int b = blk[l] < 0 || blk[l] >= num_blocks ? 0 : blk[l];  // stay in the cache
-          const long long off = b * block_stride + ((j & in_block) * D + (idx % VPR) * VEC);
+          const long long off = static_cast<long long>(b) * block_stride +
+                                ((j & in_block) * D + (idx % VPR) * VEC);
           k_reg[l] = kvb::load16(k_head + off);
           v_reg[l] = kvb::load16(v_head + off);
         }

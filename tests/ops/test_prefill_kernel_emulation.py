@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from emu_runtime import emu_launch, library
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_cases import make_case, tolerance
 
 from kvblocks.ops import prefill_launch, reference
@@ -184,6 +186,36 @@ def test_plan_longest_tiles_first_and_grid_limits():
         prefill_launch.plan_prefill(num_seqs=65536, max_query_len=1, **args)
     with pytest.raises(InvalidArgumentError, match="fp16/bf16"):
         prefill_launch.plan_prefill(num_seqs=1, max_query_len=1, **{**args, "dtype": torch.float32})
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([8, 16, 32]),
+    head_size=st.sampled_from([64, 80, 96, 112, 128, 256]),
+    group=st.sampled_from([1, 2, 3, 4, 8]),
+    dtype=st.sampled_from(DTYPES),
+    sliding_window=st.one_of(st.none(), st.integers(1, 90)),
+    soft_cap=st.one_of(st.none(), st.floats(0.5, 50.0)),
+)
+def test_random_batches_match_reference(
+    data, block_size, head_size, group, dtype, sliding_window, soft_cap
+):
+    """Random mixed batches: idle sequences, decode rows, extends, whole prompts, and a
+    max_query_len hint anywhere from 0 to the truth."""
+    seq_lens = data.draw(st.lists(st.integers(0, 100), min_size=1, max_size=4))
+    q_lens = [data.draw(st.integers(0, n)) for n in seq_lens]
+    if not sum(q_lens):
+        q_lens[0], seq_lens[0] = 1, max(1, seq_lens[0])
+    case = make_case(
+        data.draw(st.integers(0, 2**16)), seq_lens, q_lens, num_kv_heads=2, group=group,
+        head_size=head_size, block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    hint = data.draw(st.integers(0, max(q_lens)))
+    torch.testing.assert_close(
+        emu_prefill(case, max_query_len=hint, **kw), ref_prefill(case, **kw), **tolerance(dtype)
+    )
 
 
 @pytest.mark.slow
