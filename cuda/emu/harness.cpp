@@ -107,11 +107,13 @@ const Entry* find(const char* name) {
 extern "C" {
 
 // Launch `name` (a name expression such as "paged_attention_kernel<__half, 128, 8>").
-// Returns 0, or -1 if the kernel is unknown.
+// Returns 0, -1 if the kernel is unknown, or -2 if smem_bytes is below the kernel's own
+// shared-memory need (the GPU would refuse that launch; here it would overrun the buffer).
 int kvb_emu_launch(const char* name, const unsigned int* grid, const unsigned int* block,
                    unsigned long long smem_bytes, void** args) {
   const Entry* e = find(name);
   if (e == nullptr) return -1;
+  if (smem_bytes < static_cast<unsigned long long>(e->smem_bytes)) return -2;
   e->launch(dim3(grid[0], grid[1], grid[2]), dim3(block[0], block[1], block[2]), smem_bytes,
             args);
   return 0;

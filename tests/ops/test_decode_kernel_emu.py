@@ -5,6 +5,8 @@ emulated cp.async pipeline the kernel relies on."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,14 @@ def test_long_contexts_span_table_slices(dtype):
         scale=128**-0.5,
     )  # fmt: skip
     check_out(run.out, want, dtype)
+
+
+def test_a_launch_with_too_little_shared_memory_is_refused():
+    """The harness refuses (rather than overruns) a launch below the kernel's kSmemBytes."""
+    lib = library()
+    name = "decode_attention_kernel<__half, 64, 16, 8>"
+    need = lib.kvb_emu_smem_bytes(name.encode())
+    grid = (ctypes.c_uint * 3)(1, 1, 1)
+    block = (ctypes.c_uint * 3)(128, 1, 1)
+    args = (ctypes.c_void_p * 17)()
+    assert lib.kvb_emu_launch(name.encode(), grid, block, need - 16, args) == -2
