@@ -99,6 +99,10 @@ def test_a_valkey_server_shares_a_prefix_and_a_dead_one_reads_as_misses(referenc
          "not allowed with"),
         (["--host-cache-blocks", "4", "--disk-tier", "DIR", "--disk-tier-blocks", "0"],
          "--disk-tier-blocks"),
+        (["--host-cache-blocks", "4", "--disk-tier-blocks", "8"], "--disk-tier-blocks needs"),
+        (["--host-cache-blocks", "4", "--model-id", "m"], "--model-id needs"),
+        (["--host-cache-blocks", "4", "--valkey-url", "valkey://h", "--disk-tier-blocks", "8"],
+         "--disk-tier-blocks needs --disk-tier"),
     ],
 )  # fmt: skip
 def test_bad_tier_options_are_one_line(tmp_path: Path, argv: list[str], message: str) -> None:

@@ -130,8 +130,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "A store below the host tier (needs --host-cache-blocks), shared by every engine "
         "that uses it with the same model: each block offloaded to the host tier is also "
         "written there, and a prompt's blocks past this engine's own prefix hit are read "
-        "from it and loaded instead of computed. An unreachable server or a damaged value "
-        "reads as a miss: the blocks are computed, with one warning line on stderr, and "
+        "from it and loaded instead of computed. An unreachable server reads as misses (one "
+        "warning line on stderr) and a damaged value as a miss: the blocks are computed and "
         "the run succeeds.",
     )
     where = tier.add_mutually_exclusive_group()
@@ -150,7 +150,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     tier.add_argument(
         "--disk-tier-blocks",
         type=positive_int,
-        default=65536,
+        default=None,
         metavar="N",
         help="blocks the --disk-tier directory holds at most, least recently used evicted "
         "first (default: 65536)",
@@ -175,10 +175,19 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
     without either); each store it opens is appended to ``opened`` (the caller closes it).
 
     Raises:
-        InvalidArgumentError: no host tier below which to put it.
+        InvalidArgumentError: no host tier below which to put it, or a tier option
+            (``--disk-tier-blocks``, ``--model-id``) without its tier.
     """
     if args.valkey_url is None and args.disk_tier is None:
+        for flag, value in (
+            ("--disk-tier-blocks", args.disk_tier_blocks),
+            ("--model-id", args.model_id),
+        ):
+            if value is not None:
+                raise InvalidArgumentError(f"{flag} needs --disk-tier or --valkey-url")
         return None
+    if args.disk_tier_blocks is not None and args.disk_tier is None:
+        raise InvalidArgumentError("--disk-tier-blocks needs --disk-tier")
     option = "--valkey-url" if args.valkey_url is not None else "--disk-tier"
     if args.host_cache_blocks == 0:
         raise InvalidArgumentError(
@@ -202,7 +211,7 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
             else:
                 from kvblocks.tiers.disk import DiskTier
 
-                store = DiskTier(args.disk_tier, layout, args.disk_tier_blocks)
+                store = DiskTier(args.disk_tier, layout, args.disk_tier_blocks or 65536)
         except (ValueError, OSError) as exc:  # a bad URL, an unusable directory
             value = args.valkey_url if args.valkey_url is not None else args.disk_tier
             raise InvalidArgumentError(f"{option} {value!r}: {exc}") from exc
