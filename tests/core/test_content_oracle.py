@@ -15,18 +15,27 @@ replaced by a bigger one with ``full=True`` when rows run out), as an engine kee
 mirror of it is patched only through the returned deltas. A few sequences at a time lag
 (are not synced for some operations), as unscheduled sequences do in a serving loop.
 
+Effects that random draws reach only by luck have a rule that reaches them for certain:
+``flood`` runs one-off prompts over the whole free pool, so with prefix caching on its
+cached blocks are evicted, and a high-priority prefix must outlive a low-priority one
+that least-recently-used order alone would have kept (``set_retention_priority``). Hypothesis
+derandomizes under ``CI=true``, so whether a configuration with caching is drawn at all
+depends on the class's shape: :func:`_forced_flood` runs one fixed such example besides.
+
 Budget: ``ORACLE_EXAMPLES * ORACLE_STEPS`` random operations per run (at least 10,000),
 multiplied by the environment variable ``KVBLOCKS_ORACLE_SCALE`` for long runs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -56,6 +65,13 @@ STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 1, 2, 
 NAMESPACES = [(None, None), ("salt", None), (None, 3)]
 #: Columns of the persistent table: more than any table of a run can reach.
 TABLE_WIDTH = 256
+#: A sequence's retention priority until it is set.
+DEFAULT_PRIORITY = 35
+#: What ``prioritize`` sets: valid priorities and two out of range (refused, no change).
+PRIORITIES = [0, 10, 35, 60, 100, -1, 101]
+#: First token of one-off flood prompts: above the vocabulary, one per sequence id, so a
+#: flood prompt shares no block with any other prompt.
+FLOOD_TOKEN = 1000
 
 
 class ContentOracle(RuleBasedStateMachine):
@@ -71,6 +87,7 @@ class ContentOracle(RuleBasedStateMachine):
         # read back from the manager), and the pending reservation's size, if any.
         self.tokens: dict[int, list[int]] = {}
         self.ns: dict[int, tuple[str | None, int | None]] = {}
+        self.prio: dict[int, int] = {}  # retention priority set (DEFAULT_PRIORITY if absent)
         self.computed: dict[int, int] = {}
         self.allocated: set[int] = set()
         self.swapped: set[int] = set()
@@ -281,6 +298,7 @@ class ContentOracle(RuleBasedStateMachine):
         COVERAGE["fork"] += 1
         self.tokens[child] = list(self.tokens[parent])
         self.ns[child] = self.ns[parent]
+        self.prio[child] = self.prio.get(parent, DEFAULT_PRIORITY)  # forks inherit it
         if parent not in self.allocated:
             return  # both claim the cached prefix at their first allocation
         self.computed[child] = self.computed[parent]
@@ -291,20 +309,130 @@ class ContentOracle(RuleBasedStateMachine):
             self.m.commit(child, 0, [(token + 1) % 12])
             self.tokens[child].append((token + 1) % 12)
 
+    @precondition(
+        lambda self: any(self.computed[s] % self.bs for s in self._idle() if s not in self.swapped)
+    )
+    @rule(data=st.data(), token=st.integers(0, 11))
+    def fork_and_write(self, data, token):
+        """Fork a sequence whose last block is partly filled and let the child write its
+        next token there: certain to need a copy-on-write copy (in the op list, with a
+        host tier)."""
+        cands = [s for s in self._idle() if self.computed[s] % self.bs]
+        parent = data.draw(st.sampled_from(cands))
+        child = self.next_id
+        self.next_id += 1
+        self.m.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.ns[child] = self.ns[parent]
+        self.prio[child] = self.prio.get(parent, DEFAULT_PRIORITY)
+        self.computed[child] = self.computed[parent]
+        self.allocated.add(child)
+        self.m.commit(child, 0, [token])
+        self.tokens[child].append(token)
+        if self.m.allocate_slots(child, 1) is None:
+            return
+        self._copy_on_writes()
+        self._after_allocate(child, 1, 0)
+        self._write_reserved({child: (1, 0)})
+        COVERAGE["ops"] += 1
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), reset=st.integers(0, 7))
     def free(self, data, reset):
         """Free a sequence; now and then try to reset the prefix cache (it succeeds only
         when no block is in use)."""
         sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self._forget(sid)
+        if reset == 0:
+            COVERAGE["cache_reset"] += self.m.reset_prefix_cache()
+
+    def _forget(self, sid: int) -> None:
+        """Free the sequence in the manager and in the oracle's records."""
         self.m.free(sid)
         COVERAGE["ops"] += 1
-        for d in (self.tokens, self.ns, self.computed, self.pending):
+        for d in (self.tokens, self.ns, self.prio, self.computed, self.pending):
             d.pop(sid, None)
         self.allocated.discard(sid)
         self.swapped.discard(sid)
-        if reset == 0:
-            COVERAGE["cache_reset"] += self.m.reset_prefix_cache()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), priority=st.sampled_from(PRIORITIES))
+    def prioritize(self, data, priority):
+        """Change a held sequence's retention priority (running, waiting or swapped out):
+        the blocks it commits or claims from now on are evicted in that order. Out of
+        range is refused and changes nothing."""
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        if not 0 <= priority <= 100:
+            with pytest.raises(kvblocks.InvalidArgumentError):
+                self.m.set_retention_priority(sid, priority)
+            return
+        self.m.set_retention_priority(sid, priority)
+        self.prio[sid] = priority
+        COVERAGE["ops"] += 1
+        COVERAGE["retention_priority"] += 1
+
+    def _one_off(self, blocks: int, priority: int | None, tokens: list[int] | None = None):
+        """Prefill a prompt of ``blocks`` full blocks of fresh tokens (or ``tokens``) whole,
+        at ``priority`` (set while it is live, before its blocks are committed), check
+        every sequence's KV, commit it and free it: its blocks stay cached. Return the
+        prompt and the cached tokens it claimed (``None``: not admitted)."""
+        if tokens is None:
+            tokens = [FLOOD_TOKEN + self.next_id, *range(12, 11 + blocks * self.bs)]
+        sid = self.next_id
+        self.next_id += 1
+        self.m.add_sequence(sid, tokens)
+        self.tokens[sid] = list(tokens)
+        self.ns[sid] = (None, None)
+        if priority is not None:
+            self.m.set_retention_priority(sid, priority)
+            self.prio[sid] = priority
+        new = len(tokens) - self.m.num_computed_tokens(sid)
+        if self.m.allocate_slots(sid, new) is None:
+            self._forget(sid)
+            return tokens, None
+        self._copy_on_writes()
+        self._after_allocate(sid, new, 0)
+        hit = self.computed[sid]
+        self._write_reserved({sid: (new, 0)})
+        self.m.commit(sid, new)
+        del self.pending[sid]
+        self.computed[sid] += new
+        self.every_sequence_reads_its_own_kv()
+        self._forget(sid)
+        return tokens, hit
+
+    # Without caching nothing is evicted: the rule would only take steps from the others.
+    @precondition(lambda self: self.m.enable_prefix_caching)
+    @rule(high=st.integers(DEFAULT_PRIORITY + 1, 100), low=st.integers(0, DEFAULT_PRIORITY - 1))
+    def flood(self, high, low):
+        """Memory pressure, certain to evict when prefix caching is on: a prompt ``A`` of
+        half the free pool at a high priority, then two prompts ``B`` (low priority) and
+        ``C`` over the rest, each computed, checked and freed (their blocks stay cached).
+        ``C`` must evict cached blocks: the pool holds nothing else. Least recently used
+        first would evict ``A`` (freed before ``B``); by priority ``B`` goes first, and
+        ``A`` extended by a token then claims its whole prefix, whose KV the read
+        check judges."""
+        free = self.m.num_free_blocks()
+        if free == 0:
+            return
+        # One operation of the budget, not one per prompt: the budget is for random ones.
+        ops = COVERAGE["ops"]
+        try:
+            self._flood(free, high, low)
+        finally:
+            COVERAGE["ops"] = ops + 1
+
+    def _flood(self, free: int, high: int, low: int) -> None:
+        half = max(1, free // 2)
+        a_tokens, a_hit = self._one_off(half, high)
+        if a_hit is None:
+            return
+        rest = max(1, free - half)
+        self._one_off(rest, low)
+        self._one_off(rest, None)
+        _, hit = self._one_off(0, None, tokens=[*a_tokens, 0])
+        COVERAGE["flood"] += 1
+        COVERAGE["priority_kept"] += hit == len(a_tokens)
 
     @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
     @rule(data=st.data())
@@ -361,6 +489,32 @@ class ContentOracle(RuleBasedStateMachine):
     def lag(self, data, steps):
         """Leave a sequence out of the next few syncs (an unscheduled sequence)."""
         self.lagging[data.draw(st.sampled_from(sorted(self.row_of)))] = steps
+
+    def _twin_sources(self) -> list[int]:
+        """Sequences whose pending reservation completes a block it does not commit yet."""
+        bs = self.bs
+        return [
+            p
+            for p, new in self.pending.items()
+            if p not in self.swapped and (self.computed[p] + new) // bs * bs > self.computed[p]
+        ]
+
+    @precondition(lambda self: self.m.enable_prefix_caching and self._twin_sources())
+    @rule(data=st.data(), token=st.integers(0, 11))
+    def add_twin(self, data, token):
+        """A prompt arrives while its prefix is being computed: a waiting sequence with the
+        tokens a pending reservation writes (and one more), probed at once, so blocks in
+        flight are reported (and judged by what the memory holds) for certain."""
+        p = data.draw(st.sampled_from(sorted(self._twin_sources())))
+        tokens = [*self.tokens[p][: self.computed[p] + self.pending[p]], token]
+        sid = self.next_id
+        self.next_id += 1
+        ns = self.ns[p]
+        self.m.add_sequence(sid, tokens, cache_salt=ns[0], lora_id=ns[1])
+        COVERAGE["ops"] += 1
+        self.tokens[sid] = tokens
+        self.ns[sid] = ns
+        self.probe_in_flight()
 
     @precondition(lambda self: any(s not in self.allocated for s in self.tokens))
     @rule()
@@ -466,6 +620,7 @@ class ContentOracle(RuleBasedStateMachine):
             COVERAGE["window_release"] += self.window is not None and bool((table == 0).any())
         for sid in self.tokens:
             assert self.m.num_tokens(sid) == len(self.tokens[sid])
+            assert self.m.retention_priority(sid) == self.prio.get(sid, DEFAULT_PRIORITY), sid
 
     @precondition(lambda self: hasattr(self, "m"))
     @invariant()
@@ -477,9 +632,24 @@ class ContentOracle(RuleBasedStateMachine):
             COVERAGE["eviction"] += self.m.stats()["evictions"]
 
 
+def _forced_flood() -> None:
+    """One fixed example with prefix caching: a flood over a fresh pool (11 free blocks:
+    ``A`` takes 5, ``B`` the 6 never used, ``C`` must evict 6 cached ones), whatever
+    configurations the random examples drew."""
+    machine = ContentOracle()
+    machine.setup(
+        num_blocks=12, block_size=2, num_cpu_blocks=0, caching=True, hash_algo="blake3", window=None
+    )
+    machine.flood(high=90, low=10)
+    machine.every_sequence_reads_its_own_kv()
+    machine.structure_holds()
+    machine.teardown()
+
+
 def test_every_sequence_reads_its_own_kv() -> None:
     """At least ``MIN_OPERATIONS`` random operations, every content effect reached."""
     COVERAGE.clear()
+    _forced_flood()
     # Hypothesis decides how long each run is: repeat until the budget is spent.
     for _ in range(10):
         run_state_machine_as_test(
@@ -509,8 +679,77 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "table_rewrite",
         "table_row_reused",
         "in_flight",
+        "retention_priority",
+        "priority_kept",
     )
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE
+
+
+class _FaultyManager:
+    """A real manager with one fault injected, for the oracle's own checks: it drops the
+    copy-on-write copies (``"copy_on_write"``) or ignores retention priorities while
+    reporting them as set (``"priority"``)."""
+
+    def __init__(self, fault: str, *args: object, **kwargs: object) -> None:
+        self._m = kvblocks.KVCacheManager(*args, **kwargs)  # the module name is patched
+        self._fault = fault
+        self._priority: dict[int, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("_"):  # not set yet (or a protocol probe): not the manager's
+            raise AttributeError(name)
+        return getattr(self._m, name)
+
+    def take_copy_on_writes(self):
+        pairs = self._m.take_copy_on_writes()
+        return pairs[:0] if self._fault == "copy_on_write" else pairs
+
+    def set_retention_priority(self, seq_id: int, priority: int) -> None:
+        if self._fault != "priority":
+            self._m.set_retention_priority(seq_id, priority)
+            return
+        if not 0 <= priority <= 100:
+            raise kvblocks.InvalidArgumentError(f"priority {priority} out of range")
+        self._priority[seq_id] = priority
+
+    def retention_priority(self, seq_id: int) -> int:
+        if self._fault != "priority":
+            return self._m.retention_priority(seq_id)
+        return self._priority.get(seq_id, DEFAULT_PRIORITY)
+
+
+def test_oracle_catches_dropped_copy_on_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager whose copy-on-write copies never happen fails the read check."""
+    monkeypatch.setattr(
+        sys.modules[__name__], "KVCacheManager", functools.partial(_FaultyManager, "copy_on_write")
+    )
+    with pytest.raises(ContentError):
+        run_state_machine_as_test(
+            ContentOracle,
+            settings=settings(
+                max_examples=ORACLE_EXAMPLES,
+                stateful_step_count=ORACLE_STEPS,
+                deadline=None,
+                database=None,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+
+def test_forced_flood_needs_priority_ordered_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed flood keeps its high-priority prefix on the real manager and loses it on
+    one that evicts least recently used first, whatever the priorities: the coverage
+    requirement ``priority_kept`` cannot be met by a manager that ignores them."""
+    COVERAGE.clear()
+    _forced_flood()
+    assert COVERAGE["priority_kept"] == 1 and COVERAGE["eviction"] > 0, COVERAGE
+    monkeypatch.setattr(
+        sys.modules[__name__], "KVCacheManager", functools.partial(_FaultyManager, "priority")
+    )
+    COVERAGE.clear()
+    _forced_flood()
+    assert COVERAGE["priority_kept"] == 0 and COVERAGE["eviction"] > 0, COVERAGE
 
 
 class TieredContentOracle(ContentOracle):
@@ -675,31 +914,6 @@ class TieredContentOracle(ContentOracle):
         COVERAGE["ops"] += 1
         if confirm:
             self.confirm()
-
-    @precondition(
-        lambda self: any(self.computed[s] % self.bs for s in self._idle() if s not in self.swapped)
-    )
-    @rule(data=st.data(), token=st.integers(0, 11))
-    def fork_and_write(self, data, token):
-        """Fork a sequence whose last block is partly filled and let the child write its
-        next token there: a copy-on-write copy in the op list."""
-        cands = [s for s in self._idle() if self.computed[s] % self.bs]
-        parent = data.draw(st.sampled_from(cands))
-        child = self.next_id
-        self.next_id += 1
-        self.m.fork(parent, child)
-        self.tokens[child] = list(self.tokens[parent])
-        self.ns[child] = self.ns[parent]
-        self.computed[child] = self.computed[parent]
-        self.allocated.add(child)
-        self.m.commit(child, 0, [token])
-        self.tokens[child].append(token)
-        if self.m.allocate_slots(child, 1) is None:
-            return
-        self._copy_on_writes()
-        self._after_allocate(child, 1, 0)
-        self._write_reserved({child: (1, 0)})
-        COVERAGE["ops"] += 1
 
     @rule()
     def confirm(self):
