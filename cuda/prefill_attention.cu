@@ -256,30 +256,28 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
     float m_run = KVB_NEG_INF;  // running max (base 2) of this thread's row, as used by P
     float l_part = 0.f;         // this thread's share of the row's sum of P
 
-    // K and V rows of a tile into registers; tokens past kv_hi are zeros (P = 0 must not
-    // meet NaN garbage in the P V product).
+    // K and V rows of a tile into registers.
     kvb::Vec16 k_reg[S::kLoads], v_reg[S::kLoads];
     int blk[S::kLoads];
     // Block ids of a tile's tokens, all read before any K/V address needs one (issued in
-    // order behind each other, their latencies would add up). Without the K/V prefetch they
-    // are read a tile ahead, so only the K/V loads' own latency remains in the loop.
+    // order behind each other, their latencies would add up), a tile before the K/V loads
+    // that use them: the loop never waits for a block-table read.
     auto lookup = [&](int t0) {
 #pragma unroll
       for (int l = 0; l < S::kLoads; ++l) {
         const int idx = tid + l * NT;
-        const int j = t0 + idx / VPR;
-        const bool live = (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi;
-        blk[l] = live ? table[j >> shift] : -1;
+        const int j = min(t0 + idx / VPR, kv_hi - 1);
+        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) blk[l] = table[j >> shift];
       }
     };
+    // Tokens past kv_hi load the last key's row again instead of branching to zeros: it is
+    // finite cache data and every row masks it (P = 0), as the tail tile always masks.
     auto fetch = [&](int t0) {
 #pragma unroll
       for (int l = 0; l < S::kLoads; ++l) {
         const int idx = tid + l * NT;
-        const int j = t0 + idx / VPR;
-        k_reg[l] = kvb::zero16();
-        v_reg[l] = kvb::zero16();
-        if ((S::kLoads * NT == TILE * VPR || idx < TILE * VPR) && j < kv_hi) {
+        const int j = min(t0 + idx / VPR, kv_hi - 1);
+        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) {
           const int b = blk[l] < 0 || blk[l] >= num_blocks ? 0 : blk[l];  // stay in the cache
           const long long off = static_cast<long long>(b) * block_stride +
                                 ((j & in_block) * D + (idx % VPR) * VEC);
@@ -299,8 +297,13 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
         }
       }
     };
-    if (kv_lo < kv_hi) lookup(kv_lo);
-    if (S::kPrefetch && kv_lo < kv_hi) fetch(kv_lo);
+    if (kv_lo < kv_hi) {
+      lookup(kv_lo);
+      if (S::kPrefetch) {
+        fetch(kv_lo);
+        lookup(kv_lo + TILE);
+      }
+    }
 
     for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
       if (!S::kPrefetch) fetch(t0);
@@ -309,8 +312,12 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
       __syncthreads();
       // The next tile's loads fly while this one is computed (when registers allow).
       if (t0 + TILE < kv_hi) {
-        lookup(t0 + TILE);
-        if (S::kPrefetch) fetch(t0 + TILE);
+        if (S::kPrefetch) {
+          fetch(t0 + TILE);  // its block ids were read a tile ago
+          lookup(t0 + 2 * TILE);
+        } else {
+          lookup(t0 + TILE);
+        }
       }
 
       // 1. S (partial over this warp's head columns) = Q K^T.
@@ -358,13 +365,20 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
           }
         }
         // Base-2 logits: s * scale * log2(e), or cap * log2(e) * tanh(s * scale / cap).
-        const float qk = soft_cap > 0.f ? scale / soft_cap : scale * kvb::kLog2e;
-#pragma unroll
-        for (int c = 0; c < CPT; ++c) s[c] *= qk;
+        // The plain scale is folded into the exponent's FFMA below: positive, so the max
+        // commutes with it.
+        float mul = scale * kvb::kLog2e;
         if (soft_cap > 0.f) {
+          const float inner = scale / soft_cap;
           const float outer = soft_cap * kvb::kLog2e;
 #pragma unroll
-          for (int c = 0; c < CPT; ++c) s[c] = outer * tanhf(s[c]);
+          for (int c = 0; c < CPT; ++c) s[c] = outer * tanhf(s[c] * inner);
+          mul = 1.f;
+        }
+        if (!(mul > 0.f)) {  // a zero or negative scale: apply it first
+#pragma unroll
+          for (int c = 0; c < CPT; ++c) s[c] *= mul;
+          mul = 1.f;
         }
         const bool mask_tile = t0 + TILE > full_hi || t0 < full_lo;  // uniform over the CTA
         if (mask_tile) {
@@ -380,6 +394,7 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
         for (int c = 0; c < CPT; ++c) mx = fmaxf(mx, s[c]);
 #pragma unroll
         for (int o = 1; o < TPR; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx *= mul;
         // The max P is taken against: fixed until it falls kRescaleLog2 behind.
         float alpha = 1.f;
         int rescale = 0;
@@ -394,7 +409,7 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
         const float base = m_run == KVB_NEG_INF ? 0.f : m_run;  // all -inf: P = 0, not NaN
 #pragma unroll
         for (int c = 0; c < CPT; ++c) {
-          s[c] = kvb::exp2_approx(s[c] - base);
+          s[c] = kvb::exp2_approx(fmaf(s[c], mul, -base));
           l_part += s[c];
         }
 #pragma unroll

@@ -254,6 +254,7 @@ PREFILL_ATTENTION_RULES: dict[str, dict[str, object]] = {
     "if (rescale)": {"fallthrough": lambda s, k: 0.0},
     # A tile below the causal diagonal, inside the window and the keys: no per-score mask.
     "if (mask_tile)": {"fallthrough": lambda s, k: 0.0},
+    "if (!(mul > 0.f))": {"fallthrough": lambda s, k: 0.0},  # a positive scale
     "for (int e = lane; e < 256; e += 32)": {"trips": lambda s, k: 8},  # inside the rescale
 }
 """Branch rules of ``prefill_attention_kernel`` (as :data:`PAGED_ATTENTION_RULES`). Every

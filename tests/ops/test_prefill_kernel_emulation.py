@@ -164,6 +164,16 @@ def test_query_start_loc_past_the_tokens_is_clamped():
     torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.4])
+def test_non_positive_scale_still_matches(scale):
+    # The front-ends refuse such scales; the kernel still computes them (the scale is
+    # folded into the exponent only when positive).
+    case = make_case(9, [90, 30], [90, 7], num_kv_heads=1, group=2, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    got = emu_prefill(case, scale=scale)
+    torch.testing.assert_close(got, ref_prefill(case, scale=scale), **tolerance(torch.bfloat16))
+
+
 def test_fp32_keeps_the_cuda_core_kernel():
     case = make_case(8, [40, 9], [40, 3], num_kv_heads=1, group=2, head_size=64)
     launches = []
