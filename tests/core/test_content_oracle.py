@@ -18,7 +18,9 @@ mirror of it is patched only through the returned deltas. A few sequences at a t
 Effects that random draws reach only by luck have a rule that reaches them for certain:
 ``flood`` runs one-off prompts over the whole free pool, so with prefix caching on its
 cached blocks are evicted, and a high-priority prefix must outlive a low-priority one
-that least-recently-used order alone would have kept (``set_retention_priority``). Hypothesis
+that least-recently-used order alone would have kept (``set_retention_priority``);
+``add_twin`` adds a prompt while a pending reservation computes its prefix (blocks in
+flight); ``fork_and_write`` writes into a shared partial block (copy-on-write). Hypothesis
 derandomizes under ``CI=true``, so whether a configuration with caching is drawn at all
 depends on the class's shape: :func:`_forced_flood` runs one fixed such example besides.
 
