@@ -164,6 +164,18 @@ def test_query_start_loc_past_the_tokens_is_clamped():
     torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float16))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_logits_with_a_small_scale(dtype):
+    # Raw dot products in the thousands, scaled down to a few units: the running max must
+    # be kept in scaled units (in raw ones every P would underflow to 0).
+    case = make_case(13, [100, 40], [100, 9], num_kv_heads=1, group=2, head_size=64,
+                     dtype=dtype)  # fmt: skip
+    case.key_cache.mul_(30.0)
+    case.key_cache[0] = 50.0
+    got = emu_prefill(case, scale=0.01)
+    torch.testing.assert_close(got, ref_prefill(case, scale=0.01), **tolerance(dtype))
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.4])
 def test_non_positive_scale_still_matches(scale):
     # The front-ends refuse such scales; the kernel still computes them (the scale is
