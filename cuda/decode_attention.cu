@@ -37,7 +37,7 @@
 // Design. The four warps of a CTA split the item's keys: warp w takes the 32-key tiles
 // w, w + 4, w + 8, ... of the item (tiles aligned to 32 keys, so a tile covers whole cache
 // blocks), each with its own online softmax; the four states are merged once at the end.
-// Per tile a warp runs, with only __syncwarp between the steps (no CTA barrier):
+// Per tile a warp runs, with only warp-scoped barriers between the steps (no CTA barrier):
 //   1. S^T[32 keys x 8 heads] = K[32 x D] . Q^T[D x 8]: wmma m32n8k16, the key tile as
 //      matrix_a straight from its shared-memory rows, the GQA group as N (padded to 8, or
 //      16 in two column tiles); Q^T is read from shared memory (staged once per CTA).
