@@ -6,6 +6,10 @@ cubin, and ptxas' verbose report gives registers and spills.
 
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
+import os
+
 import pytest
 
 from kvblocks.ops.cuda_sources import (
@@ -21,13 +25,47 @@ pytest.importorskip("cuda.bindings.nvrtc")
 ARCHS = ["sm_80", "sm_90"]
 
 
+SOURCES = (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE)
+# Name expressions per NVRTC program: the ~190 decode instantiations take about a minute
+# per architecture in one program, so they are compiled in pieces on every core.
+CHUNK = 48
+
+
+def _compile(job: tuple[str, str, list[str]]):
+    source, arch, names = job
+    return source, arch, nvrtc_build.compile_source(source, arch, names)
+
+
+@pytest.fixture(scope="module")
+def all_compiled():
+    """{arch: {source: CompileResult}} for every instantiation, the programs compiled in
+    parallel processes (NVRTC holds no state between programs)."""
+    jobs = [
+        (source, arch, names[i : i + CHUNK])
+        for arch in ARCHS
+        for source in SOURCES
+        for names in [kernel_names(source)]
+        for i in range(0, len(names), CHUNK)
+    ]
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pieces = list(pool.map(_compile, jobs))
+    out: dict[str, dict[str, nvrtc_build.CompileResult]] = {a: {} for a in ARCHS}
+    for source, arch, result in pieces:
+        merged = out[arch].get(source)
+        if merged is None:
+            out[arch][source] = result
+        else:
+            merged.kernels.update(result.kernels)
+            merged.cubin_bytes += result.cubin_bytes
+            merged.log += result.log
+    return out
+
+
 @pytest.fixture(scope="module", params=ARCHS)
-def compiled(request):
-    arch = request.param
-    return arch, {
-        source: nvrtc_build.compile_source(source, arch, kernel_names(source))
-        for source in (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE)
-    }
+def compiled(request, all_compiled):
+    return request.param, all_compiled[request.param]
 
 
 def test_all_instantiations_compile(compiled):
