@@ -16,6 +16,7 @@ from kvblocks.ops.cuda_sources import (
     ATTENTION_SOURCE,
     CACHE_OPS_SOURCE,
     DECODE_SOURCE,
+    PREFILL_SOURCE,
     kernel_names,
 )
 
@@ -25,7 +26,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 ARCHS = ["sm_80", "sm_90"]
 
 
-SOURCES = (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE)
+SOURCES = (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE, PREFILL_SOURCE)
 # Name expressions per NVRTC program: the ~190 decode instantiations take about a minute
 # per architecture in one program, so they are compiled in pieces on every core.
 CHUNK = 48
