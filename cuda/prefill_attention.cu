@@ -18,8 +18,8 @@
 //      warps of a row block store partial sums over their halves of the head).
 //   2. Online softmax on the shared scores (a fragment's element order is unspecified, so
 //      per-row work never touches fragment elements): 128 / kRows threads per row apply
-//      scale, soft cap and the causal/window/length mask, reduce the tile max by shuffles
-//      and write P as T over the row's scores. The running max is rescaled lazily: only
+//      scale, soft cap and (on tiles that cross a row's causal/window/length edge only)
+//      the mask, reduce the tile max by shuffles and write P as T over the row's scores. The running max is rescaled lazily: only
 //      when a row's max grows by more than kRescaleLog2 (P stays below 2^8, exact enough in
 //      fp16/bf16 and far from overflow) does the CTA rescale that row block's fp32 output
 //      fragments, through shared memory; with a stable max (the usual case after the first
@@ -135,8 +135,8 @@ KVB_BF16_LOAD_SHARED(matrix_b, col_major, "b", "col")
 }  // namespace kvb
 
 template <typename T, int D>
-// 4 warps; the register budget follows from the accumulators (no spills, checked by the
-// NVRTC tests), 2-3 CTAs per SM.
+// 4 warps, 2 CTAs per SM: up to 255 registers for the Q and output fragments and the
+// prefetched tile (no spills, checked by the NVRTC tests).
 __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinCtas))
     prefill_attention_kernel(
     T* __restrict__ out,                      // [tokens, num_heads, D]
