@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import vllm_array_structs as legacy
 import vllm_structs as vllm
-from zmq_helpers import Subscriber
+from zmq_helpers import Subscriber, publish_one
 
 from kvblocks import KVCacheManager
 from kvblocks.events import ZmqEventPublisher
@@ -124,13 +124,7 @@ def test_sequences_without_lora_send_none_and_arrays_carry_the_name() -> None:
     m.commit(1, 9)
     events = m.take_events()
     with ZmqEventPublisher(ANY_PORT) as pub:
-        sub = Subscriber(pub)
-        try:
-            sub.sync(pub)
-            pub.publish(events)
-            got = sub.recv()
-        finally:
-            sub.close()
+        got = publish_one(pub, events)
     assert got is not None
     plain, lora = DECODE.decode(got[2]).events
     assert (plain.lora_id, plain.lora_name, plain.extra_keys) == (None, None, [None, None])
@@ -140,13 +134,7 @@ def test_sequences_without_lora_send_none_and_arrays_carry_the_name() -> None:
     assert raw["lora_name"] == "chat" and raw["extra_keys"][0] == [["lora", "chat", ""]]
 
     with ZmqEventPublisher(ANY_PORT, wire_format="array") as pub:
-        sub = Subscriber(pub)
-        try:
-            sub.sync(pub)
-            pub.publish(events)
-            got = sub.recv()
-        finally:
-            sub.close()
+        got = publish_one(pub, events)
     assert got is not None
     # Old subscribers decode the positional form (they skip the trailing lora_name).
     old = msgspec.msgpack.Decoder(type=legacy.KVEventBatch).decode(got[2])

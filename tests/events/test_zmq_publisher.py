@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import vllm_array_structs as legacy
 import vllm_structs as vllm
-from zmq_helpers import END_SEQ, Subscriber, wait_for
+from zmq_helpers import END_SEQ, Subscriber, publish_one, wait_for
 
 from kvblocks import InvalidArgumentError, KVCacheManager
 from kvblocks.events import NullEventPublisher, PublisherClosedError, ZmqEventPublisher
@@ -90,13 +90,7 @@ def test_wire_shape_is_array_batch_of_tagged_maps(pub: ZmqEventPublisher) -> Non
     # vLLM v0.26+: [ts, [ {"type": "BlockStored", ...} ], rank]. Subscribers in other
     # languages read it untyped, so pin the shape itself, not only a msgspec round trip.
     first, *_ = manager_events()
-    sub = Subscriber(pub)
-    try:
-        sub.sync(pub)
-        pub.publish(first)
-        got = sub.recv()
-    finally:
-        sub.close()
+    got = publish_one(pub, first)
     assert got is not None
     raw = msgspec.msgpack.decode(got[2])
     assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0
@@ -109,13 +103,7 @@ def test_wire_shape_is_array_batch_of_tagged_maps(pub: ZmqEventPublisher) -> Non
 def test_bytes_hashes_and_array_wire_format_for_older_subscribers() -> None:
     first, second, _, tokens = manager_events()
     with ZmqEventPublisher(ANY_PORT, wire_format="array", hash_format="bytes") as p:
-        sub = Subscriber(p)
-        try:
-            sub.sync(p)
-            p.publish(second)
-            got = sub.recv()
-        finally:
-            sub.close()
+        got = publish_one(p, second)
     assert got is not None
     batch = DECODE_LEGACY.decode(got[2])
     (ev,) = batch.events

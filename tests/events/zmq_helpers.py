@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -76,3 +77,15 @@ class Subscriber:
         self.sub.close(linger=0)
         if self.dealer is not None:
             self.dealer.close(linger=0)
+
+
+def publish_one(pub: ZmqEventPublisher, events: Sequence[Any]) -> tuple[bytes, int, bytes] | None:
+    """Subscribe, publish ``events`` as one batch and receive it: the ``(topic, seq,
+    payload)`` message a fresh subscriber sees, or ``None`` if none arrived."""
+    sub = Subscriber(pub)
+    try:
+        sub.sync(pub)
+        pub.publish(events)
+        return sub.recv()
+    finally:
+        sub.close()
