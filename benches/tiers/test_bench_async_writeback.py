@@ -14,11 +14,9 @@ Run: ``pytest benches/tiers/test_bench_async_writeback.py --benchmark-only``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from kvblocks.engine import LLM
@@ -26,7 +24,7 @@ from kvblocks.engine.remote_tier import RemoteTierOptions
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
-from tiers.valkey_server import ServerProcess, running_server
+from tiers.valkey_server import ServerProcess
 
 BLOCK = 16
 PROMPTS = 8
@@ -40,20 +38,6 @@ CONFIG: dict[str, Any] = {
     "num_key_value_heads": 8,
     "head_dim": 128,
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with running_server() as proc:
-        yield proc
 
 
 def _engine(model: Any, port: int, options: RemoteTierOptions) -> LLM:

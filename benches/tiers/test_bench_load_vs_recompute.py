@@ -16,7 +16,6 @@ same run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,16 +31,6 @@ BLOCK = 16
 LAYERS = 2
 LAYOUT = KVLayout(LAYERS, 8, BLOCK, 128, torch.float16, model_id="bench-8b-shaped")
 MEDIANS: dict[str, float] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Both sides on one thread: the comparison is per core, and a loaded 2-core machine
-    makes OpenMP teams wait for preempted workers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ Run: ``pytest benches/tiers --benchmark-only``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 
 from kvblocks.tiers import DiskTier, HostTier, KVLayout
 from tiers.helpers import block_hash, random_payload
-from tiers.valkey_server import ServerProcess, running_server
+from tiers.valkey_server import ServerProcess
 
 # 8 layers x 8 KV heads x 16 tokens x head 128, fp16: 512 KiB per block (a quarter of a
 # Llama-3-8B block, whose 32 layers make 2 MiB).
@@ -32,22 +31,6 @@ def _rate(benchmark: Any, blocks: int) -> None:
     median = benchmark.stats.stats.median
     benchmark.extra_info["blocks_per_s"] = round(blocks / median)
     benchmark.extra_info["MB_per_s"] = round(blocks * LAYOUT.payload_nbytes / median / 1e6, 1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Per-block copies on one thread: on a loaded machine, OpenMP's team for a 512 KiB copy
-    waits for preempted workers (medians of 10+ ms instead of microseconds)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with running_server() as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")
