@@ -34,6 +34,7 @@ import functools
 import os
 import sys
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,6 +75,18 @@ PRIORITIES = [0, 10, 35, 60, 100, -1, 101]
 #: First token of one-off flood prompts: above the vocabulary, one per sequence id, so a
 #: flood prompt shares no block with any other prompt.
 FLOOD_TOKEN = 1000
+
+
+def _oracle_settings(max_examples: int = ORACLE_EXAMPLES, **overrides: Any) -> settings:
+    """The budget of one oracle run (``max_examples`` runs of ``ORACLE_STEPS`` steps, no
+    deadline, no health checks), with further ``settings`` options in ``overrides``."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=ORACLE_STEPS,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        **overrides,
+    )
 
 
 class ContentOracle(RuleBasedStateMachine):
@@ -656,12 +669,7 @@ def test_every_sequence_reads_its_own_kv() -> None:
     for _ in range(10):
         run_state_machine_as_test(
             ContentOracle,
-            settings=settings(
-                max_examples=ORACLE_EXAMPLES,
-                stateful_step_count=ORACLE_STEPS,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=_oracle_settings(),
         )
         if COVERAGE["ops"] >= MIN_OPERATIONS:
             break
@@ -728,14 +736,7 @@ def test_oracle_catches_dropped_copy_on_writes(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ContentError):
         run_state_machine_as_test(
             ContentOracle,
-            settings=settings(
-                max_examples=ORACLE_EXAMPLES,
-                stateful_step_count=ORACLE_STEPS,
-                deadline=None,
-                database=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=_oracle_settings(database=None, phases=[Phase.generate]),
         )
 
 
@@ -962,12 +963,7 @@ def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
     for _ in range(10):
         run_state_machine_as_test(
             TieredContentOracle,
-            settings=settings(
-                max_examples=ORACLE_EXAMPLES // 2,
-                stateful_step_count=ORACLE_STEPS,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-            ),
+            settings=_oracle_settings(max_examples=ORACLE_EXAMPLES // 2),
         )
         if COVERAGE["ops"] >= budget and all(TIER_COVERAGE[what] > 0 for what in reached):
             break
