@@ -9,16 +9,8 @@ variables) reports a shared-memory access that no barrier or cp.async wait order
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from emu_runtime import build_library
-from test_ops_emu_sanitizers import SANITIZERS, _runtime
-
-HERE = Path(__file__).resolve().parent
+from sanitized_pytest import run_sanitized
 
 SELECTION = {
     "asan": "pipeline or out_of_range or empty_items or (single_item and 128-16-8-8) "
@@ -31,13 +23,4 @@ SELECTION = {
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", sorted(SELECTION))
 def test_decode_kernel_is_clean_under_sanitizers(flavor):
-    runtime, options, _ = SANITIZERS[flavor]
-    build_library(flavor)
-    env = dict(os.environ, KVB_EMU_FLAVOR=flavor, LD_PRELOAD=_runtime(runtime), **options)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
-         str(HERE / "test_decode_kernel_emu.py"), "-k", SELECTION[flavor]],
-        env=env, capture_output=True, text=True, timeout=3600, cwd=HERE.parents[1],
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    assert " passed" in proc.stdout
+    run_sanitized(flavor, "test_decode_kernel_emu.py", SELECTION[flavor])
