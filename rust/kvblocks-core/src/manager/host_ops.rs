@@ -9,11 +9,12 @@
 //! asynchronously: every slot an op names stays pinned until
 //! [`KVCacheManager::confirm_memory_ops`] confirms the ops taken so far.
 
+use super::pools::host_stored;
 use super::KVCacheManager;
 use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
-use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
-use crate::host_tier::{Medium, MemoryOp, MemoryOpKind, TierStats};
+use crate::events::KvCacheEvent;
+use crate::host_tier::{MemoryOp, MemoryOpKind, TierStats};
 use crate::retention::RetentionPriority;
 
 impl KVCacheManager {
@@ -109,26 +110,10 @@ impl KVCacheManager {
             };
             slots.push(slot as i64);
             if self.pools.record_events {
-                if let Some(old) = evicted {
-                    self.pools
-                        .events
-                        .push(KvCacheEvent::BlockRemoved(BlockRemoved {
-                            block_hashes: vec![old],
-                            medium: Medium::Cpu,
-                        }));
-                }
+                self.pools.record_host_eviction(evicted);
                 self.pools
                     .events
-                    .push(KvCacheEvent::BlockStored(BlockStored {
-                        block_hashes: vec![hash],
-                        parent_block_hash: None,
-                        token_ids: Vec::new(),
-                        block_size: 0,
-                        lora_id: None,
-                        lora_name: None,
-                        extra_keys: None,
-                        medium: Medium::Cpu,
-                    }));
+                    .push(KvCacheEvent::BlockStored(host_stored(vec![hash])));
             }
         }
         Ok(slots)

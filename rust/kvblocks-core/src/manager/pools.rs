@@ -65,16 +65,7 @@ impl Pools {
                 {
                     let priority = self.retention_of(id);
                     // The GPU cache keeps no tokens nor keys: the event has the hash only.
-                    self.offload(id, hash, priority, || BlockStored {
-                        block_hashes: Vec::new(),
-                        parent_block_hash: None,
-                        token_ids: Vec::new(),
-                        block_size: 0,
-                        lora_id: None,
-                        lora_name: None,
-                        extra_keys: None,
-                        medium: Medium::Cpu,
-                    });
+                    self.offload(id, hash, priority, || host_stored(Vec::new()));
                 }
             }
         }
@@ -97,16 +88,22 @@ impl Pools {
         if !self.record_events {
             return;
         }
+        self.record_host_eviction(evicted);
+        if stored {
+            let mut ev = event();
+            ev.block_hashes.push(hash);
+            self.events.push(KvCacheEvent::BlockStored(ev));
+        }
+    }
+
+    /// Record the `BlockRemoved` of the host-tier block a store evicted, if any (callers
+    /// check `record_events`).
+    pub fn record_host_eviction(&mut self, evicted: Option<BlockHash>) {
         if let Some(old) = evicted {
             self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![old],
                 medium: Medium::Cpu,
             }));
-        }
-        if stored {
-            let mut ev = event();
-            ev.block_hashes.push(hash);
-            self.events.push(KvCacheEvent::BlockStored(ev));
         }
     }
 
@@ -215,5 +212,20 @@ impl Pools {
                     .is_some_and(|b| self.gpu.ref_count(b) == 0)
             })
             .count()
+    }
+}
+
+/// A host-tier `BlockStored` of `block_hashes` that carries the hashes only: blocks that
+/// reach the host tier from the GPU cache or an import come without tokens or keys.
+pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
+    BlockStored {
+        block_hashes,
+        parent_block_hash: None,
+        token_ids: Vec::new(),
+        block_size: 0,
+        lora_id: None,
+        lora_name: None,
+        extra_keys: None,
+        medium: Medium::Cpu,
     }
 }
