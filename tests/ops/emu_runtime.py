@@ -2,7 +2,7 @@
 
 The library is g++-compiled once per source hash into ``cuda/emu/build`` (gitignored)
 and loaded with ctypes. ``KVB_EMU_FLAVOR=asan`` selects the AddressSanitizer +
-UBSan build (the process must then preload libasan; see test_ops_emu_sanitizers.py).
+UBSan build (the process must then preload libasan; see sanitized_pytest.py).
 """
 
 from __future__ import annotations
@@ -100,3 +100,13 @@ def emu_launch(launch: KernelLaunch) -> None:
     rc = lib.kvb_emu_launch(launch.name.encode(), grid, block, launch.smem_bytes, ptrs)
     if rc != 0:
         raise LookupError(f"the emulation harness has no kernel {launch.name!r}")
+
+
+def recording(launches: list[KernelLaunch]):
+    """A launcher that runs each launch at once (workspaces die with the call) and logs it."""
+
+    def launch(item: KernelLaunch) -> None:
+        launches.append(item)
+        emu_launch(item)
+
+    return launch

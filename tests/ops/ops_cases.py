@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import kvblocks.ops as ops
+from kvblocks.ops import reference
 
 
 @dataclass
@@ -83,3 +84,18 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float32:
         return {"rtol": 1e-5, "atol": 1e-5}
     return {"rtol": 2e-2, "atol": 2e-2}
+
+
+def ref_decode(case: PagedCase, **kw) -> torch.Tensor:
+    """The reference decode attention of ``case`` (``kw``: scale, window, soft cap)."""
+    return reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, **kw
+    )
+
+
+def ref_prefill(case: PagedCase, **kw) -> torch.Tensor:
+    """The reference prefill/extend attention of ``case`` (``kw`` as :func:`ref_decode`)."""
+    return reference.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, **kw,
+    )  # fmt: skip

@@ -14,9 +14,9 @@ import pytest
 import torch
 from emu_runtime import emu_launch, library
 from ops_cases import make_case, tolerance
+from ops_cases import ref_decode as reference_out
 
 import kvblocks.ops as ops
-from kvblocks.ops import reference
 from kvblocks.ops.launch_plan import KernelLaunch
 
 
@@ -48,12 +48,6 @@ def decoder(case, launch, **kwargs):
     }  # fmt: skip
     args.update(kwargs)
     return ops.DecodeAttention(**args)
-
-
-def reference_out(case, **kwargs):
-    return reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, **kwargs
-    )
 
 
 @pytest.mark.parametrize(

@@ -18,10 +18,11 @@ from decode_abi import AbiLauncher
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_cases import make_case, tolerance
+from ops_cases import ref_decode as want
 
 import kvblocks.ops as ops
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops import decode_plan, kernel_driver, reference
+from kvblocks.ops import decode_plan, kernel_driver
 
 
 def make_decoder(case, launcher, **kwargs):
@@ -34,12 +35,6 @@ def make_decoder(case, launcher, **kwargs):
     }  # fmt: skip
     args.update(kwargs)
     return ops.DecodeAttention(**args)
-
-
-def want(case, **kwargs):
-    return reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, **kwargs
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

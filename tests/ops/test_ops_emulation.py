@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emu_runtime import emu_launch, library
+from emu_runtime import emu_launch, library, recording
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_cases import make_case, tolerance
+from ops_cases import make_case, ref_decode, ref_prefill, tolerance
 
 import kvblocks.ops as ops
 from kvblocks.ops import kernel_driver, reference
@@ -20,16 +20,6 @@ from kvblocks.ops.cuda_sources import kernel_names
 from kvblocks.ops.launch_plan import attention_smem_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def recording(launches):
-    """A launcher that runs each launch at once (workspaces die with the call) and logs it."""
-
-    def launch(item):
-        launches.append(item)
-        emu_launch(item)
-
-    return launch
 
 
 def emu_decode(case, launch=emu_launch, **kw):
@@ -50,19 +40,6 @@ def emu_prefill(case, **kw):
         case.seq_lens, case.query_start_loc, max_query_len=max(q_lens), max_seq_len=None,
         target_ctas=528, scale=kw.get("scale"), sliding_window=kw.get("sliding_window"),
         soft_cap=kw.get("soft_cap"),
-    )  # fmt: skip
-
-
-def ref_decode(case, **kw):
-    return reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, **kw
-    )
-
-
-def ref_prefill(case, **kw):
-    return reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, **kw,
     )  # fmt: skip
 
 

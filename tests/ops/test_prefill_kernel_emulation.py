@@ -10,25 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emu_runtime import emu_launch, library
+from emu_runtime import emu_launch, library, recording
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_cases import make_case, tolerance
+from ops_cases import make_case, ref_prefill, tolerance
 
-from kvblocks.ops import prefill_launch, reference
+from kvblocks.ops import prefill_launch
 from kvblocks.ops.cuda_sources import PREFILL_SOURCE, kernel_names
 
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-def recording(launches):
-    """A launcher that logs each launch and runs it."""
-
-    def launch(item):
-        launches.append(item)
-        emu_launch(item)
-
-    return launch
 
 
 def emu_prefill(case, launch=emu_launch, max_query_len=None, **kw):
@@ -39,13 +29,6 @@ def emu_prefill(case, launch=emu_launch, max_query_len=None, **kw):
         sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap"),
         max_query_len=max(q_lens) if max_query_len is None else max_query_len,
         target_ctas=528,
-    )  # fmt: skip
-
-
-def ref_prefill(case, **kw):
-    return reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, **kw,
     )  # fmt: skip
 
 
