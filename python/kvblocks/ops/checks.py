@@ -26,6 +26,7 @@ __all__ = [
     "check_head_size",
     "check_index_tensor",
     "check_optional_positive",
+    "check_sliding_window",
     "check_tokens_like_cache",
 ]
 
@@ -68,6 +69,18 @@ def check_optional_positive(value: float | int | None, what: str) -> None:
     """Raise if ``value`` is given and not strictly positive."""
     if value is not None and not value > 0:
         raise InvalidArgumentError(f"{what} must be > 0 or None, got {value}")
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """Raise unless ``sliding_window`` is None or a positive int (a bool is not one)."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise InvalidArgumentError(
+            f"sliding_window must be a positive int or None, got {sliding_window!r}"
+        )
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:

@@ -37,6 +37,7 @@ from kvblocks.ops.checks import (
     check_head_size,
     check_index_tensor,
     check_optional_positive,
+    check_sliding_window,
 )
 from kvblocks.ops.cuda_sources import (
     DECODE_BLOCK_SIZES,
@@ -168,14 +169,7 @@ class DecodeAttention:
             )
         if scale is not None and not (math.isfinite(scale) and scale > 0):
             raise InvalidArgumentError(f"scale must be a finite positive float, got {scale}")
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool)
-            or not isinstance(sliding_window, int)
-            or sliding_window < 1
-        ):
-            raise InvalidArgumentError(
-                f"sliding_window must be a positive int or None, got {sliding_window!r}"
-            )
+        check_sliding_window(sliding_window)
         check_optional_positive(soft_cap, "soft_cap")
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops.checks import check_sliding_window
 
 __all__ = [
     "DEFAULT_GRANULARITY",
@@ -116,14 +117,7 @@ def plan_decode(
     """
     lens = _as_lengths(seq_lens)
     num_seqs = int(lens.shape[0])
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, int)
-        or sliding_window < 1
-    ):
-        raise InvalidArgumentError(
-            f"sliding_window must be a positive int or None, got {sliding_window!r}"
-        )
+    check_sliding_window(sliding_window)
     for name, value in (
         ("target_items", target_items),
         ("granularity", granularity),
