@@ -12,9 +12,8 @@ import pytest
 import torch
 from decode_kernel_cases import expected_out, expected_partial, run_decode, run_merge
 from emu_runtime import emu_launch, library
-from ops_cases import make_case, tolerance
+from ops_cases import make_case, ref_decode, tolerance
 
-from kvblocks.ops import reference
 from kvblocks.ops.cuda_sources import (
     DECODE_SOURCE,
     decode_smem_bytes,
@@ -92,10 +91,7 @@ def test_single_item_per_sequence_matches_reference(dtype, head_size, block_size
     )  # fmt: skip
     scale = head_size**-0.5
     run = run_decode(case, whole_items(lens), group_t=group_t, scale=scale)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        scale=scale,
-    )  # fmt: skip
+    want = ref_decode(case, scale=scale)
     check_out(run.out, want, dtype)
 
 
@@ -135,10 +131,7 @@ def test_splits_and_merge(dtype, head_size, group):
         )
     assert torch.isnan(run.out[[0, 2]]).all()  # not written before the merge
     run_merge(case, run, [0, 5, 5, 7])
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        scale=scale,
-    )  # fmt: skip
+    want = ref_decode(case, scale=scale)
     check_out(run.out, want, dtype)
 
 
@@ -159,10 +152,7 @@ def test_window_items_and_soft_cap(dtype, block_size, window, soft_cap):
     )  # fmt: skip
     items = [(s, max(0, n - window), n, -1) for s, n in enumerate(lens)]
     run = run_decode(case, items, group_t=8, scale=0.09, soft_cap=soft_cap)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        scale=0.09, sliding_window=window, soft_cap=soft_cap or None,
-    )  # fmt: skip
+    want = ref_decode(case, scale=0.09, sliding_window=window, soft_cap=soft_cap or None)
     check_out(run.out, want, dtype)
 
 
@@ -215,10 +205,7 @@ def test_long_contexts_span_table_slices(dtype):
     items = [(0, 0, 5000, 0), (0, 5000, 8200, 1), (1, 0, 3000, -1)]
     run = run_decode(case, items, group_t=8, scale=128**-0.5, num_slots=2)
     run_merge(case, run, [0, 2, 2])
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        scale=128**-0.5,
-    )  # fmt: skip
+    want = ref_decode(case, scale=128**-0.5)
     check_out(run.out, want, dtype)
 
 

@@ -11,10 +11,9 @@ import torch
 from decode_abi import LOG2E, partial_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_cases import make_case
+from ops_cases import make_case, ref_decode
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops import reference
 from kvblocks.ops.decode_plan import DecodeItems, plan_decode, visible_ranges
 
 
@@ -175,10 +174,7 @@ def test_executed_plan_equals_reference(lens, window, soft_cap):
     assert plan.num_slots > 0, "the case must exercise splits"
     scale = 1 / math.sqrt(64)
     got = execute_plan(case, plan, scale=scale, soft_cap=soft_cap)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
-        sliding_window=window, soft_cap=soft_cap,
-    )  # fmt: skip
+    want = ref_decode(case, sliding_window=window, soft_cap=soft_cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -186,9 +182,7 @@ def test_content_check_fails_when_a_range_is_dropped():
     lens = [3000, 40, 700]
     case = make_case(12, lens, [1] * 3, num_kv_heads=2, group=4, head_size=64)
     plan = plan_decode(np.array(lens), target_items=16, granularity=16)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
-    )
+    want = ref_decode(case)
     keep = np.ones(plan.num_items, dtype=bool)
     keep[1] = False  # the second chunk of the long sequence
     broken = DecodeItems(plan.items[keep], plan.merge_indptr, plan.num_slots, plan.chunk_tokens)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from emu_runtime import emu_launch
-from ops_cases import make_case
+from ops_cases import make_case, ref_decode, ref_prefill
 
-from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver, reference
+from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver
 from kvblocks.ops.cuda_sources import decode_smem_bytes
 from kvblocks.ops.launch_plan import KernelLaunch
 
@@ -122,9 +122,7 @@ def test_decode_through_the_backend(fake_cupy):
         case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
         scale=None, sliding_window=None, soft_cap=None, max_seq_len=700,
     )  # fmt: skip
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
-    )
+    want = ref_decode(case)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     # 2 CTAs < 4 per SM on the fake 1-SM device: split-K, then the merge kernel.
     assert fake_cupy.launches == [
@@ -148,9 +146,7 @@ def test_planned_decode_through_the_backend(fake_cupy):
     case = make_case(5, lens, [1] * 4, num_kv_heads=2, group=8, head_size=128,
                      dtype=torch.float16)  # fmt: skip
     host = np.array(lens, dtype=np.int32)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens
-    )
+    want = ref_decode(case)
     for _ in range(2):
         got = cuda_backend.paged_attention(
             case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
@@ -181,10 +177,7 @@ def test_prefill_and_cache_ops_through_the_backend(fake_cupy):
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=8, soft_cap=None,
         max_query_len=30,
     )  # fmt: skip
-    want = reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, sliding_window=8,
-    )  # fmt: skip
+    want = ref_prefill(case, sliding_window=8)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     key = torch.randn(3, 2, 64)
     slots = torch.tensor([1, 2, 40], dtype=torch.int64)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from emu_runtime import emu_launch
-from ops_cases import make_case, tolerance
+from ops_cases import make_case, ref_decode, ref_prefill, tolerance
 
-from kvblocks.ops import kernel_driver, reference
+from kvblocks.ops import kernel_driver
 
 
 def mixed_lengths(seed: int, n: int, longest: int) -> list[int]:
@@ -49,9 +49,7 @@ def check_decode(lens, *, dtype, group, num_kv_heads=1, head_size=128, block_siz
     case.query = query
     launches = []
     got = decode(case, target_ctas=target_ctas, max_seq_len=max_seq_len, launches=launches, **kw)
-    want = reference.paged_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, **kw
-    )
+    want = ref_decode(case, **kw)
     torch.testing.assert_close(got, want, **tolerance(dtype))
     assert not got[[i for i, n in enumerate(lens) if not n]].any()
     return launches
@@ -83,10 +81,7 @@ def test_prefill_long_chunk_gqa8_bf16():
         case.seq_lens, case.query_start_loc, max_query_len=512, max_seq_len=None,
         target_ctas=528, scale=None, sliding_window=None, soft_cap=None,
     )  # fmt: skip
-    want = reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens,
-    )  # fmt: skip
+    want = ref_prefill(case)
     torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))
 
 
@@ -125,8 +120,5 @@ def test_prefill_batch_64_mixed_chunks_bf16():
         case.seq_lens, case.query_start_loc, max_query_len=max(q_lens), max_seq_len=None,
         target_ctas=528, scale=None, sliding_window=256, soft_cap=None,
     )  # fmt: skip
-    want = reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, sliding_window=256,
-    )  # fmt: skip
+    want = ref_prefill(case, sliding_window=256)
     torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ops_cases import make_case, tolerance
+from ops_cases import make_case, ref_prefill, tolerance
 from test_ops_cuda_backend import fake_cupy, kernel_cache_dir  # noqa: F401 (fixtures)
 
-from kvblocks.ops import cuda_backend, reference
+from kvblocks.ops import cuda_backend
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -22,10 +22,7 @@ def test_prefill_runs_the_tensor_core_kernel(fake_cupy, dtype):  # noqa: F811
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=20, soft_cap=None,
         max_query_len=70,
     )  # fmt: skip
-    want = reference.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, sliding_window=20,
-    )  # fmt: skip
+    want = ref_prefill(case, sliding_window=20)
     torch.testing.assert_close(got, want, **tolerance(dtype))
     ctype = "__half" if dtype == torch.float16 else "__nv_bfloat16"
     assert fake_cupy.launches == [f"prefill_attention_kernel<{ctype}, 64>"]
