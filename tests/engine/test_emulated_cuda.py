@@ -6,23 +6,33 @@ the ops' CPU dispatch is pointed at that backend. So the engine's real kernel ca
 (argument types, host-side maxima, launch planning, block tables with null padding and
 released window blocks, copy-on-write copies) are checked end to end against the dense
 reference.
+
+The float32 tiny model reaches the CUDA-core kernels; in float16 and bfloat16 the engine
+drives the tensor-core ones (``decode_attention_kernel`` with its split plan and
+``merge_partials_kernel``, ``prefill_attention_kernel``), checked against the same engine
+on the torch reference ops at the same dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import kvblocks.ops
 from kvblocks.engine import LLM, LlamaForCausalLM
 from kvblocks.engine.dense import dense_greedy_generate
+from kvblocks.engine.outputs import TokenLogprobs
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
-from kvblocks.ops import cuda_backend, kernel_cache, reference
+from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver, reference
 from kvblocks.ops.launch_plan import KernelLaunch
 from kvblocks.sampling_params import SamplingParams
 
@@ -30,6 +40,14 @@ from .test_llm import _dense_beam_search, _prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops"))
 emu_runtime = pytest.importorskip("emu_runtime", reason="the ops helper's CUDA emulator")
+
+# The CPU dispatch of the ops, saved before any test reroutes it to the emulator.
+_REFERENCE_OPS = {
+    name: getattr(reference, name)
+    for name in ("paged_attention", "paged_prefill_attention", "reshape_and_cache", "copy_blocks")
+}
+# Host-side planning hints the engine gives the ops front-end, whose CPU dispatch drops them.
+_HINTS = ("max_seq_len", "seq_lens_host", "max_query_len")
 
 
 def _fake_cupy(launches: list[str]) -> types.ModuleType:
@@ -53,7 +71,7 @@ def _fake_cupy(launches: list[str]) -> types.ModuleType:
             assert name == self.meta["lowered"], (name, self.meta)
             expr = self.meta["name"]
 
-            def kernel(grid, block, args, shared_mem=0):
+            def kernel(grid, block, args, shared_mem=0, stream=None):
                 launches.append(expr)
                 emu_runtime.emu_launch(KernelLaunch(expr, grid, block, shared_mem, tuple(args)))
 
@@ -74,6 +92,31 @@ def kernel_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kernels")
 
 
+def _clear_backend_caches() -> None:
+    # Launchers, device properties and decode plan objects of another test's fake device.
+    cuda_backend._function.cache_clear()
+    cuda_backend._arch.cache_clear()
+    cuda_backend._target_ctas.cache_clear()
+    cuda_backend.decode_launcher.cache_clear()
+    cuda_backend.decode_target_ctas.cache_clear()
+    kernel_driver._DECODERS.clear()
+
+
+def _forwarding_hints(op: Callable[..., Any], hints: dict[str, Any]) -> Callable[..., Any]:
+    """The ops front-end ``op`` (validation, then the CPU dispatch) with the engine's
+    host-side hints kept in ``hints`` for the duration of the call."""
+
+    @functools.wraps(op)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        hints.update((name, kwargs[name]) for name in _HINTS if name in kwargs)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            hints.clear()
+
+    return call
+
+
 @pytest.fixture
 def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     """Route the CPU ops through the CUDA backend on the emulator; yields the launch log."""
@@ -84,7 +127,8 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=1)
     )
-    # A one-SM "device" for the launch planner, as in the ops backend test.
+    # A one-SM "device" for the launch planners, as in the ops backend test: 4 decode CTAs
+    # at 2 KV heads plan 2 items + one per sequence, so a context past 128 keys is split.
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
@@ -92,28 +136,42 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
+    # The front-end's CPU dispatch passes neither max_seq_len / max_query_len nor
+    # seq_lens_host on: take them from the engine's call, so that the backend plans with
+    # exactly what the engine gave (fp16/bf16 decode needs seq_lens_host for its split plan).
+    hints: dict[str, Any] = {}
+    monkeypatch.setattr(
+        kvblocks.ops, "paged_attention", _forwarding_hints(kvblocks.ops.paged_attention, hints)
+    )
+    monkeypatch.setattr(
+        kvblocks.ops,
+        "paged_prefill_attention",
+        _forwarding_hints(kvblocks.ops.paged_prefill_attention, hints),
+    )
+
     def decode(q, kc, vc, bt, sl, *, scale=None, sliding_window=None, soft_cap=None):
         return cuda_backend.paged_attention(
             q, kc, vc, bt, sl, scale=scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, max_seq_len=int(sl.max()),
+            soft_cap=soft_cap, max_seq_len=hints.get("max_seq_len"),
+            seq_lens_host=hints.get("seq_lens_host"),
         )  # fmt: skip
 
     def prefill(q, kc, vc, bt, qsl, sl, *, scale=None, sliding_window=None, soft_cap=None):
+        max_query_len = hints.get("max_query_len")
+        if max_query_len is None:
+            max_query_len = int((qsl[1:] - qsl[:-1]).max())
         return cuda_backend.paged_prefill_attention(
             q, kc, vc, bt, qsl, sl, scale=scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            soft_cap=soft_cap, max_query_len=max_query_len,
         )  # fmt: skip
 
     monkeypatch.setattr(reference, "paged_attention", decode)
     monkeypatch.setattr(reference, "paged_prefill_attention", prefill)
     monkeypatch.setattr(reference, "reshape_and_cache", cuda_backend.reshape_and_cache)
     monkeypatch.setattr(reference, "copy_blocks", cuda_backend.copy_blocks)
-    cuda_backend._function.cache_clear()
-    cuda_backend._arch.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
+    _clear_backend_caches()
     yield launches
-    cuda_backend._function.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
+    _clear_backend_caches()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
@@ -139,3 +197,81 @@ def test_beams_with_copies_on_emulated_kernels(
     expected = _dense_beam_search(tiny_llama, prompt, 2, 6)
     assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in expected]
     assert "copy_blocks_kernel" in emulated_kernels
+
+
+_TOP = 5  # log-probs returned per step: the reference's near-tied alternatives are in it
+# Largest |log-prob| difference allowed between the emulated kernels and the reference ops,
+# both in the same dtype. Measured on these prompts: at most 0.009 (fp16) and 0.064 (bf16,
+# whose logits are rounded to 1/16 around 10); scaling the decode output by 1.01 moves a
+# log-prob by up to 0.057 (fp16) / 0.135 (bf16), dropping the last key of the long
+# prompt's last split by 0.125 / 0.119.
+_LOGPROB_TOLERANCE = {torch.float16: 0.03, torch.bfloat16: 0.1}
+
+
+def _check_step(got: TokenLogprobs, ref: TokenLogprobs, tol: float, where: str) -> None:
+    """The emulated engine's step ``got`` against the reference's at the same context."""
+    ref_top = dict(zip(ref.top_token_ids, ref.top_logprobs, strict=True))
+    got_top = dict(zip(got.top_token_ids, got.top_logprobs, strict=True))
+    # Greedy may pick a near-tie of the reference's choice, never a clearly worse token.
+    assert got.token_id in ref_top, (where, got, ref)
+    assert ref_top[got.token_id] >= ref.logprob - tol, (where, got, ref)
+    for token, logprob in got_top.items():
+        if token in ref_top:
+            assert abs(logprob - ref_top[token]) <= tol, (where, token, got, ref)
+        else:  # only a near-tie at the other's cut-off may be missing from its top
+            assert logprob <= ref.top_logprobs[-1] + tol, (where, token, got, ref)
+    for token, logprob in ref_top.items():
+        if token not in got_top:
+            assert logprob <= got.top_logprobs[-1] + tol, (where, token, got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
+    emulated_kernels: list[str], monkeypatch, family: str, dtype: torch.dtype
+) -> None:
+    # Mistral's window (past one 128-key split) releases the long prompt's first blocks
+    # and clips its first decode split.
+    model = build_tiny_model(
+        tiny_config(family, sliding_window=160 if family == "mistral" else None)
+    )
+    # The long prompt is prefilled in chunks next to the short ones' decodes, and its
+    # decode context (over 128 keys) is split in two and merged.
+    prompts = [_prompt(5, 1), _prompt(37, 2), _prompt(200, 3)]
+    engine = {"num_blocks": 64, "block_size": 16, "max_num_batched_tokens": 64}
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=_TOP)
+    llm = LLM(model, dtype=dtype, device="cpu", **engine)
+    outputs = llm.generate(prompts, params)
+
+    assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
+    assert any(name.startswith("decode_attention_kernel<") for name in emulated_kernels)
+    assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
+    assert not any(name.startswith("paged_attention_kernel") for name in emulated_kernels)
+
+    # Teacher forcing on the reference ops: each prefix of the emulated run's tokens is
+    # one prompt, whose first generated step gives the reference's log-probs there, so a
+    # near-tie flipped early does not hide the later steps.
+    launched = len(emulated_kernels)
+    with monkeypatch.context() as patch:
+        for name, op in _REFERENCE_OPS.items():
+            patch.setattr(reference, name, op)
+        # More blocks: the 24 forced prompts fit at once (the math does not depend on it).
+        reference_llm = LLM(model, dtype=dtype, device="cpu", **(engine | {"num_blocks": 256}))
+        forced = [
+            prompt + out.outputs[0].token_ids[:step]
+            for prompt, out in zip(prompts, outputs, strict=True)
+            for step in range(params.max_tokens)
+        ]
+        ref_steps = reference_llm.generate(
+            forced, SamplingParams(max_tokens=1, temperature=0.0, logprobs=_TOP)
+        )
+    assert len(emulated_kernels) == launched, "the reference run launched kernels"
+
+    tol = _LOGPROB_TOLERANCE[dtype]
+    for i, out in enumerate(outputs):
+        steps = out.outputs[0].logprobs
+        assert steps is not None and len(steps) == params.max_tokens
+        for step, got in enumerate(steps):
+            ref = ref_steps[i * params.max_tokens + step].outputs[0].logprobs
+            assert ref is not None
+            _check_step(got, ref[0], tol, f"prompt {i} step {step}")
