@@ -1,54 +1,60 @@
 //! The one mapping from core errors to the Python classes of `kvblocks.errors`.
 //!
 //! The exception classes live in pure Python (so the scheduler and the ops can raise
-//! them without the extension); each class is imported once and cached.
+//! them without the extension); `import_exception!` gives each a Rust type whose class
+//! is imported once and cached.
 
 use kvblocks_core::KvError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
+use pyo3::{import_exception, PyTypeInfo};
 
-const ERRORS_MODULE: &str = "kvblocks.errors";
+import_exception!(kvblocks.errors, InvalidArgumentError);
+import_exception!(kvblocks.errors, OutOfBlocksError);
+import_exception!(kvblocks.errors, UnknownSequenceError);
+import_exception!(kvblocks.errors, DuplicateSequenceError);
+import_exception!(kvblocks.errors, SequenceStateError);
+import_exception!(kvblocks.errors, InvariantViolationError);
 
-static INVALID_ARGUMENT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static OUT_OF_BLOCKS: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static UNKNOWN_SEQUENCE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static DUPLICATE_SEQUENCE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static SEQUENCE_STATE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static INVARIANT_VIOLATION: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+/// Import every error class while the module initialises.
+///
+/// `import_exception!` types panic when their class cannot be imported, and a lazily
+/// raised error is only built after PyO3's panic guard, where a panic would abort the
+/// process. Importing them here, fallibly, turns a broken `kvblocks.errors` into an
+/// `ImportError` of `kvblocks._core` and leaves the classes cached for every later raise.
+pub(crate) fn import_classes(py: Python<'_>) -> PyResult<()> {
+    let module = py.import("kvblocks.errors")?;
+    import_class::<InvalidArgumentError>(&module, "InvalidArgumentError")?;
+    import_class::<OutOfBlocksError>(&module, "OutOfBlocksError")?;
+    import_class::<UnknownSequenceError>(&module, "UnknownSequenceError")?;
+    import_class::<DuplicateSequenceError>(&module, "DuplicateSequenceError")?;
+    import_class::<SequenceStateError>(&module, "SequenceStateError")?;
+    import_class::<InvariantViolationError>(&module, "InvariantViolationError")
+}
 
-/// Build an instance of the `kvblocks.errors` class `name` (cached in `cell`) with `message`.
-fn new_error(cell: &'static PyOnceLock<Py<PyType>>, name: &str, message: String) -> PyErr {
-    Python::attach(|py| match cell.import(py, ERRORS_MODULE, name) {
-        Ok(class) => PyErr::from_type(class.clone(), (message,)),
-        // The errors module failed to import: surface that failure, with the message chained.
-        Err(import_error) => import_error,
-    })
+/// Check that `module.name` is a class, then fill `T`'s cache (which cannot fail now).
+fn import_class<T: PyTypeInfo>(module: &Bound<'_, PyModule>, name: &str) -> PyResult<()> {
+    module.getattr(name)?.cast_into::<PyType>()?;
+    T::type_object(module.py());
+    Ok(())
 }
 
 /// Convert a core error into the matching `kvblocks.errors` exception.
 pub(crate) fn to_py_err(err: KvError) -> PyErr {
     let message = err.to_string();
     match err {
-        KvError::InvalidArgument(_) => {
-            new_error(&INVALID_ARGUMENT, "InvalidArgumentError", message)
-        }
-        KvError::OutOfBlocks(_) => new_error(&OUT_OF_BLOCKS, "OutOfBlocksError", message),
-        KvError::UnknownSequence(_) => {
-            new_error(&UNKNOWN_SEQUENCE, "UnknownSequenceError", message)
-        }
-        KvError::DuplicateSequence(_) => {
-            new_error(&DUPLICATE_SEQUENCE, "DuplicateSequenceError", message)
-        }
-        KvError::SequenceState(_) => new_error(&SEQUENCE_STATE, "SequenceStateError", message),
-        KvError::InvariantViolation(_) => {
-            new_error(&INVARIANT_VIOLATION, "InvariantViolationError", message)
-        }
+        KvError::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+        KvError::OutOfBlocks(_) => OutOfBlocksError::new_err(message),
+        KvError::UnknownSequence(_) => UnknownSequenceError::new_err(message),
+        KvError::DuplicateSequence(_) => DuplicateSequenceError::new_err(message),
+        KvError::SequenceState(_) => SequenceStateError::new_err(message),
+        KvError::InvariantViolation(_) => InvariantViolationError::new_err(message),
     }
 }
 
 /// An `InvalidArgumentError` raised by the binding itself (bad type, rank, range).
 pub(crate) fn invalid_argument(message: String) -> PyErr {
+    // Through the core error, so the message carries its `invalid argument: ` prefix.
     to_py_err(KvError::InvalidArgument(message))
 }
 

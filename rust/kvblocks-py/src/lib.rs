@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 /// The compiled block manager of kvblocks (see ``kvblocks/_core.pyi`` for the API).
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::import_classes(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<alloc_status::AllocStatus>()?;
     m.add_class::<batch_allocation::BatchAllocation>()?;

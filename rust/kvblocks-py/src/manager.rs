@@ -7,15 +7,17 @@
 
 use kvblocks_core as core;
 use numpy::ndarray::Array2;
-use numpy::{
-    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods,
-};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::alloc_status::AllocStatus;
-use crate::args::{self, PerSeq, COUNT_END, TOKEN_ID_END};
+use crate::args::{
+    names, BlockHashes, CacheSalt, Count, Flag, LoraId, Parsed, PerSeqCounts, PerSeqTokens, Real,
+    RetentionPriorityArg, RowIndices, SeqId, SeqIds, SeqKey, SlotIds, Text, TokenIds,
+    WritableTable,
+};
 use crate::batch_allocation::BatchAllocation;
 use crate::block_table_delta::BlockTableDelta;
 use crate::errors::{invalid_argument, IntoPyResult};
@@ -90,18 +92,12 @@ impl KVCacheManager {
     }
 
     /// A core call on the sequence named by the `seq_id` argument.
-    fn on_seq<R, F>(
-        &self,
-        py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        work: Work,
-        f: F,
-    ) -> PyResult<R>
+    fn on_seq<R, F>(&self, py: Python<'_>, seq_id: SeqId, work: Work, f: F) -> PyResult<R>
     where
         F: FnOnce(&mut core::KVCacheManager, u64) -> core::Result<R> + Send,
         R: Send,
     {
-        let id = args::seq_id(seq_id, "seq_id")?;
+        let id = seq_id.0;
         self.run(py, work, |m| f(m, id)).py_err()
     }
 
@@ -110,7 +106,7 @@ impl KVCacheManager {
     fn on_seqs<R, F>(
         &self,
         py: Python<'_>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
         work: fn(usize) -> Work,
         f: F,
     ) -> PyResult<R>
@@ -118,7 +114,7 @@ impl KVCacheManager {
         F: FnOnce(&mut core::KVCacheManager, &[u64]) -> core::Result<R> + Send,
         R: Send,
     {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
+        let ids = seq_ids.0;
         self.run(py, work(ids.len()), |m| f(m, &ids)).py_err()
     }
 }
@@ -128,64 +124,17 @@ impl KVCacheManager {
     fn sync(
         &self,
         py: Python<'_>,
-        seq_ids: &Bound<'_, PyAny>,
-        rows: &Bound<'_, PyAny>,
+        ids: Vec<u64>,
+        rows: Vec<i64>,
         num_rows: usize,
         num_cols: usize,
-        full: Option<&Bound<'_, PyAny>>,
+        full: bool,
     ) -> PyResult<core::BlockTableDelta> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let rows: Vec<i64> = args::int_vec(rows, "rows", 0, num_rows as i128)?;
-        let full = match full {
-            Some(f) if !f.is_none() => args::flag(f, "full")?,
-            _ => false,
-        };
         self.run(py, Work::for_batch(ids.len()), |m| {
             m.sync_block_table(&ids, &rows, num_rows, num_cols, None, full)
         })
         .py_err()
     }
-}
-
-/// The ``block_table`` argument: a C-contiguous, writeable 2-D int32 NumPy array.
-fn writable_table<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-    let Ok(arr) = obj.cast::<PyUntypedArray>() else {
-        return Err(invalid_argument(format!(
-            "block_table must be a NumPy int32 array, got {}",
-            obj.get_type()
-                .name()
-                .map(|n| n.to_string())
-                .unwrap_or_default()
-        )));
-    };
-    if arr.ndim() != 2 {
-        return Err(invalid_argument(format!(
-            "block_table must be 2-D [max_rows, max_blocks], got {} dimensions",
-            arr.ndim()
-        )));
-    }
-    let Ok(table) = arr.cast::<PyArray2<i32>>() else {
-        return Err(invalid_argument(format!(
-            "block_table must have dtype int32, got {}",
-            arr.dtype().str().map(|s| s.to_string()).unwrap_or_default()
-        )));
-    };
-    if !arr.is_c_contiguous() {
-        return Err(invalid_argument(
-            "block_table must be C-contiguous (a row-major array, not a view with strides)"
-                .to_string(),
-        ));
-    }
-    // SAFETY: `arr` is a live NumPy array, so its object (and its fields, which is how
-    // the `numpy` crate itself reads the writeable flag) is valid to read.
-    let flags =
-        unsafe { (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags };
-    if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
-        return Err(invalid_argument(
-            "block_table must be writeable (got a read-only array)".to_string(),
-        ));
-    }
-    Ok(table.clone())
 }
 
 /// Arrays up to this many elements are copied into NumPy-owned memory; longer ones hand
@@ -269,55 +218,49 @@ impl KVCacheManager {
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: &Bound<'_, PyAny>,
-        block_size: &Bound<'_, PyAny>,
-        num_cpu_blocks: Option<&Bound<'_, PyAny>>,
-        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
-        hash_algo: Option<&Bound<'_, PyAny>>,
-        hash_seed: Option<&Bound<'_, PyAny>>,
-        watermark: Option<&Bound<'_, PyAny>>,
-        sliding_window: Option<&Bound<'_, PyAny>>,
-        record_events: Option<&Bound<'_, PyAny>>,
-        host_cache_blocks: Option<&Bound<'_, PyAny>>,
-        host_offload: Option<&Bound<'_, PyAny>>,
+        num_blocks: Count<names::NumBlocks>,
+        block_size: Count<names::BlockSize>,
+        num_cpu_blocks: Option<Count<names::NumCpuBlocks>>,
+        enable_prefix_caching: Option<Flag<names::EnablePrefixCaching>>,
+        hash_algo: Option<Parsed<core::HashAlgo, names::HashAlgo>>,
+        hash_seed: Option<Text<names::HashSeed>>,
+        watermark: Option<Real<names::Watermark>>,
+        sliding_window: Option<Count<names::SlidingWindow>>,
+        record_events: Option<Flag<names::RecordEvents>>,
+        host_cache_blocks: Option<Count<names::HostCacheBlocks>>,
+        host_offload: Option<Parsed<core::OffloadPolicy, names::HostOffload>>,
     ) -> PyResult<Self> {
-        let mut config = core::ManagerConfig::new(
-            args::count(num_blocks, "num_blocks")?,
-            args::count(block_size, "block_size")?,
-        );
+        let mut config = core::ManagerConfig::new(num_blocks.0, block_size.0);
         if let Some(n) = num_cpu_blocks {
-            config.num_cpu_blocks = args::count(n, "num_cpu_blocks")?;
+            config.num_cpu_blocks = n.0;
         }
         if let Some(flag) = enable_prefix_caching {
-            config.enable_prefix_caching = args::flag(flag, "enable_prefix_caching")?;
+            config.enable_prefix_caching = flag.0;
         }
         if let Some(algo) = hash_algo {
-            config.hash_algo = args::text(algo, "hash_algo")?.parse().py_err()?;
+            config.hash_algo = algo.0;
         }
         config.hash_seed = match hash_seed {
-            Some(seed) if !seed.is_none() => Some(args::text(seed, "hash_seed")?),
+            Some(seed) => Some(seed.0),
             // As vLLM's `init_none_hash`: PYTHONHASHSEED, when set, seeds NONE_HASH.
-            _ if config.hash_algo == core::HashAlgo::Sha256Cbor => {
+            None if config.hash_algo == core::HashAlgo::Sha256Cbor => {
                 std::env::var("PYTHONHASHSEED").ok()
             }
-            _ => None,
+            None => None,
         };
         if let Some(w) = watermark {
-            config.watermark = args::real(w, "watermark")?;
+            config.watermark = w.0;
         }
         if let Some(flag) = record_events {
-            config.record_events = args::flag(flag, "record_events")?;
+            config.record_events = flag.0;
         }
         if let Some(n) = host_cache_blocks {
-            config.host_cache_blocks = args::count(n, "host_cache_blocks")?;
+            config.host_cache_blocks = n.0;
         }
         if let Some(p) = host_offload {
-            config.host_offload = args::text(p, "host_offload")?.parse().py_err()?;
+            config.host_offload = p.0;
         }
-        config.sliding_window = match sliding_window {
-            Some(w) if !w.is_none() => Some(args::count(w, "sliding_window")?),
-            _ => None,
-        };
+        config.sliding_window = sliding_window.map(|w| w.0);
         Ok(KVCacheManager {
             inner: Mutex::new(core::KVCacheManager::new(config).py_err()?),
         })
@@ -368,18 +311,13 @@ impl KVCacheManager {
     fn register_lora(
         &self,
         py: Python<'_>,
-        lora_id: &Bound<'_, PyAny>,
-        lora_name: &Bound<'_, PyAny>,
-        lora_path: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let id = args::int_in(lora_id, "lora_id", 0, 1 << 64)? as u64;
-        let name = args::text(lora_name, "lora_name")?;
-        let path = match lora_path {
-            Some(p) if !p.is_none() => args::text(p, "lora_path")?,
-            _ => String::new(),
-        };
+        lora_id: LoraId,
+        lora_name: Text<names::LoraName>,
+        lora_path: Option<Text<names::LoraPath>>,
+    ) {
+        let (id, name) = (lora_id.0, lora_name.0);
+        let path = lora_path.map(|p| p.0).unwrap_or_default();
         self.run(py, Work::Short, |m| m.register_lora(id, &name, &path));
-        Ok(())
     }
 
     /// Fraction of GPU blocks kept free at admission.
@@ -440,10 +378,10 @@ impl KVCacheManager {
         self.read(py, |m| m.len())
     }
 
-    fn __contains__(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> bool {
-        match args::seq_id(seq_id, "seq_id") {
-            Ok(id) => self.read(py, |m| m.has_sequence(id)),
-            Err(_) => false,
+    fn __contains__(&self, py: Python<'_>, seq_id: SeqKey) -> bool {
+        match seq_id.0 {
+            Some(id) => self.read(py, |m| m.has_sequence(id)),
+            None => false,
         }
     }
 
@@ -482,23 +420,16 @@ impl KVCacheManager {
     fn add_sequence(
         &self,
         py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-        lora_id: Option<&Bound<'_, PyAny>>,
-        retention_priority: Option<&Bound<'_, PyAny>>,
+        seq_id: SeqId,
+        token_ids: TokenIds<names::TokenIds>,
+        cache_salt: Option<CacheSalt>,
+        lora_id: Option<LoraId>,
+        retention_priority: Option<RetentionPriorityArg<names::RetentionPriority>>,
     ) -> PyResult<usize> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let tokens = args::token_ids(token_ids, "token_ids")?;
-        let salt = args::cache_salt(cache_salt)?;
-        let lora = match lora_id {
-            Some(l) if !l.is_none() => Some(args::int_in(l, "lora_id", 0, 1 << 64)? as u64),
-            _ => None,
-        };
-        let priority = match retention_priority {
-            Some(p) if !p.is_none() => args::retention_priority(p, "retention_priority")?,
-            _ => core::RetentionPriority::DEFAULT,
-        };
+        let (id, tokens) = (seq_id.0, token_ids.0);
+        let salt = cache_salt.map(|s| s.0);
+        let lora = lora_id.map(|l| l.0);
+        let priority = retention_priority.map_or(core::RetentionPriority::DEFAULT, |p| p.0);
         self.run(py, Work::for_tokens(tokens.len()), |m| {
             let cached = m.add_sequence(id, &tokens, salt.as_deref(), lora)?;
             // Cannot fail: the sequence was just added.
@@ -512,40 +443,40 @@ impl KVCacheManager {
     fn set_retention_priority(
         &self,
         py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        priority: &Bound<'_, PyAny>,
+        seq_id: SeqId,
+        priority: RetentionPriorityArg<names::Priority>,
     ) -> PyResult<()> {
-        let p = args::retention_priority(priority, "priority")?;
+        let p = priority.0;
         self.on_seq(py, seq_id, Work::Short, |m, id| {
             m.set_retention_priority(id, p)
         })
     }
 
     /// The sequence's retention priority.
-    fn retention_priority(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<u8> {
+    fn retention_priority(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<u8> {
         self.on_seq(py, seq_id, Work::Short, |m, id| {
             m.retention_priority(id).map(|p| p.get())
         })
     }
 
     /// Whether the manager holds ``seq_id``.
-    fn has_sequence(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        Ok(self.read(py, |m| m.has_sequence(id)))
+    fn has_sequence(&self, py: Python<'_>, seq_id: SeqId) -> bool {
+        let id = seq_id.0;
+        self.read(py, |m| m.has_sequence(id))
     }
 
     /// Known tokens of the sequence: prompt plus committed sampled tokens.
-    fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tokens(id))
     }
 
     /// Tokens whose KV is in the cache (the current prefix probe before the first allocation).
-    fn num_computed_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_computed_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_computed_tokens(id))
     }
 
     /// Prompt tokens served from the prefix cache (claimed, or the probe before the claim).
-    fn num_cached_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_cached_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_cached_tokens(id))
     }
 
@@ -553,7 +484,7 @@ impl KVCacheManager {
     fn token_ids<'py>(
         &self,
         py: Python<'py>,
-        seq_id: &Bound<'_, PyAny>,
+        seq_id: SeqId,
     ) -> PyResult<Bound<'py, PyArray1<u32>>> {
         let tokens = self.on_seq(py, seq_id, Work::Short, |m, id| {
             m.token_ids(id).map(|t| t.to_vec())
@@ -562,7 +493,7 @@ impl KVCacheManager {
     }
 
     /// Whether the sequence's blocks are in the CPU pool.
-    fn is_swapped(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn is_swapped(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<bool> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.is_swapped(id))
     }
 
@@ -570,7 +501,7 @@ impl KVCacheManager {
     fn probe_prefixes<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.probe_prefixes(ids))?;
         Ok(to_numpy(py, out))
@@ -580,7 +511,7 @@ impl KVCacheManager {
     fn refresh_prefixes<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| {
             m.refresh_prefixes(ids)
@@ -593,7 +524,7 @@ impl KVCacheManager {
     fn probe_in_flight<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let out = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| {
             m.probe_in_flight(ids)
@@ -609,11 +540,11 @@ impl KVCacheManager {
     fn can_allocate(
         &self,
         py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+        seq_id: SeqId,
+        num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
     ) -> PyResult<AllocStatus> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let id = seq_id.0;
+        let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
         let status = self.read(py, |m| m.can_allocate(id, lookahead)).py_err()?;
         Ok(status.into())
     }
@@ -626,13 +557,12 @@ impl KVCacheManager {
     fn allocate_slots<'py>(
         &self,
         py: Python<'py>,
-        seq_id: &Bound<'_, PyAny>,
-        num_new_tokens: &Bound<'_, PyAny>,
-        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+        seq_id: SeqId,
+        num_new_tokens: Count<names::NumNewTokens>,
+        num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
     ) -> PyResult<Option<Bound<'py, PyArray1<i32>>>> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let new = args::count(num_new_tokens, "num_new_tokens")?;
-        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let (id, new) = (seq_id.0, num_new_tokens.0);
+        let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
         let taken = self
             .run(py, Work::Short, |m| m.allocate_slots(id, new, lookahead))
             .py_err()?;
@@ -647,13 +577,12 @@ impl KVCacheManager {
     fn allocate_slots_batch(
         &self,
         py: Python<'_>,
-        seq_ids: &Bound<'_, PyAny>,
-        num_new_tokens: &Bound<'_, PyAny>,
-        num_lookahead_tokens: Option<&Bound<'_, PyAny>>,
+        seq_ids: SeqIds,
+        num_new_tokens: PerSeqCounts<names::NumNewTokens>,
+        num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
     ) -> PyResult<BatchAllocation> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let new = PerSeq::extract(num_new_tokens, "num_new_tokens", 0, COUNT_END)?;
-        let lookahead = opt_count(num_lookahead_tokens, "num_lookahead_tokens")?;
+        let (ids, new) = (seq_ids.0, num_new_tokens.0);
+        let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
         let done = self
             .run(py, Work::for_batch(ids.len()), |m| {
                 m.allocate_slots_batch(&ids, new.as_batch_arg(), lookahead)
@@ -670,16 +599,12 @@ impl KVCacheManager {
     fn commit(
         &self,
         py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        num_new_computed_tokens: &Bound<'_, PyAny>,
-        new_token_ids: Option<&Bound<'_, PyAny>>,
+        seq_id: SeqId,
+        num_new_computed_tokens: Count<names::NumNewComputedTokens>,
+        new_token_ids: Option<TokenIds<names::NewTokenIds>>,
     ) -> PyResult<()> {
-        let id = args::seq_id(seq_id, "seq_id")?;
-        let n = args::count(num_new_computed_tokens, "num_new_computed_tokens")?;
-        let tokens = match new_token_ids {
-            Some(t) => args::token_ids(t, "new_token_ids")?,
-            None => Vec::new(),
-        };
+        let (id, n) = (seq_id.0, num_new_computed_tokens.0);
+        let tokens = new_token_ids.map(|t| t.0).unwrap_or_default();
         // Committing a long prefill chunk hashes its blocks: worth releasing the GIL.
         self.run(py, Work::for_tokens(n), |m| m.commit(id, n, &tokens))
             .py_err()
@@ -690,26 +615,12 @@ impl KVCacheManager {
     fn commit_batch(
         &self,
         py: Python<'_>,
-        seq_ids: &Bound<'_, PyAny>,
-        num_new_computed_tokens: &Bound<'_, PyAny>,
-        new_token_ids: Option<&Bound<'_, PyAny>>,
+        seq_ids: SeqIds,
+        num_new_computed_tokens: PerSeqCounts<names::NumNewComputedTokens>,
+        new_token_ids: Option<PerSeqTokens<names::NewTokenIds>>,
     ) -> PyResult<()> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let n = PerSeq::extract(
-            num_new_computed_tokens,
-            "num_new_computed_tokens",
-            0,
-            COUNT_END,
-        )?;
-        let tokens = match new_token_ids {
-            Some(t) if !t.is_none() => Some(PerSeq::extract(
-                t,
-                "new_token_ids",
-                -(1 << 63),
-                TOKEN_ID_END,
-            )?),
-            _ => None,
-        };
+        let (ids, n) = (seq_ids.0, num_new_computed_tokens.0);
+        let tokens = new_token_ids.map(|t| t.0);
         self.run(py, Work::for_batch(ids.len()), |m| {
             m.commit_batch(
                 &ids,
@@ -724,11 +635,10 @@ impl KVCacheManager {
     fn fork(
         &self,
         py: Python<'_>,
-        parent_id: &Bound<'_, PyAny>,
-        child_id: &Bound<'_, PyAny>,
+        parent_id: SeqId<names::ParentId>,
+        child_id: SeqId<names::ChildId>,
     ) -> PyResult<()> {
-        let parent = args::seq_id(parent_id, "parent_id")?;
-        let child = args::seq_id(child_id, "child_id")?;
+        let (parent, child) = (parent_id.0, child_id.0);
         self.run(py, Work::Short, |m| m.fork(parent, child))
             .py_err()
     }
@@ -776,28 +686,9 @@ impl KVCacheManager {
     fn tier_slot_hashes<'py>(
         &self,
         py: Python<'py>,
-        slots: &Bound<'py, PyAny>,
+        slots: SlotIds,
     ) -> PyResult<Vec<Option<Bound<'py, PyBytes>>>> {
-        if slots.is_instance_of::<pyo3::types::PyString>() || slots.is_instance_of::<PyBytes>() {
-            return Err(crate::errors::invalid_argument(
-                "slots must be a sequence of ints".to_string(),
-            ));
-        }
-        let mut ids = Vec::new();
-        for item in slots.try_iter()? {
-            let item = item?;
-            ids.push(match item.extract::<i64>() {
-                Ok(id) => id,
-                // An int beyond i64 names no slot either.
-                Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => -1,
-                Err(_) => {
-                    return Err(crate::errors::invalid_argument(format!(
-                        "slots must be ints, got {}",
-                        item.get_type().name()?
-                    )))
-                }
-            });
-        }
+        let ids = slots.0;
         let hashes = self.read(py, |m| m.tier_slot_hashes(&ids));
         Ok(hashes
             .into_iter()
@@ -807,16 +698,12 @@ impl KVCacheManager {
 
     /// Leading blocks of the hash chain a prompt would hit now (GPU prefix cache or
     /// written host-tier slots), without side effects.
-    fn num_cached_prefix_blocks(
-        &self,
-        py: Python<'_>,
-        block_hashes: &Bound<'_, PyAny>,
-    ) -> PyResult<usize> {
-        let digests = hash_list(block_hashes)?;
-        Ok(self.read(py, |m| {
+    fn num_cached_prefix_blocks(&self, py: Python<'_>, block_hashes: BlockHashes) -> usize {
+        let digests = block_hashes.0;
+        self.read(py, |m| {
             let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
             m.num_cached_prefix_blocks(&refs)
-        }))
+        })
     }
 
     /// Reserve host-tier slots for blocks fetched from a shared remote store: one int64
@@ -825,9 +712,9 @@ impl KVCacheManager {
     fn import_tier_blocks<'py>(
         &self,
         py: Python<'py>,
-        block_hashes: &Bound<'py, PyAny>,
+        block_hashes: BlockHashes,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let digests = hash_list(block_hashes)?;
+        let digests = block_hashes.0;
         let slots = self
             .run(py, Work::Short, |m| {
                 let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
@@ -841,33 +728,33 @@ impl KVCacheManager {
     fn limit_tier_loads(
         &self,
         py: Python<'_>,
-        seq_id: &Bound<'_, PyAny>,
-        max_loads: &Bound<'_, PyAny>,
+        seq_id: SeqId,
+        max_loads: Count<names::MaxLoads>,
     ) -> PyResult<usize> {
-        let max = args::count(max_loads, "max_loads")?;
+        let max = max_loads.0;
         self.on_seq(py, seq_id, Work::Short, |m, id| m.limit_tier_loads(id, max))
     }
 
     /// Of the sequence's cached tokens, those loaded (or, before the first
     /// ``allocate_slots``, to be loaded) from the host tier.
-    fn num_tier_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+    fn num_tier_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
     }
 
     /// Release the sequence's blocks (last block first) and forget it.
-    fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<()> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.free(id))
     }
 
     // -- swap ----------------------------------------------------------------------
 
     /// Enough free CPU blocks for the sequences' distinct blocks.
-    fn can_swap_out(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn can_swap_out(&self, py: Python<'_>, seq_ids: SeqIds) -> PyResult<bool> {
         self.on_seqs(py, seq_ids, Work::short, |m, ids| m.can_swap_out(ids))
     }
 
     /// Enough free GPU blocks for the sequences' distinct blocks, keeping the watermark.
-    fn can_swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+    fn can_swap_in(&self, py: Python<'_>, seq_ids: SeqIds) -> PyResult<bool> {
         self.on_seqs(py, seq_ids, Work::short, |m, ids| m.can_swap_in(ids))
     }
 
@@ -875,7 +762,7 @@ impl KVCacheManager {
     fn swap_out<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let pairs = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.swap_out(ids))?;
         pairs_to_py(py, pairs)
@@ -885,7 +772,7 @@ impl KVCacheManager {
     fn swap_in<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
+        seq_ids: SeqIds,
     ) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let pairs = self.on_seqs(py, seq_ids, Work::for_batch, |m, ids| m.swap_in(ids))?;
         pairs_to_py(py, pairs)
@@ -897,7 +784,7 @@ impl KVCacheManager {
     fn block_table<'py>(
         &self,
         py: Python<'py>,
-        seq_id: &Bound<'_, PyAny>,
+        seq_id: SeqId,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let table = self.on_seq(py, seq_id, Work::Short, |m, id| m.block_table(id))?;
         Ok(to_numpy(py, table))
@@ -908,14 +795,11 @@ impl KVCacheManager {
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
-        max_blocks: Option<&Bound<'_, PyAny>>,
+        seq_ids: SeqIds,
+        max_blocks: Option<Count<names::MaxBlocks>>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let max_blocks = match max_blocks {
-            Some(b) if !b.is_none() => Some(args::count(b, "max_blocks")?),
-            _ => None,
-        };
+        let ids = seq_ids.0;
+        let max_blocks = max_blocks.map(|b| b.0);
         let tables = self
             .run(py, Work::for_batch(ids.len()), |m| {
                 m.block_tables(&ids, max_blocks)
@@ -930,18 +814,20 @@ impl KVCacheManager {
     fn update_block_table(
         &self,
         py: Python<'_>,
-        block_table: &Bound<'_, PyAny>,
-        seq_ids: &Bound<'_, PyAny>,
-        rows: &Bound<'_, PyAny>,
-        full: Option<&Bound<'_, PyAny>>,
+        block_table: WritableTable<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        full: Option<Flag<names::Full>>,
     ) -> PyResult<BlockTableDelta> {
-        let table = writable_table(block_table)?;
+        let table = block_table.0;
         let (num_rows, num_cols) = {
             let shape = table.shape();
             (shape[0], shape[1])
         };
-        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
-        // SAFETY: `writable_table` checked that the array is C-contiguous and writeable.
+        let rows = rows.parse(num_rows)?;
+        let full = full.is_some_and(|f| f.0);
+        let delta = self.sync(py, seq_ids.0, rows, num_rows, num_cols, full)?;
+        // SAFETY: `WritableTable` checked that the array is C-contiguous and writeable.
         // The GIL is held from here to the end of the write, so no Python code can touch
         // the buffer meanwhile, and no Rust view of it exists in this call.
         let data = unsafe { table.as_slice_mut() }
@@ -957,15 +843,16 @@ impl KVCacheManager {
     fn block_table_delta(
         &self,
         py: Python<'_>,
-        seq_ids: &Bound<'_, PyAny>,
-        rows: &Bound<'_, PyAny>,
-        max_rows: &Bound<'_, PyAny>,
-        max_blocks: &Bound<'_, PyAny>,
-        full: Option<&Bound<'_, PyAny>>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        max_rows: Count<names::MaxRows>,
+        max_blocks: Count<names::MaxBlocks>,
+        full: Option<Flag<names::Full>>,
     ) -> PyResult<BlockTableDelta> {
-        let num_rows = args::count(max_rows, "max_rows")?;
-        let num_cols = args::count(max_blocks, "max_blocks")?;
-        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
+        let (num_rows, num_cols) = (max_rows.0, max_blocks.0);
+        let rows = rows.parse(num_rows)?;
+        let full = full.is_some_and(|f| f.0);
+        let delta = self.sync(py, seq_ids.0, rows, num_rows, num_cols, full)?;
         Ok(BlockTableDelta::new(py, delta))
     }
 
@@ -974,14 +861,11 @@ impl KVCacheManager {
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: &Bound<'_, PyAny>,
-        num_tokens: Option<&Bound<'_, PyAny>>,
+        seq_ids: SeqIds,
+        num_tokens: Option<PerSeqCounts<names::NumTokens>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let ids = args::seq_ids(seq_ids, "seq_ids")?;
-        let counts = match num_tokens {
-            Some(n) if !n.is_none() => Some(PerSeq::extract(n, "num_tokens", 0, COUNT_END)?),
-            _ => None,
-        };
+        let ids = seq_ids.0;
+        let counts = num_tokens.map(|n| n.0);
         let slots = self
             .run(py, Work::for_batch(ids.len()), |m| {
                 m.slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()))
@@ -1053,32 +937,4 @@ impl KVCacheManager {
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, Work::Long, |m| m.check_invariants()).py_err()
     }
-}
-
-fn opt_count(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<usize> {
-    match obj {
-        Some(o) => args::count(o, name),
-        None => Ok(0),
-    }
-}
-
-/// A sequence of bytes block hashes as owned digests.
-fn hash_list(block_hashes: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
-    if block_hashes.is_instance_of::<PyBytes>() {
-        return Err(crate::errors::invalid_argument(
-            "block_hashes must be a sequence of bytes, not one bytes object".to_string(),
-        ));
-    }
-    let mut digests: Vec<Vec<u8>> = Vec::new();
-    for item in block_hashes.try_iter()? {
-        let item = item?;
-        let Ok(b) = item.cast::<PyBytes>() else {
-            return Err(crate::errors::invalid_argument(format!(
-                "block hashes must be bytes, got {}",
-                item.get_type().name()?
-            )));
-        };
-        digests.push(b.as_bytes().to_vec());
-    }
-    Ok(digests)
 }

@@ -1,8 +1,5 @@
-//! Conversion of Python arguments (ints, lists, 1-D NumPy integer arrays) to Rust values.
-//!
-//! Every conversion failure is an `InvalidArgumentError` that names the argument and
-//! says what was expected, so bad input never surfaces as a bare `TypeError` or
-//! `OverflowError` from PyO3.
+//! The conversions behind the argument newtypes: one Python value (named `name` in
+//! messages) to one Rust value.
 
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -29,6 +26,11 @@ pub(crate) fn int_in(obj: &Bound<'_, PyAny>, name: &str, lo: i128, hi: i128) -> 
 /// A sequence id (`[0, 2**63)`).
 pub(crate) fn seq_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     Ok(int_in(obj, name, 0, SEQ_ID_END)? as u64)
+}
+
+/// A LoRA id (any `uint64`).
+pub(crate) fn lora_id(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    Ok(int_in(obj, name, 0, 1 << 64)? as u64)
 }
 
 /// A retention priority (`0..=100`), as the core's checked newtype.
@@ -298,6 +300,17 @@ impl PerSeq {
     }
 }
 
+/// A per-sequence count: an int for every sequence or one per sequence, each `>= 0`.
+pub(crate) fn per_seq_count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<PerSeq> {
+    PerSeq::extract(obj, name, 0, COUNT_END)
+}
+
+/// A per-sequence token: a token id for every sequence or one per sequence, where a
+/// negative value means no token.
+pub(crate) fn per_seq_token(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<PerSeq> {
+    PerSeq::extract(obj, name, -(1 << 63), TOKEN_ID_END)
+}
+
 /// A `bool` (NumPy booleans included); ints and other truthy objects are rejected.
 pub(crate) fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
     obj.extract::<bool>()
@@ -327,17 +340,13 @@ pub(crate) fn real(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
         .map_err(|_| invalid_argument(format!("{name} must be a float, got {}", type_name(obj))))
 }
 
-/// A cache salt: `str` (UTF-8 encoded), `bytes` or `None`.
-pub(crate) fn cache_salt(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
-    let Some(obj) = obj else { return Ok(None) };
-    if obj.is_none() {
-        return Ok(None);
-    }
+/// A cache salt: `str` (UTF-8 encoded) or `bytes` (`None` is handled by `Option`).
+pub(crate) fn cache_salt(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(Some(s.to_cow()?.as_bytes().to_vec()));
+        return Ok(s.to_cow()?.as_bytes().to_vec());
     }
     if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(Some(b.as_bytes().to_vec()));
+        return Ok(b.as_bytes().to_vec());
     }
     Err(invalid_argument(format!(
         "cache_salt must be str, bytes or None, got {}",

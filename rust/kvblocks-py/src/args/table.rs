@@ -1,0 +1,76 @@
+//! The arguments of the in-place block-table update: the table and the rows to write.
+
+use numpy::{PyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::convert;
+use crate::errors::invalid_argument;
+
+/// `block_table`: a C-contiguous, writeable 2-D int32 NumPy array (`[max_rows, max_blocks]`).
+pub(crate) struct WritableTable<'py>(pub(crate) Bound<'py, PyArray2<i32>>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for WritableTable<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let Ok(arr) = obj.cast::<PyUntypedArray>() else {
+            return Err(invalid_argument(format!(
+                "block_table must be a NumPy int32 array, got {}",
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            )));
+        };
+        if arr.ndim() != 2 {
+            return Err(invalid_argument(format!(
+                "block_table must be 2-D [max_rows, max_blocks], got {} dimensions",
+                arr.ndim()
+            )));
+        }
+        let Ok(table) = arr.cast::<PyArray2<i32>>() else {
+            return Err(invalid_argument(format!(
+                "block_table must have dtype int32, got {}",
+                arr.dtype().str().map(|s| s.to_string()).unwrap_or_default()
+            )));
+        };
+        if !arr.is_c_contiguous() {
+            return Err(invalid_argument(
+                "block_table must be C-contiguous (a row-major array, not a view with strides)"
+                    .to_string(),
+            ));
+        }
+        // SAFETY: `arr` is a live NumPy array, so its object (and its fields, which is how
+        // the `numpy` crate itself reads the writeable flag) is valid to read.
+        let flags =
+            unsafe { (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(arr.as_array_ptr())).flags };
+        if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
+            return Err(invalid_argument(
+                "block_table must be writeable (got a read-only array)".to_string(),
+            ));
+        }
+        Ok(WritableTable(table.to_owned()))
+    }
+}
+
+/// `rows`: the table row of each sequence, a 1-D integer array or a sequence of ints.
+///
+/// Their bound is the table's row count, which another argument gives (the table's
+/// shape, or `max_rows`), so conversion waits for [`RowIndices::parse`].
+pub(crate) struct RowIndices<'a, 'py>(Borrowed<'a, 'py, PyAny>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RowIndices<'a, 'py> {
+    type Error = PyErr;
+
+    #[inline]
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(RowIndices(obj))
+    }
+}
+
+impl RowIndices<'_, '_> {
+    /// The rows, each in `[0, num_rows)`.
+    pub(crate) fn parse(&self, num_rows: usize) -> PyResult<Vec<i64>> {
+        convert::int_vec(&self.0, "rows", 0, num_rows as i128)
+    }
+}
