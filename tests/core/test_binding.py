@@ -71,6 +71,26 @@ def test_bad_token_arrays_raise_invalid_argument(bad: object) -> None:
     assert len(m) == 0
 
 
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (np.array([[1]]), "priority must be an int, got ndarray"),
+        (np.array([1, 2]), "priority must be an int, got ndarray"),
+        (np.array(2**63, dtype=np.uint64), f"priority must be in \\[0, 100\\], got {2**63}"),
+        (2**64, "priority = 18446744073709551616 is out of range"),
+        (101, "priority must be in \\[0, 100\\], got 101"),
+    ],
+)
+def test_bad_scalar_messages_say_what_was_wrong(bad: object, message: str) -> None:
+    """An array where an int belongs is named as such, not as an out-of-range int, and
+    an out-of-range value is printed as given."""
+    m = KVCacheManager(16, 4)
+    m.add_sequence(1, [1, 2], retention_priority=7)
+    with pytest.raises(InvalidArgumentError, match=message):
+        m.set_retention_priority(1, bad)
+    assert m.retention_priority(1) == 7
+
+
 @pytest.mark.parametrize("bad", [-1, 2**63, 2**70, 1.0, "1", True, None])
 def test_bad_seq_ids_raise_invalid_argument(bad: object) -> None:
     m = KVCacheManager(16, 4)

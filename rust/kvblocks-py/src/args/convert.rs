@@ -39,9 +39,10 @@ pub(crate) fn retention_priority(
     name: &str,
 ) -> PyResult<kvblocks_core::RetentionPriority> {
     let value = scalar_int(obj, name)?;
-    let value = i64::try_from(value).unwrap_or(i64::MAX);
-    kvblocks_core::RetentionPriority::new(value)
-        .map_err(|_| invalid_argument(format!("{name} must be in [0, 100], got {value}")))
+    i64::try_from(value)
+        .ok()
+        .and_then(|v| kvblocks_core::RetentionPriority::new(v).ok())
+        .ok_or_else(|| invalid_argument(format!("{name} must be in [0, 100], got {value}")))
 }
 
 /// A non-negative count that fits `usize`.
@@ -63,8 +64,9 @@ fn scalar_int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
     if let Ok(v) = obj.extract::<u64>() {
         return Ok(i128::from(v));
     }
-    // NumPy integer scalars are not `int` subclasses but support `__index__`.
-    if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__")? {
+    // NumPy integer scalars are not `int` subclasses but support `__index__`; arrays
+    // define it too but raise from it unless they hold one integer, so ask it.
+    if obj.is_instance_of::<PyInt>() || obj.call_method0("__index__").is_ok() {
         let text = obj.str().map(|s| s.to_string()).unwrap_or_default();
         return Err(invalid_argument(format!(
             "{name} = {text} is out of range (expected a 64-bit integer)"
@@ -258,6 +260,17 @@ impl<'py> IntoItem<'py> for PyResult<Bound<'py, PyAny>> {
 }
 
 /// Sequence ids of a batch call.
+/// A 1-D array (or sequence) of non-negative ints as `usize` indices.
+pub(crate) fn indices(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
+    let values: Vec<u64> = int_vec(obj, name, 0, COUNT_END)?;
+    values
+        .into_iter()
+        .map(|v| {
+            usize::try_from(v).map_err(|_| invalid_argument(format!("{name}: {v} is too large")))
+        })
+        .collect()
+}
+
 pub(crate) fn seq_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
     int_vec(obj, name, 0, SEQ_ID_END)
 }

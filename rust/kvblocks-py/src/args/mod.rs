@@ -33,6 +33,7 @@ pub(crate) mod names {
 
     arg_names! {
         BlockSize = "block_size",
+        Counts = "counts",
         ChildId = "child_id",
         EnablePrefixCaching = "enable_prefix_caching",
         Full = "full",
@@ -57,6 +58,7 @@ pub(crate) mod names {
         Priority = "priority",
         RecordEvents = "record_events",
         RetentionPriority = "retention_priority",
+        Rows = "rows",
         SeqId = "seq_id",
         SeqIds = "seq_ids",
         SlidingWindow = "sliding_window",
@@ -94,9 +96,10 @@ mod numbers;
 mod table;
 mod tokens;
 
-pub(crate) use convert::{int_vec, COUNT_END};
 pub(crate) use hashes::{BlockHashes, CacheSalt, SlotIds};
 pub(crate) use ids::{LoraId, SeqId, SeqIds, SeqKey};
-pub(crate) use numbers::{Count, Flag, Parsed, PerSeqCounts, Real, RetentionPriorityArg, Text};
-pub(crate) use table::{RowIndices, WritableTable};
+pub(crate) use numbers::{
+    Count, Flag, Indices, Parsed, PerSeqCounts, Real, RetentionPriorityArg, Text,
+};
+pub(crate) use table::{IntTable, RowIndices, WritableTable};
 pub(crate) use tokens::{PerSeqTokens, TokenIds};

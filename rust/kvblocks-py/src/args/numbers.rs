@@ -16,6 +16,11 @@ named_arg! {
 }
 
 named_arg! {
+    /// Non-negative indices or counts: a 1-D integer array or a sequence of ints.
+    Indices(Vec<usize>) = convert::indices
+}
+
+named_arg! {
     /// A count per sequence: one int for all, or a 1-D array/sequence with one each.
     PerSeqCounts(PerSeq) = convert::per_seq_count
 }

@@ -1,6 +1,7 @@
-//! The arguments of the in-place block-table update: the table and the rows to write.
+//! Block-table arguments: the table an in-place update writes, the rows it writes, and
+//! the read-only table `gather_row_prefixes` reads.
 
-use numpy::{PyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use super::convert;
@@ -72,5 +73,32 @@ impl RowIndices<'_, '_> {
     /// The rows, each in `[0, num_rows)`.
     pub(crate) fn parse(&self, num_rows: usize) -> PyResult<Vec<i64>> {
         convert::int_vec(&self.0, "rows", 0, num_rows as i128)
+    }
+}
+
+/// `table` of `gather_row_prefixes`: a C-contiguous 2-D int32 NumPy array, borrowed
+/// read-only for the call.
+pub(crate) struct IntTable<'py>(pub(crate) PyReadonlyArray2<'py, i32>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for IntTable<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let Ok(arr) = obj.cast::<PyUntypedArray>() else {
+            return Err(invalid_argument(
+                "table must be a 2-D NumPy int32 array".to_string(),
+            ));
+        };
+        if arr.ndim() != 2 || !arr.is_c_contiguous() {
+            return Err(invalid_argument(format!(
+                "table must be a C-contiguous 2-D array (got {} dimensions, contiguous: {})",
+                arr.ndim(),
+                arr.is_c_contiguous()
+            )));
+        }
+        let Ok(typed) = arr.cast::<PyArray2<i32>>() else {
+            return Err(invalid_argument("table must have dtype int32".to_string()));
+        };
+        Ok(IntTable(typed.readonly()))
     }
 }
