@@ -476,19 +476,24 @@ class KVCacheManager:
         Raises:
             InvalidArgumentError: an item that is not bytes.
         """
-    def import_tier_blocks(self, block_hashes: Sequence[bytes]) -> npt.NDArray[np.int64]:
+    def import_tier_blocks(
+        self, block_hashes: Sequence[bytes], *, retention_priority: int | None = None
+    ) -> npt.NDArray[np.int64]:
         """Reserve host-tier slots for blocks fetched from a shared remote store.
 
         One int64 per hash: the slot whose host-pool row the engine writes the block's KV
         into, or -1 when there is nothing to write (already in the GPU prefix cache or the
         tier, or no slot free: every one pinned or holding a block of higher retention
-        priority than the imports' default, 35). Reserved slots are pinned and no prefix hit until
-        ``confirm_memory_ops``; then probes find them and claims load them like offloaded
-        blocks. Emits ``BlockStored`` with medium ``"CPU"`` per reserved slot.
+        priority than ``retention_priority``). The imported blocks keep that priority in
+        the tier (``None``: the default, 35), as the requesting sequence's own blocks
+        would. Reserved slots are pinned and no prefix hit until ``confirm_memory_ops``;
+        then probes find them and claims load them like offloaded blocks. Emits
+        ``BlockStored`` with medium ``"CPU"`` per reserved slot.
 
         Raises:
-            InvalidArgumentError: no host tier or no prefix caching, or a hash that is not
-                bytes of the hash algorithm's digest length (nothing is reserved).
+            InvalidArgumentError: no host tier or no prefix caching, a hash that is not
+                bytes of the hash algorithm's digest length, or a priority outside
+                ``[0, 100]`` (nothing is reserved).
         """
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it.

@@ -23,6 +23,7 @@ from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher
+from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
@@ -161,6 +162,39 @@ def test_a_link_that_skips_a_step_is_caught(
         _check_shared(_share(tiny_llama, server), expected)
 
 
+@pytest.mark.parametrize(
+    ("priority", "flood_priority", "kept"), [(None, 10, True), (0, 10, False), (80, None, True)]
+)
+def test_imports_keep_the_requests_retention_priority(
+    tiny_llama: LlamaForCausalLM,
+    server: ServerProcess,
+    priority: int | None,
+    flood_priority: int | None,
+    kept: bool,
+) -> None:
+    """B's blocks read from the store enter its host tier at B's request's priority
+    (a claim only ever raises a block's priority): a flood of imports at
+    ``flood_priority`` then evicts them exactly when that is not below theirs."""
+    a = _engine(tiny_llama, server)
+    _tokens(a, TARGET)
+    b = _engine(_fresh_model(), server)
+    params = SamplingParams(max_tokens=2, temperature=0.0, retention_priority=priority)
+    b.generate([TARGET], params)
+    assert b.stats()["remote"]["imported_blocks"] == LOADABLE
+    m = b.manager
+    slots = list(range(m.host_cache_blocks))
+    hasher = PromptHasher(m.block_size, hash_algo=m.hash_algo)
+    prefix = list(hasher.block_hashes(TARGET))[:LOADABLE]
+    assert set(prefix) <= set(m.tier_slot_hashes(slots))
+    flood = [bytes([i]) * len(prefix[0]) for i in range(m.host_cache_blocks)]
+    m.import_tier_blocks(flood, retention_priority=flood_priority)
+    m.confirm_memory_ops()
+    m.check_invariants()
+    held = set(m.tier_slot_hashes(slots))
+    assert (set(prefix) <= held) == kept, (priority, held)
+    assert set(prefix).isdisjoint(held) != kept
+
+
 def test_a_dead_server_means_recompute(
     tiny_llama: LlamaForCausalLM, server: ServerProcess, expected: list[int]
 ) -> None:
@@ -236,6 +270,10 @@ def test_manager_import_api_rejects_bad_input(tiny_llama: LlamaForCausalLM) -> N
     assert dict(m.stats()) == before
     assert m.num_cached_prefix_blocks([b"x" * 32, b"y"]) == 0
     assert m.tier_slot_hashes([0, -1, 10**6]) == [None, None, None]
+    for bad_priority in [-1, 101, 1.5, "80", True]:
+        with pytest.raises(InvalidArgumentError, match="retention_priority"):
+            m.import_tier_blocks([b"x" * 32], retention_priority=bad_priority)  # type: ignore[arg-type]
+    assert dict(m.stats()) == before
     slots = m.import_tier_blocks([b"x" * 32, b"x" * 32])
     assert slots.tolist() == [0, -1]
     assert m.tier_slot_hashes(slots[:1]) == [b"x" * 32]

@@ -608,7 +608,8 @@ class LLM:
             return
         wait = self.remote.options.fetch_wait_s
         for run in runs:
-            fetch = self.remote.prefetch(run.request.prompt_token_ids)
+            request = run.request
+            fetch = self.remote.prefetch(request.prompt_token_ids, request.retention_priority)
             self._pending.append((run, fetch, time.monotonic() + wait))
 
     def _admit_prefetched(self) -> None:
@@ -675,7 +676,10 @@ class LLM:
                 probe.append((key, tokens))
             self._readmit[key] = (tokens, missing)
         if probe:
-            self.remote.refetch([tokens for _, tokens in probe])
+            self.remote.refetch(
+                [tokens for _, tokens in probe],
+                [self._runs[key[0]].request.retention_priority for key, _ in probe],
+            )
             for key, tokens in probe:
                 self._readmit[key] = (tokens, len(self.remote.missing(tokens)))
 

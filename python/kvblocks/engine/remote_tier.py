@@ -121,8 +121,10 @@ class RemoteTierStats:
 class PendingFetch:
     """A read of one prompt's blocks past the local hit, queued or done."""
 
-    def __init__(self, hashes: list[bytes]) -> None:
+    def __init__(self, hashes: list[bytes], retention_priority: int | None = None) -> None:
         self.hashes = hashes
+        # The blocks enter the host tier at the requesting sequence's priority.
+        self.retention_priority = retention_priority
         self.payloads: list[torch.Tensor | None] | None = None
         self._done = threading.Event()
 
@@ -383,13 +385,17 @@ class RemoteTierLink:
         start = self.manager.num_cached_prefix_blocks(hashes)
         return list(hashes[start : start + self.manager.host_cache_blocks])
 
-    def prefetch(self, prompt_token_ids: TokenIds) -> PendingFetch | None:
+    def prefetch(
+        self, prompt_token_ids: TokenIds, retention_priority: int | None = None
+    ) -> PendingFetch | None:
         """Start reading the prompt's blocks past the local hit; None when there is
-        nothing to read. Synchronous I/O reads here; background I/O queues the read."""
+        nothing to read. Synchronous I/O reads here; background I/O queues the read.
+        ``retention_priority``: the request's, which the imported blocks keep in the
+        host tier (``None``: the default)."""
         wanted = self.missing(prompt_token_ids)
         if not wanted:
             return None
-        fetch = PendingFetch(wanted)
+        fetch = PendingFetch(wanted, retention_priority)
         self.stats.fetches += 1
         if self._worker is None:
             fetch._finish(self._read(wanted))
@@ -413,7 +419,9 @@ class RemoteTierLink:
             found += 1
         if not found:
             return 0
-        slots = self.manager.import_tier_blocks(fetch.hashes[:found])
+        slots = self.manager.import_tier_blocks(
+            fetch.hashes[:found], retention_priority=fetch.retention_priority
+        )
         rows = [i for i in range(found) if slots[i] >= 0]
         try:
             if rows:
@@ -441,11 +449,25 @@ class RemoteTierLink:
         pending.wait(self.options.fetch_wait_s)
         return self.complete(pending)
 
-    def refetch(self, token_lists: Sequence[TokenIds]) -> int:
+    def refetch(
+        self,
+        token_lists: Sequence[TokenIds],
+        retention_priorities: Sequence[int | None] | None = None,
+    ) -> int:
         """Read and import several sequences' missing blocks now (sequences preempted by
         recompute, before their re-admission): the reads run together and one
-        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps."""
-        pending = [p for tokens in token_lists if (p := self.prefetch(tokens)) is not None]
+        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps.
+        ``retention_priorities``: each sequence's, as for :meth:`prefetch`."""
+        priorities = retention_priorities or [None] * len(token_lists)
+        if len(priorities) != len(token_lists):
+            raise InvalidArgumentError(
+                f"{len(priorities)} retention priorities for {len(token_lists)} sequences"
+            )
+        pending = [
+            p
+            for tokens, priority in zip(token_lists, priorities, strict=True)
+            if (p := self.prefetch(tokens, priority)) is not None
+        ]
         if not pending:
             return 0
         self.stats.refetches += len(pending)

@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use kvblocks_core::{
     KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp, MemoryOpKind,
-    OffloadPolicy,
+    OffloadPolicy, RetentionPriority,
 };
 
 fn tiered(num_blocks: usize, host: usize, policy: OffloadPolicy) -> KVCacheManager {
@@ -326,7 +326,11 @@ fn imported_blocks_hit_only_after_confirmation_and_load() {
     let mut b = tiered(8, 2, OffloadPolicy::OnEvict);
     b.take_events();
     // Two slots: the third block finds none free (both pinned by the import).
-    assert_eq!(b.import_tier_blocks(&refs).unwrap(), vec![0, 1, -1]);
+    assert_eq!(
+        b.import_tier_blocks(&refs, RetentionPriority::DEFAULT)
+            .unwrap(),
+        vec![0, 1, -1]
+    );
     let cpu_stored = b
         .take_events()
         .into_iter()
@@ -335,7 +339,11 @@ fn imported_blocks_hit_only_after_confirmation_and_load() {
     assert_eq!(cpu_stored, 2);
     b.check_invariants().unwrap();
     // Held already (being written): nothing to write again.
-    assert_eq!(b.import_tier_blocks(&refs[..1]).unwrap(), vec![-1]);
+    assert_eq!(
+        b.import_tier_blocks(&refs[..1], RetentionPriority::DEFAULT)
+            .unwrap(),
+        vec![-1]
+    );
     // Not written yet: no hit.
     assert_eq!(b.add_sequence(2, &prompt, None, None).unwrap(), 0);
     b.free(2).unwrap();
@@ -355,7 +363,36 @@ fn imported_blocks_hit_only_after_confirmation_and_load() {
     b.check_invariants().unwrap();
     assert_eq!(b.tier_stats().unwrap().imports, 2);
     // A block in the GPU prefix cache is not imported.
-    assert_eq!(a.import_tier_blocks(&refs[..1]).unwrap(), vec![-1]);
+    assert_eq!(
+        a.import_tier_blocks(&refs[..1], RetentionPriority::DEFAULT)
+            .unwrap(),
+        vec![-1]
+    );
+}
+
+#[test]
+fn imports_keep_their_retention_priority_in_the_tier() {
+    let digest = |i: u8| [i; 32];
+    let digests: Vec<[u8; 32]> = (1..=5).map(digest).collect();
+    let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
+    let high = RetentionPriority::new(80).unwrap();
+    let mut m = tiered(8, 2, OffloadPolicy::OnEvict);
+    assert_eq!(m.import_tier_blocks(&refs[..2], high).unwrap(), vec![0, 1]);
+    m.confirm_memory_ops();
+    // Default-priority imports find no slot: both hold higher-priority blocks.
+    assert_eq!(
+        m.import_tier_blocks(&refs[2..4], RetentionPriority::DEFAULT)
+            .unwrap(),
+        vec![-1, -1]
+    );
+    assert_eq!(m.num_cached_prefix_blocks(&refs[..1]), 1);
+    // A higher priority still evicts one (the least recently used).
+    let top = RetentionPriority::new(90).unwrap();
+    assert_eq!(m.import_tier_blocks(&refs[4..], top).unwrap(), vec![0]);
+    m.confirm_memory_ops();
+    m.check_invariants().unwrap();
+    assert_eq!(m.num_cached_prefix_blocks(&refs[..1]), 0);
+    assert_eq!(m.num_cached_prefix_blocks(&refs[4..]), 1);
 }
 
 #[test]
@@ -364,14 +401,16 @@ fn import_rejects_bad_digests_and_managers_without_a_tier() {
     let good = [0u8; 32];
     let before = m.tier_stats();
     for bad in [&[0u8; 16][..], &[0u8; 31][..], &[][..]] {
-        let err = m.import_tier_blocks(&[&good[..], bad]).unwrap_err();
+        let err = m
+            .import_tier_blocks(&[&good[..], bad], RetentionPriority::DEFAULT)
+            .unwrap_err();
         assert!(matches!(err, KvError::InvalidArgument(_)), "{err:?}");
     }
     assert_eq!(m.tier_stats(), before, "a failed import reserves nothing");
     m.check_invariants().unwrap();
     let mut plain = manager_with(8, 4, |_| {});
     assert!(matches!(
-        plain.import_tier_blocks(&[&good[..]]),
+        plain.import_tier_blocks(&[&good[..]], RetentionPriority::DEFAULT),
         Err(KvError::InvalidArgument(_))
     ));
 }
@@ -400,7 +439,9 @@ fn slot_hashes_and_cached_prefix_follow_offloads_and_imports() {
 
     let mut b = tiered(8, 4, OffloadPolicy::OnEvict);
     assert_eq!(b.num_cached_prefix_blocks(&refs), 0);
-    let slots = b.import_tier_blocks(&refs[..2]).unwrap();
+    let slots = b
+        .import_tier_blocks(&refs[..2], RetentionPriority::DEFAULT)
+        .unwrap();
     // Being written: no hit yet.
     assert_eq!(b.num_cached_prefix_blocks(&refs), 0);
     assert!(b.tier_slot_hashes(&slots).iter().all(|h| h.is_some()));

@@ -709,16 +709,19 @@ impl KVCacheManager {
     /// Reserve host-tier slots for blocks fetched from a shared remote store: one int64
     /// per digest, the slot to write its KV into or -1 (already cached, or no slot free).
     /// Reserved slots become hits at the next ``confirm_memory_ops``.
+    #[pyo3(signature = (block_hashes, *, retention_priority = None))]
     fn import_tier_blocks<'py>(
         &self,
         py: Python<'py>,
         block_hashes: BlockHashes,
+        retention_priority: Option<RetentionPriorityArg<names::RetentionPriority>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let digests = block_hashes.0;
+        let priority = retention_priority.map_or(core::RetentionPriority::DEFAULT, |p| p.0);
         let slots = self
             .run(py, Work::Short, |m| {
                 let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
-                m.import_tier_blocks(&refs)
+                m.import_tier_blocks(&refs, priority)
             })
             .py_err()?;
         Ok(slots.into_pyarray(py))

@@ -65,14 +65,18 @@ impl KVCacheManager {
     /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
     /// remote store), one entry per digest: the slot to write the block's KV into, or -1
     /// when nothing is to be written (already in the GPU prefix cache or the tier, or
-    /// every slot pinned or holding blocks of higher retention priority than the default
-    /// the imports get). Reserved slots are pinned and no prefix hit until the engine
+    /// every slot pinned or holding blocks of higher retention priority than `priority`,
+    /// which the imported blocks keep in the tier). Reserved slots are pinned and no prefix hit until the engine
     /// has written them and called `confirm_memory_ops`; then a probe finds them and a
     /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
     ///
     /// Fails with `InvalidArgument` (nothing reserved) without a host tier, without
     /// prefix caching, or for a digest whose length is not the hash algorithm's.
-    pub fn import_tier_blocks(&mut self, digests: &[&[u8]]) -> Result<Vec<i64>> {
+    pub fn import_tier_blocks(
+        &mut self,
+        digests: &[&[u8]],
+        priority: RetentionPriority,
+    ) -> Result<Vec<i64>> {
         if self.pools.tier.is_none() || !self.pools.caching {
             return Err(KvError::InvalidArgument(
                 "import_tier_blocks needs a host tier and prefix caching".to_string(),
@@ -104,7 +108,7 @@ impl KVCacheManager {
                 slots.push(-1);
                 continue;
             };
-            let Some((slot, evicted)) = tier.reserve(hash, RetentionPriority::DEFAULT) else {
+            let Some((slot, evicted)) = tier.reserve(hash, priority) else {
                 slots.push(-1);
                 continue;
             };
