@@ -32,7 +32,7 @@ from kvblocks.engine import LLM, LlamaForCausalLM
 from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.engine.outputs import TokenLogprobs
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
-from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver, reference
+from kvblocks.ops import cuda_backend, kernel_cache, reference
 from kvblocks.ops.launch_plan import KernelLaunch
 from kvblocks.sampling_params import SamplingParams
 
@@ -90,16 +90,6 @@ def _fake_cupy(launches: list[str]) -> types.ModuleType:
 def kernel_cache_dir(tmp_path_factory) -> Path:
     """One kernel cache for the module: each instantiation is compiled (NVRTC) once."""
     return tmp_path_factory.mktemp("kernels")
-
-
-def _clear_backend_caches() -> None:
-    # Launchers, device properties and decode plan objects of another test's fake device.
-    cuda_backend._function.cache_clear()
-    cuda_backend._arch.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
-    cuda_backend.decode_launcher.cache_clear()
-    cuda_backend.decode_target_ctas.cache_clear()
-    kernel_driver._DECODERS.clear()
 
 
 def _forwarding_hints(op: Callable[..., Any], hints: dict[str, Any]) -> Callable[..., Any]:
@@ -169,9 +159,9 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     monkeypatch.setattr(reference, "paged_prefill_attention", prefill)
     monkeypatch.setattr(reference, "reshape_and_cache", cuda_backend.reshape_and_cache)
     monkeypatch.setattr(reference, "copy_blocks", cuda_backend.copy_blocks)
-    _clear_backend_caches()
+    emu_runtime.clear_backend_caches()
     yield launches
-    _clear_backend_caches()
+    emu_runtime.clear_backend_caches()
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])

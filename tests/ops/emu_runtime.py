@@ -102,6 +102,20 @@ def emu_launch(launch: KernelLaunch) -> None:
         raise LookupError(f"the emulation harness has no kernel {launch.name!r}")
 
 
+def clear_backend_caches() -> None:
+    """Forget the CUDA backend's per-device state (compiled launchers, device properties,
+    cached decode plans): around a test that fakes a device, so no other test's fake
+    device (or none) leaks into it."""
+    from kvblocks.ops import cuda_backend, kernel_driver
+
+    cuda_backend._function.cache_clear()
+    cuda_backend._arch.cache_clear()
+    cuda_backend._target_ctas.cache_clear()
+    cuda_backend.decode_launcher.cache_clear()
+    cuda_backend.decode_target_ctas.cache_clear()
+    kernel_driver._DECODERS.clear()
+
+
 def recording(launches: list[KernelLaunch]):
     """A launcher that runs each launch at once (workspaces die with the call) and logs it."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from emu_runtime import emu_launch
+from emu_runtime import clear_backend_caches, emu_launch
 from ops_cases import make_case, ref_decode, ref_prefill
 
 from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver
@@ -101,18 +101,9 @@ def fake_cupy(monkeypatch, kernel_cache_dir):
         lambda index: types.SimpleNamespace(multi_processor_count=1),
     )  # fmt: skip
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    cuda_backend._function.cache_clear()
-    cuda_backend._arch.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
-    cuda_backend.decode_launcher.cache_clear()
-    cuda_backend.decode_target_ctas.cache_clear()
-    kernel_driver._DECODERS.clear()
+    clear_backend_caches()
     yield fake
-    cuda_backend._function.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
-    cuda_backend.decode_launcher.cache_clear()
-    cuda_backend.decode_target_ctas.cache_clear()
-    kernel_driver._DECODERS.clear()
+    clear_backend_caches()
 
 
 def test_decode_through_the_backend(fake_cupy):
