@@ -13,7 +13,6 @@ head_size]``, so every (block, head) tile is one contiguous range.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -41,6 +40,8 @@ from kvblocks.ops.checks import (
     check_head_size,
     check_index_tensor,
     check_optional_positive,
+    check_scale,
+    check_sliding_window,
     check_tokens_like_cache,
 )
 from kvblocks.ops.decode_attention import DecodeAttention
@@ -193,12 +194,8 @@ def _check_attention_args(
         block_tables, "block_tables", (torch.int32,), (num_seqs, None), key_cache.device
     )
     check_index_tensor(seq_lens, "seq_lens", (torch.int32,), (num_seqs,), key_cache.device)
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        raise InvalidArgumentError(f"scale must be a finite positive float, got {scale}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise InvalidArgumentError(
-            f"sliding_window must be a positive int or None, got {sliding_window!r}"
-        )
+    check_scale(scale)
+    check_sliding_window(sliding_window)
     check_optional_positive(soft_cap, "soft_cap")
 
 
@@ -312,7 +309,12 @@ def paged_prefill_attention(
     ``[0, num_tokens]`` are then clamped by the kernel instead of being rejected.
     """
     _check_hint(max_query_len, "max_query_len")
-    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
+    if not isinstance(seq_lens, torch.Tensor):
+        # The batch size is read from seq_lens: name it, not the first tensor it misfits.
+        raise InvalidArgumentError(
+            f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}"
+        )
+    num_seqs = seq_lens.shape[0]
     _check_attention_args(
         query,
         key_cache,

@@ -7,6 +7,8 @@ message naming what was expected, and no kernel is ever launched on a bad layout
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +28,7 @@ __all__ = [
     "check_head_size",
     "check_index_tensor",
     "check_optional_positive",
+    "check_scale",
     "check_sliding_window",
     "check_tokens_like_cache",
 ]
@@ -36,6 +39,8 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
 """Head sizes the kernels are instantiated for."""
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """Tokens per KV block."""
+INT32_MAX = 2**31 - 1
+"""The largest length or window the kernels' int32 arguments hold."""
 
 MappingLike = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
@@ -65,21 +70,40 @@ def check_block_size(block_size: int) -> None:
         )
 
 
+def _is_finite_positive(value: object) -> bool:
+    # A bool is not a number here, and a str or None must not reach the comparison.
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def check_optional_positive(value: float | int | None, what: str) -> None:
-    """Raise if ``value`` is given and not strictly positive."""
-    if value is not None and not value > 0:
-        raise InvalidArgumentError(f"{what} must be > 0 or None, got {value}")
+    """Raise if ``value`` is given and not a finite, strictly positive number."""
+    if value is not None and not _is_finite_positive(value):
+        raise InvalidArgumentError(f"{what} must be a finite number > 0 or None, got {value!r}")
+
+
+def check_scale(scale: float | None) -> None:
+    """Raise unless ``scale`` is None or a finite positive number (a bool is not one)."""
+    if scale is not None and not _is_finite_positive(scale):
+        raise InvalidArgumentError(f"scale must be a finite positive float, got {scale!r}")
 
 
 def check_sliding_window(sliding_window: int | None) -> None:
-    """Raise unless ``sliding_window`` is None or a positive int (a bool is not one)."""
+    """Raise unless ``sliding_window`` is None or an int in ``[1, 2^31)`` (a bool is not one).
+
+    The kernels take the window as an int32.
+    """
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
         or not isinstance(sliding_window, int)
-        or sliding_window < 1
+        or not 1 <= sliding_window <= INT32_MAX
     ):
         raise InvalidArgumentError(
-            f"sliding_window must be a positive int or None, got {sliding_window!r}"
+            f"sliding_window must be a positive int below 2^31 or None, got {sliding_window!r}"
         )
 
 
@@ -91,6 +115,8 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tupl
     aligned (the kernels move 16-byte vectors; every device is checked alike).
     """
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if not isinstance(cache, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")
         if cache.dim() != 4:
             raise InvalidArgumentError(
                 f"{name} must be 4-D [num_blocks, num_kv_heads, block_size, head_size], "

@@ -31,12 +31,14 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.checks import (
+    INT32_MAX,
     SUPPORTED_HEAD_SIZES,
     check_block_size,
     check_cache_pair,
     check_head_size,
     check_index_tensor,
     check_optional_positive,
+    check_scale,
     check_sliding_window,
 )
 from kvblocks.ops.cuda_sources import (
@@ -156,6 +158,9 @@ class DecodeAttention:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("granularity", granularity), ("min_chunk_tokens", min_chunk_tokens)):
+            if value > INT32_MAX:  # plan_decode's bound, checked before any allocation
+                raise InvalidArgumentError(f"{name} must be below 2^31, got {value!r}")
         if num_heads % num_kv_heads:
             raise InvalidArgumentError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
@@ -167,11 +172,23 @@ class DecodeAttention:
                 f"DecodeAttention runs fp16 and bf16, got {dtype}; use "
                 "kvblocks.ops.paged_attention for fp32"
             )
-        if scale is not None and not (math.isfinite(scale) and scale > 0):
-            raise InvalidArgumentError(f"scale must be a finite positive float, got {scale}")
+        check_scale(scale)
         check_sliding_window(sliding_window)
         check_optional_positive(soft_cap, "soft_cap")
-        self.device = torch.device(device)
+        if not isinstance(cuda_graph, bool):
+            raise InvalidArgumentError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        if launcher is not None and not callable(launcher):
+            raise InvalidArgumentError(
+                f"launcher must be callable or None, got {type(launcher).__name__}"
+            )
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidArgumentError(f"device {device!r} is not a torch device: {exc}") from exc
+        if self.device.type == "cuda" and (
+            not torch.cuda.is_available() or (self.device.index or 0) >= torch.cuda.device_count()
+        ):
+            raise InvalidArgumentError(f"device {device!r}: no such CUDA device")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         group = num_heads // num_kv_heads
@@ -215,8 +232,12 @@ class DecodeAttention:
             raise InvalidArgumentError(
                 f"max_items must be an int of at least max_seqs {max_seqs}, got {max_items!r}"
             )
-        if max_items > 2**31 - 1 or num_kv_heads * self.head_chunks > 65535:
-            raise InvalidArgumentError("the decode grid exceeds CUDA's limits")
+        if max_items > INT32_MAX or num_kv_heads * self.head_chunks > 65535:
+            raise InvalidArgumentError(
+                f"the decode grid exceeds CUDA's limits: max_items {max_items} (at most "
+                f"2^31 - 1), num_kv_heads x head chunks {num_kv_heads * self.head_chunks} "
+                "(at most 65535)"
+            )
         self.max_items = max_items
         self.kernel = decode_kernel_name(dtype, head_size, block_size, group_t)
         self.merge_kernel = merge_partials_name(dtype, head_size)
@@ -226,15 +247,21 @@ class DecodeAttention:
         self._indptr_at = 4 + 4 * max_items
         size = self._indptr_at + max_seqs + 1
         pinned = self.device.type == "cuda"
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+        try:
+            self._host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+            self._plan_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._part_out = torch.empty(
+                max_items * num_heads * head_size, dtype=torch.float32, device=self.device
+            )
+            self._part_ml = torch.empty(
+                max_items * num_heads * 2, dtype=torch.float32, device=self.device
+            )
+        except (RuntimeError, MemoryError) as exc:  # torch's out-of-memory is a RuntimeError
+            raise InvalidArgumentError(
+                f"max_items {max_items} (max_seqs {max_seqs}) x num_heads {num_heads}: the "
+                f"plan buffers and partials do not fit on {self.device}: {exc}"
+            ) from exc
         self._host_np = self._host.numpy()
-        self._plan_buf = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self._part_out = torch.empty(
-            max_items * num_heads * head_size, dtype=torch.float32, device=self.device
-        )
-        self._part_ml = torch.empty(
-            max_items * num_heads * 2, dtype=torch.float32, device=self.device
-        )
         self._copied: torch.cuda.Event | None = None
         base = self._plan_buf.data_ptr()
         self._items_ptr = np.uint64(base + 4 * self._items_at)
@@ -424,7 +451,10 @@ class DecodeAttention:
             and query.is_contiguous()
         ):
             self._check_query(query, launches)
-        cache = self._caches.get((key_cache.data_ptr(), value_cache.data_ptr()))
+        try:
+            cache = self._caches.get((key_cache.data_ptr(), value_cache.data_ptr()))
+        except AttributeError:  # not tensors: the full checks below name them
+            cache = None
         if (
             cache is None
             or key_cache.shape != cache[0]

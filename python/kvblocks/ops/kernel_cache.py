@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -237,6 +238,15 @@ def _device_archs() -> list[str]:
     return sorted({arch_for_capability(*cap, supported_archs()) for cap in caps})
 
 
+def _as_list(values: object, name: str) -> list[Any] | None:
+    """``values`` as a list; a lone string (one arch, not a list of them) is refused."""
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidArgumentError(f"{name} must be a list, got {values!r}")
+    return list(values)
+
+
 def precompile(
     archs: Sequence[str] | None = None,
     *,
@@ -250,15 +260,17 @@ def precompile(
     instantiations (the cache-maintenance kernels are always included). Returns how
     many kernels were compiled; those already cached are skipped.
     """
-    targets = [_check_arch(a) for a in archs] if archs is not None else _device_archs()
-    dtypes = SUPPORTED_DTYPES if dtypes is None else tuple(dtypes)
-    head_sizes = SUPPORTED_HEAD_SIZES if head_sizes is None else tuple(head_sizes)
+    archs = _as_list(archs, "archs")
+    dtypes = SUPPORTED_DTYPES if dtypes is None else _as_list(dtypes, "dtypes")
+    head_sizes = SUPPORTED_HEAD_SIZES if head_sizes is None else _as_list(head_sizes, "head_sizes")
     for dtype in dtypes:
-        if dtype not in CTYPE_NAMES:
-            raise InvalidArgumentError(f"no kernels for dtype {dtype}")
+        if not isinstance(dtype, torch.dtype) or dtype not in CTYPE_NAMES:
+            raise InvalidArgumentError(f"no kernels for dtype {dtype!r}")
     for head in head_sizes:
-        if head not in SUPPORTED_HEAD_SIZES:
+        # 64.0 == 64, but it would name no instantiation: only ints select kernels.
+        if isinstance(head, bool) or not isinstance(head, int) or head not in SUPPORTED_HEAD_SIZES:
             raise InvalidArgumentError(f"no kernels for head size {head!r}")
+    targets = [_check_arch(a) for a in archs] if archs is not None else _device_archs()
     wanted = [f"<{CTYPE_NAMES[d]}, {h}" for d in dtypes for h in head_sizes]
     names = kernel_names(CACHE_OPS_SOURCE) + [
         n

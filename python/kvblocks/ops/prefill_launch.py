@@ -10,6 +10,7 @@ emulation in the tests run the same plan. The shared-memory formula mirrors
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,13 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops import kernel_driver
+from kvblocks.ops.checks import (
+    INT32_MAX,
+    check_block_size,
+    check_head_size,
+    check_optional_positive,
+    check_sliding_window,
+)
 from kvblocks.ops.cuda_sources import prefill_kernel_name
 from kvblocks.ops.launch_plan import THREADS, KernelLaunch
 
@@ -70,6 +78,17 @@ class PrefillPlan:
     grid: tuple[int, int, int]
 
 
+def _check_ints(*, minimum: int, **values: object) -> None:
+    """Raise unless each value is an int in ``[minimum, 2^31)`` (the kernel's int32)."""
+    for name, value in values.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not minimum <= value <= INT32_MAX
+        ):
+            raise InvalidArgumentError(f"{name} must be an int in [{minimum}, 2^31), got {value!r}")
+
+
 def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
     """Query heads of one KV group packed into a CTA: all rows go to one head's queries
     for long chunks; short chunks (decode-like rows) share the CTA's K/V tiles across
@@ -91,6 +110,16 @@ def plan_prefill(
     longest chunk it costs parallelism (the kernel loops over query tiles), never rows."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise InvalidArgumentError(f"the tensor-core prefill kernel takes fp16/bf16, not {dtype}")
+    check_head_size(head_size)
+    _check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, minimum=1)
+    _check_ints(num_seqs=num_seqs, minimum=0)
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
+        # A hint: any size is valid (the grid is clamped below), a negative one is not.
+        raise InvalidArgumentError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    if num_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
     group = num_heads // num_kv_heads
     rows = prefill_rows(head_size)
     heads_per_cta = _heads_per_cta(group, rows, max_query_len)
@@ -135,7 +164,30 @@ def prefill_launch(
     soft_cap: float | None,
     sliding_window: int | None,
 ) -> KernelLaunch:
-    """The kernel launch for ``plan``; addresses as ints."""
+    """The kernel launch for ``plan``; addresses as ints.
+
+    Raises :class:`~kvblocks.errors.InvalidArgumentError` for a value the kernel's
+    argument types cannot hold (a negative address, a size past int32) or that it cannot
+    use (a non-finite scale, a bad window or block size).
+    """
+    if not isinstance(plan, PrefillPlan):
+        raise InvalidArgumentError(f"plan must be a PrefillPlan, got {type(plan).__name__}")
+    for name, address in (
+        ("out", out), ("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+        ("block_tables", block_tables), ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):  # fmt: skip
+        if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 2**64:
+            raise InvalidArgumentError(f"{name} must be a device address (an int), got {address!r}")
+    _check_ints(num_tokens=num_tokens, max_blocks=max_blocks, minimum=0)
+    _check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, num_blocks=num_blocks, minimum=1)
+    check_block_size(block_size)
+    # Any finite scale: the kernel computes non-positive ones too (the front-ends refuse
+    # them), but a NaN or inf would reach every score.
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise InvalidArgumentError(f"scale must be a finite float, got {scale!r}")
+    check_optional_positive(soft_cap, "soft_cap")
+    check_sliding_window(sliding_window)
     args = (
         np.uint64(out), np.uint64(query), np.uint64(key_cache), np.uint64(value_cache),
         np.uint64(block_tables), np.uint64(seq_lens), np.uint64(query_start_loc),
