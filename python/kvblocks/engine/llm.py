@@ -194,6 +194,24 @@ class LLM:
             raise InvalidArgumentError(
                 f"block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
             )
+        # Checked before the model is built: a wrong object fails at once, and options
+        # given without a tier are a mistake, not something to ignore.
+        if remote_tier_options is not None and not isinstance(
+            remote_tier_options, RemoteTierOptions
+        ):
+            raise InvalidArgumentError(
+                "remote_tier_options must be RemoteTierOptions or None, got "
+                f"{type(remote_tier_options).__name__}"
+            )
+        if remote_tier is None and remote_tier_options is not None:
+            raise InvalidArgumentError("remote_tier_options given without a remote_tier")
+        if remote_tier is not None and not (
+            isinstance(remote_tier, TierStore) or callable(remote_tier)
+        ):
+            raise InvalidArgumentError(
+                "remote_tier must be a TierStore (e.g. ValkeyTier) or a factory taking the "
+                f"host layout, got {type(remote_tier).__name__}"
+            )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,

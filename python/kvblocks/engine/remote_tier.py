@@ -92,9 +92,20 @@ class RemoteTierOptions:
                 f"{self.max_pending_write_blocks!r}"
             )
         for name in ("fetch_wait_s", "close_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise InvalidArgumentError(f"{name} must be a number >= 0, got {value!r}")
+            _check_seconds(name, getattr(self, name))
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """Raise unless ``value`` is a wait in seconds that threading can wait for: past
+    ``threading.TIMEOUT_MAX`` (inf included) a wait raises OverflowError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value <= threading.TIMEOUT_MAX
+    ):
+        raise InvalidArgumentError(
+            f"{name} must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {value!r}"
+        )
 
 
 @dataclass
@@ -483,6 +494,8 @@ class RemoteTierLink:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to ``timeout``, default ``close_timeout_s``) until every queued write
         reached the store; whether it did (always True for synchronous I/O)."""
+        if timeout is not None:
+            _check_seconds("timeout", timeout)
         if self._worker is None:
             return True
         return self._worker.flush(self.options.close_timeout_s if timeout is None else timeout)
@@ -492,6 +505,8 @@ class RemoteTierLink:
         end the background thread; whether it ended in time. Writes still queued then
         are dropped (``dropped_writes``). Later calls are synchronous. The store stays open
         (its owner closes it)."""
+        if timeout is not None:
+            _check_seconds("timeout", timeout)  # before the worker is let go
         worker, self._worker = self._worker, None
         if worker is None:
             return True
