@@ -73,16 +73,27 @@ class DiskTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
+        if (
+            isinstance(capacity_blocks, bool)
+            or not isinstance(capacity_blocks, int)
+            or capacity_blocks < 1
+        ):
             raise InvalidArgumentError(
                 f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
             )
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         self.layout = layout
         self._capacity = capacity_blocks
         self._fsync = bool(fsync)
         self._root = Path(directory) / layout.fingerprint.hex()
         fresh = not self._root.exists()
-        self._root.mkdir(parents=True, exist_ok=True)
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file in the way, no permission: the argument is unusable
+            raise InvalidArgumentError(
+                f"directory {str(directory)!r} cannot hold the disk tier: {exc}"
+            ) from exc
         self._index: RetentionLRU[int] = RetentionLRU()
         self._stats = TierStats()
         self._tmp_counter = itertools.count()

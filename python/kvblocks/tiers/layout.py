@@ -63,14 +63,27 @@ class KVLayout:
         cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], model_id: str = ""
     ) -> KVLayout:
         """The layout of a per-layer ``[(key_cache, value_cache), ...]`` list."""
-        if not kv_caches:
-            raise InvalidArgumentError("kv_caches is empty")
+        if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
+            raise InvalidArgumentError("kv_caches must be a non-empty list of (key, value) pairs")
+        for layer, pair in enumerate(kv_caches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise InvalidArgumentError(f"kv_caches[{layer}] must be a (key, value) pair")
+            for cache in pair:
+                if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+                    got = tuple(cache.shape) if isinstance(cache, torch.Tensor) else cache
+                    raise InvalidArgumentError(
+                        f"kv_caches[{layer}]: a cache must be a tensor [num_blocks, "
+                        f"num_kv_heads, block_size, head_size], got {got!r}"
+                    )
         key = kv_caches[0][0]
-        if key.dim() != 4:
-            raise InvalidArgumentError(
-                "a cache must be [num_blocks, num_kv_heads, block_size, head_size], "
-                f"got shape {tuple(key.shape)}"
-            )
+        for layer, pair in enumerate(kv_caches):
+            for cache in pair:
+                # A payload holds one tile shape and dtype for every layer, K and V.
+                if cache.shape[1:] != key.shape[1:] or cache.dtype != key.dtype:
+                    raise InvalidArgumentError(
+                        f"kv_caches[{layer}] {tuple(cache.shape)} {cache.dtype} differs from "
+                        f"layer 0's {tuple(key.shape)} {key.dtype} in tile shape or dtype"
+                    )
         _, heads, block_size, head_size = key.shape
         return cls(len(kv_caches), int(heads), int(block_size), int(head_size), key.dtype, model_id)
 

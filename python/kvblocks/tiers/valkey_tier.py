@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -44,6 +45,20 @@ _UNREACHABLE = (_ValkeyConnectionError, _ValkeyTimeoutError, OSError)
 _FAILURES = (ValkeyError, OSError)
 
 
+def _is_seconds(value: object) -> bool:
+    """A finite, non-negative number of seconds (a bool is not one)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 class ValkeyTier:
     """Block records (header + payload, :mod:`kvblocks.tiers.codec`) as values on a Valkey
     or Redis server, shared by every instance that uses the same server and layout.
@@ -80,12 +95,29 @@ class ValkeyTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if socket_timeout_s <= 0 or retry_interval_s < 0:
-            raise InvalidArgumentError("socket_timeout_s must be > 0 and retry_interval_s >= 0")
-        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 1):
+        # A NaN or infinite time passes a comparison here and fails only the socket later.
+        if not _is_seconds(socket_timeout_s) or socket_timeout_s == 0:
+            raise InvalidArgumentError(
+                f"socket_timeout_s must be a finite number > 0, got {socket_timeout_s!r}"
+            )
+        if not _is_seconds(retry_interval_s):
+            raise InvalidArgumentError(
+                f"retry_interval_s must be a finite number >= 0, got {retry_interval_s!r}"
+            )
+        if ttl_s is not None and not _is_positive_int(ttl_s):
             raise InvalidArgumentError(f"ttl_s must be a positive int or None, got {ttl_s!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not _is_positive_int(batch_size):
             raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(key_prefix, str):
+            raise InvalidArgumentError(f"key_prefix must be a str, got {key_prefix!r}")
+        if url is not None and not isinstance(url, str):
+            raise InvalidArgumentError(f"url must be a str or None, got {url!r}")
+        if client is None and url is None:
+            # The client connects lazily: a bad host or port would only read as an outage.
+            if not isinstance(host, str) or not host:
+                raise InvalidArgumentError(f"host must be a non-empty str, got {host!r}")
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise InvalidArgumentError(f"port must be an int in [1, 65535], got {port!r}")
         self.layout = layout
         self._prefix = f"{key_prefix}{layout.fingerprint.hex()}:".encode()
         self._ttl = ttl_s
