@@ -139,15 +139,38 @@ class ZmqEventPublisher:
         context: zmq.Context | None = None,
     ) -> None:
         check_formats(wire_format, hash_format)
+        # Every check comes before the first socket: a bad argument leaves nothing open.
         for name, value in (
             ("buffer_steps", buffer_steps),
             ("hwm", hwm),
             ("max_queue_size", max_queue_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be an int >= 1, got {value!r}")
+            # hwm is a C int for ZeroMQ and buffer_steps a deque's maxlen (ssize_t).
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
+                raise InvalidArgumentError(f"{name} must be an int in [1, 2^31), got {value!r}")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str, got {type(topic).__name__}")
+        if not isinstance(endpoint, str):
+            raise InvalidArgumentError(f"endpoint must be a str, got {type(endpoint).__name__}")
+        if replay_endpoint is not None and not isinstance(replay_endpoint, str):
+            raise InvalidArgumentError(
+                f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}"
+            )
+        for name, value, low in (("data_parallel_rank", data_parallel_rank, 0),
+                                 ("sliding_window", sliding_window, 1)):  # fmt: skip
+            # Both go on the wire as integers: anything else fails every batch's encoding.
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be None or an int in [{low}, 2^63), got {value!r}"
+                )
+        if bind is not None and not isinstance(bind, bool):
+            raise InvalidArgumentError(f"bind must be a bool or None, got {bind!r}")
+        if context is not None and not isinstance(context, zmq.Context):
+            raise InvalidArgumentError(
+                f"context must be a zmq.Context or None, got {type(context).__name__}"
+            )
         self._wire_format: WireFormat = wire_format
         self._hash_format: HashFormat = hash_format
         self._sliding_window = sliding_window
