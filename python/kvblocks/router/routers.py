@@ -18,6 +18,8 @@ cost with ``overlap_i = 0``, so the comparison isolates the cache credit.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +50,27 @@ class InstanceLoad:
     active_blocks: int = 0
     queued_prefill_blocks: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("active_blocks", "queued_prefill_blocks"):
+            value = getattr(self, name)
+            # A NaN load would make every cost NaN and no instance the cheapest.
+            if not _is_count(value):
+                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+MAX_INSTANCES = 1 << 20
+"""Instances one router can hold (it keeps a load entry per instance)."""
+
+
+def _is_count(value: object) -> bool:
+    """A finite number >= 0 (a bool is not one)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
 
 class Router:
     """Base class: ``num_instances`` instances ``0..N-1``, a load table, and :meth:`route`.
@@ -62,14 +85,22 @@ class Router:
     to a router that does not, and skip hashing)."""
 
     def __init__(self, num_instances: int) -> None:
-        if num_instances < 1:
-            raise InvalidArgumentError(f"num_instances must be >= 1, got {num_instances}")
+        if (
+            isinstance(num_instances, bool)
+            or not isinstance(num_instances, int)
+            or not 1 <= num_instances <= MAX_INSTANCES
+        ):
+            raise InvalidArgumentError(
+                f"num_instances must be an int in [1, {MAX_INSTANCES}], got {num_instances!r}"
+            )
         self.num_instances = num_instances
         self.loads = [InstanceLoad() for _ in range(num_instances)]
 
     def set_load(self, instance: int, load: InstanceLoad) -> None:
         """Record ``instance``'s current load."""
         self._check(instance)
+        if not isinstance(load, InstanceLoad):
+            raise InvalidArgumentError(f"load must be an InstanceLoad, got {type(load).__name__}")
         self.loads[instance] = load
 
     def apply_events(self, records: Sequence[EventRecord]) -> None:
@@ -85,10 +116,41 @@ class Router:
         raise NotImplementedError
 
     def _check(self, instance: int) -> None:
-        if not 0 <= instance < self.num_instances:
+        if (
+            isinstance(instance, bool)
+            or not isinstance(instance, int)
+            or not 0 <= instance < self.num_instances
+        ):
             raise InvalidArgumentError(
-                f"instance must be in [0, {self.num_instances}), got {instance}"
+                f"instance must be in [0, {self.num_instances}), got {instance!r}"
             )
+
+    @staticmethod
+    def _check_request(block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> None:
+        """Raise unless ``route``'s arguments describe a prompt: a count of blocks, and at
+        most that many full-block hashes (ints or bytes)."""
+        if (
+            isinstance(num_prompt_blocks, bool)
+            or not isinstance(num_prompt_blocks, int)
+            or num_prompt_blocks < 0
+        ):
+            raise InvalidArgumentError(
+                f"num_prompt_blocks must be an int >= 0, got {num_prompt_blocks!r}"
+            )
+        if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+            raise InvalidArgumentError(
+                f"block_hashes must be a sequence of block hashes, got "
+                f"{type(block_hashes).__name__}"
+            )
+        if len(block_hashes) > num_prompt_blocks:
+            raise InvalidArgumentError(
+                f"{len(block_hashes)} block hashes for a prompt of {num_prompt_blocks} blocks"
+            )
+        for h in block_hashes:
+            if isinstance(h, bool) or not isinstance(h, (numbers.Integral, bytes)):
+                raise InvalidArgumentError(
+                    f"block_hashes must hold ints or bytes, got {type(h).__name__}"
+                )
 
 
 class RoundRobinRouter(Router):
@@ -102,6 +164,7 @@ class RoundRobinRouter(Router):
 
     def route(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
         """The next instance in turn."""
+        self._check_request(block_hashes, num_prompt_blocks)
         chosen = self._next
         self._next = (self._next + 1) % self.num_instances
         return chosen
@@ -116,8 +179,11 @@ class _CostRouter(Router):
         super().__init__(num_instances)
         if prefill_weight is None:
             prefill_weight = self.default_prefill_weight
-        if not prefill_weight >= 0:
-            raise InvalidArgumentError(f"prefill_weight must be >= 0, got {prefill_weight}")
+        if not _is_count(prefill_weight):
+            # inf * 0 blocks is NaN: an infinite weight makes no instance the cheapest.
+            raise InvalidArgumentError(
+                f"prefill_weight must be a finite number >= 0, got {prefill_weight!r}"
+            )
         self.prefill_weight = prefill_weight
         self._last = -1
 
@@ -132,6 +198,7 @@ class _CostRouter(Router):
 
     def route(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> int:
         """The lowest-cost instance (ties: the first after the last one picked)."""
+        self._check_request(block_hashes, num_prompt_blocks)
         costs = self.costs(block_hashes, num_prompt_blocks)
         best = min(costs)
         n = self.num_instances
@@ -172,6 +239,21 @@ class CacheAwareRouter(_CostRouter):
         index: PrefixIndex | None = None,
     ) -> None:
         super().__init__(num_instances, prefill_weight)
+        if tier_credit is not None and not isinstance(tier_credit, Mapping):
+            raise InvalidArgumentError(
+                f"tier_credit must be a mapping of tier name to credit, got "
+                f"{type(tier_credit).__name__}"
+            )
+        for medium, credit in (tier_credit or {}).items():
+            if not isinstance(medium, str) or not (_is_count(credit) and credit <= 1):
+                raise InvalidArgumentError(
+                    f"tier_credit must map tier names to a fraction in [0, 1], got "
+                    f"{medium!r}: {credit!r}"
+                )
+        if index is not None and not isinstance(index, PrefixIndex):
+            raise InvalidArgumentError(
+                f"index must be a PrefixIndex or None, got {type(index).__name__}"
+            )
         self.tier_credit = {DEFAULT_MEDIUM: 1.0, **(tier_credit or {})}
         self.lower_tier_credit = 0.5
         self.index = index if index is not None else PrefixIndex()
@@ -207,7 +289,7 @@ def make_router(name: str, num_instances: int) -> Router:
     Raises:
         InvalidArgumentError: unknown name or ``num_instances < 1``.
     """
-    cls = ROUTERS.get(name)
+    cls = ROUTERS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
     return cls(num_instances)
