@@ -14,6 +14,8 @@ POLICIES = ("fcfs", "priority", "lpm")
 PREEMPTION_MODES = ("recompute", "swap")
 """How a running request gives its blocks back when the pool runs short."""
 
+_INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -61,9 +63,16 @@ class SchedulerConfig:
             ("num_lookahead_tokens", 0),
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if self.policy not in POLICIES:
+            # Token counts and positions are int32 in the block tables and the kernels.
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not minimum <= value <= _INT32_MAX
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be an int in [{minimum}, 2^31), got {value!r}"
+                )
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise InvalidArgumentError(
                 f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
             )
@@ -73,10 +82,10 @@ class SchedulerConfig:
             )
         bound = self.max_load_blocks_per_step
         if bound is not None and (
-            isinstance(bound, bool) or not isinstance(bound, int) or bound < 0
+            isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= _INT32_MAX
         ):
             raise InvalidArgumentError(
-                f"max_load_blocks_per_step must be None or an int >= 0, got {bound!r}"
+                f"max_load_blocks_per_step must be None or an int in [0, 2^31), got {bound!r}"
             )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise InvalidArgumentError(
