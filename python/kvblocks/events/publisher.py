@@ -156,14 +156,16 @@ class ZmqEventPublisher:
             raise InvalidArgumentError(
                 f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}"
             )
-        for name, value, low in (("data_parallel_rank", data_parallel_rank, 0),
-                                 ("sliding_window", sliding_window, 1)):  # fmt: skip
+        for name, wire_int, low in (("data_parallel_rank", data_parallel_rank, 0),
+                                    ("sliding_window", sliding_window, 1)):  # fmt: skip
             # Both go on the wire as integers: anything else fails every batch's encoding.
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63
+            if wire_int is not None and (
+                isinstance(wire_int, bool)
+                or not isinstance(wire_int, int)
+                or not low <= wire_int < 2**63
             ):
                 raise InvalidArgumentError(
-                    f"{name} must be None or an int in [{low}, 2^63), got {value!r}"
+                    f"{name} must be None or an int in [{low}, 2^63), got {wire_int!r}"
                 )
         if bind is not None and not isinstance(bind, bool):
             raise InvalidArgumentError(f"bind must be a bool or None, got {bind!r}")

@@ -76,7 +76,7 @@ def _is_finite_positive(value: object) -> bool:
         isinstance(value, numbers.Real)
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value > 0
+        and float(value) > 0
     )
 
 

@@ -238,10 +238,8 @@ def _device_archs() -> list[str]:
     return sorted({arch_for_capability(*cap, supported_archs()) for cap in caps})
 
 
-def _as_list(values: object, name: str) -> list[Any] | None:
+def _as_list(values: object, name: str) -> list[Any]:
     """``values`` as a list; a lone string (one arch, not a list of them) is refused."""
-    if values is None:
-        return None
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidArgumentError(f"{name} must be a list, got {values!r}")
     return list(values)
@@ -260,7 +258,7 @@ def precompile(
     instantiations (the cache-maintenance kernels are always included). Returns how
     many kernels were compiled; those already cached are skipped.
     """
-    archs = _as_list(archs, "archs")
+    archs = None if archs is None else _as_list(archs, "archs")
     dtypes = SUPPORTED_DTYPES if dtypes is None else _as_list(dtypes, "dtypes")
     head_sizes = SUPPORTED_HEAD_SIZES if head_sizes is None else _as_list(head_sizes, "head_sizes")
     for dtype in dtypes:
