@@ -175,6 +175,20 @@ def test_lookahead_slots_are_reserved_for_decodes(make_manager) -> None:
     run_to_completion(sched)
 
 
+def test_a_lookahead_the_pool_can_never_give_is_refused(make_manager) -> None:
+    """63 usable blocks of 4 tokens (252 slots): the first decode of a one-token prompt
+    holds two tokens and the lookahead, so a lookahead of 251 would stop every request at
+    its first token; 250 decodes."""
+    mgr = make_manager(64, 4)
+    for look in (251, 2**40):
+        with pytest.raises(InvalidArgumentError, match="num_lookahead_tokens"):
+            Scheduler(mgr, SchedulerConfig(num_lookahead_tokens=look))
+    sched = Scheduler(mgr, SchedulerConfig(num_lookahead_tokens=250))
+    sched.add_request(Request("a", [1], SamplingParams(max_tokens=2, ignore_eos=True)))
+    outputs, _ = run_to_completion(sched)
+    assert len(outputs["a"].outputs[0].token_ids) == 2 and len(mgr) == 0
+
+
 def test_abort_before_an_n_request_forks_returns_n_completions(make_manager) -> None:
     sched = Scheduler(make_manager(64, 4), SchedulerConfig(max_num_batched_tokens=3))
     sched.add_request(Request("w", PROMPT, SamplingParams(n=3)))

@@ -120,6 +120,16 @@ class Scheduler:
             raise InvalidArgumentError(
                 f"config must be a SchedulerConfig, got {type(self.config).__name__}"
             )
+        # The first decode step holds the prompt's token, the decoded one and the lookahead:
+        # past what the pool can ever give, every request would stop at its first token
+        # (and the persistent table would be sized for slots that can never exist).
+        usable = (int(manager.num_blocks) - 1) * int(manager.block_size)
+        if self.config.num_lookahead_tokens + 2 > usable:
+            raise InvalidArgumentError(
+                f"num_lookahead_tokens = {self.config.num_lookahead_tokens} leaves no room "
+                f"for a decode step: the pool holds {usable} tokens ({int(manager.num_blocks) - 1} "
+                f"usable blocks of {int(manager.block_size)})"
+            )
         self.policy = make_policy(self.config.policy)
         self.record_history = record_history
         self.counters = SchedulerCounters()
