@@ -1,10 +1,25 @@
-"""Shared pytest configuration: the ``gpu`` marker skips cleanly on machines without a GPU."""
+"""Shared pytest configuration: the ``gpu`` marker skips cleanly on machines without a GPU,
+and the sanitizer builds of the CUDA emulator start in the background when a session will
+need them."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+EMU_RUNTIME = Path(__file__).resolve().parent / "ops" / "emu_runtime.py"
+#: Emulator flavors built ahead, longest first: the ASan build alone takes ~4 min of one
+#: core on a fresh clone, which the session otherwise waits for when it reaches the
+#: sanitizer tests; built beside the tests it uses the second core instead.
+PREBUILT_FLAVORS = ("asan", "tsan")
+_prebuild: subprocess.Popen[bytes] | None = None
 
 
 def _cuda_available() -> bool:
@@ -23,3 +38,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the sanitizer flavors when a collected test runs under one.
+
+    The builder takes each flavor's build lock, so a test that needs a flavor waits for
+    the build in progress rather than starting its own; a build it finds done is reused.
+    """
+    global _prebuild
+    if session.config.option.collectonly or shutil.which("g++") is None:
+        return
+    if not any("sanitizer" in item.nodeid for item in session.items):
+        return
+    _prebuild = subprocess.Popen(
+        [sys.executable, str(EMU_RUNTIME), *PREBUILT_FLAVORS],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: stopping it stops its g++ too
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop a background build the session no longer needs (a build is renamed into place
+    only when complete, so stopping it leaves no half-written library)."""
+    if _prebuild is not None and _prebuild.poll() is None:
+        os.killpg(_prebuild.pid, signal.SIGTERM)
+        _prebuild.wait()

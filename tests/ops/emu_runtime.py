@@ -57,8 +57,10 @@ def build_library(flavor: str) -> Path:
         digest.update(path.name.encode() + path.read_bytes())
     target = BUILD_DIR / f"libkvb_emu_{flavor}_{digest.hexdigest()[:16]}.so"
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    with open(BUILD_DIR / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build even with concurrent test processes
+    # One build per flavor even with concurrent test processes; a lock per flavor, so a
+    # test waiting for one flavor never waits behind another's build.
+    with open(BUILD_DIR / f".lock-{flavor}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
             tmp = target.with_suffix(f".{os.getpid()}.tmp")
             cmd = [
@@ -124,3 +126,12 @@ def recording(launches: list[KernelLaunch]):
         emu_launch(item)
 
     return launch
+
+
+if __name__ == "__main__":
+    # `python emu_runtime.py asan tsan`: build those flavors (the test session starts this
+    # in the background, see tests/conftest.py).
+    import sys
+
+    for name in sys.argv[1:]:
+        build_library(name)
