@@ -9,28 +9,34 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 use pyo3::{import_exception, PyTypeInfo};
 
-import_exception!(kvblocks.errors, InvalidArgumentError);
-import_exception!(kvblocks.errors, OutOfBlocksError);
-import_exception!(kvblocks.errors, UnknownSequenceError);
-import_exception!(kvblocks.errors, DuplicateSequenceError);
-import_exception!(kvblocks.errors, SequenceStateError);
-import_exception!(kvblocks.errors, InvariantViolationError);
-
-/// Import every error class while the module initialises.
+/// Declare each `kvblocks.errors` class as an `import_exception!` type, and
+/// `import_classes`, which imports them all while the module initialises.
 ///
 /// `import_exception!` types panic when their class cannot be imported, and a lazily
 /// raised error is only built after PyO3's panic guard, where a panic would abort the
-/// process. Importing them here, fallibly, turns a broken `kvblocks.errors` into an
+/// process. Importing them at init, fallibly, turns a broken `kvblocks.errors` into an
 /// `ImportError` of `kvblocks._core` and leaves the classes cached for every later raise.
-pub(crate) fn import_classes(py: Python<'_>) -> PyResult<()> {
-    let module = py.import("kvblocks.errors")?;
-    import_class::<InvalidArgumentError>(&module, "InvalidArgumentError")?;
-    import_class::<OutOfBlocksError>(&module, "OutOfBlocksError")?;
-    import_class::<UnknownSequenceError>(&module, "UnknownSequenceError")?;
-    import_class::<DuplicateSequenceError>(&module, "DuplicateSequenceError")?;
-    import_class::<SequenceStateError>(&module, "SequenceStateError")?;
-    import_class::<InvariantViolationError>(&module, "InvariantViolationError")
+macro_rules! error_classes {
+    ($($class:ident),* $(,)?) => {
+        $(import_exception!(kvblocks.errors, $class);)*
+
+        /// Import every error class while the module initialises (see `error_classes!`).
+        pub(crate) fn import_classes(py: Python<'_>) -> PyResult<()> {
+            let module = py.import("kvblocks.errors")?;
+            $(import_class::<$class>(&module, stringify!($class))?;)*
+            Ok(())
+        }
+    };
 }
+
+error_classes!(
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnknownSequenceError,
+    DuplicateSequenceError,
+    SequenceStateError,
+    InvariantViolationError,
+);
 
 /// Check that `module.name` is a class, then fill `T`'s cache (which cannot fail now).
 fn import_class<T: PyTypeInfo>(module: &Bound<'_, PyModule>, name: &str) -> PyResult<()> {

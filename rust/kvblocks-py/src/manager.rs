@@ -120,16 +120,20 @@ impl KVCacheManager {
 }
 
 impl KVCacheManager {
-    /// The core sync without a buffer (the caller applies the delta with the GIL held).
+    /// The core sync without a buffer (the caller applies the delta with the GIL held);
+    /// `rows` are checked against `num_rows` here, the one bound they have.
     fn sync(
         &self,
         py: Python<'_>,
-        ids: Vec<u64>,
-        rows: Vec<i64>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
         num_rows: usize,
         num_cols: usize,
-        full: bool,
+        full: Option<Flag<names::Full>>,
     ) -> PyResult<core::BlockTableDelta> {
+        let ids = seq_ids.0;
+        let rows = rows.parse(num_rows)?;
+        let full = full.is_some_and(|f| f.0);
         self.run(py, Work::for_batch(ids.len()), |m| {
             m.sync_block_table(&ids, &rows, num_rows, num_cols, None, full)
         })
@@ -827,9 +831,7 @@ impl KVCacheManager {
             let shape = table.shape();
             (shape[0], shape[1])
         };
-        let rows = rows.parse(num_rows)?;
-        let full = full.is_some_and(|f| f.0);
-        let delta = self.sync(py, seq_ids.0, rows, num_rows, num_cols, full)?;
+        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
         // SAFETY: `WritableTable` checked that the array is C-contiguous and writeable.
         // The GIL is held from here to the end of the write, so no Python code can touch
         // the buffer meanwhile, and no Rust view of it exists in this call.
@@ -853,9 +855,7 @@ impl KVCacheManager {
         full: Option<Flag<names::Full>>,
     ) -> PyResult<BlockTableDelta> {
         let (num_rows, num_cols) = (max_rows.0, max_blocks.0);
-        let rows = rows.parse(num_rows)?;
-        let full = full.is_some_and(|f| f.0);
-        let delta = self.sync(py, seq_ids.0, rows, num_rows, num_cols, full)?;
+        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
         Ok(BlockTableDelta::new(py, delta))
     }
 

@@ -259,7 +259,6 @@ impl<'py> IntoItem<'py> for PyResult<Bound<'py, PyAny>> {
     }
 }
 
-/// Sequence ids of a batch call.
 /// A 1-D array (or sequence) of non-negative ints as `usize` indices.
 pub(crate) fn indices(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>> {
     let values: Vec<u64> = int_vec(obj, name, 0, COUNT_END)?;
@@ -271,6 +270,7 @@ pub(crate) fn indices(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<usize>
         .collect()
 }
 
+/// Sequence ids of a batch call.
 pub(crate) fn seq_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
     int_vec(obj, name, 0, SEQ_ID_END)
 }
