@@ -45,6 +45,7 @@ import torch
 
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.numeric_args import is_finite_nonnegative
 from kvblocks.router.hasher import PromptHasher
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.store import TierStore
@@ -98,11 +99,7 @@ class RemoteTierOptions:
 def _check_seconds(name: str, value: object) -> None:
     """Raise unless ``value`` is a wait in seconds that threading can wait for: past
     ``threading.TIMEOUT_MAX`` (inf included) a wait raises OverflowError."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 <= value <= threading.TIMEOUT_MAX
-    ):
+    if not is_finite_nonnegative(value) or value > threading.TIMEOUT_MAX:
         raise InvalidArgumentError(
             f"{name} must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {value!r}"
         )

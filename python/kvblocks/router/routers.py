@@ -18,12 +18,12 @@ cost with ``overlap_i = 0``, so the comparison isolates the cache credit.
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.numeric_args import is_finite_nonnegative
 from kvblocks.router.events import DEFAULT_MEDIUM, BlockHash, EventRecord
 from kvblocks.router.index import PrefixIndex
 
@@ -54,22 +54,12 @@ class InstanceLoad:
         for name in ("active_blocks", "queued_prefill_blocks"):
             value = getattr(self, name)
             # A NaN load would make every cost NaN and no instance the cheapest.
-            if not _is_count(value):
+            if not is_finite_nonnegative(value):
                 raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 MAX_INSTANCES = 1 << 20
 """Instances one router can hold (it keeps a load entry per instance)."""
-
-
-def _is_count(value: object) -> bool:
-    """A finite number >= 0 (a bool is not one)."""
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
 
 
 class Router:
@@ -179,7 +169,7 @@ class _CostRouter(Router):
         super().__init__(num_instances)
         if prefill_weight is None:
             prefill_weight = self.default_prefill_weight
-        if not _is_count(prefill_weight):
+        if not is_finite_nonnegative(prefill_weight):
             # inf * 0 blocks is NaN: an infinite weight makes no instance the cheapest.
             raise InvalidArgumentError(
                 f"prefill_weight must be a finite number >= 0, got {prefill_weight!r}"
@@ -245,7 +235,7 @@ class CacheAwareRouter(_CostRouter):
                 f"{type(tier_credit).__name__}"
             )
         for medium, credit in (tier_credit or {}).items():
-            if not isinstance(medium, str) or not (_is_count(credit) and credit <= 1):
+            if not isinstance(medium, str) or not (is_finite_nonnegative(credit) and credit <= 1):
                 raise InvalidArgumentError(
                     f"tier_credit must map tier names to a fraction in [0, 1], got "
                     f"{medium!r}: {credit!r}"

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.numeric_args import is_positive_int
 from kvblocks.tiers.codec import (
     Payload,
     check_block_hash,
@@ -73,11 +74,7 @@ class DiskTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if (
-            isinstance(capacity_blocks, bool)
-            or not isinstance(capacity_blocks, int)
-            or capacity_blocks < 1
-        ):
+        if not is_positive_int(capacity_blocks):
             raise InvalidArgumentError(
                 f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
             )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ import torch
 
 from kvblocks._extras import raise_missing_extra
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.numeric_args import is_finite_nonnegative, is_positive_int
 from kvblocks.tiers.codec import (
     Payload,
     check_block_hash,
@@ -43,20 +43,6 @@ logger = logging.getLogger(__name__)
 _UNREACHABLE = (_ValkeyConnectionError, _ValkeyTimeoutError, OSError)
 # Every failure a command can end in; none of them reaches the caller.
 _FAILURES = (ValkeyError, OSError)
-
-
-def _is_seconds(value: object) -> bool:
-    """A finite, non-negative number of seconds (a bool is not one)."""
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= 0
-    )
-
-
-def _is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 class ValkeyTier:
@@ -96,17 +82,17 @@ class ValkeyTier:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         # A NaN or infinite time passes a comparison here and fails only the socket later.
-        if not _is_seconds(socket_timeout_s) or socket_timeout_s == 0:
+        if not is_finite_nonnegative(socket_timeout_s) or socket_timeout_s == 0:
             raise InvalidArgumentError(
                 f"socket_timeout_s must be a finite number > 0, got {socket_timeout_s!r}"
             )
-        if not _is_seconds(retry_interval_s):
+        if not is_finite_nonnegative(retry_interval_s):
             raise InvalidArgumentError(
                 f"retry_interval_s must be a finite number >= 0, got {retry_interval_s!r}"
             )
-        if ttl_s is not None and not _is_positive_int(ttl_s):
+        if ttl_s is not None and not is_positive_int(ttl_s):
             raise InvalidArgumentError(f"ttl_s must be a positive int or None, got {ttl_s!r}")
-        if not _is_positive_int(batch_size):
+        if not is_positive_int(batch_size):
             raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
         if not isinstance(key_prefix, str):
             raise InvalidArgumentError(f"key_prefix must be a str, got {key_prefix!r}")
