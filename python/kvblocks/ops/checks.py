@@ -27,6 +27,7 @@ __all__ = [
     "check_dtype",
     "check_head_size",
     "check_index_tensor",
+    "check_ints",
     "check_optional_positive",
     "check_scale",
     "check_sliding_window",
@@ -78,6 +79,18 @@ def _is_finite_positive(value: object) -> bool:
         and math.isfinite(value)
         and float(value) > 0
     )
+
+
+def check_ints(*, minimum: int, **values: object) -> None:
+    """Raise unless each value is an int in ``[minimum, 2^31)``: the kernels and plans
+    hold sizes and lengths as int32 (a bool is not an int here)."""
+    for name, value in values.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not minimum <= value <= INT32_MAX
+        ):
+            raise InvalidArgumentError(f"{name} must be an int in [{minimum}, 2^31), got {value!r}")
 
 
 def check_optional_positive(value: float | int | None, what: str) -> None:

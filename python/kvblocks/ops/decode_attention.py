@@ -37,6 +37,7 @@ from kvblocks.ops.checks import (
     check_cache_pair,
     check_head_size,
     check_index_tensor,
+    check_ints,
     check_optional_positive,
     check_scale,
     check_sliding_window,
@@ -153,14 +154,11 @@ class DecodeAttention:
             ("num_heads", num_heads),
             ("num_kv_heads", num_kv_heads),
             ("max_seqs", max_seqs),
-            ("granularity", granularity),
-            ("min_chunk_tokens", min_chunk_tokens),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        for name, value in (("granularity", granularity), ("min_chunk_tokens", min_chunk_tokens)):
-            if value > INT32_MAX:  # plan_decode's bound, checked before any allocation
-                raise InvalidArgumentError(f"{name} must be below 2^31, got {value!r}")
+        # plan_decode's check, made before any buffer is allocated.
+        check_ints(granularity=granularity, min_chunk_tokens=min_chunk_tokens, minimum=1)
         if num_heads % num_kv_heads:
             raise InvalidArgumentError(
                 f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops.checks import INT32_MAX, check_sliding_window
+from kvblocks.ops.checks import check_ints, check_sliding_window
 
 __all__ = [
     "DEFAULT_GRANULARITY",
@@ -118,18 +118,11 @@ def plan_decode(
     lens = _as_lengths(seq_lens)
     num_seqs = int(lens.shape[0])
     check_sliding_window(sliding_window)
-    for name, value in (
-        ("target_items", target_items),
-        ("granularity", granularity),
-        ("min_chunk_tokens", min_chunk_tokens),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-    for name, value in (("granularity", granularity), ("min_chunk_tokens", min_chunk_tokens)):
-        # Item bounds are int32 (and int64 while planned): a chunk past every length is
-        # the same plan as one of 2^31 - 1, a larger one would overflow NumPy.
-        if value > INT32_MAX:
-            raise InvalidArgumentError(f"{name} must be below 2^31, got {value!r}")
+    if isinstance(target_items, bool) or not isinstance(target_items, int) or target_items < 1:
+        raise InvalidArgumentError(f"target_items must be a positive int, got {target_items!r}")
+    # Item bounds are int32 (and int64 while planned): a chunk past every length is the
+    # same plan as one of 2^31 - 1, a larger one would overflow NumPy.
+    check_ints(granularity=granularity, min_chunk_tokens=min_chunk_tokens, minimum=1)
     if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, int)):
         raise InvalidArgumentError(f"max_items must be an int or None, got {max_items!r}")
     if max_items is not None and max_items < num_seqs:

@@ -19,9 +19,9 @@ import torch
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops import kernel_driver
 from kvblocks.ops.checks import (
-    INT32_MAX,
     check_block_size,
     check_head_size,
+    check_ints,
     check_optional_positive,
     check_sliding_window,
 )
@@ -78,17 +78,6 @@ class PrefillPlan:
     grid: tuple[int, int, int]
 
 
-def _check_ints(*, minimum: int, **values: object) -> None:
-    """Raise unless each value is an int in ``[minimum, 2^31)`` (the kernel's int32)."""
-    for name, value in values.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not minimum <= value <= INT32_MAX
-        ):
-            raise InvalidArgumentError(f"{name} must be an int in [{minimum}, 2^31), got {value!r}")
-
-
 def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
     """Query heads of one KV group packed into a CTA: all rows go to one head's queries
     for long chunks; short chunks (decode-like rows) share the CTA's K/V tiles across
@@ -111,8 +100,8 @@ def plan_prefill(
     if dtype not in (torch.float16, torch.bfloat16):
         raise InvalidArgumentError(f"the tensor-core prefill kernel takes fp16/bf16, not {dtype}")
     check_head_size(head_size)
-    _check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, minimum=1)
-    _check_ints(num_seqs=num_seqs, minimum=0)
+    check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, minimum=1)
+    check_ints(num_seqs=num_seqs, minimum=0)
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
         # A hint: any size is valid (the grid is clamped below), a negative one is not.
         raise InvalidArgumentError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
@@ -179,8 +168,8 @@ def prefill_launch(
     ):  # fmt: skip
         if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 2**64:
             raise InvalidArgumentError(f"{name} must be a device address (an int), got {address!r}")
-    _check_ints(num_tokens=num_tokens, max_blocks=max_blocks, minimum=0)
-    _check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, num_blocks=num_blocks, minimum=1)
+    check_ints(num_tokens=num_tokens, max_blocks=max_blocks, minimum=0)
+    check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, num_blocks=num_blocks, minimum=1)
     check_block_size(block_size)
     # Any finite scale: the kernel computes non-positive ones too (the front-ends refuse
     # them), but a NaN or inf would reach every score.
