@@ -134,16 +134,29 @@ class BlockStored:
     def lora_name(self) -> str | None:
         """Name of the sequence's LoRA when its id was registered (``register_lora``)."""
     @property
-    def extra_keys(self) -> list[tuple[tuple[str, ...], ...] | None] | None:
-        """vLLM's ``extra_keys``: one entry per block, the keys hashed into it
-        (``("lora", lora_name, lora_path)`` on every block of a LoRA sequence,
-        ``("cache_salt", salt)`` on the chain's first block) or ``None``. ``None`` as a
-        whole unless ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks
-        offloaded at eviction (hashes only)."""
+    def extra_keys(self) -> list[tuple[str, ...] | None] | None:
+        """vLLM's ``extra_keys`` as vLLM 0.33 publishes them (``to_event_extra_keys``):
+        one entry per block, the untagged keys hashed into it (the LoRA's ``lora_name`` on
+        every block of a LoRA sequence, then the cache salt on the chain's first block),
+        or ``None`` for a block with neither. ``None`` as a whole unless
+        ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks offloaded at
+        eviction (hashes only). The hash itself keys ``("lora", lora_name, lora_path)``
+        and ``("cache_salt", salt)``."""
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
         eviction carry hashes only: no parent, no tokens, no LoRA)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group of the blocks (vLLM's ``group_idx``): 0, the manager's one
+        group."""
+    @property
+    def kv_cache_spec_kind(self) -> Literal["full_attention", "sliding_window"]:
+        """What the group's layers attend to: ``"sliding_window"`` with the manager's
+        ``sliding_window``, else ``"full_attention"``."""
+    @property
+    def kv_cache_spec_sliding_window(self) -> int | None:
+        """The group's sliding window in tokens; ``None`` for full attention."""
 
 @final
 class BlockRemoved:
@@ -154,10 +167,14 @@ class BlockRemoved:
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` or ``"CPU"`` (the host tier)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group the blocks belonged to (vLLM's ``group_idx``)."""
 
 @final
 class AllBlocksCleared:
-    """KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``."""
+    """KV cache event: ``reset_prefix_cache`` dropped every cached block, on every medium
+    (GPU and the host tier): no ``BlockRemoved`` follows for what it dropped."""
 
 @final
 class KVCacheManager:
@@ -581,7 +598,14 @@ class KVCacheManager:
 
     # -- prefix cache, events, stats -------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no block is in use. Returns success."""
+        """Forget every cached hash; only when no block is in use. Returns success.
+
+        The host tier drops its blocks too, except those pinned by unconfirmed memory ops.
+        Events: one ``AllBlocksCleared`` for every medium, then, if the tier kept blocks,
+        one ``BlockStored`` with ``medium="CPU"`` announcing them again (hashes only), so
+        a consumer that clears all tiers on ``AllBlocksCleared`` holds exactly what the
+        manager holds.
+        """
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Drain the KV cache events recorded since the last call.
 
