@@ -34,6 +34,7 @@ __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
     "BatchAllocation",
+    "BlockHasher",
     "BlockRemoved",
     "BlockStored",
     "BlockTableDelta",
@@ -177,6 +178,59 @@ class AllBlocksCleared:
     (GPU and the host tier): no ``BlockRemoved`` follows for what it dropped."""
 
 @final
+class BlockHasher:
+    """Block hashes of prompts, computed by the Rust core exactly as a ``KVCacheManager``
+    computes them (the hashes its ``BlockStored`` events carry), without a manager.
+
+    ``KVCacheManager.block_hasher()`` gives one with a manager's settings and registered
+    LoRAs. Thread-safe; prompts of 2,048 tokens or more hash with the GIL released.
+
+    Args:
+        block_size: tokens per block (``>= 1``).
+        hash_algo: ``"blake3"``, ``"xxh3_128"`` or ``"sha256_cbor"`` (see
+            ``KVCacheManager``).
+        hash_seed: ``sha256_cbor`` only: the seed of vLLM's ``NONE_HASH``; ``None`` reads
+            ``PYTHONHASHSEED`` when set, else vLLM's ``"vllm-none-hash"`` (as the manager).
+
+    Raises:
+        InvalidArgumentError: a bad block size, algorithm or seed.
+    """
+
+    def __new__(
+        cls,
+        block_size: int,
+        *,
+        hash_algo: Literal["blake3", "xxh3_128", "sha256_cbor"] = "blake3",
+        hash_seed: str | None = None,
+    ) -> BlockHasher: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_algo(self) -> str: ...
+    @property
+    def none_hash(self) -> bytes | None:
+        """vLLM's ``NONE_HASH`` (the parent hash of first blocks) with ``sha256_cbor``."""
+    def register_lora(self, lora_id: int, lora_name: str, lora_path: str | None = None) -> None:
+        """Map ``lora_id`` to vLLM's LoRA hash key ``("lora", lora_name, lora_path)``, as
+        ``KVCacheManager.register_lora`` does (``sha256_cbor`` needs it before hashing
+        with that id; the other algorithms key a LoRA by its id)."""
+    def block_hashes(
+        self,
+        token_ids: _TokenIds,
+        *,
+        cache_salt: str | bytes | None = None,
+        lora_id: int | None = None,
+    ) -> list[bytes]:
+        """Hashes of the prompt's full blocks, in chain order (a partial last block has
+        none): what ``add_sequence(seq_id, token_ids, cache_salt=, lora_id=)`` on a manager
+        with these settings hashes. One call for the whole prompt.
+
+        Raises:
+            InvalidArgumentError: token ids out of ``[0, 2^32)`` or not 1-D; with
+                ``sha256_cbor``, a salt that is not UTF-8 or an unregistered ``lora_id``.
+        """
+
+@final
 class KVCacheManager:
     """Paged KV-cache block manager: block pools, prefix cache, block tables, CoW, swap.
 
@@ -252,6 +306,10 @@ class KVCacheManager:
         sequences added afterwards. The other algorithms key a LoRA by its id and ignore
         this.
         """
+    def block_hasher(self) -> BlockHasher:
+        """A ``BlockHasher`` with this manager's block size, algorithm, seed and registered
+        LoRAs: hashes prompts as ``add_sequence`` does, without the manager's lock. A copy:
+        LoRAs registered afterwards are not in it."""
     @property
     def watermark(self) -> float: ...
     @property

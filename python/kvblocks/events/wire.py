@@ -29,6 +29,7 @@ from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
 from kvblocks._core import BlockRemoved as CoreBlockRemoved
 from kvblocks._core import BlockStored as CoreBlockStored
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import low64
 
 WireFormat = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
@@ -146,7 +147,7 @@ def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:
     """A kvblocks block hash as vLLM publishes it: the low 64 bits (the digest's last 8
     bytes, big-endian, unsigned) or the digest itself."""
     if hash_format == "int":
-        return int.from_bytes(digest[-8:], "big")
+        return low64(digest)
     return bytes(digest)
 
 

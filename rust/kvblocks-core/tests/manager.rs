@@ -533,6 +533,33 @@ fn events_carry_the_group_and_its_attention_kind() {
 }
 
 #[test]
+fn the_manager_s_hasher_gives_its_own_hashes() {
+    let mut m = manager_with(16, 4, |c| {
+        c.hash_algo = HashAlgo::Sha256Cbor;
+        c.hash_seed = Some("12345".to_string());
+    });
+    m.register_lora(9, "my-lora", "/p");
+    let tokens = toks(0, 14);
+    m.add_sequence(1, &tokens, Some(b"s"), Some(9)).unwrap();
+    m.allocate_slots(1, 14, 0).unwrap().unwrap();
+    m.commit(1, 14, &[]).unwrap();
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let mut hasher = m.block_hasher();
+    let got = hasher
+        .prompt_hashes(&tokens, 4, Some(b"s"), Some(9))
+        .unwrap();
+    assert_eq!((got.len(), &got), (3, &stored));
+}
+
+#[test]
 fn caching_disabled_means_no_hits_no_events() {
     let mut m = manager_with(8, 4, |c| c.enable_prefix_caching = false);
     prefill(&mut m, 1, &toks(0, 9));
