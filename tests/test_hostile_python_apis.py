@@ -135,16 +135,6 @@ ROWS = [
         lambda: ZmqEventPublisher(ANY_PORT, data_parallel_rank="0"),
         "data_parallel_rank",
     ),
-    (
-        "zmq sliding_window True",
-        lambda: ZmqEventPublisher(ANY_PORT, sliding_window=True),
-        "sliding_window",
-    ),
-    (
-        "zmq sliding_window -3",
-        lambda: ZmqEventPublisher(ANY_PORT, sliding_window=-3),
-        "sliding_window",
-    ),
     ("zmq context int", lambda: ZmqEventPublisher(ANY_PORT, context=5), "context"),
     ("zmq bind str", lambda: ZmqEventPublisher(ANY_PORT, bind="yes"), "bind"),
     # routers

@@ -34,6 +34,7 @@ __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
     "BatchAllocation",
+    "BlockHasher",
     "BlockRemoved",
     "BlockStored",
     "BlockTableDelta",
@@ -134,16 +135,29 @@ class BlockStored:
     def lora_name(self) -> str | None:
         """Name of the sequence's LoRA when its id was registered (``register_lora``)."""
     @property
-    def extra_keys(self) -> list[tuple[tuple[str, ...], ...] | None] | None:
-        """vLLM's ``extra_keys``: one entry per block, the keys hashed into it
-        (``("lora", lora_name, lora_path)`` on every block of a LoRA sequence,
-        ``("cache_salt", salt)`` on the chain's first block) or ``None``. ``None`` as a
-        whole unless ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks
-        offloaded at eviction (hashes only)."""
+    def extra_keys(self) -> list[tuple[str, ...] | None] | None:
+        """vLLM's ``extra_keys`` as vLLM 0.33 publishes them (``to_event_extra_keys``):
+        one entry per block, the untagged keys hashed into it (the LoRA's ``lora_name`` on
+        every block of a LoRA sequence, then the cache salt on the chain's first block),
+        or ``None`` for a block with neither. ``None`` as a whole unless
+        ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks offloaded at
+        eviction (hashes only). The hash itself keys ``("lora", lora_name, lora_path)``
+        and ``("cache_salt", salt)``."""
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
         eviction carry hashes only: no parent, no tokens, no LoRA)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group of the blocks (vLLM's ``group_idx``): 0, the manager's one
+        group."""
+    @property
+    def kv_cache_spec_kind(self) -> Literal["full_attention", "sliding_window"]:
+        """What the group's layers attend to: ``"sliding_window"`` with the manager's
+        ``sliding_window``, else ``"full_attention"``."""
+    @property
+    def kv_cache_spec_sliding_window(self) -> int | None:
+        """The group's sliding window in tokens; ``None`` for full attention."""
 
 @final
 class BlockRemoved:
@@ -154,10 +168,67 @@ class BlockRemoved:
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` or ``"CPU"`` (the host tier)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group the blocks belonged to (vLLM's ``group_idx``)."""
 
 @final
 class AllBlocksCleared:
-    """KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``."""
+    """KV cache event: ``reset_prefix_cache`` dropped every cached block, on every medium
+    (GPU and the host tier): no ``BlockRemoved`` follows for what it dropped."""
+
+@final
+class BlockHasher:
+    """Block hashes of prompts, computed by the Rust core exactly as a ``KVCacheManager``
+    computes them (the hashes its ``BlockStored`` events carry), without a manager.
+
+    ``KVCacheManager.block_hasher()`` gives one with a manager's settings and registered
+    LoRAs. Thread-safe; prompts of 2,048 tokens or more hash with the GIL released.
+
+    Args:
+        block_size: tokens per block (``>= 1``).
+        hash_algo: ``"blake3"``, ``"xxh3_128"`` or ``"sha256_cbor"`` (see
+            ``KVCacheManager``).
+        hash_seed: ``sha256_cbor`` only: the seed of vLLM's ``NONE_HASH``; ``None`` reads
+            ``PYTHONHASHSEED`` when set, else vLLM's ``"vllm-none-hash"`` (as the manager).
+
+    Raises:
+        InvalidArgumentError: a bad block size, algorithm or seed.
+    """
+
+    def __new__(
+        cls,
+        block_size: int,
+        *,
+        hash_algo: Literal["blake3", "xxh3_128", "sha256_cbor"] = "blake3",
+        hash_seed: str | None = None,
+    ) -> BlockHasher: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_algo(self) -> str: ...
+    @property
+    def none_hash(self) -> bytes | None:
+        """vLLM's ``NONE_HASH`` (the parent hash of first blocks) with ``sha256_cbor``."""
+    def register_lora(self, lora_id: int, lora_name: str, lora_path: str | None = None) -> None:
+        """Map ``lora_id`` to vLLM's LoRA hash key ``("lora", lora_name, lora_path)``, as
+        ``KVCacheManager.register_lora`` does (``sha256_cbor`` needs it before hashing
+        with that id; the other algorithms key a LoRA by its id)."""
+    def block_hashes(
+        self,
+        token_ids: _TokenIds,
+        *,
+        cache_salt: str | bytes | None = None,
+        lora_id: int | None = None,
+    ) -> list[bytes]:
+        """Hashes of the prompt's full blocks, in chain order (a partial last block has
+        none): what ``add_sequence(seq_id, token_ids, cache_salt=, lora_id=)`` on a manager
+        with these settings hashes. One call for the whole prompt.
+
+        Raises:
+            InvalidArgumentError: token ids out of ``[0, 2^32)`` or not 1-D; with
+                ``sha256_cbor``, a salt that is not UTF-8 or an unregistered ``lora_id``.
+        """
 
 @final
 class KVCacheManager:
@@ -235,6 +306,10 @@ class KVCacheManager:
         sequences added afterwards. The other algorithms key a LoRA by its id and ignore
         this.
         """
+    def block_hasher(self) -> BlockHasher:
+        """A ``BlockHasher`` with this manager's block size, algorithm, seed and registered
+        LoRAs: hashes prompts as ``add_sequence`` does, without the manager's lock. A copy:
+        LoRAs registered afterwards are not in it."""
     @property
     def watermark(self) -> float: ...
     @property
@@ -581,7 +656,14 @@ class KVCacheManager:
 
     # -- prefix cache, events, stats -------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no block is in use. Returns success."""
+        """Forget every cached hash; only when no block is in use. Returns success.
+
+        The host tier drops its blocks too, except those pinned by unconfirmed memory ops.
+        Events: one ``AllBlocksCleared`` for every medium, then, if the tier kept blocks,
+        one ``BlockStored`` with ``medium="CPU"`` announcing them again (hashes only), so
+        a consumer that clears all tiers on ``AllBlocksCleared`` holds exactly what the
+        manager holds.
+        """
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Drain the KV cache events recorded since the last call.
 

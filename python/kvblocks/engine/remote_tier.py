@@ -37,7 +37,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -46,7 +46,6 @@ import torch
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.numeric_args import is_finite_nonnegative
-from kvblocks.router.hasher import PromptHasher
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.store import TierStore
 
@@ -315,7 +314,6 @@ class RemoteTierLink:
         self.manager = manager
         self.host_pool = host_pool
         self.options = options
-        self.hasher = PromptHasher(manager.block_size, manager.hash_algo)
         self.stats = RemoteTierStats()
         self._lock = _store_lock(store)
         self._worker = _Worker(self, options.max_pending_write_blocks) if options.async_io else None
@@ -388,8 +386,10 @@ class RemoteTierLink:
         limit = (len(token_ids) - 1) // block_size
         if limit <= 0:
             return []
-        digests = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))
-        hashes = cast("list[bytes]", digests)[:limit]
+        # The manager's own hasher (algorithm, seed, LoRAs), copied now: a LoRA registered
+        # since the last prefetch counts.
+        prefix = np.asarray(token_ids)[: limit * block_size]
+        hashes = self.manager.block_hasher().block_hashes(prefix)
         start = self.manager.num_cached_prefix_blocks(hashes)
         return list(hashes[start : start + self.manager.host_cache_blocks])
 

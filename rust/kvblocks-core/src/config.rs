@@ -64,6 +64,17 @@ impl FromStr for HashAlgo {
     }
 }
 
+/// A seed is `sha256_cbor`'s only (the other algorithms have no `NONE_HASH`).
+pub(crate) fn check_hash_seed(algo: HashAlgo, seed: Option<&str>) -> Result<(), KvError> {
+    if seed.is_some() && algo != HashAlgo::Sha256Cbor {
+        return Err(KvError::InvalidArgument(format!(
+            "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
+            algo.as_str()
+        )));
+    }
+    Ok(())
+}
+
 /// Largest pool (GPU or CPU) a manager accepts: 2**26 blocks, far beyond any real KV
 /// cache, small enough that the per-block bookkeeping always fits in host memory.
 pub const MAX_BLOCKS: usize = 1 << 26;
@@ -150,12 +161,7 @@ impl ManagerConfig {
                 self.watermark
             )));
         }
-        if self.hash_seed.is_some() && self.hash_algo != HashAlgo::Sha256Cbor {
-            return Err(KvError::InvalidArgument(format!(
-                "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
-                self.hash_algo.as_str()
-            )));
-        }
+        check_hash_seed(self.hash_algo, self.hash_seed.as_deref())?;
         if self.host_cache_blocks > MAX_BLOCKS {
             return Err(KvError::InvalidArgument(format!(
                 "host_cache_blocks must be <= {MAX_BLOCKS}, got {}",

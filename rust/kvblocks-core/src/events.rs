@@ -55,11 +55,17 @@ pub struct BlockStored {
     /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
     /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
     pub medium: Medium,
+    /// The KV cache group the blocks belong to (vLLM's `group_idx`).
+    pub group_idx: u32,
+    /// What that group's layers attend to; stamped by `take_events` from the group's
+    /// spec (where the event is recorded, the default).
+    pub kv_cache_spec: KvCacheSpecKind,
 }
 
 impl BlockStored {
-    /// vLLM's `extra_keys` entry of the event's block `j`: the LoRA key and the cache salt
-    /// hashed into it, `None` when it has neither or the event carries no extra keys.
+    /// The LoRA key and the cache salt hashed into the event's block `j`, `None` when it
+    /// has neither or the event carries no extra keys. vLLM publishes them untagged
+    /// (`to_event_extra_keys`): the LoRA's bare name, then the bare salt.
     pub fn block_extra_keys(&self, j: usize) -> Option<(Option<&LoraKey>, Option<&str>)> {
         let keys = self.extra_keys.as_deref()?;
         let chain_start = j == 0 && self.parent_block_hash.is_none();
@@ -76,6 +82,8 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<BlockHash>,
     /// Where the blocks were removed from.
     pub medium: Medium,
+    /// The KV cache group the blocks belonged to.
+    pub group_idx: u32,
 }
 
 /// One KV cache event, drained by [`crate::KVCacheManager::take_events`].
@@ -85,6 +93,54 @@ pub enum KvCacheEvent {
     BlockStored(BlockStored),
     /// See [`BlockRemoved`].
     BlockRemoved(BlockRemoved),
-    /// The whole prefix cache was cleared by `reset_prefix_cache`.
+    /// `reset_prefix_cache` dropped every cached block, on every medium (vLLM's event has
+    /// no medium, and its consumers clear all tiers of the instance): no `BlockRemoved`
+    /// follows for the dropped blocks. Host-tier blocks the reset had to keep (pinned by
+    /// unconfirmed memory ops) are announced again right after it, by one `BlockStored`
+    /// with medium CPU (hashes only).
     AllBlocksCleared,
+}
+
+// --- KV cache groups ------------------------------------------------------------------
+// vLLM 0.33 tags every event with its KV cache group (`group_idx`) and every
+// `BlockStored` with the group's attention kind. The manager has one group today (index
+// 0); a multi-group manager sets `group_idx` where it records an event and gives each
+// group its spec: `KVCacheManager::take_events` stamps a `BlockStored`'s spec from its
+// group, as vLLM's `KVCacheManager.take_events` does (the pool records structure only).
+
+/// What the layers of a KV cache group attend to, as vLLM's events name it
+/// (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvCacheSpecKind {
+    /// Every token attends to every earlier token (`"full_attention"`).
+    #[default]
+    FullAttention,
+    /// Each token attends to the last `window` tokens (`"sliding_window"`).
+    SlidingWindow {
+        /// The window, in tokens.
+        window: usize,
+    },
+}
+
+impl KvCacheSpecKind {
+    /// The spec of a manager with an optional uniform sliding window.
+    pub fn from_sliding_window(window: Option<usize>) -> Self {
+        window.map_or(Self::FullAttention, |window| Self::SlidingWindow { window })
+    }
+
+    /// vLLM's `KVCacheSpecKind` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FullAttention => "full_attention",
+            Self::SlidingWindow { .. } => "sliding_window",
+        }
+    }
+
+    /// The window of a sliding-window group (vLLM's `kv_cache_spec_sliding_window`).
+    pub fn sliding_window(self) -> Option<usize> {
+        match self {
+            Self::FullAttention => None,
+            Self::SlidingWindow { window } => Some(window),
+        }
+    }
 }

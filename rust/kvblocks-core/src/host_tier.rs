@@ -413,6 +413,15 @@ impl HostTier {
         removed
     }
 
+    /// Hashes of the blocks held (written or being written), in slot order.
+    pub fn held_hashes(&self) -> Vec<BlockHash> {
+        self.slots
+            .iter()
+            .filter(|slot| slot.phase != Phase::Empty)
+            .map(|slot| slot.hash)
+            .collect()
+    }
+
     /// Counters with the current occupancy.
     pub fn stats(&self) -> TierStats {
         TierStats {

@@ -82,7 +82,7 @@ pub use block_hash::{BlockHash, BlockHasher};
 pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
 pub use error::{KvError, Result};
-pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys};
+pub use events::{BlockRemoved, BlockStored, KvCacheEvent, KvCacheSpecKind, LoraKey, SeqExtraKeys};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
 pub use retention::RetentionPriority;

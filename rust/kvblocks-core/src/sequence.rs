@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
-use crate::events::{BlockStored, SeqExtraKeys};
+use crate::events::{BlockStored, KvCacheSpecKind, SeqExtraKeys};
 use crate::host_tier::Medium;
 use crate::retention::RetentionPriority;
 
@@ -76,6 +76,8 @@ impl Sequence {
             lora_name: self.lora_name.clone(),
             extra_keys: self.extra_keys.clone(),
             medium,
+            group_idx: 0,
+            kv_cache_spec: KvCacheSpecKind::default(),
         }
     }
 }

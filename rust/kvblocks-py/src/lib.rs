@@ -1,7 +1,8 @@
 //! `kvblocks._core`: the Python extension module over the `kvblocks-core` crate.
 //!
 //! A thin layer: argument conversion ([`args`]), the one error mapping ([`errors`]),
-//! the manager behind a mutex ([`manager`]), events and `AllocStatus` as frozen classes.
+//! the manager behind a mutex ([`manager`]), prompt hashing ([`hashing`]), events and
+//! `AllocStatus` as frozen classes.
 //! The Python contract is `python/kvblocks/_core.pyi` (checked by `mypy.stubtest`).
 
 mod alloc_status;
@@ -10,6 +11,7 @@ mod batch_allocation;
 mod block_table_delta;
 mod errors;
 mod events;
+mod hashing;
 mod manager;
 mod row_prefixes;
 
@@ -26,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;
+    m.add_class::<hashing::BlockHasher>()?;
     m.add_class::<manager::KVCacheManager>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     Ok(())

@@ -22,6 +22,7 @@ use crate::batch_allocation::BatchAllocation;
 use crate::block_table_delta::BlockTableDelta;
 use crate::errors::{invalid_argument, IntoPyResult};
 use crate::events::event_to_py;
+use crate::hashing::BlockHasher;
 
 /// Paged KV-cache block manager: block pools, prefix cache, block tables, CoW, swap.
 #[pyclass(frozen, module = "kvblocks._core")]
@@ -322,6 +323,12 @@ impl KVCacheManager {
         let (id, name) = (lora_id.0, lora_name.0);
         let path = lora_path.map(|p| p.0).unwrap_or_default();
         self.run(py, Work::Short, |m| m.register_lora(id, &name, &path));
+    }
+
+    /// A ``BlockHasher`` that hashes prompts as this manager does; see the stub.
+    fn block_hasher(&self, py: Python<'_>) -> BlockHasher {
+        let (hasher, block_size) = self.read(py, |m| (m.block_hasher(), m.block_size()));
+        BlockHasher::from_core(hasher, block_size)
     }
 
     /// Fraction of GPU blocks kept free at admission.

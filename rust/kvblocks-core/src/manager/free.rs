@@ -1,9 +1,9 @@
 //! Releasing sequences and the prefix cache.
 
+use super::pools::host_stored;
 use super::KVCacheManager;
 use crate::error::Result;
-use crate::events::{BlockRemoved, KvCacheEvent};
-use crate::host_tier::Medium;
+use crate::events::KvCacheEvent;
 
 impl KVCacheManager {
     /// Release the sequence's blocks (last block first) and forget it.
@@ -38,6 +38,11 @@ impl KVCacheManager {
     ///
     /// The host tier drops its blocks too, except those pinned by unconfirmed ops.
     ///
+    /// Events: one `AllBlocksCleared`, meaning every medium (no `BlockRemoved` follows
+    /// for what it dropped), then one host-tier `BlockStored` of the blocks the tier kept,
+    /// if any, so a consumer that clears every tier of the instance ends up holding
+    /// exactly what the manager holds.
+    ///
     /// Free-queue order is kept. With prefix caching off this is a no-op returning true.
     pub fn reset_prefix_cache(&mut self) -> bool {
         if self.pools.gpu.num_free() != self.pools.gpu.num_usable() {
@@ -45,20 +50,18 @@ impl KVCacheManager {
         }
         if self.pools.caching {
             self.pools.cache.clear();
+            // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
+            // copying them, and they stay hits); the rest go.
+            let kept = self.pools.tier.as_mut().map_or_else(Vec::new, |t| {
+                t.clear_unpinned();
+                t.held_hashes()
+            });
             if self.pools.record_events {
                 self.pools.events.push(KvCacheEvent::AllBlocksCleared);
-            }
-            // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
-            // copying them); the rest go, one `BlockRemoved` with medium CPU.
-            if let Some(t) = self.pools.tier.as_mut() {
-                let removed = t.clear_unpinned();
-                if self.pools.record_events && !removed.is_empty() {
+                if !kept.is_empty() {
                     self.pools
                         .events
-                        .push(KvCacheEvent::BlockRemoved(BlockRemoved {
-                            block_hashes: removed,
-                            medium: Medium::Cpu,
-                        }));
+                        .push(KvCacheEvent::BlockStored(host_stored(kept)));
                 }
             }
         }

@@ -2,7 +2,7 @@
 
 use crate::block_hash::BlockHash;
 use crate::block_pool::BlockPool;
-use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::events::{BlockRemoved, BlockStored, KvCacheEvent, KvCacheSpecKind};
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
 use crate::priority_lru::{cached_level, EMPTY_LEVEL};
@@ -54,6 +54,7 @@ impl Pools {
                     self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                         block_hashes: vec![hash],
                         medium: Medium::Gpu,
+                        group_idx: 0,
                     }));
                 }
                 // The block's KV is still intact: the op is queued before anything that
@@ -103,6 +104,7 @@ impl Pools {
             self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![old],
                 medium: Medium::Cpu,
+                group_idx: 0,
             }));
         }
     }
@@ -227,5 +229,7 @@ pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
         lora_name: None,
         extra_keys: None,
         medium: Medium::Cpu,
+        group_idx: 0,
+        kv_cache_spec: KvCacheSpecKind::default(),
     }
 }

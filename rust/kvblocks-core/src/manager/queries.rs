@@ -1,7 +1,7 @@
 //! Pool state, events and statistics.
 
 use super::KVCacheManager;
-use crate::events::KvCacheEvent;
+use crate::events::{KvCacheEvent, KvCacheSpecKind};
 use crate::stats::Stats;
 
 impl KVCacheManager {
@@ -43,7 +43,15 @@ impl KVCacheManager {
 
     /// Drain the KV cache events recorded since the last call.
     pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
-        std::mem::take(&mut self.pools.events)
+        let mut events = std::mem::take(&mut self.pools.events);
+        // The pools record structure only; the group's spec is the manager's (one group).
+        let spec = KvCacheSpecKind::from_sliding_window(self.config.sliding_window);
+        for event in &mut events {
+            if let KvCacheEvent::BlockStored(stored) = event {
+                stored.kv_cache_spec = spec;
+            }
+        }
+        events
     }
 
     /// Counters.
