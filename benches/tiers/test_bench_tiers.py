@@ -22,7 +22,7 @@ from tiers.valkey_server import ServerProcess
 
 # 8 layers x 8 KV heads x 16 tokens x head 128, fp16: 512 KiB per block (a quarter of a
 # Llama-3-8B block, whose 32 layers make 2 MiB).
-LAYOUT = KVLayout(8, 8, 16, 128, torch.float16, model_id="bench")
+LAYOUT = KVLayout(8, 8, 16, 128, torch.float16, model_id="bench", trust_model_id=True)
 BATCH = 32
 
 

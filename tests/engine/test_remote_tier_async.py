@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.remote_tier import RemoteTierOptions
+from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import DiskTier, KVLayout
@@ -35,7 +36,7 @@ from kvblocks.tiers.valkey_tier import ValkeyTier
 from tiers.valkey_server import ServerProcess, running_server
 
 SYNC = RemoteTierOptions(async_io=False)
-LAYOUT = KVLayout(2, 2, BLOCK, 64, torch.float32, model_id="tiny-llama-seed0")
+LAYOUT = KVLayout(2, 2, BLOCK, 64, torch.float32, weights_digest=weights_digest(build_tiny_model()))
 # Three requests whose decodes outgrow a 9-block pool: recompute preemption.
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 CROWD = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(3)]

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
@@ -48,7 +48,7 @@ def expected(tiny_llama: LlamaForCausalLM) -> list[int]:
 
 
 def _layout(model: LlamaForCausalLM) -> KVLayout:
-    """The tiny Llama's block layout, named as both engines' weights."""
+    """The tiny Llama's block layout, naming its weights (both engines run copies)."""
     cfg = model.config
     return KVLayout(
         cfg.num_hidden_layers,
@@ -56,7 +56,7 @@ def _layout(model: LlamaForCausalLM) -> KVLayout:
         BLOCK,
         cfg.head_dim,
         torch.float32,
-        model_id="tiny-llama-seed0",
+        weights_digest=weights_digest(model),
     )
 
 
@@ -247,13 +247,14 @@ def test_a_corrupted_value_is_rejected_never_loaded(
 def test_remote_tier_argument_is_checked(
     tiny_llama: LlamaForCausalLM, server: ServerProcess
 ) -> None:
-    plain = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0)
-    store = ValkeyTier(plain.runner.host_layout, port=server.port)
+    store = ValkeyTier(_layout(tiny_llama), port=server.port)
     with pytest.raises(InvalidArgumentError, match="host_cache_blocks"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0, remote_tier=store)
     with pytest.raises(InvalidArgumentError, match="TierStore"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=1)
-    other = ValkeyTier(KVLayout(1, 1, BLOCK, 8, torch.float32), port=server.port)
+    other = ValkeyTier(
+        KVLayout(1, 1, BLOCK, 8, torch.float32, "x", trust_model_id=True), port=server.port
+    )
     with pytest.raises(InvalidArgumentError, match="layout"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=other)
     llm = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=store)

@@ -30,6 +30,7 @@ from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun, StepLogprobs
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
+from kvblocks.engine.weights_identity import checkpoint_weights, model_weights_digest
 from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
 from kvblocks.sampling_params import SamplingParams, as_token_ids
 from kvblocks.scheduler import (
@@ -141,7 +142,8 @@ class LLM:
             cache). See docs/scheduler-engine-interface.md, "Host tier".
         remote_tier: a shared store below the host tier (a
             :class:`~kvblocks.tiers.valkey_tier.ValkeyTier` whose ``KVLayout`` has this
-            engine's cache shape and dtype, and a ``model_id`` naming the weights; needs
+            engine's cache shape and dtype and names its weights: the ``weights_digest`` of
+            :func:`~kvblocks.engine.weights_digest`, or ``trust_model_id``; needs
             ``host_cache_blocks > 0``). Every block offloaded to the host
             tier is also written there (``host_offload="commit"`` writes every computed
             block), and a new prompt's blocks past this instance's own hit are read from it
@@ -151,8 +153,11 @@ class LLM:
             survives restarts). The caller closes it; :meth:`close` ends the engine's
             background I/O. See :mod:`kvblocks.engine.remote_tier`. A callable instead is
             called once with the engine's :class:`~kvblocks.tiers.layout.KVLayout` (its
-            ``model_id`` empty) and returns the store (``kvblocks generate`` builds its
-            tier this way, its layout known only once the model is loaded).
+            ``weights_digest`` set, its ``model_id`` empty: the callable may add one) and
+            returns the store (``kvblocks generate`` builds its tier this way, its layout
+            known only once the model is loaded). The weights are hashed for this once
+            (a checkpoint's digest is cached in ``$KVBLOCKS_WEIGHTS_CACHE``, see
+            :mod:`kvblocks.tiers.weights`).
         remote_tier_options: a
             :class:`~kvblocks.engine.remote_tier.RemoteTierOptions`: store calls on a
             background thread (the default: writes queued and bounded, a new request's
@@ -220,7 +225,21 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
         )
         dev = _resolve_device(device)
+        # The weights' identity keys what a shared tier holds. A checkpoint's is read from
+        # its files before they are loaded (cached across processes) and checked unchanged
+        # after: a checkpoint rewritten meanwhile is not the one the digest names.
+        needs_digest = remote_tier is not None and not (
+            isinstance(remote_tier, TierStore) and remote_tier.layout.trust_model_id
+        )
+        on_disk = (
+            checkpoint_weights(model) if needs_digest and isinstance(model, (str, Path)) else None
+        )
         self.model = self._build_model(model, dev, dtype, seed)
+        if on_disk is not None and not on_disk.unchanged():
+            raise InvalidArgumentError(
+                f"checkpoint {model} changed while it was loaded; load it once it is "
+                "completely written"
+            )
         param = next(self.model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -265,14 +284,20 @@ class LLM:
         )
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:
+            digest = ""
+            if on_disk is not None:
+                digest = on_disk.digest
+            elif needs_digest:
+                digest = model_weights_digest(self.model)
+            tier_layout = dataclasses.replace(self.runner.host_layout, weights_digest=digest)
             if callable(remote_tier) and not isinstance(remote_tier, TierStore):
                 # A factory: the store's layout is only known once the model is built.
-                remote_tier = remote_tier(self.runner.host_layout)
+                remote_tier = remote_tier(tier_layout)
             self.remote = RemoteTierLink(
                 remote_tier,
                 self.manager,
                 self.runner.host_pool,
-                self.runner.host_layout,
+                tier_layout,
                 remote_tier_options,
             )
         # Requests of the running call held back until their prefetch came back (or its

@@ -29,7 +29,6 @@ miss.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 import warnings
@@ -50,7 +49,13 @@ from kvblocks.router.hasher import PromptHasher
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.store import TierStore
 
-__all__ = ["PendingFetch", "RemoteTierLink", "RemoteTierOptions", "RemoteTierStats"]
+__all__ = [
+    "PendingFetch",
+    "RemoteTierLink",
+    "RemoteTierOptions",
+    "RemoteTierStats",
+    "check_store_layout",
+]
 
 TokenIds = Sequence[int] | npt.NDArray[np.int64]
 """A sequence's token ids (a list or an int64 array)."""
@@ -102,6 +107,32 @@ def _check_seconds(name: str, value: object) -> None:
     if not is_finite_nonnegative(value) or value > threading.TIMEOUT_MAX:
         raise InvalidArgumentError(
             f"{name} must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {value!r}"
+        )
+
+
+def check_store_layout(store_layout: KVLayout, engine_layout: KVLayout) -> None:
+    """Raise InvalidArgumentError unless a store of ``store_layout`` may serve an engine of
+    ``engine_layout`` (its cache shape and dtype, its ``weights_digest``).
+
+    The shapes and dtype must agree; the store's layout must name the engine's weights by
+    their digest (any ``model_id`` is an addition), unless it opts out with
+    ``trust_model_id``. A store that names no weights, or other weights, is refused.
+    """
+    if store_layout.shape_only() != engine_layout.shape_only():
+        raise InvalidArgumentError(
+            f"remote_tier's layout {store_layout} does not match the engine's KV cache "
+            f"{engine_layout.shape_only()} (layers, KV heads, block size, head size, dtype)"
+        )
+    if store_layout.trust_model_id:
+        return
+    store_layout.require_identity("remote_tier")
+    if store_layout.weights_digest != engine_layout.weights_digest:
+        raise InvalidArgumentError(
+            f"remote_tier's layout names other weights (weights_digest "
+            f"{store_layout.weights_digest[:16]}...) than this engine's "
+            f"({engine_layout.weights_digest[:16]}...): build it from the layout the engine "
+            "passes to a factory (remote_tier=lambda layout: ...) or from "
+            "kvblocks.engine.weights_digest(model)"
         )
 
 
@@ -277,11 +308,10 @@ class RemoteTierLink:
 
     Args:
         store: a :class:`~kvblocks.tiers.store.TierStore` whose layout has the host pool's
-            shape and dtype (its ``model_id`` names the weights: only engines with the same
-            one share blocks).
+            shape and dtype and names the engine's weights (see :func:`check_store_layout`).
         manager: the engine's manager (with a host tier).
         host_pool: the runner's uint8 ``[slots, payload_nbytes]`` host pool.
-        layout: the host pool's layout.
+        layout: the host pool's layout, with the engine's ``weights_digest``.
         options: synchronous or background I/O and its bounds (default
             :class:`RemoteTierOptions`: background).
     """
@@ -300,11 +330,7 @@ class RemoteTierLink:
             )
         if host_pool is None or manager.host_cache_blocks == 0:
             raise InvalidArgumentError("remote_tier needs a host tier (host_cache_blocks > 0)")
-        if dataclasses.replace(store.layout, model_id="") != layout:
-            raise InvalidArgumentError(
-                f"remote_tier's layout {store.layout} does not match the engine's KV cache "
-                f"{layout} (layers, KV heads, block size, head size, dtype)"
-            )
+        check_store_layout(store.layout, layout)
         if options is None:
             options = RemoteTierOptions()
         if not isinstance(options, RemoteTierOptions):

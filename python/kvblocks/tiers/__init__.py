@@ -4,7 +4,8 @@ This package moves and stores the bytes of full KV blocks; deciding which block 
 is the core's job. One concept per module:
 
 - :mod:`~kvblocks.tiers.layout`: :class:`KVLayout`, a block payload's byte layout and the
-  model/layout fingerprint that keys stored blocks.
+  weights/layout fingerprint that keys stored blocks; :mod:`~kvblocks.tiers.weights` the
+  digest of the weights it names (cached per checkpoint).
 - :mod:`~kvblocks.tiers.codec`: the self-checking record (magic, version, fingerprint,
   block hash, length, CRC-32) every persistent tier stores.
 - :mod:`~kvblocks.tiers.store`: the :class:`TierStore` protocol; :mod:`~kvblocks.tiers.stats`

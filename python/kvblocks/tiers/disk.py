@@ -46,8 +46,8 @@ class DiskTier:
     block hash, so reopening it (same directory, same layout) finds the same blocks, in the
     LRU order of their modification times (a hit refreshes the file's time). A different
     model or layout gets a different subdirectory and never sees these blocks; opening a
-    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that a
-    changed model id or dtype does not miss silently, and a subdirectory whose
+    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that
+    changed weights, model id or dtype do not miss silently, and a subdirectory whose
     ``layout.json`` names another fingerprint (copied or renamed from another model) is
     rejected with a warning: its block files are removed (counted in ``rejected``), never
     loaded.
@@ -74,6 +74,8 @@ class DiskTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        # Another process (or a restart with other weights) opens the same directory.
+        layout.require_identity("a DiskTier")
         if not is_positive_int(capacity_blocks):
             raise InvalidArgumentError(
                 f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
@@ -142,11 +144,12 @@ class DiskTier:
                 if entry.is_dir() and entry.name != self._root.name:
                     description = self._describe(Path(entry.path) / "layout.json")
                     if description is not None:
-                        others.append(repr(description.get("model_id")))
+                        digest = str(description.get("weights_digest") or "")[:16]
+                        others.append(f"{description.get('model_id')!r} weights {digest}")
         if others:
             warnings.warn(
                 f"disk tier {self._root.parent}: no blocks of this layout ({self.layout}); "
-                f"its blocks were stored by other layouts (model_id {', '.join(sorted(others))}) "
+                f"its blocks were stored by other layouts (model_id {'; '.join(sorted(others))}) "
                 "and are never loaded into this one",
                 RuntimeWarning,
                 stacklevel=3,
@@ -177,6 +180,8 @@ class DiskTier:
         description = {
             "fingerprint": self.layout.fingerprint.hex(),
             "model_id": self.layout.model_id,
+            "weights_digest": self.layout.weights_digest,
+            "trust_model_id": self.layout.trust_model_id,
             "num_layers": self.layout.num_layers,
             "num_kv_heads": self.layout.num_kv_heads,
             "block_size": self.layout.block_size,

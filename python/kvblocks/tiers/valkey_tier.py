@@ -50,7 +50,8 @@ class ValkeyTier:
     or Redis server, shared by every instance that uses the same server and layout.
 
     The key of a block is ``key_prefix + fingerprint hex + ":" + block hash hex``, so
-    instances of the same model and layout share blocks and others never meet them. Reads
+    instances of the same weights and layout share blocks and others never meet them (the
+    layout must name its weights: :meth:`~kvblocks.tiers.layout.KVLayout.require_identity`). Reads
     are pipelined MGETs of ``batch_size`` keys; a value that is short, corrupted, or made
     for another layout or block is rejected (``stats().rejected``) and read as a miss.
 
@@ -81,6 +82,7 @@ class ValkeyTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        layout.require_identity("a ValkeyTier")
         # A NaN or infinite time passes a comparison here and fails only the socket later.
         if not is_finite_nonnegative(socket_timeout_s) or socket_timeout_s == 0:
             raise InvalidArgumentError(
