@@ -25,6 +25,7 @@ from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
+from kvblocks.tiers.codec import encode_block
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
 
@@ -60,10 +61,14 @@ def _layout(model: LlamaForCausalLM) -> KVLayout:
     )
 
 
-def _engine(model: LlamaForCausalLM, server: ServerProcess) -> LLM:
+def _engine(model: LlamaForCausalLM, server: ServerProcess, mac_key: str | None = None) -> LLM:
     """An engine with a host tier and a remote tier on ``server``."""
     store = ValkeyTier(
-        _layout(model), port=server.port, socket_timeout_s=0.5, retry_interval_s=30.0
+        _layout(model),
+        port=server.port,
+        socket_timeout_s=0.5,
+        retry_interval_s=30.0,
+        mac_key=mac_key,
     )
     return LLM(
         model,
@@ -241,6 +246,37 @@ def test_a_corrupted_value_is_rejected_never_loaded(
     remote = b.stats()["remote"]
     assert remote["rejected"] == 1 and remote["imported_blocks"] == 1
     assert b.stats()["cache"]["host_loads"] == 1
+    b.manager.check_invariants()
+
+
+@pytest.mark.parametrize("key", [None, "a-shared-secret"])
+def test_a_forged_record_with_a_valid_crc_is_loaded_only_without_a_key(
+    tiny_llama: LlamaForCausalLM, server: ServerProcess, expected: list[int], key: str | None
+) -> None:
+    """Issue 16.2: whoever can write to the server re-encodes block 1 with an all-zero
+    payload and a valid CRC. With a key, B rejects it (counted) and computes it; without
+    one, B loads it and its tokens change: the trust boundary the README states."""
+    a = _engine(tiny_llama, server, key)
+    assert _tokens(a, TARGET) == expected
+    assert a.remote is not None
+    store = a.remote.store
+    assert isinstance(store, ValkeyTier)
+    hashes = PromptHasher(BLOCK).block_hashes(TARGET)
+    zeros = torch.zeros(store.layout.payload_nbytes, dtype=torch.uint8)
+    forged = encode_block(store.layout, hashes[1], zeros)  # type: ignore[arg-type]
+    store.client.set(store.key_of(hashes[1]), forged)  # type: ignore[arg-type]
+    b = _engine(_fresh_model(), server, key)
+    tokens, prefill = _prefill(b, TARGET)
+    remote = b.stats()["remote"]
+    if key is None:
+        assert remote["imported_blocks"] == LOADABLE and remote["rejected"] == 0
+        assert tokens != expected  # the planted KV was attended to
+        return
+    assert tokens == expected
+    # Block 0 is loaded; block 1 is refused, so it and block 2 are computed.
+    assert prefill == len(TARGET) - BLOCK
+    assert remote["imported_blocks"] == 1
+    assert remote["rejected"] == 1 and remote["unauthenticated"] == 1
     b.manager.check_invariants()
 
 

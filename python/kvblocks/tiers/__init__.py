@@ -7,7 +7,8 @@ is the core's job. One concept per module:
   weights/layout fingerprint that keys stored blocks; :mod:`~kvblocks.tiers.weights` the
   digest of the weights it names (cached per checkpoint).
 - :mod:`~kvblocks.tiers.codec`: the self-checking record (magic, version, fingerprint,
-  block hash, length, CRC-32) every persistent tier stores.
+  block hash, length, CRC-32, optional MAC) every persistent tier stores;
+  :mod:`~kvblocks.tiers.mac` the key (argument or ``$KVBLOCKS_TIER_KEY``) that signs it.
 - :mod:`~kvblocks.tiers.store`: the :class:`TierStore` protocol; :mod:`~kvblocks.tiers.stats`
   its counters; :mod:`~kvblocks.tiers.lru` LRU order with retention priorities.
 - :class:`HostTier` (a preallocated, pinned when CUDA is available, CPU pool),
@@ -33,9 +34,10 @@ except ModuleNotFoundError as _exc:
 
 from kvblocks.tiers.codec import decode_block, encode_block
 from kvblocks.tiers.disk import DiskTier
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.mac import RecordKey
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import TierStore
 from kvblocks.tiers.transfer import (
@@ -54,8 +56,10 @@ __all__ = [
     "DiskTier",
     "HostTier",
     "KVLayout",
+    "RecordKey",
     "TierStats",
     "TierStore",
+    "UnauthenticatedBlockError",
     "ValkeyTier",
     "allocate_host_pool",
     "decode_block",

@@ -20,11 +20,12 @@ from kvblocks.tiers.codec import (
     check_block_hash,
     decode_block,
     encode_block,
-    record_nbytes,
+    payload_offset,
 )
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
+from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
 
@@ -62,6 +63,11 @@ class DiskTier:
 
     Retention priorities order eviction within a process; after a reopen every block has
     the default priority. One process at a time may open a directory.
+
+    ``mac_key`` (else the secret in ``$KVBLOCKS_TIER_KEY``; see :mod:`kvblocks.tiers.mac`)
+    signs every record written and rejects every record read without a valid MAC
+    (``stats().unauthenticated``, and removed): whoever can write to the directory without
+    the key cannot plant blocks. Without a key, records are neither signed nor checked.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class DiskTier:
         capacity_blocks: int,
         *,
         fsync: bool = False,
+        mac_key: RecordKey | bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -83,6 +90,7 @@ class DiskTier:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         self.layout = layout
+        self._key = resolve_key(mac_key)
         self._capacity = capacity_blocks
         self._fsync = bool(fsync)
         self._root = Path(directory) / layout.fingerprint.hex()
@@ -264,7 +272,7 @@ class DiskTier:
         path = self.path_of(block_hash)
         block_hash = check_block_hash(block_hash)
         priority = int(priority)
-        record = encode_block(self.layout, block_hash, kv)
+        record = encode_block(self.layout, block_hash, kv, self._key)
         if block_hash not in self._index:
             while len(self._index) >= self._capacity:
                 self._evict_lru()
@@ -321,9 +329,11 @@ class DiskTier:
             self._stats.errors += 1
             return None
         try:
-            decode_block(self.layout, block_hash, data)
+            decode_block(self.layout, block_hash, data, self._key)
         except CorruptBlockError as exc:
             self._stats.rejected += 1
+            if isinstance(exc, UnauthenticatedBlockError):
+                self._stats.unauthenticated += 1
             if not self._warned_rejected:
                 self._warned_rejected = True
                 warnings.warn(
@@ -337,9 +347,11 @@ class DiskTier:
             return None
         with contextlib.suppress(OSError):  # recency across restarts is best effort
             os.utime(path)
-        offset = record_nbytes(self.layout, block_hash) - self.layout.payload_nbytes
         return torch.frombuffer(
-            data, dtype=torch.uint8, count=self.layout.payload_nbytes, offset=offset
+            data,
+            dtype=torch.uint8,
+            count=self.layout.payload_nbytes,
+            offset=payload_offset(block_hash),
         )
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
