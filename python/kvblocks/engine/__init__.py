@@ -31,6 +31,7 @@ from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.llm import LLM
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import Completion, GenerationOutput
+from kvblocks.engine.prompts import TextPrompt, TokensPrompt
 from kvblocks.engine.weights_identity import weights_digest
 from kvblocks.sampling_params import SamplingParams
 
@@ -41,5 +42,7 @@ __all__ = [
     "LlamaForCausalLM",
     "ModelConfig",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
     "weights_digest",
 ]

@@ -25,7 +25,13 @@ from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import GenerationOutput
-from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink, RemoteTierOptions
+from kvblocks.engine.prompts import Prompt, PromptSpec, as_prompt_list, parse_prompt
+from kvblocks.engine.remote_tier import (
+    PendingFetch,
+    RemoteTierLink,
+    RemoteTierOptions,
+    TierRead,
+)
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun, StepLogprobs
 from kvblocks.engine.tiny import build_tiny_model
@@ -45,9 +51,6 @@ from kvblocks.scheduler import (
 from kvblocks.tiers.store import TierStore
 
 __all__ = ["LLM", "Prompt"]
-
-Prompt = str | Sequence[int] | np.ndarray
-"""A text prompt (needs a tokenizer) or a prompt of token ids."""
 
 _CPU_DEFAULT_CACHE_BYTES = 256 << 20
 _CPU_DEFAULT_MAX_BLOCKS = 4096
@@ -345,29 +348,18 @@ class LLM:
         return max(2, min(_CPU_DEFAULT_MAX_BLOCKS, _CPU_DEFAULT_CACHE_BYTES // block_bytes))
 
     # -- prompts -------------------------------------------------------------------------
-    @staticmethod
-    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        if isinstance(prompts, np.ndarray):
-            return [prompts] if prompts.ndim == 1 else list(prompts)
-        items: list[Any] = list(prompts)
-        if items and all(isinstance(t, (int, np.integer)) for t in items):
-            return [[int(t) for t in items]]
-        return items
-
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
+    def _encode(self, prompt: Prompt) -> tuple[PromptSpec, list[int]]:
+        """A prompt parsed (text or ids, its tenancy keys) and its validated token ids."""
+        spec = parse_prompt(prompt)
+        if spec.text is not None:
             if self.tokenizer is None:
                 raise InvalidArgumentError(
                     "text prompts need a tokenizer (tokenizer.json in the model directory); "
                     "pass token ids instead"
                 )
-            ids = self.tokenizer.encode(prompt)
-            text: str | None = prompt
+            ids = self.tokenizer.encode(spec.text)
         else:
-            ids = as_token_ids(prompt, "prompt token ids")
-            text = None
+            ids = as_token_ids(spec.token_ids, "prompt token ids")
         if not ids:
             raise InvalidArgumentError("a prompt must have at least one token")
         if len(ids) >= self.max_model_len:
@@ -379,7 +371,7 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        return text, ids
+        return spec, ids
 
     def _request_params(
         self, params: SamplingParams, prompt_len: int
@@ -434,7 +426,12 @@ class LLM:
         """Generate completions for every prompt; results come back in prompt order.
 
         Args:
-            prompts: one prompt or a list (text and token-id prompts can be mixed).
+            prompts: one prompt or a list (text and token-id prompts can be mixed); a
+                prompt may be a dict, ``{"prompt": text}`` or ``{"prompt_token_ids":
+                ids}``, with a ``"cache_salt"`` and a ``"lora_id"``: prompts share cached
+                blocks (here and through a remote tier) only within one salt and one LoRA
+                id, so tenants of one engine never read each other's KV (see
+                :mod:`kvblocks.engine.prompts`).
             sampling_params: one for all prompts, or one per prompt; default
                 ``SamplingParams()``.
             priority: one for all prompts or one per prompt; smaller is served first
@@ -512,7 +509,7 @@ class LLM:
         priority: int | Sequence[int] | None,
     ) -> list[RequestRun]:
         """Validate a call and build its requests (nothing is queued)."""
-        items = self._as_prompt_list(prompts)
+        items = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -531,7 +528,7 @@ class LLM:
         priorities = _priorities(priority, len(items))
         encoded = [self._encode(p) for p in items]
         runs: list[RequestRun] = []
-        for i, ((text, ids), params, prio) in enumerate(
+        for i, ((spec, ids), params, prio) in enumerate(
             zip(encoded, params_list, priorities, strict=True)
         ):
             req_params, eos = self._request_params(params, len(ids))
@@ -541,9 +538,11 @@ class LLM:
                 sampling_params=req_params,
                 eos_token_id=eos,
                 priority=prio,
+                cache_salt=spec.cache_salt,
+                lora_id=spec.lora_id,
                 retention_priority=params.retention_priority,
             )
-            runs.append(RequestRun(request, params, text, i))
+            runs.append(RequestRun(request, params, spec.text, i))
         self._next_request += len(runs)
         return runs
 
@@ -652,7 +651,7 @@ class LLM:
         wait = self.remote.options.fetch_wait_s
         for run in runs:
             request = run.request
-            fetch = self.remote.prefetch(request.prompt_token_ids, request.retention_priority)
+            fetch = self.remote.prefetch(_tier_read(request, request.prompt_token_ids))
             self._pending.append((run, fetch, time.monotonic() + wait))
 
     def _admit_prefetched(self) -> None:
@@ -708,23 +707,21 @@ class LLM:
         if self.remote is None or not self._readmit:
             return
         running = set(self.scheduler.running_request_ids())
-        probe: list[tuple[tuple[str, int], list[int]]] = []
+        probe: list[tuple[tuple[str, int], TierRead]] = []
         for key, (tokens, seen) in list(self._readmit.items()):
             run = self._runs.get(key[0])
             if run is None or run.finished or key[0] in running:
                 del self._readmit[key]  # re-admitted (or gone): nothing more to do
                 continue
-            missing = len(self.remote.missing(tokens))
+            read = _tier_read(run.request, tokens)
+            missing = len(self.remote.missing(read))
             if missing and (seen is None or missing > seen):
-                probe.append((key, tokens))
+                probe.append((key, read))
             self._readmit[key] = (tokens, missing)
         if probe:
-            self.remote.refetch(
-                [tokens for _, tokens in probe],
-                [self._runs[key[0]].request.retention_priority for key, _ in probe],
-            )
-            for key, tokens in probe:
-                self._readmit[key] = (tokens, len(self.remote.missing(tokens)))
+            self.remote.refetch([read for _, read in probe])
+            for key, read in probe:
+                self._readmit[key] = (list(read.token_ids), len(self.remote.missing(read)))
 
     def _take_aborted(self) -> list[RequestOutput]:
         records, self._aborted = self._aborted, []
@@ -875,6 +872,12 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tier_read(request: Request, token_ids: Sequence[int] | np.ndarray) -> TierRead:
+    """A read of ``token_ids`` (the prompt, or prompt + generated tokens) in ``request``'s
+    namespace, its blocks kept at its retention priority."""
+    return TierRead(token_ids, request.cache_salt, request.lora_id, request.retention_priority)
 
 
 def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:

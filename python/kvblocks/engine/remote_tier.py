@@ -54,6 +54,7 @@ __all__ = [
     "RemoteTierLink",
     "RemoteTierOptions",
     "RemoteTierStats",
+    "TierRead",
     "check_store_layout",
 ]
 
@@ -155,6 +156,18 @@ class RemoteTierStats:
     refetches: int = 0
     refetched_blocks: int = 0
     worker_errors: int = 0
+
+
+@dataclass(frozen=True)
+class TierRead:
+    """What a read from the store is for: a sequence's tokens in its prefix-cache namespace
+    (its blocks are hashed as the manager hashes them), and the retention priority its
+    imported blocks keep in the host tier (``None``: the manager's default)."""
+
+    token_ids: TokenIds
+    cache_salt: str | bytes | None = None
+    lora_id: int | None = None
+    retention_priority: int | None = None
 
 
 class PendingFetch:
@@ -406,30 +419,32 @@ class RemoteTierLink:
             self.stats.dropped_writes += self._worker.submit_write(chosen, rows)
 
     # -- reads ---------------------------------------------------------------------------
-    def missing(self, token_ids: TokenIds) -> list[bytes]:
-        """Hashes of the blocks of ``token_ids`` a claim could use that this instance does
-        not hold (past its GPU and host-tier hit; at most the host tier's size)."""
+    def missing(self, read: TierRead) -> list[bytes]:
+        """Hashes of the blocks of ``read``'s tokens a claim could use that this instance
+        does not hold (past its GPU and host-tier hit; at most the host tier's size),
+        hashed in ``read``'s namespace (cache salt, LoRA) as the manager hashes them."""
         block_size = self.manager.block_size
         # A claim never covers the whole prompt: its last token is always computed.
-        limit = (len(token_ids) - 1) // block_size
+        limit = (len(read.token_ids) - 1) // block_size
         if limit <= 0:
             return []
-        digests = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))
+        digests = self.hasher.block_hashes(
+            np.asarray(read.token_ids, dtype=np.int64),
+            cache_salt=read.cache_salt,
+            lora_id=read.lora_id,
+        )
         hashes = cast("list[bytes]", digests)[:limit]
         start = self.manager.num_cached_prefix_blocks(hashes)
         return list(hashes[start : start + self.manager.host_cache_blocks])
 
-    def prefetch(
-        self, prompt_token_ids: TokenIds, retention_priority: int | None = None
-    ) -> PendingFetch | None:
-        """Start reading the prompt's blocks past the local hit; None when there is
+    def prefetch(self, read: TierRead) -> PendingFetch | None:
+        """Start reading the sequence's blocks past the local hit; None when there is
         nothing to read. Synchronous I/O reads here; background I/O queues the read.
-        ``retention_priority``: the request's, which the imported blocks keep in the
-        host tier (``None``: the default)."""
-        wanted = self.missing(prompt_token_ids)
+        The imported blocks keep ``read.retention_priority`` in the host tier."""
+        wanted = self.missing(read)
         if not wanted:
             return None
-        fetch = PendingFetch(wanted, retention_priority)
+        fetch = PendingFetch(wanted, read.retention_priority)
         self.stats.fetches += 1
         if self._worker is None:
             fetch._finish(self._read(wanted))
@@ -471,37 +486,11 @@ class RemoteTierLink:
         self.stats.imported_blocks += len(rows)
         return len(rows)
 
-    def fetch(self, prompt_token_ids: TokenIds) -> int:
-        """Read and import the prompt's blocks past the local hit now (waiting up to
-        ``fetch_wait_s`` for a background read); blocks imported.
-
-        Call between steps with no op in flight: the imported slots are confirmed here.
-        """
-        pending = self.prefetch(prompt_token_ids)
-        if pending is None:
-            return 0
-        pending.wait(self.options.fetch_wait_s)
-        return self.complete(pending)
-
-    def refetch(
-        self,
-        token_lists: Sequence[TokenIds],
-        retention_priorities: Sequence[int | None] | None = None,
-    ) -> int:
+    def refetch(self, reads: Sequence[TierRead]) -> int:
         """Read and import several sequences' missing blocks now (sequences preempted by
         recompute, before their re-admission): the reads run together and one
-        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps.
-        ``retention_priorities``: each sequence's, as for :meth:`prefetch`."""
-        priorities = retention_priorities or [None] * len(token_lists)
-        if len(priorities) != len(token_lists):
-            raise InvalidArgumentError(
-                f"{len(priorities)} retention priorities for {len(token_lists)} sequences"
-            )
-        pending = [
-            p
-            for tokens, priority in zip(token_lists, priorities, strict=True)
-            if (p := self.prefetch(tokens, priority)) is not None
-        ]
+        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps."""
+        pending = [p for read in reads if (p := self.prefetch(read)) is not None]
         if not pending:
             return 0
         self.stats.refetches += len(pending)
