@@ -18,7 +18,6 @@ import zmq
 
 from kvblocks import SamplingParams
 from kvblocks.engine import LLM
-from kvblocks.engine.remote_tier import RemoteTierOptions
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.events.publisher import ZmqEventPublisher
@@ -30,6 +29,7 @@ from kvblocks.router import (
     make_router,
 )
 from kvblocks.scheduler import Request, SchedulerConfig
+from kvblocks.tiers import RemoteTierOptions
 from kvblocks.tiers.disk import DiskTier
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.valkey_tier import ValkeyTier

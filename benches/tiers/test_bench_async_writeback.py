@@ -20,10 +20,9 @@ import numpy as np
 import torch
 
 from kvblocks.engine import LLM, weights_digest
-from kvblocks.engine.remote_tier import RemoteTierOptions
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.tiers import KVLayout
+from kvblocks.tiers import KVLayout, RemoteTierOptions
 from tiers.valkey_server import ServerProcess
 
 BLOCK = 16

@@ -19,13 +19,13 @@ import torch
 
 from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.dense import dense_greedy_generate
-from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
 from kvblocks.tiers.codec import encode_block
+from kvblocks.tiers.remote_link import PendingFetch, RemoteTierLink
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
 

@@ -17,6 +17,11 @@ is the core's job. One concept per module:
 - :mod:`~kvblocks.tiers.transfer`: :func:`gather_blocks` / :func:`scatter_blocks` between a
   paged cache and payloads; :func:`offload_blocks` / :func:`load_blocks` apply the core's
   slot-addressed ``"offload"`` / ``"load"`` op runs to an :func:`allocate_host_pool` pool.
+- A remote tier below an engine's host tier: :mod:`~kvblocks.tiers.remote_link`
+  (:class:`RemoteTierLink`, :class:`RemoteTierOptions`: writes offloaded blocks, reads and
+  imports a sequence's missing ones), :mod:`~kvblocks.tiers.remote_worker` (its background
+  thread) and :mod:`~kvblocks.tiers.remote_admission` (which requests wait for their reads,
+  which preempted sequences are read again).
 
 Needs torch (``pip install 'kvblocks[torch]'``).
 """
@@ -38,6 +43,7 @@ from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.mac import RecordKey
+from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import TierStore
 from kvblocks.tiers.transfer import (
@@ -57,6 +63,8 @@ __all__ = [
     "HostTier",
     "KVLayout",
     "RecordKey",
+    "RemoteTierLink",
+    "RemoteTierOptions",
     "TierStats",
     "TierStore",
     "UnauthenticatedBlockError",
