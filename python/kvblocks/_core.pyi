@@ -34,12 +34,14 @@ __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
     "BatchAllocation",
+    "Blake3",
     "BlockHasher",
     "BlockRemoved",
     "BlockStored",
     "BlockTableDelta",
     "KVCacheManager",
     "__version__",
+    "blake3_derive_key",
     "gather_row_prefixes",
 ]
 
@@ -689,3 +691,25 @@ def gather_row_prefixes(
     row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
     2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
     raise :class:`InvalidArgumentError` before anything is copied."""
+
+@final
+class Blake3:
+    """An incremental BLAKE3 hash (the core's SIMD implementation; the GIL is released
+    while data is hashed); a keyed hash (a MAC) when built with a 32-byte ``key``.
+
+    Raises :class:`InvalidArgumentError` for a key of another length.
+    """
+
+    def __new__(cls, key: bytes | None = None) -> Blake3: ...
+    def update(self, data: bytes | npt.NDArray[np.uint8]) -> None:
+        """Hash more bytes: a ``bytes`` object or a C-contiguous 1-D uint8 array (read in
+        place: a view of a memory map or a CPU tensor's ``.numpy()``)."""
+    def digest(self, length: int = 32) -> bytes:
+        """The first ``length`` (1..1024) bytes of the output; the hasher may keep being
+        updated."""
+    def copy(self) -> Blake3:
+        """An independent hasher in the same state."""
+
+def blake3_derive_key(context: str, material: bytes) -> bytes:
+    """A 32-byte key derived from ``material`` for ``context`` (BLAKE3's key derivation
+    mode: one secret gives unrelated keys to unrelated contexts)."""

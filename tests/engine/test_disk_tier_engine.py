@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.dense import dense_greedy_generate
+from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.tiers import DiskTier, KVLayout
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
@@ -38,7 +39,8 @@ _CHILD = textwrap.dedent(
     import hashlib, json, sys, warnings
     import torch
     torch.set_num_threads(1)
-    from kvblocks.engine import LLM
+    from kvblocks.engine import LLM, weights_digest
+    from kvblocks.engine.tiny import build_tiny_model
     from kvblocks.sampling_params import SamplingParams
     from kvblocks.tiers import DiskTier, KVLayout
     from kvblocks.tiers.transfer import gather_blocks
@@ -47,7 +49,8 @@ _CHILD = textwrap.dedent(
     block, pool = int(sys.argv[4]), int(sys.argv[5])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        disk = DiskTier(directory, KVLayout(2, 2, block, 64, torch.float32, model_id), 64)
+        digest = weights_digest(build_tiny_model())
+        disk = DiskTier(directory, KVLayout(2, 2, block, 64, torch.float32, model_id, digest), 64)
         llm = LLM(num_blocks=pool, block_size=block, num_cpu_blocks=0, device="cpu",
                   host_cache_blocks=16, host_offload="commit", remote_tier=disk)
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
@@ -80,7 +83,8 @@ def expected(tiny_llama: LlamaForCausalLM) -> list[int]:
 
 
 def _layout(model_id: str = MODEL_ID) -> KVLayout:
-    return KVLayout(2, 2, BLOCK, 64, torch.float32, model_id=model_id)
+    """The tiny Llama's layout: its weights, plus ``model_id``."""
+    return KVLayout(2, 2, BLOCK, 64, torch.float32, model_id, weights_digest(build_tiny_model()))
 
 
 def _engine(model: LlamaForCausalLM, disk: DiskTier, **kwargs: object) -> LLM:

@@ -11,7 +11,13 @@ Modules: :mod:`~kvblocks.engine.config` (HF config), :mod:`~kvblocks.engine.mode
 (the decoder), :mod:`~kvblocks.engine.loader` (safetensors checkpoints),
 :mod:`~kvblocks.engine.tiny` (built-in random model), :mod:`~kvblocks.engine.dense`
 (cache-free reference), :mod:`~kvblocks.engine.sampler`, :mod:`~kvblocks.engine.runner`
-(one step on the paged cache), :mod:`~kvblocks.engine.llm`, :mod:`~kvblocks.engine.tokenizer`.
+(one step on the paged cache), :mod:`~kvblocks.engine.llm` (the facade) over
+:mod:`~kvblocks.engine.input_processor` (with :mod:`~kvblocks.engine.prompts`),
+:mod:`~kvblocks.engine.engine_core` (the step loop) and
+:mod:`~kvblocks.engine.output_processor`, :mod:`~kvblocks.engine.build` (what an ``LLM`` is
+built from), :mod:`~kvblocks.engine.tokenizer`,
+:mod:`~kvblocks.engine.weights_identity` (:func:`weights_digest`: what names the weights in a
+shared tier).
 :class:`~kvblocks.sampling_params.SamplingParams` is re-exported here so that vLLM-style code
 imports both names together. Needs torch and safetensors (``pip install 'kvblocks[engine]'``);
 without them the import raises one ImportError saying so.
@@ -29,6 +35,8 @@ from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.llm import LLM
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.outputs import Completion, GenerationOutput
+from kvblocks.engine.prompts import TextPrompt, TokensPrompt
+from kvblocks.engine.weights_identity import weights_digest
 from kvblocks.sampling_params import SamplingParams
 
 __all__ = [
@@ -38,4 +46,7 @@ __all__ = [
     "LlamaForCausalLM",
     "ModelConfig",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
+    "weights_digest",
 ]

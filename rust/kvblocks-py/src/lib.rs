@@ -2,12 +2,13 @@
 //!
 //! A thin layer: argument conversion ([`args`]), the one error mapping ([`errors`]),
 //! the manager behind a mutex ([`manager`]), prompt hashing ([`hashing`]), events and
-//! `AllocStatus` as frozen classes.
+//! `AllocStatus` as frozen classes, and BLAKE3 for the tiers ([`blake3_hasher`]).
 //! The Python contract is `python/kvblocks/_core.pyi` (checked by `mypy.stubtest`).
 
 mod alloc_status;
 mod args;
 mod batch_allocation;
+mod blake3_hasher;
 mod block_table_delta;
 mod errors;
 mod events;
@@ -24,6 +25,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<alloc_status::AllocStatus>()?;
     m.add_class::<batch_allocation::BatchAllocation>()?;
+    m.add_class::<blake3_hasher::Blake3>()?;
     m.add_class::<block_table_delta::BlockTableDelta>()?;
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
@@ -31,5 +33,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::BlockHasher>()?;
     m.add_class::<manager::KVCacheManager>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
+    m.add_function(wrap_pyfunction!(blake3_hasher::blake3_derive_key, m)?)?;
     Ok(())
 }
