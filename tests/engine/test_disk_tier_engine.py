@@ -214,16 +214,16 @@ def test_the_remote_tier_asks_for_the_manager_s_own_hashes(tmp_path: Path) -> No
     manager with its own ``hash_seed`` asked the store for keys no instance writes (every
     read a miss). It now hashes with the manager's hasher: seed and LoRAs included."""
     from kvblocks import KVCacheManager
-    from kvblocks.engine.remote_tier import RemoteTierLink, RemoteTierOptions
+    from kvblocks.tiers import RemoteTierOptions
+    from kvblocks.tiers.remote_link import RemoteTierLink, TierRead
 
-    layout = KVLayout(1, 1, 4, 8, torch.float32, model_id=MODEL_ID)
+    layout = KVLayout(1, 1, 4, 8, torch.float32, MODEL_ID, "ab" * 32)
     manager = KVCacheManager(
         16, 4, hash_algo="sha256_cbor", hash_seed="fleet-7", host_cache_blocks=8
     )
     pool = torch.zeros(8, layout.payload_nbytes, dtype=torch.uint8)
-    engine_layout = KVLayout(1, 1, 4, 8, torch.float32)  # the pool's, unnamed
     store = DiskTier(tmp_path, layout, 32)
-    link = RemoteTierLink(store, manager, pool, engine_layout, RemoteTierOptions(async_io=False))
+    link = RemoteTierLink(store, manager, pool, layout, RemoteTierOptions(async_io=False))
     prompt = list(range(1, 17))  # four full blocks, the last one always computed
     manager.add_sequence(0, prompt)
     assert manager.allocate_slots(0, 16) is not None
@@ -231,4 +231,4 @@ def test_the_remote_tier_asks_for_the_manager_s_own_hashes(tmp_path: Path) -> No
     stored = [h for e in manager.take_events() if e.medium == "GPU" for h in e.block_hashes]  # type: ignore[union-attr]
     manager.free(0)
     assert manager.reset_prefix_cache()
-    assert link.missing(prompt) == stored[:3]
+    assert link.missing(TierRead(prompt)) == stored[:3]
