@@ -23,7 +23,7 @@ import torch
 
 from kvblocks import KVCacheManager, ops
 from kvblocks.engine.loader import load_checkpoint
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM
 from kvblocks.engine.outputs import GenerationOutput
 from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink, RemoteTierOptions
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
@@ -105,11 +105,11 @@ def _default_dtype(model_dtype: str | None, device: torch.device) -> torch.dtype
 
 
 class LLM:
-    """A paged-attention engine for Llama, Mistral and Qwen2 models.
+    """A paged-attention engine for the supported decoders (:mod:`kvblocks.engine.models`).
 
     Args:
         model: ``None`` for the built-in tiny model, a Hugging Face checkpoint directory,
-            or an already built :class:`~kvblocks.engine.model.LlamaForCausalLM`.
+            or an already built :class:`~kvblocks.engine.models.CausalLM`.
         tokenizer: overrides the tokenizer found with the model (``tokenizer.json`` in the
             directory; bytes for the tiny model).
         num_blocks: device KV-cache blocks, the null block included. Default: 85% of the
@@ -168,7 +168,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | LlamaForCausalLM | None = None,
+        model: str | Path | CausalLM | None = None,
         *,
         tokenizer: Tokenizer | None = None,
         num_blocks: int | None = None,
@@ -225,7 +225,7 @@ class LLM:
         self.device = param.device
         self.dtype = param.dtype
         self.tokenizer: Tokenizer | None = tokenizer
-        if tokenizer is None and not isinstance(model, LlamaForCausalLM):
+        if tokenizer is None and not isinstance(model, CausalLM):
             self.tokenizer = load_tokenizer(model)
         config = self.model.config
         self.eos_token_ids = config.eos_token_ids
@@ -289,12 +289,12 @@ class LLM:
 
     @staticmethod
     def _build_model(
-        model: str | Path | LlamaForCausalLM | None,
+        model: str | Path | CausalLM | None,
         device: torch.device,
         dtype: torch.dtype | None,
         seed: int,
-    ) -> LlamaForCausalLM:
-        if isinstance(model, LlamaForCausalLM):
+    ) -> CausalLM:
+        if isinstance(model, CausalLM):
             if dtype is not None or device != next(model.parameters()).device:
                 model = model.to(device=device, dtype=dtype)
             return model.eval()
