@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvblocks.engine.rope_config import LayerRopes, RopeScaling
+from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = [
@@ -57,7 +57,8 @@ _ARCHITECTURES = {
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
 """The ``model_type`` values of ``config.json`` this engine can run."""
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+_FULL, _SLIDE = "full_attention", "sliding_attention"
+LAYER_TYPES = (_FULL, _SLIDE)
 """The ``layer_types`` entries this engine can run."""
 
 # Families whose layers alternate windows by a fixed pattern when layer_types is absent:
@@ -281,14 +282,12 @@ class ModelConfig:
         n = self.num_hidden_layers
         period = _DEFAULT_FULL_PERIOD.get(self.model_type)
         if period is not None:
-            return ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                    for i in range(n)]  # fmt: skip
+            return [_FULL if (i + 1) % period == 0 else _SLIDE for i in range(n)]
         if self.sliding_window is None:
-            return ["full_attention"] * n
+            return [_FULL] * n
         if self.model_type in ("qwen2", "qwen3"):
-            return ["sliding_attention" if i >= self.max_window_layers else "full_attention"
-                    for i in range(n)]  # fmt: skip
-        return ["sliding_attention"] * n
+            return [_SLIDE if i >= self.max_window_layers else _FULL for i in range(n)]
+        return [_SLIDE] * n
 
     def layer_sliding_windows(self) -> list[int | None]:
         """The attention window of each layer (``None`` = full attention).
@@ -297,8 +296,7 @@ class ModelConfig:
         ``sliding_window`` (transformers runs a "sliding" layer without one as full).
         """
         return [
-            self.sliding_window if kind == "sliding_attention" else None
-            for kind in self.layer_types_resolved()
+            self.sliding_window if kind == _SLIDE else None for kind in self.layer_types_resolved()
         ]
 
     def uniform_sliding_window(self) -> int | None:
@@ -326,16 +324,9 @@ class ModelConfig:
     def layer_rope(self, layer_idx: int) -> tuple[float, RopeScaling | None]:
         """``(theta, scaling)`` of a layer's rope: the sliding rope on sliding layers."""
         kind = self.layer_types_resolved()[layer_idx]
-        if kind == "sliding_attention" and self.sliding_rope_theta is not None:
+        if kind == _SLIDE and self.sliding_rope_theta is not None:
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
-
-    @property
-    def ropes(self) -> LayerRopes:
-        """The full layers' rope and, if it differs, the sliding layers'."""
-        return LayerRopes(
-            self.rope_theta, self.rope_scaling, self.sliding_rope_theta, self.sliding_rope_scaling
-        )
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
