@@ -1,4 +1,4 @@
-"""The paged-attention inference engine for Llama-family models (Llama, Mistral, Qwen2).
+"""The paged-attention inference engine for Llama-family, Gemma 2/3 and gpt-oss decoders.
 
 :class:`LLM` is the entry point::
 
@@ -7,12 +7,12 @@
     llm = LLM()  # the built-in tiny model; or LLM("/path/to/hf/checkpoint")
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
 
-Modules: :mod:`~kvblocks.engine.config` (HF config), :mod:`~kvblocks.engine.model`
-(the decoder), :mod:`~kvblocks.engine.loader` (safetensors checkpoints),
-:mod:`~kvblocks.engine.tiny` (built-in random model), :mod:`~kvblocks.engine.dense`
-(cache-free reference), :mod:`~kvblocks.engine.sampler`, :mod:`~kvblocks.engine.runner`
-(one step on the paged cache), :mod:`~kvblocks.engine.llm` (the facade) over
-:mod:`~kvblocks.engine.input_processor` (with :mod:`~kvblocks.engine.prompts`),
+Modules: :mod:`~kvblocks.engine.config` (HF config), :mod:`~kvblocks.engine.models`
+(the decoders, one module per family), :mod:`~kvblocks.engine.loader` (safetensors
+checkpoints), :mod:`~kvblocks.engine.tiny` (built-in random model),
+:mod:`~kvblocks.engine.dense` (cache-free reference), :mod:`~kvblocks.engine.sampler`,
+:mod:`~kvblocks.engine.runner` (one step on the paged cache), :mod:`~kvblocks.engine.llm` (the
+facade) over :mod:`~kvblocks.engine.input_processor` (with :mod:`~kvblocks.engine.prompts`),
 :mod:`~kvblocks.engine.engine_core` (the step loop) and
 :mod:`~kvblocks.engine.output_processor`, :mod:`~kvblocks.engine.build` (what an ``LLM`` is
 built from), :mod:`~kvblocks.engine.tokenizer`,
@@ -33,7 +33,7 @@ except ModuleNotFoundError as _exc:
 
 from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.llm import LLM
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM, LlamaForCausalLM
 from kvblocks.engine.outputs import Completion, GenerationOutput
 from kvblocks.engine.prompts import TextPrompt, TokensPrompt
 from kvblocks.engine.weights_identity import weights_digest
@@ -41,6 +41,7 @@ from kvblocks.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "CausalLM",
     "Completion",
     "GenerationOutput",
     "LlamaForCausalLM",

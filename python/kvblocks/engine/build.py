@@ -16,7 +16,7 @@ import torch
 
 from kvblocks._core import KVCacheManager
 from kvblocks.engine.loader import load_checkpoint
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM
 from kvblocks.engine.runner import ModelRunner
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.weights_identity import checkpoint_weights, model_weights_digest
@@ -86,14 +86,14 @@ def _default_dtype(model_dtype: str | None, device: torch.device) -> torch.dtype
 
 
 def build_model(
-    model: str | Path | LlamaForCausalLM | None,
+    model: str | Path | CausalLM | None,
     device: torch.device,
     dtype: torch.dtype | None,
     seed: int,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The model: the tiny one (``None``, weights from ``seed``), a checkpoint directory,
     or a model object (moved/cast when ``device``/``dtype`` ask for it)."""
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(model, CausalLM):
         if dtype is not None or device != next(model.parameters()).device:
             model = model.to(device=device, dtype=dtype)
         return model.eval()
@@ -189,7 +189,7 @@ def connect_remote_tier(
     remote_tier: Any,
     options: RemoteTierOptions | None,
     on_disk: CheckpointDigest | None,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     manager: KVCacheManager,
     runner: ModelRunner,
 ) -> RemoteTierLink:

@@ -24,7 +24,7 @@ from kvblocks import KVCacheManager, ops
 from kvblocks.engine import build
 from kvblocks.engine.engine_core import EngineCore
 from kvblocks.engine.input_processor import InputProcessor
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM
 from kvblocks.engine.output_processor import OutputProcessor
 from kvblocks.engine.outputs import GenerationOutput
 from kvblocks.engine.prompts import Prompt
@@ -40,11 +40,11 @@ __all__ = ["LLM", "Prompt"]
 
 
 class LLM:
-    """A paged-attention engine for Llama, Mistral and Qwen2 models.
+    """A paged-attention engine for the supported decoders (:mod:`kvblocks.engine.models`).
 
     Args:
         model: ``None`` for the built-in tiny model, a Hugging Face checkpoint directory,
-            or an already built :class:`~kvblocks.engine.model.LlamaForCausalLM`.
+            or an already built :class:`~kvblocks.engine.models.CausalLM`.
         tokenizer: overrides the tokenizer found with the model (``tokenizer.json`` in the
             directory; bytes for the tiny model).
         num_blocks: device KV-cache blocks, the null block included. Default: 85% of the
@@ -107,7 +107,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | LlamaForCausalLM | None = None,
+        model: str | Path | CausalLM | None = None,
         *,
         tokenizer: Tokenizer | None = None,
         num_blocks: int | None = None,
@@ -150,7 +150,7 @@ class LLM:
         self.device = param.device
         self.dtype = param.dtype
         self.tokenizer: Tokenizer | None = tokenizer
-        if tokenizer is None and not isinstance(model, LlamaForCausalLM):
+        if tokenizer is None and not isinstance(model, CausalLM):
             self.tokenizer = load_tokenizer(model)
         config = self.model.config
         self.eos_token_ids = config.eos_token_ids

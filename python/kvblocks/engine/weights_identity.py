@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvblocks.engine.loader import weight_files
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers.weights import CheckpointDigest, checkpoint_digest, tensors_digest
 
 __all__ = ["checkpoint_weights", "model_weights_digest", "weights_digest"]
 
 
-def model_weights_digest(model: LlamaForCausalLM) -> str:
+def model_weights_digest(model: CausalLM) -> str:
     """The weights digest of a model object: its state dict and its config."""
     return tensors_digest(dict(model.state_dict()), model.config.to_hf_dict())
 
@@ -35,10 +35,10 @@ def checkpoint_weights(path: str | Path) -> CheckpointDigest:
     return checkpoint_digest(path / "config.json", weight_files(path))
 
 
-def weights_digest(model: str | Path | LlamaForCausalLM) -> str:
+def weights_digest(model: str | Path | CausalLM) -> str:
     """The hex weights digest of a checkpoint directory or a model object: what a
     :class:`~kvblocks.tiers.layout.KVLayout`'s ``weights_digest`` must be for an ``LLM`` of
     that model to use a store built on it."""
-    if isinstance(model, LlamaForCausalLM):
+    if isinstance(model, CausalLM):
         return model_weights_digest(model)
     return checkpoint_weights(model).digest
