@@ -55,6 +55,8 @@ pub struct BlockStored {
     /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
     /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
     pub medium: Medium,
+    /// The KV cache group whose blocks these are (vLLM's `group_idx`; 0 with one group).
+    pub group_idx: u32,
 }
 
 impl BlockStored {
@@ -76,6 +78,8 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<BlockHash>,
     /// Where the blocks were removed from.
     pub medium: Medium,
+    /// The KV cache group whose blocks these are (vLLM's `group_idx`; 0 with one group).
+    pub group_idx: u32,
 }
 
 /// One KV cache event, drained by [`crate::KVCacheManager::take_events`].

@@ -3,6 +3,7 @@
 use crate::block_hash::BlockHash;
 use crate::block_pool::BlockPool;
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::group::GroupSpec;
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
 use crate::priority_lru::{cached_level, EMPTY_LEVEL};
@@ -40,20 +41,31 @@ pub(super) struct Pools {
     /// committed or claimed it): its level in the free queue, and what an offload at
     /// eviction hands the tier. Empty without prefix caching.
     pub retention: Vec<RetentionPriority>,
+    /// The KV cache groups, in order.
+    pub groups: Vec<GroupSpec>,
+    /// Whether every group is full attention (the prefix hit is one left-to-right scan).
+    pub all_full: bool,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// GPU blocks referenced by the tables of each group.
+    pub used: Vec<usize>,
 }
 
 impl Pools {
-    /// Take the front free GPU block (one reference), evicting its cache entry if any.
+    /// Take the front free GPU block (one reference) for a table of `group`, evicting its
+    /// cache entry if any.
     #[inline]
-    pub fn pop_gpu(&mut self) -> Option<u32> {
+    pub fn pop_gpu(&mut self, group: usize) -> Option<u32> {
         let id = self.gpu.pop_free()?;
+        self.used[group] += 1;
         if self.caching {
-            if let Some(hash) = self.cache.remove(id) {
+            if let Some((old_group, hash)) = self.cache.remove(id) {
                 self.counters.evictions += 1;
                 if self.record_events {
                     self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                         block_hashes: vec![hash],
                         medium: Medium::Gpu,
+                        group_idx: old_group as u32,
                     }));
                 }
                 // The block's KV is still intact: the op is queued before anything that
@@ -65,17 +77,28 @@ impl Pools {
                 {
                     let priority = self.retention_of(id);
                     // The GPU cache keeps no tokens nor keys: the event has the hash only.
-                    self.offload(id, hash, priority, || host_stored(Vec::new()));
+                    self.offload(old_group, id, hash, priority, || {
+                        host_stored(old_group, Vec::new())
+                    });
                 }
             }
         }
         Some(id)
     }
 
-    /// Copy cached GPU block `id` (content `hash`) to the host tier at retention
-    /// `priority`, with its events; `event` makes the `BlockStored` (its hash is added).
+    /// Take free cached block `id` (a prefix hit) for a table of its group.
+    #[inline]
+    pub fn take_free(&mut self, group: usize, id: u32) {
+        self.gpu.take_free(id);
+        self.used[group] += 1;
+    }
+
+    /// Copy cached GPU block `id` (content `hash` of `group`) to the host tier at
+    /// retention `priority`, with its events; `event` makes the `BlockStored` (its hash
+    /// is added).
     pub fn offload(
         &mut self,
+        group: usize,
         id: u32,
         hash: BlockHash,
         priority: RetentionPriority,
@@ -84,7 +107,7 @@ impl Pools {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        let (evicted, stored) = tier.offload(id, hash, priority, &mut self.ops);
+        let (evicted, stored) = tier.offload(group, id, hash, priority, &mut self.ops);
         if !self.record_events {
             return;
         }
@@ -98,11 +121,12 @@ impl Pools {
 
     /// Record the `BlockRemoved` of the host-tier block a store evicted, if any (callers
     /// check `record_events`).
-    pub fn record_host_eviction(&mut self, evicted: Option<BlockHash>) {
-        if let Some(old) = evicted {
+    pub fn record_host_eviction(&mut self, evicted: Option<(usize, BlockHash)>) {
+        if let Some((group, old)) = evicted {
             self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![old],
                 medium: Medium::Cpu,
+                group_idx: group as u32,
             }));
         }
     }
@@ -121,11 +145,17 @@ impl Pools {
         }
     }
 
-    /// A sequence of retention `priority` shares cached block `id` (content `hash`):
-    /// the block, and its host-tier copy if any, keep the higher priority (a free block
-    /// moves to the back of its new level, as a block just used).
+    /// A sequence of retention `priority` shares cached block `id` (content `hash` of
+    /// `group`): the block, and its host-tier copy if any, keep the higher priority (a
+    /// free block moves to the back of its new level, as a block just used).
     #[inline]
-    pub fn raise_retention(&mut self, id: u32, hash: &BlockHash, priority: RetentionPriority) {
+    pub fn raise_retention(
+        &mut self,
+        group: usize,
+        id: u32,
+        hash: &BlockHash,
+        priority: RetentionPriority,
+    ) {
         let Some(r) = self.retention.get_mut(id as usize) else {
             return;
         };
@@ -137,21 +167,22 @@ impl Pools {
                 queue.push_back(id, cached_level(priority));
             }
             if let Some(t) = self.tier.as_mut() {
-                t.raise_priority(hash, priority);
+                t.raise_priority(group, hash, priority);
             }
         }
     }
 
-    /// Drop one reference to a GPU block; at zero it is queued: cached blocks at the
-    /// back of their retention priority's level (evicted after uncached blocks and after
-    /// cached ones of lower priority; with one priority, simply last), others at the
-    /// front (reused first).
+    /// Drop one reference of a table of `group` to a GPU block; at zero it is queued:
+    /// cached blocks at the back of their retention priority's level (evicted after
+    /// uncached blocks and after cached ones of lower priority; with one priority, simply
+    /// last), others at the front (reused first).
     #[inline]
-    pub fn release_gpu(&mut self, id: u32) {
+    pub fn release_gpu(&mut self, group: usize, id: u32) {
         if id == NULL_BLOCK {
             return;
         }
         if self.gpu.decref(id) == 0 {
+            self.used[group] -= 1;
             if self.caching && self.cache.is_cached(id) {
                 let level = cached_level(self.retention_of(id));
                 self.gpu.free_queue_mut().push_back(id, level);
@@ -168,56 +199,11 @@ impl Pools {
             self.cpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
         }
     }
-
-    /// Leading blocks of the hash chain present in the cache, at most `cap`.
-    #[inline]
-    pub fn probe(&self, hashes: &[BlockHash], cap: usize) -> usize {
-        if !self.caching {
-            return 0;
-        }
-        let n = cap.min(hashes.len());
-        match &self.tier {
-            None => hashes[..n]
-                .iter()
-                .take_while(|h| self.cache.lookup(h).is_some())
-                .count(),
-            Some(tier) => hashes[..n]
-                .iter()
-                .take_while(|h| self.cache.lookup(h).is_some() || tier.lookup_ready(h).is_some())
-                .count(),
-        }
-    }
-
-    /// Of the first `n` blocks of the chain (all hits), how many come from the host tier
-    /// (not in the GPU cache): the loads a claim would queue.
-    #[inline]
-    pub fn probe_tier(&self, hashes: &[BlockHash], n: usize) -> usize {
-        if self.tier.is_none() {
-            return 0;
-        }
-        hashes[..n]
-            .iter()
-            .filter(|h| self.cache.lookup(h).is_none())
-            .count()
-    }
-
-    /// Of the first `n` blocks of the chain (all cached), how many sit in the free queue.
-    #[inline]
-    pub fn probe_free(&self, hashes: &[BlockHash], n: usize) -> usize {
-        hashes[..n]
-            .iter()
-            .filter(|h| {
-                self.cache
-                    .lookup(h)
-                    .is_some_and(|b| self.gpu.ref_count(b) == 0)
-            })
-            .count()
-    }
 }
 
 /// A host-tier `BlockStored` of `block_hashes` that carries the hashes only: blocks that
 /// reach the host tier from the GPU cache or an import come without tokens or keys.
-pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
+pub(super) fn host_stored(group: usize, block_hashes: Vec<BlockHash>) -> BlockStored {
     BlockStored {
         block_hashes,
         parent_block_hash: None,
@@ -227,5 +213,6 @@ pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
         lora_name: None,
         extra_keys: None,
         medium: Medium::Cpu,
+        group_idx: group as u32,
     }
 }

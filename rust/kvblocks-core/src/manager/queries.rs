@@ -71,6 +71,10 @@ impl KVCacheManager {
             cow_copies: c.cow_copies,
             blocks_swapped_out: c.blocks_swapped_out,
             blocks_swapped_in: c.blocks_swapped_in,
+            num_used_blocks_per_group: self.pools.used.clone(),
+            num_cached_blocks_per_group: (0..self.pools.groups.len())
+                .map(|g| self.pools.cache.group_len(g))
+                .collect(),
             host_tier: self.tier_stats(),
         }
     }
