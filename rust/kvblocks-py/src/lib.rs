@@ -10,6 +10,7 @@ mod batch_allocation;
 mod block_table_delta;
 mod errors;
 mod events;
+mod group_spec;
 mod manager;
 mod row_prefixes;
 
@@ -26,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::BlockStored>()?;
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;
+    m.add_class::<group_spec::GroupSpec>()?;
     m.add_class::<manager::KVCacheManager>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     Ok(())
