@@ -79,8 +79,8 @@ impl KVCacheManager {
     ///
     /// Returns the block ids taken from the free pool (group by group: the CoW
     /// replacement first, then appended blocks), possibly empty; `Ok(None)` with no
-    /// state change when the pool is short. Errors: `UnknownSequence`, `SequenceState` (swapped), `InvalidArgument`
-    /// (`computed + num_new_tokens > num_tokens`).
+    /// state change when the pool is short. Errors: `UnknownSequence`, `SequenceState`
+    /// (swapped), `InvalidArgument` (`computed + num_new_tokens > num_tokens`).
     pub fn allocate_slots(
         &mut self,
         seq_id: u64,
@@ -174,43 +174,46 @@ impl KVCacheManager {
         let seq = &self.slots[slot];
         let pools = &self.pools;
         let bs = self.config.block_size;
-        let (mut plan, mut need, computed, table_len) = if seq.allocated {
-            let plan = AllocPlan {
-                claim: 0,
-                loads: 0,
-                tier_positions: 0,
-                cow: 0,
-                append: 0,
-                reserved: 0,
-            };
-            (plan, 0, seq.num_computed, seq.table_len())
-        } else {
+        if !seq.allocated {
             let claim = pools.probe(&seq.hashes, seq.probe_cap_blocks);
             let loads = pools.probe_tier(&seq.hashes, claim);
+            let reserved = claim * bs + new + lookahead;
+            let append = reserved.div_ceil(bs) - claim;
             let plan = AllocPlan {
                 claim,
                 loads,
                 tier_positions: pools.tier_positions(&seq.hashes, claim),
                 cow: 0,
-                append: 0,
-                reserved: 0,
+                append,
+                reserved,
             };
             let from_free = pools.probe_free(&seq.hashes, claim);
-            (plan, from_free + loads, claim * bs, claim)
-        };
-        plan.reserved = computed + new + lookahead;
-        plan.append = plan.reserved.div_ceil(bs).saturating_sub(table_len);
-        need += plan.append * seq.tables.len();
+            return (plan, from_free + loads + append * seq.tables.len());
+        }
+        let computed = seq.num_computed;
+        let table_len = seq.table_len();
+        let reserved = computed + new + lookahead;
+        let append = reserved.div_ceil(bs).saturating_sub(table_len);
+        let mut need = append * seq.tables.len();
+        let mut cow = 0u64;
         let pos_block = computed / bs;
-        if new + lookahead > 0 && seq.allocated && pos_block < table_len {
+        if new + lookahead > 0 && pos_block < table_len {
             for (g, t) in seq.tables.iter().enumerate() {
                 let b = t.blocks[pos_block];
                 if b != NULL_BLOCK && pools.gpu.ref_count(b) > 1 {
-                    plan.cow |= 1 << g;
+                    cow |= 1 << g;
                     need += 1;
                 }
             }
         }
+        let plan = AllocPlan {
+            claim: 0,
+            loads: 0,
+            tier_positions: 0,
+            cow,
+            append,
+            reserved,
+        };
         (plan, need)
     }
 
@@ -229,14 +232,17 @@ impl KVCacheManager {
             return None;
         }
         let bs = self.config.block_size;
-        let num_groups = self.pools.groups.len();
-        taken.reserve(plan.append * num_groups + plan.cow.count_ones() as usize);
         if !self.slots[slot].allocated {
             self.claim_prefix(slot, &plan)?;
         }
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
-        for (g, t) in seq.tables.iter_mut().enumerate() {
+        // Most decode steps take no block: only the reservation changes.
+        let takes = plan.cow != 0 || plan.append != 0;
+        if takes {
+            taken.reserve(plan.append * seq.tables.len() + plan.cow.count_ones() as usize);
+        }
+        for (g, t) in seq.tables.iter_mut().enumerate().filter(|_| takes) {
             if plan.cow & (1 << g) != 0 {
                 let i = seq.num_computed / bs;
                 let src = t.blocks[i];

@@ -91,18 +91,15 @@ impl KVCacheManager {
             .ok_or_else(too_large)?;
         let mut data = Vec::new();
         data.try_reserve_exact(len).map_err(|_| too_large())?;
-        data.resize(len, crate::NULL_BLOCK as i32);
-        let matrix = rows * cols;
-        for (k, g) in groups.clone().enumerate() {
-            for (r, seq) in seqs.iter().enumerate() {
+        // Row by row, each written once: the table, then its null padding.
+        for g in groups.clone() {
+            for seq in &seqs {
                 let table = &seq.tables[g].blocks;
-                let start = k * matrix + r * cols;
-                let row = &mut data[start..start + table.len()];
-                for (dst, &b) in row.iter_mut().zip(table) {
-                    *dst = b as i32;
-                }
+                data.extend(table.iter().map(|&b| b as i32));
+                data.resize(data.len() + cols - table.len(), crate::NULL_BLOCK as i32);
             }
         }
+        debug_assert_eq!(data.len(), len);
         Ok(BlockTables {
             data,
             num_groups: groups.len(),
