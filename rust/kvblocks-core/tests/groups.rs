@@ -451,7 +451,9 @@ proptest! {
         ops in prop::collection::vec(arb_op(), 1..40),
     ) {
         let mut m = grouped(num_blocks, bs, &groups);
-        let stems: [Vec<u32>; 3] = [toks(0, 40), toks(0, 12).into_iter().chain(toks(90, 28)).collect(), toks(200, 40)];
+        // Two stems share their first 12 tokens.
+        let forked: Vec<u32> = toks(0, 12).into_iter().chain(toks(90, 28)).collect();
+        let stems: [Vec<u32>; 3] = [toks(0, 40), forked, toks(200, 40)];
         let mut cache = CacheModel::default();
         let mut held_ids: Vec<u64> = Vec::new();
         let mut next = 0u64;

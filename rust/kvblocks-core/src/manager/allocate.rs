@@ -247,7 +247,7 @@ impl KVCacheManager {
                 let i = seq.num_computed / bs;
                 let src = t.blocks[i];
                 // The plan counted this block as available.
-                let dst = pools.pop_gpu(g)?;
+                let dst = pools.pop_gpu()?;
                 pools.gpu.decref(src);
                 t.blocks[i] = dst;
                 t.dirty_from = t.dirty_from.min(i);
@@ -260,7 +260,7 @@ impl KVCacheManager {
                 taken.push(dst as i32);
             }
             for _ in 0..plan.append {
-                let b = pools.pop_gpu(g)?;
+                let b = pools.pop_gpu()?;
                 t.blocks.push(b);
                 taken.push(b as i32);
             }
@@ -289,7 +289,7 @@ impl KVCacheManager {
                 let h = &seq.hashes[i];
                 if let Some(b) = pools.cache.lookup(g, h) {
                     if pools.gpu.ref_count(b) == 0 {
-                        pools.take_free(g, b);
+                        pools.gpu.take_free(b);
                     } else {
                         pools.gpu.incref(b);
                     }
@@ -313,7 +313,7 @@ impl KVCacheManager {
         // so these pops cannot evict them) and enter the GPU cache at once: their
         // loads come before this step's attention, like every memory op.
         for &(g, i, s) in &tier_hits {
-            let b = pools.pop_gpu(g)?;
+            let b = pools.pop_gpu()?;
             seq.tables[g].blocks[i] = b;
             let hash = seq.hashes[i];
             let mut priority = seq.retention;

@@ -129,7 +129,7 @@ impl KVCacheManager {
                 if outside > t.num_released {
                     for i in (t.num_released..outside).rev() {
                         let b = std::mem::replace(&mut t.blocks[i], NULL_BLOCK);
-                        pools.release_gpu(g, b);
+                        pools.release_gpu(b);
                     }
                     t.dirty_from = t.dirty_from.min(t.num_released);
                     t.num_released = outside;

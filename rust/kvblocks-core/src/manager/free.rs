@@ -23,12 +23,12 @@ impl KVCacheManager {
         }
         // Released window entries (a leading run) are null in both pools' tables; CPU
         // id 0 is a real block, so they are skipped by position, not by value.
-        for (g, t) in seq.tables.iter().enumerate().rev() {
+        for t in seq.tables.iter().rev() {
             for &b in t.blocks[t.num_released..].iter().rev() {
                 if seq.swapped {
                     self.pools.release_cpu(b);
                 } else {
-                    self.pools.release_gpu(g, b);
+                    self.pools.release_gpu(b);
                 }
             }
         }

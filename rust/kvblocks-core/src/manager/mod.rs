@@ -87,7 +87,6 @@ impl KVCacheManager {
                 all_full: groups.iter().all(|g| g.is_full()),
                 groups,
                 block_size: config.block_size,
-                used: vec![0; num_groups],
             },
             hasher: BlockHasher::with_seed(config.hash_algo, config.hash_seed.as_deref()),
             index: FxHashMap::default(),

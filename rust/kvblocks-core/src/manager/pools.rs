@@ -47,17 +47,13 @@ pub(super) struct Pools {
     pub all_full: bool,
     /// Tokens per block.
     pub block_size: usize,
-    /// GPU blocks referenced by the tables of each group.
-    pub used: Vec<usize>,
 }
 
 impl Pools {
-    /// Take the front free GPU block (one reference) for a table of `group`, evicting its
-    /// cache entry if any.
+    /// Take the front free GPU block (one reference), evicting its cache entry if any.
     #[inline]
-    pub fn pop_gpu(&mut self, group: usize) -> Option<u32> {
+    pub fn pop_gpu(&mut self) -> Option<u32> {
         let id = self.gpu.pop_free()?;
-        self.used[group] += 1;
         if self.caching {
             if let Some((old_group, hash)) = self.cache.remove(id) {
                 self.counters.evictions += 1;
@@ -84,13 +80,6 @@ impl Pools {
             }
         }
         Some(id)
-    }
-
-    /// Take free cached block `id` (a prefix hit) for a table of its group.
-    #[inline]
-    pub fn take_free(&mut self, group: usize, id: u32) {
-        self.gpu.take_free(id);
-        self.used[group] += 1;
     }
 
     /// Copy cached GPU block `id` (content `hash` of `group`) to the host tier at
@@ -172,17 +161,16 @@ impl Pools {
         }
     }
 
-    /// Drop one reference of a table of `group` to a GPU block; at zero it is queued:
-    /// cached blocks at the back of their retention priority's level (evicted after
-    /// uncached blocks and after cached ones of lower priority; with one priority, simply
-    /// last), others at the front (reused first).
+    /// Drop one reference to a GPU block; at zero it is queued: cached blocks at the
+    /// back of their retention priority's level (evicted after uncached blocks and after
+    /// cached ones of lower priority; with one priority, simply last), others at the
+    /// front (reused first).
     #[inline]
-    pub fn release_gpu(&mut self, group: usize, id: u32) {
+    pub fn release_gpu(&mut self, id: u32) {
         if id == NULL_BLOCK {
             return;
         }
         if self.gpu.decref(id) == 0 {
-            self.used[group] -= 1;
             if self.caching && self.cache.is_cached(id) {
                 let level = cached_level(self.retention_of(id));
                 self.gpu.free_queue_mut().push_back(id, level);

@@ -7,10 +7,6 @@ use crate::error::{KvError, Result};
 use crate::host_tier::MemoryOpKind;
 use crate::NULL_BLOCK;
 
-/// A validated swap: the sequences' slots, and the distinct source blocks with their
-/// group, in order of first appearance.
-type SwapPlan = (Vec<u32>, Vec<(u32, usize)>);
-
 /// Direction of a swap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Direction {
@@ -53,7 +49,7 @@ impl KVCacheManager {
         }
         let mut map = FxHashMap::with_capacity_and_hasher(blocks.len(), Default::default());
         let mut rows = Vec::with_capacity(blocks.len());
-        for &(g, _) in &blocks {
+        for &g in &blocks {
             let Some(c) = self.pools.cpu.pop_free() else {
                 return Err(KvError::InvariantViolation(
                     "CPU pool shrank mid-swap".into(),
@@ -67,7 +63,7 @@ impl KVCacheManager {
         }
         for &slot in &slots {
             let seq = &mut self.slots[slot as usize];
-            for (group, t) in seq.tables.iter_mut().enumerate().rev() {
+            for t in seq.tables.iter_mut().rev() {
                 for i in (0..t.blocks.len()).rev() {
                     let g = t.blocks[i];
                     if g == NULL_BLOCK {
@@ -76,7 +72,7 @@ impl KVCacheManager {
                     let c = map[&g];
                     self.pools.cpu.incref(c);
                     t.blocks[i] = c;
-                    self.pools.release_gpu(group, g);
+                    self.pools.release_gpu(g);
                 }
             }
             // CPU ids never reach a caller's table (sync refuses swapped sequences);
@@ -102,8 +98,8 @@ impl KVCacheManager {
         }
         let mut map = FxHashMap::with_capacity_and_hasher(blocks.len(), Default::default());
         let mut rows = Vec::with_capacity(blocks.len());
-        for &(c, group) in &blocks {
-            let Some(g) = self.pools.pop_gpu(group) else {
+        for &c in &blocks {
+            let Some(g) = self.pools.pop_gpu() else {
                 return Err(KvError::InvariantViolation(
                     "GPU pool shrank mid-swap".into(),
                 ));
@@ -132,9 +128,8 @@ impl KVCacheManager {
         Ok(rows)
     }
 
-    /// Validate a swap and list the distinct source blocks (with their group) in order of
-    /// first appearance.
-    fn swap_plan(&self, seq_ids: &[u64], dir: Direction) -> Result<SwapPlan> {
+    /// Validate a swap and list the distinct source blocks in order of first appearance.
+    fn swap_plan(&self, seq_ids: &[u64], dir: Direction) -> Result<(Vec<u32>, Vec<u32>)> {
         // Swaps are rare: a set is cheap enough for the duplicate check here.
         let mut ids = rustc_hash::FxHashSet::default();
         let mut slots = Vec::with_capacity(seq_ids.len());
@@ -173,14 +168,14 @@ impl KVCacheManager {
         let mut blocks = Vec::new();
         for &slot in &slots {
             let seq = &self.slots[slot as usize];
-            for (group, t) in seq.tables.iter().enumerate() {
+            for t in seq.tables.iter() {
                 for (i, &b) in t.blocks.iter().enumerate() {
                     let is_null = match dir {
                         Direction::Out => b == NULL_BLOCK,
                         Direction::In => i < t.num_released,
                     };
                     if !is_null && seen.insert(b) {
-                        blocks.push((b, group));
+                        blocks.push(b);
                     }
                 }
             }
