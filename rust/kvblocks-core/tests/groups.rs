@@ -355,6 +355,38 @@ fn host_tier_keys_blocks_by_group() {
     assert_eq!(m.num_tier_tokens(3).unwrap(), 6);
 }
 
+#[test]
+fn tier_loads_are_limited_over_every_group() {
+    let mut m = manager_with(9, 2, |c| {
+        c.groups = vec![FULL, window(3)];
+        c.host_cache_blocks = 16;
+    });
+    let prompt = toks(0, 8);
+    assert!(run(&mut m, 1, &prompt));
+    m.free(1).unwrap();
+    // 4 blocks per group take the whole pool: every cached block goes to the tier.
+    assert!(run(&mut m, 2, &toks(100, 8)));
+    m.free(2).unwrap();
+    m.take_memory_ops();
+    m.confirm_memory_ops();
+    let mut probe = prompt.clone();
+    probe.push(1);
+    m.add_sequence(3, &probe, None, None).unwrap();
+    // The whole hit (4 blocks) loads 4 full-attention blocks and the window's block 3.
+    assert_eq!(m.num_computed_tokens(3).unwrap(), 8);
+    assert_eq!(m.num_tier_tokens(3).unwrap(), 8);
+    // At most 2 loads: a hit of 1 block (1 + 1 loads); 2 blocks would load 2 + 1.
+    assert_eq!(m.limit_tier_loads(3, 2).unwrap(), 2);
+    m.allocate_slots(3, 2, 0).unwrap().unwrap();
+    let loads = m
+        .take_memory_ops()
+        .into_iter()
+        .filter(|o| o.kind == kvblocks_core::MemoryOpKind::Load)
+        .count();
+    assert_eq!(loads, 2);
+    m.check_invariants().unwrap();
+}
+
 /// The GPU prefix cache as the events describe it: `(group, hash)` pairs.
 #[derive(Default)]
 struct CacheModel {
