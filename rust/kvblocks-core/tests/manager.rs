@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use kvblocks_core::{
-    AllocStatus, BatchArg, HashAlgo, KVCacheManager, KvCacheEvent, KvCacheSpecKind, KvError,
+    AllocStatus, BatchArg, GroupSpec, HashAlgo, KVCacheManager, KvCacheEvent, KvError,
     ManagerConfig, NULL_BLOCK,
 };
 
@@ -499,8 +499,8 @@ fn events_can_be_turned_off_without_changing_caching() {
 #[test]
 fn events_carry_the_group_and_its_attention_kind() {
     for (window, spec) in [
-        (None, KvCacheSpecKind::FullAttention),
-        (Some(8), KvCacheSpecKind::SlidingWindow { window: 8 }),
+        (None, GroupSpec::FullAttention),
+        (Some(8), GroupSpec::SlidingWindow { window: 8 }),
     ] {
         let mut m = manager_with(5, 4, |c| c.sliding_window = window);
         prefill(&mut m, 1, &toks(0, 12));
@@ -520,14 +520,14 @@ fn events_carry_the_group_and_its_attention_kind() {
             }
         }
     }
-    let sw = KvCacheSpecKind::SlidingWindow { window: 8 };
+    let sw = GroupSpec::SlidingWindow { window: 8 };
     assert_eq!(
-        (sw.as_str(), sw.sliding_window()),
+        (sw.kind(), sw.sliding_window()),
         ("sliding_window", Some(8))
     );
-    let full = KvCacheSpecKind::FullAttention;
+    let full = GroupSpec::FullAttention;
     assert_eq!(
-        (full.as_str(), full.sliding_window()),
+        (full.kind(), full.sliding_window()),
         ("full_attention", None)
     );
 }

@@ -94,7 +94,7 @@ impl BlockStored {
         Ok(Some(list))
     }
 
-    /// The KV cache group of the blocks (vLLM's ``group_idx``; 0, the manager's one group).
+    /// The KV cache group of the blocks (vLLM's ``group_idx``; 0 with one group).
     #[getter]
     fn group_idx(&self) -> u32 {
         self.inner.group_idx
@@ -103,7 +103,7 @@ impl BlockStored {
     /// What the group's layers attend to: ``"full_attention"`` or ``"sliding_window"``.
     #[getter]
     fn kv_cache_spec_kind(&self) -> &'static str {
-        self.inner.kv_cache_spec.as_str()
+        self.inner.kv_cache_spec.kind()
     }
 
     /// The group's sliding window in tokens; ``None`` for full attention.
@@ -117,6 +117,12 @@ impl BlockStored {
     #[getter]
     fn medium(&self) -> &'static str {
         self.inner.medium.as_str()
+    }
+
+    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
+    #[getter]
+    fn group_idx(&self) -> u32 {
+        self.inner.group_idx
     }
 
     fn __repr__(&self) -> String {
@@ -150,7 +156,7 @@ impl BlockRemoved {
         self.inner.medium.as_str()
     }
 
-    /// The KV cache group the blocks belonged to (vLLM's ``group_idx``).
+    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
     #[getter]
     fn group_idx(&self) -> u32 {
         self.inner.group_idx
