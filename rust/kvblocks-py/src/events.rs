@@ -100,13 +100,13 @@ impl BlockStored {
         self.inner.group_idx
     }
 
-    /// What the group's layers attend to: ``"full_attention"`` or ``"sliding_window"``.
+    /// What the group's layers attend to: its ``GroupSpec.kind`` (vLLM's ``kv_cache_spec_kind``).
     #[getter]
     fn kv_cache_spec_kind(&self) -> &'static str {
         self.inner.kv_cache_spec.kind()
     }
 
-    /// The group's sliding window in tokens; ``None`` for full attention.
+    /// The group's sliding window in tokens; ``None`` for other groups.
     #[getter]
     fn kv_cache_spec_sliding_window(&self) -> Option<usize> {
         self.inner.kv_cache_spec.sliding_window()
@@ -117,12 +117,6 @@ impl BlockStored {
     #[getter]
     fn medium(&self) -> &'static str {
         self.inner.medium.as_str()
-    }
-
-    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
-    #[getter]
-    fn group_idx(&self) -> u32 {
-        self.inner.group_idx
     }
 
     fn __repr__(&self) -> String {
