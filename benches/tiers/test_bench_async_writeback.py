@@ -5,7 +5,7 @@ host tier and write-through to one real Valkey server on loopback: one with
 ``RemoteTierOptions(async_io=False)`` (every offloaded block is put on the step thread),
 one with the default background thread. Each round runs one ``generate`` of eight fresh
 64-token prompts (every full block is written: about 40 blocks, 20 MiB per call) on each
-engine, alternated, and takes each call's mean step time (``run_stats``: ``elapsed_s /
+engine, alternated, and takes each call's mean step time (``stats()["engine"]``: ``elapsed_s /
 steps``; the end-of-call flush is not in it). ``extra_info`` has the medians and the median
 per-round ratio sync / async, both from the same run.
 
@@ -70,7 +70,7 @@ def test_step_time_sync_vs_async_writeback(benchmark: Any, server: ServerProcess
             # Fresh prompts for each call: nothing is cached, every full block is written.
             prompts = rng.integers(1, 256, size=(PROMPTS, PROMPT_LEN)).tolist()
             llm.generate(prompts, PARAMS)
-            stats = llm.run_stats
+            stats = llm.stats()["engine"]
             times[name].append(float(stats["elapsed_s"]) / int(stats["steps"]))
 
     benchmark.pedantic(one_round, rounds=15, iterations=1, warmup_rounds=1)

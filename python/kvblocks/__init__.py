@@ -20,6 +20,7 @@ from kvblocks._core import (
 from kvblocks.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
+    InvalidTypeError,
     InvariantViolationError,
     KVBlocksError,
     OutOfBlocksError,
@@ -40,6 +41,7 @@ __all__ = [
     "FlashInferPageTable",
     "GroupSpec",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "InvariantViolationError",
     "KVBlocksError",
     "KVCacheManager",

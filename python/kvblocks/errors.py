@@ -12,6 +12,7 @@ from __future__ import annotations
 __all__ = [
     "DuplicateSequenceError",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "InvariantViolationError",
     "KVBlocksError",
     "OutOfBlocksError",
@@ -28,6 +29,15 @@ class InvalidArgumentError(KVBlocksError, ValueError):
     """An argument has the wrong value, shape, dtype or device.
 
     Also a :class:`ValueError`, so code that already catches ``ValueError`` keeps working.
+    """
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type (not a bytes, not a layout, not an event record).
+
+    Also a :class:`TypeError` (and, as an :class:`InvalidArgumentError`, a
+    :class:`ValueError`), so code that catches the built-in type Python raises for a
+    wrong type keeps working.
     """
 
 

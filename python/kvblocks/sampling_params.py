@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_bool, check_int, check_number
 
 __all__ = ["SamplingParams", "as_token_ids"]
 
@@ -77,45 +78,40 @@ class SamplingParams:
     retention_priority: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("top_k", self.top_k, 0)
-        _check_int("n", self.n, 1)
-        _check_int("beam_width", self.beam_width, 1)
+        check_int(self.max_tokens, "max_tokens", minimum=1)
+        check_int(self.top_k, "top_k", minimum=0)
+        check_int(self.n, "n", minimum=1)
+        check_int(self.beam_width, "beam_width", minimum=1)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
-        temperature = _as_float("temperature", self.temperature)
+            check_int(self.seed, "seed", minimum=0)
+        temperature = check_number(self.temperature, "temperature")
         if not temperature >= 0.0:
             raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        top_p = _as_float("top_p", self.top_p)
+        top_p = check_number(self.top_p, "top_p")
         if not 0.0 < top_p <= 1.0:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {top_p}")
-        length_penalty = _as_float("length_penalty", self.length_penalty)
+        length_penalty = check_number(self.length_penalty, "length_penalty")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise InvalidArgumentError(
                 f"n ({self.n}) must be <= beam_width ({self.beam_width}) with beam search"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidArgumentError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        _check_int("min_tokens", self.min_tokens, 0)
+        check_bool(self.ignore_eos, "ignore_eos")
+        check_int(self.min_tokens, "min_tokens", minimum=0)
         if self.min_tokens > self.max_tokens:
             raise InvalidArgumentError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
+            check_int(self.logprobs, "logprobs", minimum=0)
         if self.retention_priority is not None:
-            _check_int("retention_priority", self.retention_priority, 0)
+            check_int(self.retention_priority, "retention_priority", minimum=0)
             if self.retention_priority > 100:
                 raise InvalidArgumentError(
                     f"retention_priority must be in [0, 100], got {self.retention_priority}"
                 )
         if self.beam_width > 1 and (self.min_tokens or self.logprobs is not None):
             raise InvalidArgumentError("min_tokens and logprobs are not supported with beam search")
-        if not isinstance(self.include_stop_str_in_output, bool):
-            raise InvalidArgumentError(
-                "include_stop_str_in_output must be a bool, got "
-                f"{self.include_stop_str_in_output!r}"
-            )
+        check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         object.__setattr__(self, "stop", _as_stop_strings(self.stop))
         stop = _as_token_tuple(self.stop_token_ids)
         # Frozen dataclass: normalised values are written through object.__setattr__.
@@ -138,22 +134,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling is argmax (``temperature == 0``)."""
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _as_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
-    result = float(value)
-    if result != result or result in (float("inf"), float("-inf")):
-        raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
-    return result
 
 
 def as_token_ids(values: object, what: str = "token ids") -> list[int]:

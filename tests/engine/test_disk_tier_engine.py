@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -36,7 +37,7 @@ MODEL_ID = "tiny-llama-seed0"
 # Engine B in a fresh interpreter: the same tiny model (seeded weights), the same directory.
 _CHILD = textwrap.dedent(
     """
-    import hashlib, json, sys, warnings
+    import hashlib, json, logging, sys, warnings
     import torch
     torch.set_num_threads(1)
     from kvblocks.engine import LLM, weights_digest
@@ -47,6 +48,11 @@ _CHILD = textwrap.dedent(
 
     directory, model_id, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     block, pool = int(sys.argv[4]), int(sys.argv[5])
+    class Kept(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+    logged = []
+    logging.getLogger("kvblocks").addHandler(Kept(logging.WARNING))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         digest = weights_digest(build_tiny_model())
@@ -71,7 +77,7 @@ _CHILD = textwrap.dedent(
         "host_loads": stats["cache"]["host_loads"],
         "kv_blocks": int(kv.shape[0]),
         "kv_sha256": hashlib.sha256(kv.numpy().tobytes()).hexdigest(),
-        "warnings": [str(w.message) for w in caught],
+        "warnings": [str(w.message) for w in caught] + logged,
     }))
     """
 )
@@ -191,17 +197,19 @@ def test_a_directory_renamed_from_another_model_is_rejected(
 
 
 def test_a_full_disk_tier_evicts_and_never_fails_a_request(
-    tiny_llama: LlamaForCausalLM, tmp_path: Path
+    tiny_llama: LlamaForCausalLM, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     prompts = [TARGET] + [_prompt(4 * BLOCK, 10 + i) for i in range(3)]
     plain = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0)
     want = [_tokens(plain, p) for p in prompts]
     disk = DiskTier(tmp_path, _layout(), 2)
     llm = _engine(tiny_llama, disk, host_cache_blocks=4)
-    with warnings.catch_warnings():
+    caplog.clear()
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="kvblocks"):
         warnings.simplefilter("error")  # eviction is normal: nothing to warn about
         got = [_tokens(llm, p) for p in prompts]
         got.append(_tokens(llm, prompts[-1]))  # the newest blocks are still there
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert got == [*want, want[-1]]
     stats = disk.stats()
     assert len(disk) == 2 and len(list(disk.root.glob("*.kvb"))) == 2

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers import DiskTier, KVLayout, TierStore
-from tiers.helpers import block_hash, digest_of, random_payload
+from tiers.helpers import block_hash, digest_of, logs_warning, random_payload, tier_warnings
 
 
 def _stored(tier: DiskTier, layout: KVLayout, ids: range | list[int]) -> list[int]:
@@ -84,19 +83,21 @@ def test_another_layout_never_sees_the_blocks(tmp_path: Path, layout: KVLayout) 
     assert len(other) == 0 and other.get_many([block_hash(0)]) == [None]
 
 
-def test_a_directory_of_other_layouts_only_warns(tmp_path: Path, layout: KVLayout) -> None:
+def test_a_directory_of_other_layouts_only_warns(
+    tmp_path: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
     DiskTier(tmp_path, layout, 4).put(block_hash(0), random_payload(layout, 0))
     other_layout = KVLayout(2, 2, 16, 64, torch.float32, "test-model", digest_of("test-model"))
-    with pytest.warns(RuntimeWarning, match="other layouts.*'test-model'"):
+    with logs_warning(caplog, "other layouts.*'test-model'"):
         other = DiskTier(tmp_path, other_layout, 4)
     assert other.get_many([block_hash(0)]) == [None]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # reopening its own (now existing) directory is quiet
-        assert DiskTier(tmp_path, layout, 4).contains_many([block_hash(0)]) == [True]
+    caplog.clear()  # reopening its own (now existing) directory is quiet
+    assert DiskTier(tmp_path, layout, 4).contains_many([block_hash(0)]) == [True]
+    assert tier_warnings(caplog) == []
 
 
 def test_a_directory_describing_another_layout_is_rejected(
-    tmp_path: Path, layout: KVLayout
+    tmp_path: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A fingerprint directory copied from another model: warned, its blocks removed."""
     foreign = KVLayout(2, 2, 16, 64, torch.float16, "another-model", digest_of("another-model"))
@@ -105,7 +106,7 @@ def test_a_directory_describing_another_layout_is_rejected(
     mine = tmp_path / "b" / layout.fingerprint.hex()
     mine.parent.mkdir()
     source.root.rename(mine)
-    with pytest.warns(RuntimeWarning, match="describes another layout"):
+    with logs_warning(caplog, "describes another layout"):
         tier = DiskTier(tmp_path / "b", layout, 4)
     assert len(tier) == 0 and tier.get_many([block_hash(0)]) == [None]
     assert tier.stats().rejected == 1 and not list(mine.glob("*.kvb"))
@@ -127,7 +128,7 @@ def test_capacity_evicts_lru_never_fails(tmp_path: Path, layout: KVLayout) -> No
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flip", "foreign record", "empty"])
 def test_damaged_file_reads_as_miss_and_is_removed(
-    tmp_path: Path, layout: KVLayout, damage: str
+    tmp_path: Path, layout: KVLayout, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = DiskTier(tmp_path, layout, 4)
     tier.put(block_hash(0), random_payload(layout, 0))
@@ -143,7 +144,7 @@ def test_damaged_file_reads_as_miss_and_is_removed(
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
-    with pytest.warns(RuntimeWarning, match="rejected"):
+    with logs_warning(caplog, "rejected"):
         assert tier.get_many([block_hash(0), block_hash(1)])[0] is None
     assert tier.stats().rejected == 1
     assert not path.exists() and not tier.contains_many([block_hash(0)])[0]
@@ -227,13 +228,13 @@ def test_full_disk_evicts_lru_never_fails(tiny_filesystem: Path, layout: KVLayou
 
 
 def test_block_larger_than_the_disk_is_dropped_with_a_warning(
-    tiny_filesystem: Path,
+    tiny_filesystem: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     huge = KVLayout(
         4, 8, 16, 128, torch.float16, weights_digest=digest_of("huge")
     )  # 512 KiB blocks, 256 KiB disk
     tier = DiskTier(tiny_filesystem, huge, 4)
-    with pytest.warns(RuntimeWarning, match="dropped"):
+    with logs_warning(caplog, "dropped"):
         assert not tier.put(block_hash(0), torch.zeros(huge.payload_nbytes, dtype=torch.uint8))
     assert tier.stats().dropped_puts == 1 and len(tier) == 0
     assert not list(tier.root.glob("*.tmp"))

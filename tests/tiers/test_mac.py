@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from kvblocks.tiers import DiskTier, KVLayout, RecordKey, UnauthenticatedBlockEr
 from kvblocks.tiers.codec import decode_block, encode_block, record_nbytes
 from kvblocks.tiers.errors import CorruptBlockError
 from kvblocks.tiers.mac import KEY_ENV, MAC_SIZE, resolve_key
-from tiers.helpers import block_hash, random_payload
+from tiers.helpers import block_hash, logs_warning, random_payload, tier_warnings
 from tiers.valkey_server import ServerProcess
 
 SECRET = "correct horse battery staple, 32+ bytes of it"
@@ -106,7 +105,10 @@ def test_valkey_rejects_and_counts_a_forged_record(
 
 
 def test_the_disk_tier_rejects_counts_and_removes_a_forged_record(
-    tmp_path: Path, layout: KVLayout, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    layout: KVLayout,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setenv(KEY_ENV, SECRET)  # the key from the environment
     signed = DiskTier(tmp_path, layout, 16)
@@ -117,14 +119,13 @@ def test_the_disk_tier_rejects_counts_and_removes_a_forged_record(
     path.write_bytes(_forged(layout, 1))
     signed.close()
     reader = DiskTier(tmp_path, layout, 16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with logs_warning(caplog, "rejected"):
         got = reader.get_many([block_hash(0), block_hash(1)])
     assert got[0] is not None and torch.equal(got[0], random_payload(layout, 0))
     assert got[1] is None and not path.exists()
     stats = reader.stats()
     assert (stats.rejected, stats.unauthenticated) == (1, 1)
-    assert all(SECRET not in str(w.message) for w in caught)
+    assert all(SECRET not in m for m in tier_warnings(caplog))
     # Without the key the records still read (their MACs are not checked).
     monkeypatch.delenv(KEY_ENV)
     assert DiskTier(tmp_path, layout, 16).get_many([block_hash(0)])[0] is not None

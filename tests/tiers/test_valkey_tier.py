@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
-import warnings
 
 import pytest
 import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers import KVLayout, TierStore, encode_block
-from tiers.helpers import block_hash, digest_of, random_payload
+from tiers.helpers import (
+    TIERS_LOGGER,
+    block_hash,
+    digest_of,
+    logs_warning,
+    random_payload,
+    tier_warnings,
+)
 from tiers.valkey_server import ServerProcess, running_server
 
 pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
@@ -93,15 +100,15 @@ def test_bad_values_are_rejected_never_loaded(
 
 
 def test_killed_server_gives_misses_one_warning_and_no_hang(
-    valkey_server: ServerProcess, layout: KVLayout
+    valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = _tier(valkey_server, layout, socket_timeout_s=0.5, retry_interval_s=0.3)
     tier.put(block_hash(0), random_payload(layout, 0))
     assert tier.get_many([block_hash(0)])[0] is not None
     valkey_server.kill()
     start = time.monotonic()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=TIERS_LOGGER):
         for i in range(20):
             assert tier.get_many([block_hash(0), block_hash(1)]) == [None, None]
             assert not tier.put(block_hash(10 + i), random_payload(layout, i))
@@ -113,21 +120,21 @@ def test_killed_server_gives_misses_one_warning_and_no_hang(
     assert elapsed < 5.0, f"a dead server cost {elapsed:.1f} s"
     with pytest.raises(InvalidArgumentError):  # bad input still raises while the server is down
         tier.put(block_hash(0), b"short")
-    unreachable = [w for w in caught if "unreachable" in str(w.message)]
-    assert len(unreachable) == 1 and unreachable[0].category is RuntimeWarning
+    unreachable = [m for m in tier_warnings(caplog) if "unreachable" in m]
+    assert len(unreachable) == 1, tier_warnings(caplog)
     stats = tier.stats()
     assert stats.misses == 41 and stats.dropped_puts == 20 and stats.errors >= 2
 
 
 def test_hung_server_times_out_instead_of_hanging(
-    valkey_server: ServerProcess, layout: KVLayout
+    valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = _tier(valkey_server, layout, socket_timeout_s=0.3, retry_interval_s=60)
     tier.put(block_hash(0), random_payload(layout, 0))
     valkey_server.pause()
     try:
         start = time.monotonic()
-        with pytest.warns(RuntimeWarning, match="unreachable"):
+        with logs_warning(caplog, "unreachable"):
             assert tier.get_many([block_hash(0)]) == [None]
         assert not tier.put(block_hash(1), random_payload(layout, 1))
         assert tier.get_many([block_hash(0)]) == [None]
@@ -140,11 +147,11 @@ def test_hung_server_times_out_instead_of_hanging(
 
 
 def test_reconnects_after_the_server_returns(
-    valkey_server: ServerProcess, layout: KVLayout
+    valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = _tier(valkey_server, layout, socket_timeout_s=0.5, retry_interval_s=0.2)
     valkey_server.kill()
-    with pytest.warns(RuntimeWarning, match="unreachable"):
+    with logs_warning(caplog, "unreachable"):
         assert not tier.put(block_hash(0), random_payload(layout, 0))
     assert not tier.available
     valkey_server.start()  # same port, empty (no persistence)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -395,9 +396,12 @@ def run(args: argparse.Namespace) -> int:
 
     A :class:`~kvblocks.errors.KVBlocksError` propagates to :func:`kvblocks.cli.main`,
     which prints it as one line; a missing engine dependency is reported here. Warnings
-    raised during the run (an unreachable remote tier, ...) print as one line each.
+    raised or logged during the run (an unreachable remote tier, ...) print as one line each.
     """
     opened: list[Any] = []
+    handler = _OneLineLogHandler(logging.WARNING)
+    package_logger = logging.getLogger("kvblocks")
+    package_logger.addHandler(handler)
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = _one_line_warning
@@ -422,7 +426,17 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for store in opened:
                 store.close()
+            package_logger.removeHandler(handler)
     return 0
+
+
+class _OneLineLogHandler(logging.Handler):
+    """Prints the package's logged operational faults (``kvblocks.tiers``, ...) as
+    ``kvblocks generate: warning: ...``, like the warnings."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = " ".join(self.format(record).split())
+        print(f"kvblocks generate: {record.levelname.lower()}: {text}", file=sys.stderr, flush=True)
 
 
 def _one_line_warning(

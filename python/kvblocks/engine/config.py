@@ -33,6 +33,7 @@ from typing import Any
 
 from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_int, check_number, check_optional_int
 
 __all__ = [
     "LAYER_TYPES",
@@ -153,9 +154,7 @@ class ModelConfig:
             "num_key_value_heads",
             "head_dim",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+            check_int(getattr(self, name), name, minimum=1, expected="a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidArgumentError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -165,14 +164,12 @@ class ModelConfig:
             raise InvalidArgumentError(
                 f"head_dim must be even for rotary embeddings, got {self.head_dim}"
             )
-        if self.sliding_window is not None and (
-            isinstance(self.sliding_window, bool)
-            or not isinstance(self.sliding_window, int)
-            or self.sliding_window <= 0
-        ):
-            raise InvalidArgumentError(
-                f"sliding_window must be a positive integer or None, got {self.sliding_window}"
-            )
+        check_optional_int(
+            self.sliding_window,
+            "sliding_window",
+            minimum=1,
+            expected="a positive integer or None",
+        )
         self._check_layer_types()
         self._check_numerics()
         self._check_experts()
@@ -212,13 +209,8 @@ class ModelConfig:
             "sliding_rope_theta",
         ):
             value = getattr(self, name)
-            if value is not None and not (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-                and value > 0
-            ):
-                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+            if value is not None:
+                check_number(value, name, positive=True)
         if self.sliding_rope_theta is None and self.sliding_rope_scaling is not None:
             raise InvalidArgumentError("sliding_rope_scaling needs a sliding_rope_theta")
 
@@ -231,8 +223,7 @@ class ModelConfig:
             return
         experts, top_k = self.num_local_experts, self.num_experts_per_tok
         for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+            check_int(value, name, minimum=1, expected="a positive integer")
         if top_k > experts:
             raise InvalidArgumentError(
                 f"num_experts_per_tok ({top_k}) exceeds num_local_experts ({experts})"

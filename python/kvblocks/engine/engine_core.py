@@ -34,7 +34,7 @@ from kvblocks.tiers.remote_link import RemoteTierLink
 
 __all__ = ["CoreStep", "EngineCore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvblocks.engine")
 
 # Steps in a row that compute nothing and move nothing before a call gives up.
 MAX_IDLE_STEPS = 64

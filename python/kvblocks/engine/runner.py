@@ -25,6 +25,7 @@ from kvblocks.scheduler.block_table import delta_indices
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.transfer import allocate_host_pool, load_blocks, offload_blocks
+from kvblocks.validation import check_int
 
 __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
 
@@ -161,13 +162,7 @@ class ModelRunner:
                 layers, num_cpu_blocks, block_size, heads, dim, self.dtype, "cpu",
                 pin_memory=self.device.type != "cpu",
             )  # fmt: skip
-        if isinstance(host_cache_blocks, bool) or not isinstance(host_cache_blocks, int):
-            raise InvalidArgumentError(
-                f"host_cache_blocks must be an int, got {host_cache_blocks!r}"
-            )
-        if host_cache_blocks < 0:
-            raise InvalidArgumentError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
-        self.host_cache_blocks = host_cache_blocks
+        self.host_cache_blocks = check_int(host_cache_blocks, "host_cache_blocks", minimum=0)
         self.host_layout = KVLayout.from_caches(self.kv_caches)
         self.host_pool: Tensor | None = None
         if host_cache_blocks > 0:

@@ -28,7 +28,7 @@ import msgspec
 from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
 from kvblocks._core import BlockRemoved as CoreBlockRemoved
 from kvblocks._core import BlockStored as CoreBlockStored
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.hashing import low64
 
 WireFormat = Literal["map", "array"]
@@ -42,9 +42,9 @@ ExternalBlockHash = bytes | int
 
 class KVEventBatch(
     msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
 ):
     """One step's events: ``[ts, events, data_parallel_rank]`` on the wire."""
 
@@ -55,8 +55,8 @@ class KVEventBatch(
 
 class KVCacheEvent(
     msgspec.Struct,
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    omit_defaults=True,
+    gc=False,
     tag=True,
 ):
     """Base of the map-encoded events (tag field ``"type"``, value the class name)."""
@@ -100,9 +100,9 @@ class AllBlocksCleared(KVCacheEvent):
 
 class ArrayKVCacheEvent(
     msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    array_like=True,
+    omit_defaults=True,
+    gc=False,
     tag=True,
     tag_field="type",
 ):
@@ -220,5 +220,5 @@ def to_wire_events(
         elif isinstance(ev, (KVCacheEvent, ArrayKVCacheEvent)):
             out.append(ev)  # type: ignore[arg-type]
         else:
-            raise TypeError(f"not a KV cache event: {type(ev).__name__}")
+            raise InvalidTypeError(f"not a KV cache event: {type(ev).__name__}")
     return out

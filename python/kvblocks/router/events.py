@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvblocks._core import AllBlocksCleared, BlockRemoved, BlockStored
+from kvblocks.errors import InvalidTypeError
 
 __all__ = [
     "DEFAULT_MEDIUM",
@@ -115,5 +116,5 @@ def records_from_manager(
         elif isinstance(ev, AllBlocksCleared):
             out.append(AllBlocksClearedRecord(instance))
         else:
-            raise TypeError(f"not a KV cache event: {type(ev).__name__}")
+            raise InvalidTypeError(f"not a KV cache event: {type(ev).__name__}")
     return out

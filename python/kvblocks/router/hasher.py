@@ -14,6 +14,7 @@ import numpy.typing as npt
 from kvblocks._core import BlockHasher, KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.hashing import low64
+from kvblocks.validation import check_int
 
 __all__ = ["PromptHasher"]
 
@@ -37,8 +38,7 @@ class PromptHasher:
     def __init__(
         self, block_size: int, hash_algo: str = "blake3", *, hash_seed: str | None = None
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        block_size = check_int(block_size, "block_size", minimum=1)
         self._hasher = BlockHasher(block_size, hash_algo=hash_algo, hash_seed=hash_seed)  # type: ignore[arg-type]
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
+from kvblocks.errors import InvalidTypeError
 from kvblocks.router.events import (
     AllBlocksClearedRecord,
     BlockHash,
@@ -46,7 +47,7 @@ class PrefixIndex:
         elif isinstance(record, AllBlocksClearedRecord):
             self.clear_instance(record.instance)
         else:
-            raise TypeError(f"not an event record: {type(record).__name__}")
+            raise InvalidTypeError(f"not an event record: {type(record).__name__}")
 
     def apply_all(self, records: Iterable[EventRecord]) -> None:
         """Apply records in stream order."""
@@ -58,7 +59,7 @@ class PrefixIndex:
     ) -> None:
         for h in hashes:
             if isinstance(h, bool) or not isinstance(h, (bytes, int)):
-                raise TypeError(f"block hashes must be bytes or int, got {type(h).__name__}")
+                raise InvalidTypeError(f"block hashes must be bytes or int, got {type(h).__name__}")
         owners = self._owners.setdefault(medium, {})
         held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:

@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.numeric_args import is_finite_nonnegative
 from kvblocks.router.events import DEFAULT_MEDIUM, BlockHash, EventRecord
 from kvblocks.router.index import PrefixIndex
+from kvblocks.validation import check_int, check_number
 
 __all__ = [
     "ROUTERS",
@@ -54,8 +54,7 @@ class InstanceLoad:
         for name in ("active_blocks", "queued_prefill_blocks"):
             value = getattr(self, name)
             # A NaN load would make every cost NaN and no instance the cheapest.
-            if not is_finite_nonnegative(value):
-                raise InvalidArgumentError(f"{name} must be a finite number >= 0, got {value!r}")
+            check_number(value, name, minimum=0)
 
 
 MAX_INSTANCES = 1 << 20
@@ -75,15 +74,9 @@ class Router:
     to a router that does not, and skip hashing)."""
 
     def __init__(self, num_instances: int) -> None:
-        if (
-            isinstance(num_instances, bool)
-            or not isinstance(num_instances, int)
-            or not 1 <= num_instances <= MAX_INSTANCES
-        ):
-            raise InvalidArgumentError(
-                f"num_instances must be an int in [1, {MAX_INSTANCES}], got {num_instances!r}"
-            )
-        self.num_instances = num_instances
+        self.num_instances = check_int(
+            num_instances, "num_instances", minimum=1, maximum=MAX_INSTANCES
+        )
         self.loads = [InstanceLoad() for _ in range(num_instances)]
 
     def set_load(self, instance: int, load: InstanceLoad) -> None:
@@ -106,27 +99,19 @@ class Router:
         raise NotImplementedError
 
     def _check(self, instance: int) -> None:
-        if (
-            isinstance(instance, bool)
-            or not isinstance(instance, int)
-            or not 0 <= instance < self.num_instances
-        ):
-            raise InvalidArgumentError(
-                f"instance must be in [0, {self.num_instances}), got {instance!r}"
-            )
+        check_int(
+            instance,
+            "instance",
+            minimum=0,
+            maximum=self.num_instances - 1,
+            expected=f"in [0, {self.num_instances})",
+        )
 
     @staticmethod
     def _check_request(block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> None:
         """Raise unless ``route``'s arguments describe a prompt: a count of blocks, and at
         most that many full-block hashes (ints or bytes)."""
-        if (
-            isinstance(num_prompt_blocks, bool)
-            or not isinstance(num_prompt_blocks, int)
-            or num_prompt_blocks < 0
-        ):
-            raise InvalidArgumentError(
-                f"num_prompt_blocks must be an int >= 0, got {num_prompt_blocks!r}"
-            )
+        check_int(num_prompt_blocks, "num_prompt_blocks", minimum=0)
         if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
             raise InvalidArgumentError(
                 f"block_hashes must be a sequence of block hashes, got "
@@ -173,11 +158,8 @@ class _CostRouter(Router):
         super().__init__(num_instances)
         if prefill_weight is None:
             prefill_weight = self.default_prefill_weight
-        if not is_finite_nonnegative(prefill_weight):
-            # inf * 0 blocks is NaN: an infinite weight makes no instance the cheapest.
-            raise InvalidArgumentError(
-                f"prefill_weight must be a finite number >= 0, got {prefill_weight!r}"
-            )
+        # inf * 0 blocks is NaN: an infinite weight makes no instance the cheapest.
+        check_number(prefill_weight, "prefill_weight", minimum=0)
         self.prefill_weight = prefill_weight
         self._last = -1
 
@@ -239,7 +221,7 @@ class CacheAwareRouter(_CostRouter):
                 f"{type(tier_credit).__name__}"
             )
         for medium, credit in (tier_credit or {}).items():
-            if not isinstance(medium, str) or not (is_finite_nonnegative(credit) and credit <= 1):
+            if not isinstance(medium, str) or not _is_fraction(credit):
                 raise InvalidArgumentError(
                     f"tier_credit must map tier names to a fraction in [0, 1], got "
                     f"{medium!r}: {credit!r}"
@@ -287,3 +269,11 @@ def make_router(name: str, num_instances: int) -> Router:
     if cls is None:
         raise InvalidArgumentError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
     return cls(num_instances)
+
+
+def _is_fraction(value: object) -> bool:
+    try:
+        check_number(value, "credit", minimum=0, maximum=1)
+    except InvalidArgumentError:
+        return False
+    return True

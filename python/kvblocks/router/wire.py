@@ -28,6 +28,7 @@ from kvblocks.router.events import (
     BlockStoredRecord,
     EventRecord,
 )
+from kvblocks.validation import check_int
 
 __all__ = ["records_from_wire"]
 
@@ -57,9 +58,7 @@ def _fields(event: Any) -> tuple[str, dict[str, Any]]:
 def _group_idx(value: Any) -> int:
     if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidArgumentError(f"group_idx must be None or an int >= 0, got {value!r}")
-    return value
+    return check_int(value, "group_idx", minimum=0, expected="None or an int >= 0")
 
 
 def _hashes(values: Any) -> tuple[bytes | int, ...]:

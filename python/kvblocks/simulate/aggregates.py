@@ -14,6 +14,8 @@ import math
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.errors import InvalidArgumentError
+
 __all__ = ["RELATIVE_RESOLUTION", "Distribution", "Timeline"]
 
 # Histogram range: 1 ns to ~11.6 days covers every latency and step time a run produces;
@@ -90,7 +92,7 @@ class Timeline:
 
     def __init__(self, columns: tuple[str, ...], max_points: int = 4096) -> None:
         if max_points < 2 or max_points % 2:
-            raise ValueError(f"max_points must be an even number >= 2, got {max_points}")
+            raise InvalidArgumentError(f"max_points must be an even number >= 2, got {max_points}")
         self.columns = columns
         self.max_points = max_points
         self.num_steps = 0

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_int, check_optional_int
 
 __all__ = ["LayerGroup", "LayerMix", "LayerMixTotals"]
 
@@ -67,12 +68,8 @@ class LayerMix:
         if not self.groups:
             raise InvalidArgumentError("a layer mix needs at least one layer group")
         for g in self.groups:
-            if isinstance(g.count, bool) or not isinstance(g.count, int) or g.count < 1:
-                raise InvalidArgumentError(f"layer count must be a positive int, got {g.count!r}")
-            if g.window is not None and (
-                isinstance(g.window, bool) or not isinstance(g.window, int) or g.window < 1
-            ):
-                raise InvalidArgumentError(f"window must be a positive int, got {g.window!r}")
+            check_int(g.count, "layer count", minimum=1, expected="a positive int")
+            check_optional_int(g.window, "window", minimum=1, expected="a positive int")
 
     @classmethod
     def parse(cls, text: str) -> LayerMix:

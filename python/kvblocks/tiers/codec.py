@@ -28,7 +28,7 @@ import zlib
 
 import torch
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.mac import MAC_SIZE, RecordKey
@@ -63,7 +63,7 @@ def check_block_hash(block_hash: object) -> bytes:
     if isinstance(block_hash, bytearray | memoryview):
         block_hash = bytes(block_hash)
     if not isinstance(block_hash, bytes):
-        raise TypeError(f"a block hash must be bytes, got {type(block_hash).__name__}")
+        raise InvalidTypeError(f"a block hash must be bytes, got {type(block_hash).__name__}")
     if not 0 < len(block_hash) <= 0xFFFF:
         raise InvalidArgumentError(f"a block hash must be 1..65535 bytes, got {len(block_hash)}")
     return block_hash
@@ -94,7 +94,9 @@ def as_payload_view(layout: KVLayout, kv: Payload) -> memoryview:
     elif isinstance(kv, bytes | bytearray | memoryview):
         view = memoryview(kv).cast("B")
     else:
-        raise TypeError(f"a payload must be bytes or a torch.Tensor, got {type(kv).__name__}")
+        raise InvalidTypeError(
+            f"a payload must be bytes or a torch.Tensor, got {type(kv).__name__}"
+        )
     if view.nbytes != layout.payload_nbytes:
         raise InvalidArgumentError(
             f"a payload for this layout is {layout.payload_nbytes} bytes, got {view.nbytes}"

@@ -6,15 +6,14 @@ import contextlib
 import errno
 import itertools
 import json
+import logging
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from kvblocks.errors import InvalidArgumentError
-from kvblocks.numeric_args import is_positive_int
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.codec import (
     Payload,
     check_block_hash,
@@ -28,8 +27,12 @@ from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
+from kvblocks.validation import check_int
 
 __all__ = ["DiskTier"]
+
+# Operational faults (an outage, a disk error) are logged, once, not raised or warned.
+logger = logging.getLogger("kvblocks.tiers")
 
 _SUFFIX = ".kvb"
 _TMP_SUFFIX = ".tmp"
@@ -47,11 +50,11 @@ class DiskTier:
     block hash, so reopening it (same directory, same layout) finds the same blocks, in the
     LRU order of their modification times (a hit refreshes the file's time). A different
     model or layout gets a different subdirectory and never sees these blocks; opening a
-    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that
-    changed weights, model id or dtype do not miss silently, and a subdirectory whose
-    ``layout.json`` names another fingerprint (copied or renamed from another model) is
-    rejected with a warning: its block files are removed (counted in ``rejected``), never
-    loaded.
+    directory that holds only other layouts' blocks logs a warning (on the
+    ``kvblocks.tiers`` logger) so that changed weights, model id or dtype do not miss
+    silently, and a subdirectory whose ``layout.json`` names another fingerprint (copied
+    or renamed from another model) is rejected with a warning: its block files are
+    removed (counted in ``rejected``), never loaded.
 
     A put writes a temporary file and renames it over the final name, so a crash mid-write
     leaves either the old state or the whole new record; leftover temporaries are removed
@@ -80,15 +83,14 @@ class DiskTier:
         mac_key: RecordKey | bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+            raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         # Another process (or a restart with other weights) opens the same directory.
         layout.require_identity("a DiskTier")
-        if not is_positive_int(capacity_blocks):
-            raise InvalidArgumentError(
-                f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
-            )
+        capacity_blocks = check_int(
+            capacity_blocks, "capacity_blocks", minimum=1, expected="a positive int"
+        )
         if not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+            raise InvalidTypeError(f"directory must be a path, got {type(directory).__name__}")
         self.layout = layout
         self._key = resolve_key(mac_key)
         self._capacity = capacity_blocks
@@ -155,12 +157,10 @@ class DiskTier:
                         digest = str(description.get("weights_digest") or "")[:16]
                         others.append(f"{description.get('model_id')!r} weights {digest}")
         if others:
-            warnings.warn(
+            logger.warning(
                 f"disk tier {self._root.parent}: no blocks of this layout ({self.layout}); "
                 f"its blocks were stored by other layouts (model_id {'; '.join(sorted(others))}) "
-                "and are never loaded into this one",
-                RuntimeWarning,
-                stacklevel=3,
+                "and are never loaded into this one"
             )
 
     def _foreign_description(self) -> str | None:
@@ -172,12 +172,10 @@ class DiskTier:
         named = description.get("fingerprint")
         if named == self.layout.fingerprint.hex():
             return None
-        warnings.warn(
+        logger.warning(
             f"disk tier {self._root}: the directory describes another layout (fingerprint "
             f"{named}, model_id {description.get('model_id')!r}), not {self.layout}; its "
-            "blocks are rejected and removed, never loaded",
-            RuntimeWarning,
-            stacklevel=3,
+            "blocks are rejected and removed, never loaded"
         )
         return str(named)
 
@@ -251,7 +249,7 @@ class DiskTier:
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            logger.warning(message)
 
     def _write(self, path: Path, record: bytes) -> None:
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{next(self._tmp_counter)}{_TMP_SUFFIX}")
@@ -336,11 +334,9 @@ class DiskTier:
                 self._stats.unauthenticated += 1
             if not self._warned_rejected:
                 self._warned_rejected = True
-                warnings.warn(
+                logger.warning(
                     f"disk tier {self._root}: a block record was rejected and removed ({exc}); "
-                    "such blocks read as misses",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    "such blocks read as misses"
                 )
             self._index.remove(block_hash)
             self._unlink(block_hash)

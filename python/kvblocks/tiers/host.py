@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.codec import Payload, as_payload_tensor, as_payload_view, check_block_hash
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
@@ -30,7 +30,7 @@ class HostTier:
         self, layout: KVLayout, capacity_blocks: int, *, pin_memory: bool | None = None
     ) -> None:
         if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+            raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
             raise InvalidArgumentError(
                 f"capacity_blocks must be a positive int, got {capacity_blocks!r}"

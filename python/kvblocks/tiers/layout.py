@@ -25,6 +25,7 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers.weights import WEIGHTS_DIGEST_SIZE
+from kvblocks.validation import check_bool, check_int
 
 __all__ = ["FINGERPRINT_SIZE", "KVLayout"]
 
@@ -69,9 +70,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "block_size", "head_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), name, minimum=1, expected="a positive int")
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidArgumentError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if not isinstance(self.model_id, str):
@@ -83,10 +82,7 @@ class KVLayout:
                 f"weights_digest must be {2 * WEIGHTS_DIGEST_SIZE} lowercase hex digits or "
                 f"empty, got {self.weights_digest!r}"
             )
-        if not isinstance(self.trust_model_id, bool):
-            raise InvalidArgumentError(
-                f"trust_model_id must be a bool, got {self.trust_model_id!r}"
-            )
+        check_bool(self.trust_model_id, "trust_model_id")
         if self.trust_model_id and not self.model_id:
             raise InvalidArgumentError(
                 "trust_model_id=True names the weights by model_id alone: model_id must not "

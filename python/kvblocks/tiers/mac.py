@@ -22,7 +22,7 @@ from typing import NoReturn
 import numpy as np
 
 from kvblocks._core import Blake3, blake3_derive_key
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["KEY_ENV", "MAC_SIZE", "RecordKey", "resolve_key"]
 
@@ -70,7 +70,7 @@ class RecordKey:
         return "RecordKey(<secret>)"
 
     def __reduce__(self) -> NoReturn:
-        raise TypeError("a RecordKey is not pickled (it would carry the secret)")
+        raise InvalidTypeError("a RecordKey is not pickled (it would carry the secret)")
 
 
 def resolve_key(mac_key: RecordKey | bytes | str | None) -> RecordKey | None:

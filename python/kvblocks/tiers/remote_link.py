@@ -21,7 +21,7 @@ of writes. A prefetched payload is written into host-pool slots by the step thre
 between two steps, before the slots are confirmed: a load never reads a slot before its
 bytes are there.
 
-The store never fails the engine: an unreachable server reads as misses (the store warns
+The store never fails the engine: an unreachable server reads as misses (the store logs a warning
 once) and a value that fails its checks is rejected and read as a miss; both mean
 recompute. A store call that raises anyway is counted (``worker_errors``) and read as a
 miss.
@@ -35,9 +35,9 @@ their reads is :mod:`kvblocks.tiers.remote_admission`'s business; the thread,
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,10 +49,10 @@ import torch
 
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.numeric_args import is_finite_nonnegative
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.remote_worker import PendingFetch, Worker
 from kvblocks.tiers.store import TierStore
+from kvblocks.validation import check_bool, check_int, check_number
 
 __all__ = [
     "PendingFetch",
@@ -62,6 +62,9 @@ __all__ = [
     "TierRead",
     "check_store_layout",
 ]
+
+# Operational faults (an outage, a disk error) are logged, once, not raised or warned.
+logger = logging.getLogger("kvblocks.tiers")
 
 TokenIds = Sequence[int] | npt.NDArray[np.int64]
 """A sequence's token ids (a list or an int64 array)."""
@@ -92,28 +95,27 @@ class RemoteTierOptions:
     close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.async_io, bool):
-            raise InvalidArgumentError(f"async_io must be a bool, got {self.async_io!r}")
-        if (
-            isinstance(self.max_pending_write_blocks, bool)
-            or not isinstance(self.max_pending_write_blocks, int)
-            or self.max_pending_write_blocks < 1
-        ):
-            raise InvalidArgumentError(
-                "max_pending_write_blocks must be a positive int, got "
-                f"{self.max_pending_write_blocks!r}"
-            )
+        check_bool(self.async_io, "async_io")
+        check_int(
+            self.max_pending_write_blocks,
+            "max_pending_write_blocks",
+            minimum=1,
+            expected="a positive int",
+        )
         for name in ("fetch_wait_s", "close_timeout_s"):
             _check_seconds(name, getattr(self, name))
 
 
-def _check_seconds(name: str, value: object) -> None:
-    """Raise unless ``value`` is a wait in seconds that threading can wait for: past
+def _check_seconds(name: str, value: object) -> float:
+    """``value`` if it is a wait in seconds that threading can wait for: past
     ``threading.TIMEOUT_MAX`` (inf included) a wait raises OverflowError."""
-    if not is_finite_nonnegative(value) or value > threading.TIMEOUT_MAX:
-        raise InvalidArgumentError(
-            f"{name} must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {value!r}"
-        )
+    return check_number(
+        value,
+        name,
+        minimum=0,
+        maximum=threading.TIMEOUT_MAX,
+        expected=f"a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}]",
+    )
 
 
 def check_store_layout(store_layout: KVLayout, engine_layout: KVLayout) -> None:
@@ -285,11 +287,9 @@ class RemoteTierLink:
 
     def _store_failed(self, call: str, exc: Exception) -> None:
         if self._counters.add("worker_errors", 1) == 1:
-            warnings.warn(
+            logger.warning(
                 f"remote tier {type(self.store).__name__}.{call} raised {exc!r}: read as a "
-                "miss / write dropped (recompute)",
-                RuntimeWarning,
-                stacklevel=2,
+                "miss / write dropped (recompute)"
             )
 
     # -- writes --------------------------------------------------------------------------

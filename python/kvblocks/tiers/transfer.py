@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.layout import KVLayout
 
 __all__ = [
@@ -110,7 +110,7 @@ def scatter_blocks(
     if not isinstance(payloads, torch.Tensor):
         rows = list(payloads)
         if any(not isinstance(r, torch.Tensor) for r in rows):
-            raise TypeError("payloads must be tensors (a None from get_many is a miss)")
+            raise InvalidTypeError("payloads must be tensors (a None from get_many is a miss)")
         payloads = (
             torch.stack([r.reshape(-1) for r in rows])
             if rows

@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvblocks._extras import raise_missing_extra
-from kvblocks.errors import InvalidArgumentError
-from kvblocks.numeric_args import is_finite_nonnegative, is_positive_int
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.codec import (
     Payload,
     check_block_hash,
@@ -25,6 +23,7 @@ from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
+from kvblocks.validation import check_int, check_number, check_optional_int
 
 try:
     import valkey
@@ -38,7 +37,7 @@ except ModuleNotFoundError as _exc:
 
 __all__ = ["ValkeyTier"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvblocks.tiers")
 
 # Errors that mean "the server is not reachable now" (as opposed to a command it refused).
 _UNREACHABLE = (_ValkeyConnectionError, _ValkeyTimeoutError, OSError)
@@ -61,8 +60,9 @@ class ValkeyTier:
     cannot keep per-block priorities, so ``priority`` is accepted and ignored.
 
     Faults: every command runs under ``socket_timeout_s``; when the server is unreachable the
-    tier warns once, reads return misses and puts are dropped (``dropped_puts``) without
-    touching the network for ``retry_interval_s``, after which it reconnects by itself. A
+    tier logs one warning (on the ``kvblocks.tiers`` logger), reads return misses and puts
+    are dropped (``dropped_puts``) without touching the network for ``retry_interval_s``,
+    after which it reconnects by itself. A
     ``client`` passed in keeps its own timeouts and retries (set a socket timeout on it).
     Like the other tiers, one instance is for one thread.
 
@@ -88,21 +88,13 @@ class ValkeyTier:
         mac_key: RecordKey | bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+            raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         layout.require_identity("a ValkeyTier")
         # A NaN or infinite time passes a comparison here and fails only the socket later.
-        if not is_finite_nonnegative(socket_timeout_s) or socket_timeout_s == 0:
-            raise InvalidArgumentError(
-                f"socket_timeout_s must be a finite number > 0, got {socket_timeout_s!r}"
-            )
-        if not is_finite_nonnegative(retry_interval_s):
-            raise InvalidArgumentError(
-                f"retry_interval_s must be a finite number >= 0, got {retry_interval_s!r}"
-            )
-        if ttl_s is not None and not is_positive_int(ttl_s):
-            raise InvalidArgumentError(f"ttl_s must be a positive int or None, got {ttl_s!r}")
-        if not is_positive_int(batch_size):
-            raise InvalidArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+        socket_timeout_s = check_number(socket_timeout_s, "socket_timeout_s", positive=True)
+        retry_interval_s = check_number(retry_interval_s, "retry_interval_s", minimum=0)
+        ttl_s = check_optional_int(ttl_s, "ttl_s", minimum=1, expected="a positive int or None")
+        batch_size = check_int(batch_size, "batch_size", minimum=1, expected="a positive int")
         if not isinstance(key_prefix, str):
             raise InvalidArgumentError(f"key_prefix must be a str, got {key_prefix!r}")
         if url is not None and not isinstance(url, str):
@@ -111,8 +103,7 @@ class ValkeyTier:
             # The client connects lazily: a bad host or port would only read as an outage.
             if not isinstance(host, str) or not host:
                 raise InvalidArgumentError(f"host must be a non-empty str, got {host!r}")
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                raise InvalidArgumentError(f"port must be an int in [1, 65535], got {port!r}")
+            port = check_int(port, "port", minimum=1, maximum=65535)
         self.layout = layout
         self._key = resolve_key(mac_key)
         self._prefix = f"{key_prefix}{layout.fingerprint.hex()}:".encode()
@@ -175,11 +166,9 @@ class ValkeyTier:
         self._down_until = time.monotonic() + self._retry_interval
         if not self._outage:
             self._outage = True
-            warnings.warn(
+            logger.warning(
                 f"Valkey tier unreachable ({exc}); reads miss and puts are dropped, "
-                f"retrying every {self._retry_interval:g} s",
-                RuntimeWarning,
-                stacklevel=3,
+                f"retrying every {self._retry_interval:g} s"
             )
 
     def _succeeded(self) -> None:

@@ -61,7 +61,7 @@ __all__ = [
     "weights_cache_dir",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvblocks.tiers")
 
 #: Bytes of a weights digest (hex strings are twice as long).
 WEIGHTS_DIGEST_SIZE = 32

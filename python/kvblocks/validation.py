@@ -1,0 +1,119 @@
+"""Argument checkers for the public boundary: each returns the value it accepted.
+
+A public constructor or call checks each argument once, here, and keeps what the checker
+returns (``self._capacity = check_int(capacity, "capacity", minimum=1)``); the layers
+below trust it. Every failure is an :class:`~kvblocks.errors.InvalidArgumentError` whose
+message names the argument, what it must be and what it got.
+
+A bool is never a number here: ``True`` given as a count or a time is a mistake, not 1.
+NaN and the infinities are never finite numbers: they pass a bare comparison and fail
+only later, in the arithmetic or the socket they reach. Needs neither torch nor NumPy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from kvblocks.errors import InvalidArgumentError
+
+__all__ = [
+    "INT32_MAX",
+    "check_bool",
+    "check_int",
+    "check_number",
+    "check_optional_int",
+]
+
+INT32_MAX = 2**31 - 1
+"""The largest length, window or count a kernel's or the core's int32 argument holds."""
+
+
+def _bounds(minimum: float | None, maximum: float | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def check_int(
+    value: object,
+    name: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    expected: str | None = None,
+    numpy: bool = False,
+) -> int:
+    """``value`` as an ``int`` if it is an int (not a bool) in ``[minimum, maximum]``;
+    else raise. ``numpy=True`` also accepts NumPy integer scalars (returned as ``int``).
+    ``expected`` replaces the generated description ("an int >= 1") in the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if numpy else int):
+        raise InvalidArgumentError(
+            f"{name} must be {expected or 'an int' + _bounds(minimum, maximum)}, got {value!r}"
+        )
+    result = int(value)
+    if (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+        raise InvalidArgumentError(
+            f"{name} must be {expected or 'an int' + _bounds(minimum, maximum)}, got {value!r}"
+        )
+    return result
+
+
+def check_optional_int(
+    value: object,
+    name: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    expected: str | None = None,
+    numpy: bool = False,
+) -> int | None:
+    """None, or :func:`check_int` of ``value``."""
+    if value is None:
+        return None
+    return check_int(
+        value,
+        name,
+        minimum=minimum,
+        maximum=maximum,
+        expected=expected or f"None or an int{_bounds(minimum, maximum)}",
+        numpy=numpy,
+    )
+
+
+def check_number(
+    value: object,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    positive: bool = False,
+    expected: str | None = None,
+) -> float:
+    """``value`` as a ``float`` if it is a finite int or float (not a bool) in
+    ``[minimum, maximum]``, and ``> 0`` if ``positive``; else raise."""
+    if positive:
+        described = "a finite number > 0" + (f" and <= {maximum}" if maximum is not None else "")
+    else:
+        described = "a finite number" + _bounds(minimum, maximum)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgumentError(f"{name} must be {expected or described}, got {value!r}")
+    result = float(value)
+    if (
+        (minimum is not None and result < minimum)
+        or (maximum is not None and result > maximum)
+        or (positive and result <= 0)
+    ):
+        raise InvalidArgumentError(f"{name} must be {expected or described}, got {value!r}")
+    return result
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` if it is a bool (not 0 or 1, not a truthy object); else raise."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+    return value
