@@ -16,7 +16,7 @@ export PYO3_PYTHON := $(abspath $(PY))
 # to a line per problem instead of a line per package.
 DEVELOP := PIP_QUIET=1 VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
 
-.PHONY: all venv build demo demo-build run wheel test test-rust test-python test-wheel lint bench \
+.PHONY: all venv build demo demo-build run wheel test test-rust test-python test-wheel lint typecheck bench \
 	bench-rust bench-python ptxas-report bench-gpu clean
 
 all: test
@@ -58,6 +58,11 @@ lint: build
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+
+# mypy --strict over the package (pyproject's [tool.mypy]) and the protocol conformance test;
+# to join `lint` once every sub-package is clean.
+typecheck: build
+	$(PY) -m mypy --strict python/kvblocks tests/test_protocols.py
 
 test-rust:
 	cargo test

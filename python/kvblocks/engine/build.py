@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,9 +20,10 @@ from kvblocks.engine.runner import ModelRunner
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.weights_identity import checkpoint_weights, model_weights_digest
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.protocols import RemoteTier, TierStore
 from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
-from kvblocks.tiers.store import TierStore
 from kvblocks.tiers.weights import CheckpointDigest
+from kvblocks.validation import check_int
 
 __all__ = [
     "build_model",
@@ -117,8 +117,7 @@ def check_max_model_len(value: int | None, model_limit: int) -> int:
     """``max_model_len`` validated against the model's position limit (default: the limit)."""
     if value is None:
         return model_limit
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise InvalidArgumentError(f"max_model_len must be an int >= 2, got {value!r}")
+    value = check_int(value, "max_model_len", minimum=2)
     if value > model_limit:
         raise InvalidArgumentError(
             f"max_model_len={value} exceeds the model's max_position_embeddings ({model_limit})"
@@ -151,7 +150,7 @@ def cache_sizes(
     return num_blocks, num_cpu_blocks
 
 
-def check_remote_tier(remote_tier: Any, options: RemoteTierOptions | None) -> None:
+def check_remote_tier(remote_tier: RemoteTier | None, options: RemoteTierOptions | None) -> None:
     """Checked before the model is built: a wrong object fails at once, and options given
     without a tier are a mistake, not something to ignore."""
     if options is not None and not isinstance(options, RemoteTierOptions):
@@ -169,7 +168,7 @@ def check_remote_tier(remote_tier: Any, options: RemoteTierOptions | None) -> No
         )
 
 
-def _needs_digest(remote_tier: Any) -> bool:
+def _needs_digest(remote_tier: RemoteTier | None) -> bool:
     """Whether the weights must be hashed for ``remote_tier`` (all but a store that opts
     out with ``trust_model_id``)."""
     return remote_tier is not None and not (
@@ -177,7 +176,7 @@ def _needs_digest(remote_tier: Any) -> bool:
     )
 
 
-def weights_before_load(model: object, remote_tier: Any) -> CheckpointDigest | None:
+def weights_before_load(model: object, remote_tier: RemoteTier | None) -> CheckpointDigest | None:
     """A checkpoint's digest, read from its files before they are loaded (cached across
     processes), when a remote tier needs it; None otherwise."""
     if _needs_digest(remote_tier) and isinstance(model, (str, Path)):
@@ -186,7 +185,7 @@ def weights_before_load(model: object, remote_tier: Any) -> CheckpointDigest | N
 
 
 def connect_remote_tier(
-    remote_tier: Any,
+    remote_tier: RemoteTier,
     options: RemoteTierOptions | None,
     on_disk: CheckpointDigest | None,
     model: CausalLM,

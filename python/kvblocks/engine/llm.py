@@ -32,6 +32,7 @@ from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
 from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
+from kvblocks.protocols import EventPublisher, RemoteTier
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Scheduler, SchedulerConfig
 from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
@@ -125,8 +126,8 @@ class LLM:
         max_model_len: int | None = None,
         host_cache_blocks: int = 0,
         host_offload: Literal["evict", "commit"] = "evict",
-        event_publisher: Any | None = None,
-        remote_tier: Any | None = None,
+        event_publisher: EventPublisher | None = None,
+        remote_tier: RemoteTier | None = None,
         remote_tier_options: RemoteTierOptions | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
@@ -193,7 +194,7 @@ class LLM:
             self.tokenizer, config.vocab_size, self.max_model_len, self.eos_token_ids
         )
         self._outputs = OutputProcessor(self.tokenizer)
-        self.run_stats: dict[str, int | float] = {}
+        self._run_stats: dict[str, int | float] = {}
 
     # -- generation ----------------------------------------------------------------------
     @overload
@@ -343,7 +344,7 @@ class LLM:
                 outputs.end()
             elapsed = time.perf_counter() - start
             generated = sum(len(c.tokens) for r in runs for c in r.completions.values())
-            self.run_stats = {
+            self._run_stats = {
                 "steps": steps,
                 "computed_tokens": computed,
                 "generated_tokens": generated,
@@ -373,7 +374,7 @@ class LLM:
         beams.
         """
         stats: dict[str, Any] = {
-            "engine": dict(self.run_stats),
+            "engine": dict(self._run_stats),
             "scheduler": self.scheduler.stats(),
             "cache": dict(self.manager.stats()),
         }

@@ -9,7 +9,6 @@ or ``LLM(..., event_publisher=)``. Needs the ``events`` extra (``pyzmq``, ``msgs
 
 from kvblocks.events.publisher import (
     END_SEQ,
-    EventPublisher,
     NullEventPublisher,
     PublisherClosedError,
     ZmqEventPublisher,
@@ -22,6 +21,7 @@ from kvblocks.events.wire import (
     KVEventBatch,
     to_wire_events,
 )
+from kvblocks.protocols import EventPublisher
 
 __all__ = [
     "END_SEQ",

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import zmq
@@ -40,8 +40,9 @@ from kvblocks.events.wire import (
     check_formats,
     to_wire_events,
 )
+from kvblocks.validation import INT32_MAX, check_int, check_optional_int
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvblocks.events")
 
 #: The replay stream's end marker: sequence number -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -49,16 +50,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 class PublisherClosedError(KVBlocksError):
     """``publish`` on a publisher that was closed."""
-
-
-class EventPublisher(Protocol):
-    """What the scheduler and ``LLM`` need: ``publish`` one step's events, ``close``."""
-
-    def publish(self, events: Sequence[Any]) -> None:
-        """Queue one step's events (``KVCacheManager.take_events()`` output)."""
-
-    def close(self) -> None:
-        """Flush and release the publisher."""
 
 
 class NullEventPublisher:
@@ -134,7 +125,7 @@ class ZmqEventPublisher:
         hash_format: HashFormat = "int",
         replay_topic_frame: bool = True,
         bind: bool | None = None,
-        context: zmq.Context | None = None,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         check_formats(wire_format, hash_format)
         # Every check comes before the first socket: a bad argument leaves nothing open.
@@ -144,8 +135,7 @@ class ZmqEventPublisher:
             ("max_queue_size", max_queue_size),
         ):
             # hwm is a C int for ZeroMQ and buffer_steps a deque's maxlen (ssize_t).
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
-                raise InvalidArgumentError(f"{name} must be an int in [1, 2^31), got {value!r}")
+            check_int(value, name, minimum=1, maximum=INT32_MAX, expected="an int in [1, 2^31)")
         if not isinstance(topic, str):
             raise InvalidArgumentError(f"topic must be a str, got {type(topic).__name__}")
         if not isinstance(endpoint, str):
@@ -155,15 +145,13 @@ class ZmqEventPublisher:
                 f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}"
             )
         # It goes on the wire as an integer: anything else fails every batch's encoding.
-        if data_parallel_rank is not None and (
-            isinstance(data_parallel_rank, bool)
-            or not isinstance(data_parallel_rank, int)
-            or not 0 <= data_parallel_rank < 2**63
-        ):
-            raise InvalidArgumentError(
-                f"data_parallel_rank must be None or an int in [0, 2^63), "
-                f"got {data_parallel_rank!r}"
-            )
+        check_optional_int(
+            data_parallel_rank,
+            "data_parallel_rank",
+            minimum=0,
+            maximum=2**63 - 1,
+            expected="None or an int in [0, 2^63)",
+        )
         if bind is not None and not isinstance(bind, bool):
             raise InvalidArgumentError(f"bind must be a bool or None, got {bind!r}")
         if context is not None and not isinstance(context, zmq.Context):
@@ -176,8 +164,8 @@ class ZmqEventPublisher:
         self._topic = topic.encode("utf-8")
         self._replay_topic_frame = bool(replay_topic_frame)
         self._ctx = context if context is not None else zmq.Context.instance()
-        self._pub: zmq.Socket | None = None
-        self._replay: zmq.Socket | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(hwm)
