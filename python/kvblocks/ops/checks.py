@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import INT32_MAX as INT32_MAX  # re-exported: the ops read it here
+from kvblocks.validation import check_int
 
 __all__ = [
     "SUPPORTED_BLOCK_SIZES",
@@ -41,8 +43,6 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 112, 128, 256)
 """Head sizes the kernels are instantiated for."""
 SUPPORTED_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """Tokens per KV block."""
-INT32_MAX = 2**31 - 1
-"""The largest length or window the kernels' int32 arguments hold."""
 
 MappingLike = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
@@ -86,12 +86,9 @@ def check_ints(*, minimum: int, **values: object) -> None:
     """Raise unless each value is an int in ``[minimum, 2^31)``: the kernels and plans
     hold sizes and lengths as int32 (a bool is not an int here)."""
     for name, value in values.items():
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not minimum <= value <= INT32_MAX
-        ):
-            raise InvalidArgumentError(f"{name} must be an int in [{minimum}, 2^31), got {value!r}")
+        check_int(
+            value, name, minimum=minimum, maximum=INT32_MAX, expected=f"an int in [{minimum}, 2^31)"
+        )
 
 
 def check_optional_positive(value: float | int | None, what: str) -> None:
