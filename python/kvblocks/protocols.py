@@ -227,8 +227,9 @@ class EventPublisher(Protocol):
     def publish(self, events: Sequence[Any]) -> None:
         """Queue one step's events (``KVCacheManager.take_events()`` output)."""
 
-    def close(self) -> None:
-        """Flush and release the publisher."""
+    def close(self) -> object:
+        """Flush and release the publisher (what it returns, e.g. whether its thread
+        ended in time, is the caller's to read or ignore)."""
 
 
 @runtime_checkable

@@ -298,6 +298,18 @@ def test_bad_arguments_raise_and_leave_nothing_open() -> None:
         assert p._thread.is_alive()
 
 
+def test_close_checks_its_timeout_and_says_whether_the_thread_ended() -> None:
+    p = ZmqEventPublisher(ANY_PORT)
+    try:
+        for bad in (float("inf"), float("nan"), -1.0, "5", True):
+            with pytest.raises(InvalidArgumentError):
+                p.close(bad)  # type: ignore[arg-type]
+            assert not p.closed  # a bad call changes nothing
+    finally:
+        assert p.close() is True
+    assert p.close() is True  # idempotent
+
+
 def test_null_publisher_is_a_no_op() -> None:
     with NullEventPublisher() as p:
         p.publish([object()])

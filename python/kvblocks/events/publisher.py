@@ -40,7 +40,7 @@ from kvblocks.events.wire import (
     check_formats,
     to_wire_events,
 )
-from kvblocks.validation import INT32_MAX, check_int, check_optional_int
+from kvblocks.validation import INT32_MAX, check_int, check_number, check_optional_int
 
 logger = logging.getLogger("kvblocks.events")
 
@@ -238,18 +238,22 @@ class ZmqEventPublisher:
             time.sleep(0.001)
         return True
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0) -> bool:
         """Send what is queued (up to ``timeout`` seconds), stop the thread, close the
-        sockets. Idempotent."""
+        sockets; whether the thread ended in time. Idempotent."""
+        # A wait past threading.TIMEOUT_MAX (inf included) raises OverflowError in join.
+        timeout = check_number(timeout, "timeout", minimum=0, maximum=threading.TIMEOUT_MAX)
         with self._cond:
             if self._closed:
-                return
+                return not self._thread.is_alive()
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        ended = not self._thread.is_alive()
+        if not ended:
             logger.warning("KV event publisher thread did not stop within %.1f s", timeout)
         self._closed = True
+        return ended
 
     @property
     def closed(self) -> bool:
