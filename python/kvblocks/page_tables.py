@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from kvblocks._core import gather_row_prefixes
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_int
 
 __all__ = [
     "FlashAttentionPageTable",
@@ -166,10 +167,7 @@ def _check(
     query_start_loc: Any,
     rows: Any,
 ) -> _Checked:
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise InvalidArgumentError(f"block_size must be an int, got {type(block_size)}")
-    if not 1 <= block_size <= _INT32_MAX:
-        raise InvalidArgumentError(f"block_size must be in [1, 2**31 - 1], got {block_size}")
+    block_size = check_int(block_size, "block_size", minimum=1, maximum=_INT32_MAX, numpy=True)
     if not isinstance(block_tables, np.ndarray):
         raise InvalidArgumentError(
             f"block_tables must be a NumPy int32 array, got {type(block_tables)}"

@@ -21,6 +21,7 @@ from kvblocks.engine.tokenizer import Tokenizer
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams, as_token_ids
 from kvblocks.scheduler import Request
+from kvblocks.validation import check_int
 
 __all__ = ["InputProcessor"]
 
@@ -166,7 +167,4 @@ def _priorities(priority: int | Sequence[int] | None, count: int) -> list[int]:
         ) from None
     if len(values) != count:
         raise InvalidArgumentError(f"got {len(values)} priorities for {count} prompts")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise InvalidArgumentError(f"priorities must be ints, got {v!r}")
-    return [int(v) for v in values]
+    return [check_int(v, "each priority", numpy=True) for v in values]
