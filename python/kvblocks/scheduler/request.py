@@ -34,6 +34,18 @@ class FinishReason(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def parse(cls, reason: FinishReason | str) -> FinishReason:
+        """``reason`` as a :class:`FinishReason`.
+
+        Raises:
+            InvalidArgumentError: a value outside the enum (a caller error).
+        """
+        try:
+            return cls(reason)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+
 
 @dataclass
 class Request:

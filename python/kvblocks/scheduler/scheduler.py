@@ -49,7 +49,7 @@ from kvblocks.errors import (
 from kvblocks.scheduler.batch import StepPlan, build_step, stack_pairs
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.block_table import PersistentBlockTable
-from kvblocks.scheduler.config import SchedulerConfig
+from kvblocks.scheduler.config import SchedulerConfig, check_scheduler_args
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
@@ -98,38 +98,13 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         event_publisher: Any | None = None,
     ) -> None:
-        if not callable(clock):
-            raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
-        if event_publisher is not None:
-            if not callable(getattr(event_publisher, "publish", None)):
-                raise InvalidArgumentError(
-                    f"event_publisher needs a publish() method, got {event_publisher!r}"
-                )
-            if not getattr(manager, "record_events", False):
-                raise InvalidArgumentError(
-                    "event_publisher needs a manager built with record_events=True"
-                )
+        self.config = check_scheduler_args(manager, config, clock, event_publisher)
         self.event_publisher = event_publisher
         self.manager = manager
         # A host tier: the manager orders every block move (offloads and loads included)
         # in one list, drained by take_memory_ops; confirmed at the step's update().
         self._tiered = getattr(manager, "host_cache_blocks", 0) > 0
         self._clock = clock
-        self.config = config if config is not None else SchedulerConfig()
-        if not isinstance(self.config, SchedulerConfig):
-            raise InvalidArgumentError(
-                f"config must be a SchedulerConfig, got {type(self.config).__name__}"
-            )
-        # The first decode step holds the prompt's token, the decoded one and the lookahead:
-        # past what the pool can ever give, every request would stop at its first token
-        # (and the persistent table would be sized for slots that can never exist).
-        usable = (int(manager.num_blocks) - 1) * int(manager.block_size)
-        if self.config.num_lookahead_tokens + 2 > usable:
-            raise InvalidArgumentError(
-                f"num_lookahead_tokens = {self.config.num_lookahead_tokens} leaves no room "
-                f"for a decode step: the pool holds {usable} tokens ({int(manager.num_blocks) - 1} "
-                f"usable blocks of {int(manager.block_size)})"
-            )
         self.policy = make_policy(self.config.policy)
         self.record_history = record_history
         self.counters = SchedulerCounters()
@@ -189,22 +164,8 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise DuplicateSequenceError(f"request id {rid!r} is already queued or running")
+        self.config.check_request(request)
         num_prompt = request.num_prompt_tokens
-        width = request.sampling_params.num_sequences
-        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        if width > limit:
-            raise InvalidArgumentError(
-                f"request {rid!r} runs {width} sequences at once (n / beam_width) but a step "
-                f"holds at most {limit} (max_num_seqs, max_num_batched_tokens)"
-            )
-        if (
-            not self.config.enable_chunked_prefill
-            and num_prompt > self.config.max_num_batched_tokens
-        ):
-            raise InvalidArgumentError(
-                f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) and chunked prefill is off"
-            )
         now = self._now()  # before the manager is touched: a failing clock changes nothing
         seq_id = self._new_seq_id()
         try:
@@ -242,7 +203,7 @@ class Scheduler:
         self._owner[seq_id] = state
         if state.params.min_tokens > 0:
             self._num_min_tokens_requests += 1
-        if self.policy.name == "lpm":
+        if self.policy.probes_waiting:
             state.registered_step = self.counters.num_steps  # lpm probes waiting sequences
         else:
             self.manager.free(seq_id)
@@ -268,7 +229,7 @@ class Scheduler:
         Raises:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
-        reason = _finish_reason(reason)
+        reason = FinishReason.parse(reason)
         state = self._requests.get(request_id)
         if state is None or state.aborted:
             return None
@@ -307,7 +268,7 @@ class Scheduler:
         Raises:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
-        reason = _finish_reason(reason)
+        reason = FinishReason.parse(reason)
         state = self._requests.get(request_id)
         if (
             state is None
@@ -369,7 +330,7 @@ class Scheduler:
         # 1. decodes, with preemption when the pool is short.
         end = min(len(table), budget, cfg.max_num_seqs)
         if end < len(table):
-            end = self._cut_at_request_boundary(end)
+            end = table.request_boundary(end)  # never split a multi-sequence request
         start = 0
         while start < end:
             ids = table["seq_id"]
@@ -1015,7 +976,7 @@ class Scheduler:
     def _queue(self, state: RequestState) -> None:
         """Put a single-sequence state (not registered with the manager) in the waiting queue."""
         state.registered_step = -1
-        if self.policy.name == "lpm":
+        if self.policy.probes_waiting:
             self._register(state)
         state.num_computed = 0
         state.status = RequestStatus.WAITING
@@ -1249,13 +1210,6 @@ class Scheduler:
     # -- bookkeeping -----------------------------------------------------------------------
     def _num_live_seqs(self) -> int:
         return len(self._table) + sum(s.width for s in self._prefilling)
-
-    def _cut_at_request_boundary(self, end: int) -> int:
-        """Do not split a multi-sequence request across the batch limit."""
-        counter = self._table["counter"]
-        while end > 0 and counter[end - 1] == counter[end]:
-            end -= 1
-        return end
 
     def _new_seq_id(self) -> int:
         if self._free_seq_ids:
@@ -1508,14 +1462,6 @@ def _retention_kwargs(request: Request) -> dict[str, int]:
     if request.retention_priority is None:
         return {}
     return {"retention_priority": request.retention_priority}
-
-
-def _finish_reason(reason: FinishReason | str) -> FinishReason:
-    """``reason`` as a :class:`FinishReason`; a value outside it is a caller error."""
-    try:
-        return FinishReason(reason)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
 
 
 def _insort(queue: list[RequestState], state: RequestState) -> None:

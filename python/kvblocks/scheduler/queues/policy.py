@@ -33,6 +33,10 @@ class SchedulingPolicy:
     """fcfs: admit in arrival order."""
 
     name = "fcfs"
+    #: Whether waiting sequences stay registered with the block manager (lpm ranks them
+    #: by the cached prefix the manager probes for each); otherwise a waiting request is
+    #: registered only when it is tried for admission.
+    probes_waiting = False
 
     def key(self, priority: int, arrival: float, counter: int) -> Key:
         """The ordering key of a request (smaller is more important)."""
@@ -57,6 +61,7 @@ class LongestPrefixMatchPolicy(SchedulingPolicy):
     """lpm: longest cached prefix first, then arrival (cache-aware, like SGLang)."""
 
     name = "lpm"
+    probes_waiting = True
 
     def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
         """Order by the cached prefix each request would claim now (one batch refresh).
