@@ -51,8 +51,10 @@ from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses, select_beams
 from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.config import SchedulerConfig, check_scheduler_args
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
-from kvblocks.scheduler.queues.policy import WaitingQueue, make_policy
+from kvblocks.scheduler.placement import Placement, insort
+from kvblocks.scheduler.queues.policy import make_policy
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
+from kvblocks.scheduler.registry import RequestRegistry
 from kvblocks.scheduler.request import (
     CompletionOutput,
     FinishReason,
@@ -61,7 +63,7 @@ from kvblocks.scheduler.request import (
     RequestOutput,
 )
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
-from kvblocks.scheduler.seq_table import Rows, SequenceTable
+from kvblocks.scheduler.seq_table import Rows
 from kvblocks.scheduler.stats import LatencyStats, SchedulerCounters, StatsHistory
 from kvblocks.scheduler.step_outputs import DecodeDeltas, StepOutputs
 
@@ -116,12 +118,7 @@ class Scheduler:
         # The clock, read once at the start of schedule() and of update(): every event of
         # a step shares it, and a failing clock raises before anything changed.
         self._step_time: float | None = None
-        self._requests: dict[str, RequestState] = {}
-        self._owner: dict[int, RequestState] = {}
-        self._waiting = WaitingQueue()
-        self._prefilling: list[RequestState] = []  # key order
-        self._swapped: list[RequestState] = []  # key order
-        self._table = SequenceTable()
+        self._registry = RequestRegistry()
         # Rows are taken back wherever a sequence leaves the GPU (free, swap_out).
         self._block_table = PersistentBlockTable(
             manager,
@@ -129,21 +126,15 @@ class Scheduler:
             manager.block_size,
             self.config.num_lookahead_tokens,
         )
-        self._next_seq_id = 0
-        self._free_seq_ids: list[int] = []
-        # Unfinished requests with min_tokens > 0: only then do steps scan their rows.
-        self._num_min_tokens_requests = 0
-        self._counter = 0
+        self._placement = Placement(manager, self._block_table, self._registry, self.policy)
+        self._owner = self._registry.owner
         self._in_flight: StepPlan | None = None
         self._pending_aborts: list[RequestState] = []
         self._early_outputs: list[RequestOutput] = []
-        self._finished_ids: list[str] = []
-        self._stop_tokens = np.zeros(0, dtype=np.int64)
         self._swap_out_maps: list[npt.NDArray[np.int64]] = []
         # Swap/copy groups in issue order (see SchedulerOutput.memory_ops).
         self._memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = []
         self._preempted = False
-        self._num_split = 0  # requests in SPLIT state (their parts sit in the queues)
         self._prefix_hold = PrefixHold()
         self._prefix_caching = bool(manager.enable_prefix_caching)
         # Host-tier loads the step in progress queued (admissions claim them).
@@ -162,56 +153,24 @@ class Scheduler:
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"add_request takes a Request, got {type(request).__name__}")
         rid = request.request_id
-        if rid in self._requests:
+        if rid in self._registry.requests:
             raise DuplicateSequenceError(f"request id {rid!r} is already queued or running")
         self.config.check_request(request)
-        num_prompt = request.num_prompt_tokens
         now = self._now()  # before the manager is touched: a failing clock changes nothing
-        seq_id = self._new_seq_id()
+        registry = self._registry
+        given = request.arrival_time
+        arrival = float(given) if given is not None else float(self.counters.num_steps)
+        counter = registry.next_counter
+        key = self.policy.key(request.priority, arrival, counter)
+        metrics = RequestMetrics(float(given) if given is not None else now)
+        state = RequestState(request, counter, key, registry.new_seq_id(), metrics)
         try:
-            self.manager.add_sequence(
-                seq_id,
-                request.prompt_token_ids,
-                cache_salt=request.cache_salt,
-                lora_id=request.lora_id,
-                **_retention_kwargs(request),
-            )
+            self._placement.enter(state, self.counters.num_steps)
         except Exception:
-            self._free_seq_ids.append(seq_id)  # e.g. a LoRA id the manager rejects
+            registry.give_back(state.seq_ids[0])  # e.g. a LoRA id the manager rejects
             raise
-        if self.manager.can_allocate(seq_id) == AllocStatus.NEVER:
-            self.manager.free(seq_id)
-            self._free_seq_ids.append(seq_id)
-            usable = self.manager.num_blocks - 1
-            raise InvalidArgumentError(
-                f"request {rid!r}: prompt of {num_prompt} tokens needs more blocks than the pool "
-                f"can ever give ({usable} usable blocks of {self.manager.block_size} tokens, "
-                "minus the watermark)"
-            )
-        arrival = (
-            float(request.arrival_time)
-            if request.arrival_time is not None
-            else float(self.counters.num_steps)
-        )
-        key = self.policy.key(request.priority, arrival, self._counter)
-        metrics = RequestMetrics(
-            float(request.arrival_time) if request.arrival_time is not None else now
-        )
-        state = RequestState(request, self._counter, key, seq_id, metrics)
-        self._counter += 1
-        self._requests[rid] = state
-        self._owner[seq_id] = state
-        if state.params.min_tokens > 0:
-            self._num_min_tokens_requests += 1
-        if self.policy.probes_waiting:
-            state.registered_step = self.counters.num_steps  # lpm probes waiting sequences
-        else:
-            self.manager.free(seq_id)
-        self._waiting.push(state)
+        registry.add(state)
         self.counters.num_requests_added += 1
-        if state.stop_set:
-            union = set(self._stop_tokens.tolist()) | set(state.stop_set)
-            self._stop_tokens = np.array(sorted(union), dtype=np.int64)
 
     def abort_request(
         self, request_id: str, reason: FinishReason | str = FinishReason.ABORT
@@ -230,7 +189,7 @@ class Scheduler:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
         reason = FinishReason.parse(reason)
-        state = self._requests.get(request_id)
+        state = self._registry.get(request_id)
         if state is None or state.aborted:
             return None
         output = self._abort_output(state, reason)
@@ -250,7 +209,7 @@ class Scheduler:
         if self._in_flight is not None:
             self._pending_aborts.append(state)
         else:
-            self._drop_request(state)
+            self._placement.drop(state)
         return output
 
     def finish_sequence(
@@ -269,7 +228,7 @@ class Scheduler:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
         reason = FinishReason.parse(reason)
-        state = self._requests.get(request_id)
+        state = self._registry.get(request_id)
         if (
             state is None
             or state.aborted
@@ -283,29 +242,27 @@ class Scheduler:
         if not seqs:
             return None
         seq = seqs[0]
-        rows = self._table.rows_of(np.array([seq], dtype=np.int64))
-        cum = float(self._table["cum_logprob"][rows[0]])
+        rows = self._placement.table.rows_of(np.array([seq], dtype=np.int64))
+        cum = float(self._placement.table["cum_logprob"][rows[0]])
         tokens = self.manager.token_ids(seq)[state.num_prompt :].tolist()
         completion = CompletionOutput(index, tokens, cum, reason)
         state.outputs[index] = completion
         state.output_step[index] = self.counters.num_steps
-        self._table.update(rows, [])
-        self._release_seq(state, seq)
+        self._placement.table.update(rows, [])
+        self._placement.release_seq(state, seq)
         return completion
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting, running or swapped (or output is pending)."""
-        return bool(self._requests) or bool(self._early_outputs)
+        return bool(self._registry.requests) or bool(self._early_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting, running or swapped."""
-        return len(self._requests)
+        return len(self._registry.requests)
 
     def running_request_ids(self) -> list[str]:
         """Requests whose sequences hold GPU blocks now (decoding or being prefilled)."""
-        ids = dict.fromkeys(self._table["request_id"].tolist())
-        ids.update(dict.fromkeys(s.request.request_id for s in self._prefilling))
-        return list(ids)
+        return self._placement.running_request_ids()
 
     # -- schedule ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -319,7 +276,7 @@ class Scheduler:
         self._step_time = float(self._clock())
         cfg = self.config
         mgr = self.manager
-        table = self._table
+        table = self._placement.table
         budget = cfg.max_num_batched_tokens
         self._swap_out_maps = []
         self._memory_ops = []
@@ -360,7 +317,7 @@ class Scheduler:
 
         # 2. prefill chunks of requests admitted earlier.
         chunks: list[tuple[RequestState, int, int]] = []
-        for state in list(self._prefilling):
+        for state in list(self._placement.prefilling):
             if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                 break
             if state.status is not RequestStatus.PREFILL:
@@ -374,12 +331,12 @@ class Scheduler:
 
         # 3. swapped requests come back before new ones are admitted.
         if not self._preempted:
-            while self._swapped:
-                state = self._swapped[0]
+            while self._placement.swapped:
+                state = self._placement.swapped[0]
                 if self._num_live_seqs() + len(state.seq_ids) > cfg.max_num_seqs:
                     break
                 if not mgr.can_swap_in(state.seq_ids):
-                    if len(table) == 0 and not self._prefilling and not chunks:
+                    if len(table) == 0 and not self._placement.prefilling and not chunks:
                         # Nothing else holds GPU blocks, so it can never come back whole
                         # (the watermark): recompute it instead.
                         self._recompute_any(state)
@@ -391,7 +348,7 @@ class Scheduler:
                     self._drain_copies()  # the manager queued the swap with its ops
                 else:
                     self._memory_ops.append(("swap_in", swap_in_maps[-1]))
-                self._swapped.pop(0)
+                self._placement.swapped.pop(0)
                 rows = state.swapped_rows
                 state.swapped_rows = None
                 state.status = RequestStatus.RUNNING
@@ -399,11 +356,16 @@ class Scheduler:
                 table.update(None, [rows])
 
         # 4. admission of waiting requests.
-        if not self._preempted and not self._swapped and self._waiting and budget > 0:
+        if (
+            not self._preempted
+            and not self._placement.swapped
+            and self._placement.waiting
+            and budget > 0
+        ):
             live = self._num_live_seqs()
             held = 0
             # lpm's order comes from one batch refresh of every waiting sequence's probe.
-            for state in self.policy.admission_order(self._waiting, mgr):
+            for state in self.policy.admission_order(self._placement.waiting, mgr):
                 if budget <= 0 or num_seqs >= cfg.max_num_seqs:
                     break
                 if live + state.width > cfg.max_num_seqs and live > 0:
@@ -440,11 +402,10 @@ class Scheduler:
             chunks,
             self._swap_out_maps,
             swap_in_maps,
-            self._finished_ids,
+            self._registry.take_finished_ids(),
             lambda seq: self._owner[seq].params.beam_width,
             self._block_table,
         )
-        self._finished_ids = []
         # memory_ops carries every move of the step, so an engine can apply it alone.
         if len(output.blocks_to_copy):
             self._memory_ops.append(("copy", output.blocks_to_copy))
@@ -453,7 +414,7 @@ class Scheduler:
             output.blocks_to_copy = stack_pairs(
                 [pairs for kind, pairs in self._memory_ops if kind == "copy"]
             )
-        if self._num_min_tokens_requests:
+        if self._registry.num_min_tokens:
             self._suppress_early_stops(output)
         self._in_flight = plan
         self.counters.num_steps += 1
@@ -544,13 +505,13 @@ class Scheduler:
         self._early_outputs = []
         self._step_events = {}
         self._step_time = now
-        states = dict(self._requests)  # the step's records outlive finished requests
+        states = dict(self._registry.requests)  # the step's records outlive finished requests
         decode: DecodeDeltas | None = None
         try:
             if output.num_seqs:
                 decode = self._apply_results(output, plan, sampled, logprobs, result, finished)
             for state in self._pending_aborts:
-                self._drop_request(state)
+                self._placement.drop(state)
             self._pending_aborts = []
         finally:
             self._step_time = None
@@ -579,7 +540,7 @@ class Scheduler:
         finished: list[RequestOutput],
     ) -> DecodeDeltas | None:
         mgr = self.manager
-        table = self._table
+        table = self._placement.table
         decode: DecodeDeltas | None = None
         counts = output.sample_counts
         num_decode = output.num_decode_seqs
@@ -622,8 +583,8 @@ class Scheduler:
             cols["cum_logprob"][rows] += lp
             decode = self._decode_deltas(rows, tok, generated)
             done = (generated >= cols["max_tokens"][rows]) | (tok == cols["eos"][rows])
-            if self._stop_tokens.size:
-                done |= cols["has_stop"][rows] & np.isin(tok, self._stop_tokens)
+            if self._registry.stop_tokens.size:
+                done |= cols["has_stop"][rows] & np.isin(tok, self._registry.stop_tokens)
             hits = np.flatnonzero(done)
             if hits.size:
                 self._finish_decode_rows(rows[hits], tok[hits], remove_rows, finished)
@@ -638,7 +599,7 @@ class Scheduler:
             row = sample_row_of_chunk.get(j)
             if row is None:
                 continue
-            self._prefilling.remove(state)
+            self._placement.prefilling.remove(state)
             metrics = state.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = self._now()
@@ -684,7 +645,7 @@ class Scheduler:
         generated: npt.NDArray[np.int64],
     ) -> DecodeDeltas:
         """The decode rows' new tokens as columns (rows of aborted requests left out)."""
-        cols = self._table.cols
+        cols = self._placement.table.cols
         if self._pending_aborts:
             aborted = [s for a in self._pending_aborts for p in (a, *a.parts) for s in p.seq_ids]
             keep = ~np.isin(cols["seq_id"][rows], np.array(aborted, dtype=np.int64))
@@ -706,7 +667,7 @@ class Scheduler:
         remove_rows: list[npt.NDArray[np.int64]],
         finished: list[RequestOutput],
     ) -> None:
-        cols = self._table.cols
+        cols = self._placement.table.cols
         seq_ids = cols["seq_id"][rows].tolist()
         cums = cols["cum_logprob"][rows].tolist()
         kept: list[int] = []
@@ -779,9 +740,9 @@ class Scheduler:
         parent = state.seq_ids[0]
         seq_ids = [parent]
         for index in range(1, len(tokens)):
-            child = self._new_seq_id()
+            child = self._registry.new_seq_id()
             self.manager.fork(parent, child)
-            self._adopt(state, child, index)
+            self._registry.adopt(state, child, index)
             seq_ids.append(child)
         state.seq_ids = list(seq_ids)  # _start_decoding may drop finished ones from it
         state.multi = True
@@ -798,7 +759,7 @@ class Scheduler:
         add_rows: list[Rows],
         finished: list[RequestOutput],
     ) -> None:
-        cols = self._table.cols
+        cols = self._placement.table.cols
         topk_ids = np.asarray(result.topk_token_ids)
         topk_lps = np.asarray(result.topk_logprobs)
         # The decode rows are the first rows of the step, in the same order as seq_ids.
@@ -866,23 +827,23 @@ class Scheduler:
                         )
                     )
             for seq in parents:
-                self._release_seq(state, seq)
+                self._placement.release_seq(state, seq)
             finished.append(self._finish_request(state))
             return
         used: set[int] = set()
         seq_ids: list[int] = []
         for choice in choices:
             if choice.parent in used:
-                child = self._new_seq_id()
+                child = self._registry.new_seq_id()
                 mgr.fork(parents[choice.parent], child)
-                self._adopt(state, child, len(state.all_seq_ids))
+                self._registry.adopt(state, child, len(state.all_seq_ids))
                 seq_ids.append(child)
             else:
                 used.add(choice.parent)
                 seq_ids.append(parents[choice.parent])
         for index, seq in enumerate(parents):
             if index not in used:
-                self._release_seq(state, seq)
+                self._placement.release_seq(state, seq)
         tokens = np.array([c.token for c in choices], dtype=np.int64)
         mgr.commit_batch(np.array(seq_ids, dtype=np.int64), 0, tokens)
         state.seq_ids = seq_ids
@@ -912,10 +873,11 @@ class Scheduler:
             assert victim is not None
             self._preempt(victim)
             return
-        first = min(int(self._table.rows_of(np.array(needy.seq_ids, dtype=np.int64)).min()), row)
-        others = len(self._table) > len(needy.seq_ids) or bool(self._prefilling)
+        table = self._placement.table
+        first = min(int(table.rows_of(np.array(needy.seq_ids, dtype=np.int64)).min()), row)
+        others = len(table) > len(needy.seq_ids) or bool(self._placement.prefilling)
         # Rows of needy before `row` got their slots in this round; end the round first.
-        for seq in self._table["seq_id"][first:row].tolist():
+        for seq in self._placement.table["seq_id"][first:row].tolist():
             self.manager.commit(seq, 0)
         if others:
             self._preempt(needy)
@@ -927,10 +889,10 @@ class Scheduler:
 
     def _pick_victim(self) -> RequestState | None:
         victim = None
-        if len(self._table):
-            victim = self._owner[int(self._table["seq_id"][-1])]
-        if self._prefilling:
-            last = self._prefilling[-1]
+        if len(self._placement.table):
+            victim = self._owner[int(self._placement.table["seq_id"][-1])]
+        if self._placement.prefilling:
+            last = self._placement.prefilling[-1]
             if victim is None or last.key > victim.key:
                 victim = last
         return victim
@@ -957,31 +919,6 @@ class Scheduler:
         else:
             self._split(state)
 
-    def _take_live_seqs(self, state: RequestState) -> list[tuple[int, float]]:
-        """Remove a running or swapped request's sequences from the table or the swapped
-        queue; return ``(seq_id, cumulative_logprob)`` of each (blocks are still held)."""
-        if state.status is RequestStatus.RUNNING:
-            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
-            seqs = self._table["seq_id"][rows].tolist()
-            cums = self._table["cum_logprob"][rows].tolist()
-            self._table.update(rows, [])
-        else:
-            assert state.status is RequestStatus.SWAPPED and state.swapped_rows is not None
-            self._swapped.remove(state)
-            seqs = state.swapped_rows["seq_id"].tolist()
-            cums = state.swapped_rows["cum_logprob"].tolist()
-            state.swapped_rows = None
-        return list(zip(seqs, cums, strict=True))
-
-    def _queue(self, state: RequestState) -> None:
-        """Put a single-sequence state (not registered with the manager) in the waiting queue."""
-        state.registered_step = -1
-        if self.policy.probes_waiting:
-            self._register(state)
-        state.num_computed = 0
-        state.status = RequestStatus.WAITING
-        self._waiting.push(state)
-
     def _split(self, state: RequestState) -> None:
         """Recompute an ``n > 1`` request's live sequences one by one, as parts.
 
@@ -991,31 +928,24 @@ class Scheduler:
         computed once. The request finishes when its last part does.
         """
         mgr = self.manager
-        for seq, cum in self._take_live_seqs(state):
+        for seq, cum in self._placement.take_live_seqs(state):
             part = state.make_part(seq, np.asarray(mgr.token_ids(seq), dtype=np.int64), cum)
-            mgr.free(seq)
-            self._block_table.release((seq,))
+            self._placement.release((seq,))
             self._owner[seq] = part
             state.parts.append(part)
-            self._queue(part)
+            self._placement.requeue(part, self.counters.num_steps)
         state.seq_ids = []
         state.status = RequestStatus.SPLIT
-        self._num_split += 1
+        self._placement.num_split += 1
         self.counters.num_preemptions_recompute += 1
         state.metrics.num_preemptions += 1
 
     def _restart(self, state: RequestState) -> None:
         """Free a beam-search request's sequences and queue it again from its prompt."""
-        mgr = self.manager
-        live = self._take_live_seqs(state)
-        for seq, _ in live:
-            mgr.free(seq)
-            self._block_table.release((seq,))
+        live = self._placement.take_live_seqs(state)
+        self._placement.release(seq for seq, _ in live)
         first = live[0][0]
-        for seq in state.all_seq_ids:
-            if seq != first and self._owner.get(seq) is state:
-                del self._owner[seq]
-                self._free_seq_ids.append(seq)
+        self._registry.disown_forks(state, keep=first)
         state.all_seq_ids = [first]
         state.seq_ids = [first]
         state.seq_index = {first: 0}
@@ -1024,7 +954,7 @@ class Scheduler:
         state.multi = False
         state.hypotheses = []
         state.outputs = {}
-        self._queue(state)
+        self._placement.requeue(state, self.counters.num_steps)
         self.counters.num_preemptions_recompute += 1
         state.metrics.num_preemptions += 1
 
@@ -1033,7 +963,7 @@ class Scheduler:
         seqs = state.seq_ids
         if mgr.num_cpu_blocks == 0 or not mgr.can_swap_out(seqs):
             return False
-        rows = self._table.rows_of(np.array(seqs, dtype=np.int64))
+        rows = self._placement.table.rows_of(np.array(seqs, dtype=np.int64))
         self._drain_copies()
         self._swap_out_maps.append(np.asarray(mgr.swap_out(seqs), dtype=np.int64))
         self._block_table.release(seqs)
@@ -1041,10 +971,10 @@ class Scheduler:
             self._drain_copies()  # the manager queued the swap with its ops
         else:
             self._memory_ops.append(("swap_out", self._swap_out_maps[-1]))
-        state.swapped_rows = self._table.take(rows)
-        self._table.update(rows, [])
+        state.swapped_rows = self._placement.table.take(rows)
+        self._placement.table.update(rows, [])
         state.status = RequestStatus.SWAPPED
-        _insort(self._swapped, state)
+        insort(self._placement.swapped, state)
         self.counters.num_preemptions_swap += 1
         state.metrics.num_preemptions += 1
         return True
@@ -1068,13 +998,12 @@ class Scheduler:
         mgr = self.manager
         seq = state.seq_ids[0]
         if state.status is RequestStatus.PREFILL:
-            self._prefilling.remove(state)
+            self._placement.prefilling.remove(state)
         else:
-            ((_, state.cum_logprob),) = self._take_live_seqs(state)
+            ((_, state.cum_logprob),) = self._placement.take_live_seqs(state)
             state.tokens = np.asarray(mgr.token_ids(seq), dtype=np.int64)
-        mgr.free(seq)
-        self._block_table.release((seq,))
-        self._queue(state)
+        self._placement.release((seq,))
+        self._placement.requeue(state, self.counters.num_steps)
         self.counters.num_preemptions_recompute += 1
         state.metrics.num_preemptions += 1
 
@@ -1086,7 +1015,7 @@ class Scheduler:
         mgr = self.manager
         seq = state.seq_ids[0]
         if state.registered_step != self.counters.num_steps:
-            self._register(state)  # claim against the cache as it is now
+            self._placement.register(state, self.counters.num_steps)  # as the cache is now
         if not self._fit_loads(seq):
             return None
         status = mgr.can_allocate(seq, num_lookahead_tokens=0)
@@ -1115,10 +1044,10 @@ class Scheduler:
             self._step_loads += loads
             self.counters.num_load_blocks += loads
         state.num_computed = int(mgr.num_computed_tokens(seq))
-        self._waiting.remove(state)
+        self._placement.waiting.remove(state)
         self._prefix_hold.release(state)
         state.status = RequestStatus.PREFILL
-        _insort(self._prefilling, state)
+        insort(self._placement.prefilling, state)
         counters = self.counters
         if state.admitted:
             # A recompute readmission mostly finds its own blocks cached: counted apart,
@@ -1175,9 +1104,9 @@ class Scheduler:
         mgr = self.manager
         seq = state.seq_ids[0]
         while mgr.allocate_slots(seq, length) is None:
-            victim = self._prefilling[-1]
+            victim = self._placement.prefilling[-1]
             if victim is state:
-                if len(self._table) == 0 and len(self._prefilling) == 1:
+                if len(self._placement.table) == 0 and len(self._placement.prefilling) == 1:
                     self._preempted = True
                     self._end_early(state, FinishReason.LENGTH)
                 return False
@@ -1185,49 +1114,9 @@ class Scheduler:
             self._preempt(victim)
         return True
 
-    def _register(self, state: RequestState) -> None:
-        """Register the waiting sequence, or refresh its prefix probe if it is registered.
-
-        The block manager caps a waiting sequence's cache hit at what was cached when it
-        was added; ``refresh_prefixes`` resets that cap to the cache as it is now from
-        the stored block hashes, so a registered sequence is never re-added (re-hashed).
-        """
-        mgr = self.manager
-        seq = state.seq_ids[0]
-        if state.registered_step >= 0:
-            mgr.refresh_prefixes([seq])
-        else:
-            request = state.request
-            mgr.add_sequence(
-                seq,
-                state.tokens,
-                cache_salt=request.cache_salt,
-                lora_id=request.lora_id,
-                **_retention_kwargs(request),
-            )
-        state.registered_step = self.counters.num_steps
-
     # -- bookkeeping -----------------------------------------------------------------------
     def _num_live_seqs(self) -> int:
-        return len(self._table) + sum(s.width for s in self._prefilling)
-
-    def _new_seq_id(self) -> int:
-        if self._free_seq_ids:
-            return self._free_seq_ids.pop()
-        seq = self._next_seq_id
-        self._next_seq_id += 1
-        return seq
-
-    def _adopt(self, state: RequestState, seq: int, index: int) -> None:
-        state.all_seq_ids.append(seq)
-        state.seq_index[seq] = index
-        self._owner[seq] = state
-
-    def _release_seq(self, state: RequestState, seq: int) -> None:
-        self.manager.free(seq)
-        self._block_table.release((seq,))
-        if seq in state.seq_ids:
-            state.seq_ids.remove(seq)
+        return self._placement.num_live_seqs()
 
     def _finish_seq(
         self, state: RequestState, seq: int, reason: FinishReason, cum: float
@@ -1240,7 +1129,7 @@ class Scheduler:
         state.outputs[index] = completion
         state.output_step[index] = self.counters.num_steps
         self._step_events.setdefault(state.request.request_id, {})[index] = completion
-        self._release_seq(state, seq)
+        self._placement.release_seq(state, seq)
         if state.seq_ids:
             return None
         if state.parent is not None:
@@ -1257,10 +1146,10 @@ class Scheduler:
         parent.outputs.update(outputs)
         parent.output_step.update(part.output_step)
         parent.parts.remove(part)
-        self._drop_request(part)
+        self._placement.drop(part)
         if parent.parts:
             return None
-        self._num_split -= 1
+        self._placement.num_split -= 1
         return self._finish_request(parent)
 
     def _end_early(self, state: RequestState, reason: FinishReason) -> None:
@@ -1275,7 +1164,7 @@ class Scheduler:
             if done is not None:
                 self._early_outputs.append(done)
             return
-        self._drop_request(state)
+        self._placement.drop(state)
         self.counters.num_requests_finished += 1
         self._early_outputs.append(output)
 
@@ -1294,7 +1183,7 @@ class Scheduler:
                 for i, c in sorted(state.outputs.items())
             ]
         state.status = RequestStatus.FINISHED
-        self._forget(state)
+        self._placement.registry.forget(state)
         self.counters.num_requests_finished += 1
         output = RequestOutput(
             request_id=state.request.request_id,
@@ -1328,8 +1217,10 @@ class Scheduler:
             outputs.update({c.index: c for c in self._abort_output(part, reason).outputs})
         cums: dict[int, float] = {}
         if state.status is RequestStatus.RUNNING:
-            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
-            cums = dict(zip(state.seq_ids, self._table["cum_logprob"][rows].tolist(), strict=True))
+            rows = self._placement.table.rows_of(np.array(state.seq_ids, dtype=np.int64))
+            cums = dict(
+                zip(state.seq_ids, self._placement.table["cum_logprob"][rows].tolist(), strict=True)
+            )
         elif state.status is RequestStatus.SWAPPED and state.swapped_rows is not None:
             swapped = state.swapped_rows
             cums = dict(
@@ -1367,50 +1258,6 @@ class Scheduler:
             metrics=state.metrics,
         )
 
-    def _drop_request(self, state: RequestState) -> None:
-        """Remove a request from wherever it is and release its sequences."""
-        mgr = self.manager
-        if state.status is RequestStatus.FINISHED:
-            return
-        if state.status is RequestStatus.WAITING:
-            self._waiting.remove(state)
-            if state.registered_step < 0:
-                state.seq_ids = []  # not registered with the manager: nothing to free
-        elif state.status is RequestStatus.PREFILL:
-            self._prefilling.remove(state)
-        elif state.status is RequestStatus.SWAPPED:
-            self._swapped.remove(state)
-        elif state.status is RequestStatus.SPLIT:
-            for part in state.parts:
-                self._drop_request(part)
-            state.parts = []
-            self._num_split -= 1
-        elif state.status is RequestStatus.RUNNING:
-            rows = self._table.rows_of(np.array(state.seq_ids, dtype=np.int64))
-            rows = rows[rows >= 0]
-            if rows.size:
-                self._table.update(rows, [])
-        for seq in state.seq_ids:
-            mgr.free(seq)
-            self._block_table.release((seq,))
-        state.seq_ids = []
-        state.status = RequestStatus.FINISHED
-        self._forget(state)
-
-    def _forget(self, state: RequestState) -> None:
-        rid = state.request.request_id
-        if self._requests.get(rid) is state:
-            del self._requests[rid]
-            if state.params.min_tokens > 0:
-                self._num_min_tokens_requests -= 1
-        for seq in state.all_seq_ids:
-            if self._owner.get(seq) is state:
-                del self._owner[seq]
-                self._free_seq_ids.append(seq)
-        state.all_seq_ids = []
-        if state.parent is None:
-            self._finished_ids.append(rid)
-
     # -- statistics ------------------------------------------------------------------------
     def stats(self) -> dict[str, int | float]:
         """Current gauges (queue lengths, KV usage), the cumulative counters and the
@@ -1426,16 +1273,16 @@ class Scheduler:
         return out
 
     def _gauges(self) -> dict[str, int | float]:
-        waiting, swapped = len(self._waiting), len(self._swapped)
-        if self._num_split:
+        waiting, swapped = len(self._placement.waiting), len(self._placement.swapped)
+        if self._placement.num_split:
             # Parts of a split request are queued on their own; the request counts as
             # running until its last part finishes.
-            waiting = sum(1 for s in self._waiting if s.parent is None)
-            swapped = sum(1 for s in self._swapped if s.parent is None)
-        running = len(self._requests) - waiting - swapped
+            waiting = sum(1 for s in self._placement.waiting if s.parent is None)
+            swapped = sum(1 for s in self._placement.swapped if s.parent is None)
+        running = len(self._registry.requests) - waiting - swapped
         return {
             "num_running": running,
-            "num_running_seqs": len(self._table) + len(self._prefilling),
+            "num_running_seqs": len(self._placement.table) + len(self._placement.prefilling),
             "num_waiting": waiting,
             "num_swapped": swapped,
             "kv_usage": float(self.manager.usage()),
@@ -1454,18 +1301,3 @@ class Scheduler:
         row["num_load_blocks"] = float(self._step_loads)
         row["prefix_hit_rate"] = counters.prefix_hit_rate
         return row
-
-
-def _retention_kwargs(request: Request) -> dict[str, int]:
-    """``add_sequence``'s ``retention_priority`` argument when the request sets one (a
-    manager without retention priorities is never passed it otherwise)."""
-    if request.retention_priority is None:
-        return {}
-    return {"retention_priority": request.retention_priority}
-
-
-def _insort(queue: list[RequestState], state: RequestState) -> None:
-    index = len(queue)
-    while index > 0 and queue[index - 1].key > state.key:
-        index -= 1
-    queue.insert(index, state)
