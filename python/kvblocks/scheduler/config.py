@@ -34,6 +34,13 @@ class SchedulerConfig:
             ``"fcfs"`` (arrival time), ``"priority"`` (``Request.priority``, smaller first,
             then arrival) or ``"lpm"`` (longest cached prefix first, then arrival; a
             cache-aware order as in SGLang).
+        max_wait_steps: the wait bound, in scheduler steps (``None``: no bound). A
+            waiting request that has waited this many steps (since ``add_request`` or a
+            recompute preemption) is overdue: it is admitted before every request that
+            is not, overdue requests in arrival order, so no later arrival passes it
+            whatever its priority or cached prefix; below the bound the policy's order
+            holds. Default 128 (2.6 s of 20 ms steps). ``0`` admits in arrival order
+            under every policy. See :mod:`kvblocks.scheduler.queues.wait_bound`.
         preemption_mode: ``None`` (auto: recompute single-sequence requests, swap
             multi-sequence ones), ``"recompute"`` or ``"swap"``. Multi-sequence requests
             swap when the CPU pool has room, else are recomputed (``n > 1``: each sequence
@@ -56,6 +63,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     policy: str = "fcfs"
+    max_wait_steps: int | None = 128
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
@@ -84,6 +92,13 @@ class SchedulerConfig:
         if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
             raise InvalidArgumentError(
                 f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
+            )
+        wait = self.max_wait_steps
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, int) or not 0 <= wait <= _INT32_MAX
+        ):
+            raise InvalidArgumentError(
+                f"max_wait_steps must be None or an int in [0, 2^31), got {wait!r}"
             )
         bound = self.max_load_blocks_per_step
         if bound is not None and (

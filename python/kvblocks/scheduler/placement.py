@@ -20,6 +20,7 @@ from kvblocks._core import AllocStatus
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.queues.policy import SchedulingPolicy, WaitingQueue
+from kvblocks.scheduler.queues.wait_bound import WaitBound
 from kvblocks.scheduler.registry import RequestRegistry
 from kvblocks.scheduler.request import Request
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
@@ -36,6 +37,7 @@ class Placement:
         block_table: the persistent block table (rows of sequences on the GPU).
         registry: the request registry (a dropped request is forgotten there).
         policy: the admission policy (whether waiting sequences stay registered).
+        max_wait_steps: the wait bound (:class:`WaitBound`).
     """
 
     def __init__(
@@ -44,12 +46,14 @@ class Placement:
         block_table: PersistentBlockTable,
         registry: RequestRegistry,
         policy: SchedulingPolicy,
+        max_wait_steps: int | None,
     ) -> None:
         self.manager = manager
         self.block_table = block_table
         self.registry = registry
         self.policy = policy
         self.waiting = WaitingQueue()
+        self.wait_bound = WaitBound(max_wait_steps)
         self.prefilling: list[RequestState] = []  # key order
         self.swapped: list[RequestState] = []  # key order
         self.table = SequenceTable()
@@ -146,6 +150,7 @@ class Placement:
             state.registered_step = step  # lpm probes waiting sequences
         else:
             self.manager.free(seq)
+        self.wait_bound.enter(state, step)
         self.waiting.push(state)
 
     def requeue(self, state: RequestState, step: int) -> None:
@@ -155,6 +160,7 @@ class Placement:
             self.register(state, step)
         state.num_computed = 0
         state.status = RequestStatus.WAITING
+        self.wait_bound.enter(state, step)
         self.waiting.push(state)
 
     # -- removal ------------------------------------------------------------------------

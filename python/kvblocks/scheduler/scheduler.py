@@ -112,7 +112,9 @@ class Scheduler:
         block_table = PersistentBlockTable(
             manager, cfg.max_num_seqs, manager.block_size, cfg.num_lookahead_tokens
         )
-        placement = self._placement = Placement(manager, block_table, self._registry, self.policy)
+        placement = self._placement = Placement(
+            manager, block_table, self._registry, self.policy, cfg.max_wait_steps
+        )
         records = self._records = Records(manager, placement, counters, self.latency)
         self._preemption = Preemption(manager, cfg, placement, records, counters)
         self._admission = Admission(manager, cfg, placement, records, counters, self._tiered)
@@ -240,11 +242,16 @@ class Scheduler:
             budget=cfg.max_num_batched_tokens,
             ops=MemoryOpJournal(self.manager, self._tiered),
         )
+        placement = self._placement
+        # Requests past max_wait_steps rank first in the waiting queue from now on.
+        self.counters.num_requests_overdue += placement.wait_bound.promote(
+            placement.waiting, step.step
+        )
         decodes = self._schedule_decodes(step)  # 1. decodes, preempting when short
         self._schedule_chunks(step)  # 2. prefill chunks of requests admitted earlier
         if not step.preempted:
             self._swap_in(step)  # 3. swapped requests come back before new ones
-            if not self._placement.swapped:
+            if not placement.swapped:
                 self._admit(step)  # 4. admission in policy order
 
         batch = StepBatch(
@@ -432,4 +439,6 @@ class Scheduler:
         return out
 
     def _gauges(self) -> dict[str, int | float]:
-        return gauges(self._placement, len(self._registry.requests), self.manager)
+        return gauges(
+            self._placement, len(self._registry.requests), self.manager, self.counters.num_steps
+        )

@@ -28,6 +28,9 @@ class SchedulerCounters:
     because the step's bound was reached (counted at each step a request waits);
     ``num_loads_recomputed``, host-tier blocks computed instead of loaded because one
     request's loads exceeded the whole bound.
+
+    ``num_requests_overdue``: waiting requests that reached ``max_wait_steps`` and were
+    moved ahead of the policy's order (see :mod:`~kvblocks.scheduler.queues.wait_bound`).
     """
 
     num_steps: int = 0
@@ -46,6 +49,7 @@ class SchedulerCounters:
     num_load_blocks: int = 0
     num_loads_deferred: int = 0
     num_loads_recomputed: int = 0
+    num_requests_overdue: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -152,9 +156,12 @@ class LatencyStats:
         return out
 
 
-def gauges(placement: Placement, num_requests: int, manager: Any) -> dict[str, int | float]:
-    """The scheduler's gauges: requests running, waiting and swapped (a split request
-    counts as running until its last part finishes), sequences running, KV usage."""
+def gauges(
+    placement: Placement, num_requests: int, manager: Any, step: int
+) -> dict[str, int | float]:
+    """The scheduler's gauges at ``step``: requests running, waiting and swapped (a split
+    request counts as running until its last part finishes), sequences running, KV usage
+    and the longest current wait, in steps."""
     waiting, swapped = len(placement.waiting), len(placement.swapped)
     if placement.num_split:
         # Parts of a split request are queued on their own; the request counts as
@@ -168,6 +175,7 @@ def gauges(placement: Placement, num_requests: int, manager: Any) -> dict[str, i
         "num_swapped": swapped,
         "kv_usage": float(manager.usage()),
         "num_free_blocks": int(manager.num_free_blocks()),
+        "longest_wait_steps": placement.wait_bound.longest_wait(step),
     }
 
 
