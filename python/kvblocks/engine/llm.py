@@ -564,12 +564,7 @@ class LLM:
                 self._mid_step = False
                 steps += 1
                 computed += out.num_tokens
-                moved = (
-                    len(out.blocks_to_swap_out)
-                    + len(out.blocks_to_swap_in)
-                    + len(out.blocks_to_copy)
-                    + sum(len(pairs) for _kind, pairs in out.memory_ops)
-                )
+                moved = sum(len(pairs) for _kind, pairs in out.memory_ops)
                 idle = idle + 1 if out.num_tokens == 0 and moved == 0 else 0
                 if idle >= _MAX_IDLE_STEPS:
                     raise OutOfBlocksError(
@@ -769,15 +764,11 @@ class LLM:
         old = self.scheduler
         for seq in self.manager.seq_ids().tolist():
             self.manager.free(int(seq))
-        # Block moves for sequences that no longer exist. With a host tier they are
-        # drained as one list (take_copy_on_writes would raise while any are queued) and
-        # confirmed so that their slots unpin; reset_prefix_cache then drops every
-        # unpinned slot, including those whose offload never ran.
-        if self.manager.host_cache_blocks > 0:
-            self.manager.take_memory_ops()
-            self.manager.confirm_memory_ops()
-        else:
-            self.manager.take_copy_on_writes()
+        # Block moves for sequences that no longer exist: drained and confirmed so that
+        # host-tier slots unpin; reset_prefix_cache then drops every unpinned slot,
+        # including those whose offload never ran.
+        self.manager.take_memory_ops()
+        self.manager.confirm_memory_ops()
         self.manager.reset_prefix_cache()
         self.scheduler = Scheduler(
             self.manager, self._scheduler_config, event_publisher=self._event_publisher
@@ -794,7 +785,7 @@ class LLM:
         no slot stay pinned. If applying them fails, nothing they named is trusted: the
         prefix cache and the tier's unpinned slots are dropped.
         """
-        if self.manager.host_cache_blocks == 0 or self._mid_step:
+        if self._mid_step:
             return
         memory_ops = self.manager.take_memory_ops()
         if not memory_ops:

@@ -61,14 +61,14 @@ class Admission:
         placement: Placement,
         records: Records,
         counters: SchedulerCounters,
-        tiered: bool,
     ) -> None:
         self.manager = manager
         self.config = config
         self.placement = placement
         self.records = records
         self.counters = counters
-        self.tiered = tiered
+        # Host-tier loads are counted and bounded (max_load_blocks_per_step).
+        self.tiered = getattr(manager, "host_cache_blocks", 0) > 0
         self.prefix_hold = PrefixHold()
         self.prefix_caching = bool(manager.enable_prefix_caching)
 

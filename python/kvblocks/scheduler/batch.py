@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.scheduler.block_table import PersistentBlockTable, TableWrites
-from kvblocks.scheduler.memory_ops import StepMemoryOps
+from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.scheduler.request import RequestOutput
 from kvblocks.scheduler.request_state import RequestState
@@ -85,7 +85,7 @@ class StepBatch:
 
     decodes: DecodeRows
     chunks: list[Chunk]
-    moves: StepMemoryOps
+    memory_ops: MemoryOps
     finished_request_ids: list[str]
 
 
@@ -220,14 +220,11 @@ def build_step(
         top_k=top_k,
         seeds=seeds,
         beam_topk=2 * beam_width,
-        blocks_to_swap_out=batch.moves.blocks_to_swap_out,
-        blocks_to_swap_in=batch.moves.blocks_to_swap_in,
-        blocks_to_copy=batch.moves.blocks_to_copy,
         num_prefill_tokens=num_prefill_tokens,
         num_decode_tokens=num_decode,
         num_decode_seqs=num_decode,
         finished_request_ids=batch.finished_request_ids,
-        memory_ops=batch.moves.memory_ops,
+        memory_ops=batch.memory_ops,
     )
     if block_table is not None:
         output.block_table = block_table.table

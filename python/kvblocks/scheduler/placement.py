@@ -101,6 +101,17 @@ class Placement:
             state.swapped_rows = None
         return list(zip(seqs, cums, strict=True))
 
+    def swap_in(self, state: RequestState) -> None:
+        """Bring a swapped request back to the decode table (``can_swap_in`` said yes);
+        its rows go to the manager's memory-op journal."""
+        self.manager.swap_in(state.seq_ids)
+        self.swapped.remove(state)
+        rows = state.swapped_rows
+        assert rows is not None
+        state.swapped_rows = None
+        state.status = RequestStatus.RUNNING
+        self.table.update(None, [rows])
+
     # -- the waiting queue --------------------------------------------------------------
     def register(self, state: RequestState, step: int) -> None:
         """Register the waiting sequence with the manager, or refresh its prefix probe if

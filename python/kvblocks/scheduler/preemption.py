@@ -186,7 +186,7 @@ class Preemption:
         placement = self.placement
         table = placement.table
         rows = table.rows_of(np.array(seqs, dtype=np.int64))
-        step.ops.swap_out(seqs)
+        mgr.swap_out(seqs)  # its rows are in the manager's memory-op journal
         placement.block_table.release(seqs)
         state.swapped_rows = table.take(rows)
         table.update(rows, [])

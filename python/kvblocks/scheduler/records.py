@@ -67,7 +67,14 @@ class Records:
     ) -> CompletionOutput | None:
         """End the decoding sequence of completion ``index`` of a running ``n > 1``
         request whose other sequences go on (``finish_sequence``); ``None`` if it has
-        no such live sequence."""
+        no such live sequence (swapped, split, beam search, its last sequence)."""
+        if (
+            state.aborted
+            or state.status is not RequestStatus.RUNNING
+            or state.params.use_beam_search
+            or len(state.seq_ids) < 2
+        ):
+            return None
         seqs = [seq for seq in state.seq_ids if state.seq_index.get(seq) == index]
         if not seqs:
             return None

@@ -14,13 +14,11 @@ Each step, in this order:
    host-tier load bounds).
 
 The step's state is one :class:`~kvblocks.scheduler.step.StepState` passed to every
-helper; its block moves are journaled in issue order (:mod:`.memory_ops`) and the batch
-is assembled by :func:`~kvblocks.scheduler.batch.build_step`. ``update`` applies the
+helper; the manager journals its block moves in issue order (:mod:`.memory_ops`) and
+:func:`~kvblocks.scheduler.batch.build_step` assembles the batch. ``update`` applies the
 results (:mod:`.apply`, :mod:`.beam_search`) and makes the records (:mod:`.records`).
-Decoding sequences live in NumPy columns (:class:`SequenceTable`) so that a decode step
-over a thousand sequences is a few vectorised operations and a few Rust calls; Python
-runs per request only on events (admission, prefill completion, finish, preemption,
-fork, beam step).
+Decoding sequences live in NumPy columns (:class:`SequenceTable`): Python runs per request
+only on events (admission, prefill completion, finish, preemption, fork, beam step).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from kvblocks.scheduler.batch import DecodeRows, StepBatch, StepPlan, build_step
 from kvblocks.scheduler.beam_search import BeamSearch
 from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.config import SchedulerConfig, check_scheduler_args
-from kvblocks.scheduler.memory_ops import MemoryOpJournal
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.placement import Placement
 from kvblocks.scheduler.preemption import Preemption
@@ -98,9 +95,6 @@ class Scheduler:
         cfg = self.config = check_scheduler_args(manager, config, clock, event_publisher)
         self.event_publisher = event_publisher
         self.manager = manager
-        # A host tier: the manager orders every block move (offloads and loads included)
-        # in one list, drained by take_memory_ops; confirmed at the step's update().
-        self._tiered = getattr(manager, "host_cache_blocks", 0) > 0
         self._clock = clock
         self.policy = make_policy(cfg.policy)
         self.record_history = record_history
@@ -117,7 +111,7 @@ class Scheduler:
         )
         records = self._records = Records(manager, placement, counters, self.latency)
         self._preemption = Preemption(manager, cfg, placement, records, counters)
-        self._admission = Admission(manager, cfg, placement, records, counters, self._tiered)
+        self._admission = Admission(manager, cfg, placement, records, counters)
         beams = BeamSearch(manager, placement, records, counters)
         self._results = ResultApplier(manager, placement, records, beams, counters)
         self._in_flight: StepPlan | None = None
@@ -202,14 +196,7 @@ class Scheduler:
         """
         reason = FinishReason.parse(reason)
         state = self._registry.get(request_id)
-        if (
-            state is None
-            or state.aborted
-            or self._in_flight is not None
-            or state.status is not RequestStatus.RUNNING
-            or state.params.use_beam_search
-            or len(state.seq_ids) < 2
-        ):
+        if state is None or self._in_flight is not None:
             return None
         return self._records.end_sequence(state, index, reason, self.counters.num_steps)
 
@@ -236,12 +223,7 @@ class Scheduler:
         if self._in_flight is not None:
             raise SequenceStateError("schedule() called again before update() of the last step")
         cfg = self.config
-        step = StepState(
-            now=float(self._clock()),
-            step=self.counters.num_steps,
-            budget=cfg.max_num_batched_tokens,
-            ops=MemoryOpJournal(self.manager, self._tiered),
-        )
+        step = StepState(float(self._clock()), self.counters.num_steps, cfg.max_num_batched_tokens)
         placement = self._placement
         # Requests past max_wait_steps rank first in the waiting queue from now on.
         self.counters.num_requests_overdue += placement.wait_bound.promote(
@@ -254,9 +236,8 @@ class Scheduler:
             if not placement.swapped:
                 self._admit(step)  # 4. admission in policy order
 
-        batch = StepBatch(
-            decodes, step.chunks, step.ops.finish(), self._registry.take_finished_ids()
-        )
+        moves = self.manager.take_memory_ops()  # every block move, in issue order
+        batch = StepBatch(decodes, step.chunks, moves, self._registry.take_finished_ids())
         output, plan = build_step(self.manager, batch, self._beam_width, self._block_table)
         plan.now = step.now
         plan.ended = step.ended
@@ -326,13 +307,7 @@ class Scheduler:
                     self._preemption.recompute(state, step)
                     continue
                 break
-            step.ops.swap_in(state.seq_ids)
-            swapped.pop(0)
-            rows = state.swapped_rows
-            state.swapped_rows = None
-            state.status = RequestStatus.RUNNING
-            assert rows is not None
-            placement.table.update(None, [rows])
+            placement.swap_in(state)
 
     def _admit(self, step: StepState) -> None:
         """Phase 4: waiting requests in policy order while the budget, ``max_num_seqs``
@@ -397,10 +372,9 @@ class Scheduler:
         sampled, logprobs = check_result(output, plan, result)
         now = float(self._clock())  # before any change: a failing clock changes nothing
         self._in_flight = None
-        if self._tiered:
-            # The engine applied the step's memory ops before computing it: their
-            # host-tier copies are complete, so their slots are released.
-            self.manager.confirm_memory_ops()
+        # The engine applied the step's memory ops before computing it: their host-tier
+        # copies are complete, so their slots are released (a no-op without a tier).
+        self.manager.confirm_memory_ops()
         upd = UpdateState(now, self.counters.num_steps, finished=plan.ended)
         states = dict(self._registry.requests)  # the step's records outlive finished requests
         decode = None

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.scheduler.memory_ops import MemoryOpJournal
 from kvblocks.scheduler.request import CompletionOutput, RequestOutput
 from kvblocks.scheduler.request_state import RequestState
 from kvblocks.scheduler.seq_table import Rows
@@ -37,7 +36,6 @@ class StepState:
         now: the clock, read once at the start: every event of the step shares it.
         step: the step's number (``counters.num_steps`` while it is scheduled).
         budget: tokens the step may still compute.
-        ops: the step's block moves in issue order.
         num_seqs: sequences scheduled so far.
         preempted: something was preempted (or ended for lack of room): nothing comes
             back from swap and nothing new is admitted in this step.
@@ -50,7 +48,6 @@ class StepState:
     now: float
     step: int
     budget: int
-    ops: MemoryOpJournal
     num_seqs: int = 0
     preempted: bool = False
     num_loads: int = 0
