@@ -140,8 +140,61 @@ def test_reset_drops_unpinned_tier_blocks() -> None:
     m.take_events()
     assert m.reset_prefix_cache()
     assert m.stats()["num_host_cached_blocks"] == 0
-    removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
-    assert [(e.medium, len(e.block_hashes)) for e in removed] == [("CPU", 3)]
+    # AllBlocksCleared covers every medium: no BlockRemoved follows for the tier's blocks.
+    assert [type(e).__name__ for e in m.take_events()] == ["AllBlocksCleared"]
+
+
+class StrictConsumer:
+    """A router's view of one instance, per medium, that clears every medium on
+    AllBlocksCleared (what vLLM's consumers do: the event has no medium) and refuses to
+    remove a block it does not hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set()}
+
+    def apply(self, events: list[object]) -> None:
+        for e in events:
+            if isinstance(e, kvblocks.AllBlocksCleared):
+                for held in self.held.values():
+                    held.clear()
+            elif isinstance(e, kvblocks.BlockStored):
+                self.held[e.medium].update(e.block_hashes)
+            else:
+                assert isinstance(e, kvblocks.BlockRemoved)
+                gone = set(e.block_hashes)
+                assert gone <= self.held[e.medium], f"{e.medium} removal of blocks not held"
+                self.held[e.medium] -= gone
+
+
+def test_a_consumer_that_clears_every_medium_holds_what_the_reset_kept() -> None:
+    """Regression: the reset sent AllBlocksCleared, then a CPU BlockRemoved for blocks the
+    consumer had just dropped, and nothing for the pinned tier blocks it kept, so the
+    consumer forgot blocks the instance still serves as hits."""
+    m = tiered(num_blocks=8, policy="commit")
+    consumer = StrictConsumer()
+    a, b = list(range(9)), list(range(100, 109))
+    prefill(m, 1, a)
+    m.take_memory_ops()
+    m.confirm_memory_ops()  # a's two blocks are written: unpinned
+    prefill(m, 2, b)  # b's two offloads are queued: pinned until confirmed
+    m.free(1)
+    m.free(2)
+    consumer.apply(m.take_events())
+    assert len(consumer.held["CPU"]) == 4
+    assert m.reset_prefix_cache()
+    events = m.take_events()
+    assert [(type(e).__name__, getattr(e, "medium", None)) for e in events] == [
+        ("AllBlocksCleared", None),
+        ("BlockStored", "CPU"),
+    ]
+    consumer.apply(events)
+    assert m.stats()["num_host_cached_blocks"] == 2
+    assert consumer.held == {"GPU": set(), "CPU": set(events[1].block_hashes)}
+    # What the consumer holds is what the instance serves: b hits in the tier, a misses.
+    m.take_memory_ops()
+    m.confirm_memory_ops()
+    assert (m.add_sequence(3, b), m.num_tier_tokens(3)) == (8, 8)
+    assert m.add_sequence(4, a) == 0
 
 
 @pytest.mark.parametrize(

@@ -388,15 +388,27 @@ class ReferenceKVCacheManager:
             out.append(seq)
         return out
 
+    def _claim_start(self, n: int) -> int:
+        """The first block a hit of ``n`` blocks claims: with a sliding window, the blocks
+        before the window of the query at ``n * block_size`` are not needed."""
+        if self._sliding_window is None:
+            return 0
+        visible = max(n * self._block_size + 1 - self._sliding_window, 0)
+        return min(visible // self._block_size, n)
+
     def _probe_blocks(self, seq: _Sequence) -> int:
-        """Leading blocks of the sequence's prompt found in the cache now (capped)."""
+        """Blocks of the sequence's prompt a claim serves now (capped): the longest hit
+        whose claimed blocks are all cached."""
         if not self._caching:
             return 0
-        n = 0
-        limit = min(seq.probe_cap, len(seq.hashes))
-        while n < limit and seq.hashes[n] in self._cache:
-            n += 1
-        return n
+        n = min(seq.probe_cap, len(seq.hashes))
+        while True:
+            missing = [
+                i for i in range(self._claim_start(n), n) if seq.hashes[i] not in self._cache
+            ]
+            if not missing:
+                return n
+            n = max(missing)
 
     def _pop_free(self) -> int:
         """Take the front block of the free queue, evicting its cache entry if it has one."""
@@ -582,9 +594,10 @@ class ReferenceKVCacheManager:
                 f"can_allocate({sid}) is for sequences not yet allocated; it already holds blocks"
             )
         bs = self._block_size
-        required = -(-(len(seq.token_ids) + lookahead) // bs)
         hits = self._probe_blocks(seq)
-        shared = sum(1 for h in seq.hashes[:hits] if self._refcount[self._cache[h]] > 0)
+        start = self._claim_start(hits)
+        required = -(-(len(seq.token_ids) + lookahead) // bs) - start
+        shared = sum(1 for h in seq.hashes[start:hits] if self._refcount[self._cache[h]] > 0)
         needed = required - shared
         if required > self._num_blocks - 1 - self._watermark_blocks:
             return AllocStatus.NEVER
@@ -603,16 +616,17 @@ class ReferenceKVCacheManager:
         bs = self._block_size
         claim: list[int] = []
         computed = seq.num_computed
+        table_len = len(seq.block_table)
         if not seq.allocated:
             hits = self._probe_blocks(seq)
-            claim = [self._cache[h] for h in seq.hashes[:hits]]
+            claim = [self._cache[h] for h in seq.hashes[self._claim_start(hits) : hits]]
             computed = hits * bs
+            table_len = hits
         if computed + num_new > len(seq.token_ids):
             raise InvalidArgumentError(
                 f"sequence {sid}: computed ({computed}) + num_new_tokens ({num_new}) exceeds its "
                 f"{len(seq.token_ids)} known tokens; use num_lookahead_tokens for drafts"
             )
-        table_len = len(seq.block_table) + len(claim)
         total = computed + num_new + lookahead
         append = max(0, -(-total // bs) - table_len)
         write_index = computed // bs
@@ -635,6 +649,9 @@ class ReferenceKVCacheManager:
         claim, computed, append, cow, _ = plan
         bs = self._block_size
         if not seq.allocated:
+            # Blocks before the window of the next query are not claimed.
+            seq.num_released = computed // bs - len(claim)
+            seq.block_table = [_NULL_BLOCK] * seq.num_released
             for block in claim:
                 if self._refcount[block] == 0:
                     self._free.remove(block)
@@ -643,7 +660,7 @@ class ReferenceKVCacheManager:
             seq.allocated = True
             seq.num_computed = computed
             seq.num_cached_tokens = computed
-            seq.num_committed_blocks = len(claim)
+            seq.num_committed_blocks = computed // bs
             if self._caching:
                 self._prefix_queries += seq.prompt_len
                 self._prefix_hits += computed

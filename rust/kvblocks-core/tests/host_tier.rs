@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use kvblocks_core::{
-    KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp, MemoryOpKind,
-    OffloadPolicy, RetentionPriority,
+    BlockHash, KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp,
+    MemoryOpKind, OffloadPolicy, RetentionPriority,
 };
 
 fn tiered(num_blocks: usize, host: usize, policy: OffloadPolicy) -> KVCacheManager {
@@ -195,13 +195,32 @@ fn tier_needs_prefix_caching_and_reset_keeps_pinned_slots() {
     let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
     prefill(&mut m, 1, &toks(0, 8));
     m.free(1).unwrap();
-    // Offloads not confirmed: reset keeps them.
+    let stored: Vec<BlockHash> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(stored.len(), 2);
+    // Offloads not confirmed: reset keeps them, and announces them again after the
+    // clear (which covers every medium: no host-tier `BlockRemoved`).
     assert!(m.reset_prefix_cache());
     assert_eq!(m.stats().host_tier.unwrap().num_blocks, 2);
+    match &m.take_events()[..] {
+        [KvCacheEvent::AllBlocksCleared, KvCacheEvent::BlockStored(kept)] => {
+            assert_eq!((kept.medium, &kept.block_hashes), (Medium::Cpu, &stored));
+            assert!(kept.token_ids.is_empty() && kept.parent_block_hash.is_none());
+        }
+        other => panic!("unexpected reset events {other:?}"),
+    }
     m.take_memory_ops();
     m.confirm_memory_ops();
     assert!(m.reset_prefix_cache());
     assert_eq!(m.stats().host_tier.unwrap().num_blocks, 0);
+    assert_eq!(m.take_events(), vec![KvCacheEvent::AllBlocksCleared]);
     m.check_invariants().unwrap();
 }
 

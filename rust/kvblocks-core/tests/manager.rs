@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use kvblocks_core::{
-    AllocStatus, BatchArg, HashAlgo, KVCacheManager, KvCacheEvent, KvError, ManagerConfig,
-    NULL_BLOCK,
+    AllocStatus, BatchArg, GroupSpec, HashAlgo, KVCacheManager, KvCacheEvent, KvError,
+    ManagerConfig, NULL_BLOCK,
 };
 
 fn is_invalid(e: &KvError) -> bool {
@@ -494,6 +494,69 @@ fn events_can_be_turned_off_without_changing_caching() {
     assert!(off.take_events().is_empty());
     assert_eq!(on.stats(), off.stats());
     assert_eq!(on.free_block_ids(), off.free_block_ids());
+}
+
+#[test]
+fn events_carry_the_group_and_its_attention_kind() {
+    for (window, spec) in [
+        (None, GroupSpec::FullAttention),
+        (Some(8), GroupSpec::SlidingWindow { window: 8 }),
+    ] {
+        let mut m = manager_with(5, 4, |c| c.sliding_window = window);
+        prefill(&mut m, 1, &toks(0, 12));
+        m.free(1).unwrap();
+        prefill(&mut m, 2, &toks(100, 12)); // evicts
+        let events = m.take_events();
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, KvCacheEvent::BlockRemoved(_))));
+        for e in events {
+            match e {
+                KvCacheEvent::BlockStored(s) => {
+                    assert_eq!((s.group_idx, s.kv_cache_spec), (0, spec));
+                }
+                KvCacheEvent::BlockRemoved(r) => assert_eq!(r.group_idx, 0),
+                KvCacheEvent::AllBlocksCleared => unreachable!(),
+            }
+        }
+    }
+    let sw = GroupSpec::SlidingWindow { window: 8 };
+    assert_eq!(
+        (sw.kind(), sw.sliding_window()),
+        ("sliding_window", Some(8))
+    );
+    let full = GroupSpec::FullAttention;
+    assert_eq!(
+        (full.kind(), full.sliding_window()),
+        ("full_attention", None)
+    );
+}
+
+#[test]
+fn the_manager_s_hasher_gives_its_own_hashes() {
+    let mut m = manager_with(16, 4, |c| {
+        c.hash_algo = HashAlgo::Sha256Cbor;
+        c.hash_seed = Some("12345".to_string());
+    });
+    m.register_lora(9, "my-lora", "/p");
+    let tokens = toks(0, 14);
+    m.add_sequence(1, &tokens, Some(b"s"), Some(9)).unwrap();
+    m.allocate_slots(1, 14, 0).unwrap().unwrap();
+    m.commit(1, 14, &[]).unwrap();
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let mut hasher = m.block_hasher();
+    let got = hasher
+        .prompt_hashes(&tokens, 4, Some(b"s"), Some(9))
+        .unwrap();
+    assert_eq!((got.len(), &got), (3, &stored));
 }
 
 #[test]

@@ -46,18 +46,29 @@ impl KVCacheManager {
     /// offloaded rows further (to a shared store) keys them by. Read it while the
     /// offload's slot is pinned (before `confirm_memory_ops`), when it cannot be reused.
     pub fn tier_slot_hashes(&self, slots: &[i64]) -> Vec<Option<BlockHash>> {
+        self.tier_slot_keys(slots)
+            .into_iter()
+            .map(|k| k.map(|(_, h)| h))
+            .collect()
+    }
+
+    /// The KV cache group and block hash of each host-tier slot (as `tier_slot_hashes`):
+    /// with several groups a block is keyed by both (each group's block of the same
+    /// tokens holds that group's KV).
+    pub fn tier_slot_keys(&self, slots: &[i64]) -> Vec<Option<(usize, BlockHash)>> {
         slots
             .iter()
             .map(|&s| {
                 let tier = self.pools.tier.as_ref()?;
-                tier.slot_hash(usize::try_from(s).ok()?)
+                tier.slot_key(usize::try_from(s).ok()?)
             })
             .collect()
     }
 
     /// Leading blocks of a hash chain that a prompt would hit now (in the GPU prefix cache
-    /// or written in the host tier), with no side effect: where fetching from a remote
-    /// store starts. Digests of another length than the hash algorithm's never hit.
+    /// or written in the host tier, in every group as the hit rule needs), with no side
+    /// effect: where fetching from a remote store starts. Digests of another length than
+    /// the hash algorithm's never hit.
     pub fn num_cached_prefix_blocks(&self, digests: &[&[u8]]) -> usize {
         let hashes: Vec<BlockHash> = digests
             .iter()
@@ -66,8 +77,17 @@ impl KVCacheManager {
         self.pools.probe(&hashes, hashes.len())
     }
 
-    /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
-    /// remote store), one entry per digest: the slot to write the block's KV into, or -1
+    /// [`KVCacheManager::import_group_tier_blocks`] of group 0.
+    pub fn import_tier_blocks(
+        &mut self,
+        digests: &[&[u8]],
+        priority: RetentionPriority,
+    ) -> Result<Vec<i64>> {
+        self.import_group_tier_blocks(digests, priority, 0)
+    }
+
+    /// Reserve host-tier slots for blocks of `group` the engine fetched from elsewhere (a
+    /// shared remote store), one entry per digest: the slot to write the block's KV into, or -1
     /// when nothing is to be written (already in the GPU prefix cache or the tier, or
     /// every slot pinned or holding blocks of higher retention priority than `priority`,
     /// which the imported blocks keep in the tier). Reserved slots are pinned and no prefix hit until the engine
@@ -75,12 +95,15 @@ impl KVCacheManager {
     /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
     ///
     /// Fails with `InvalidArgument` (nothing reserved) without a host tier, without
-    /// prefix caching, or for a digest whose length is not the hash algorithm's.
-    pub fn import_tier_blocks(
+    /// prefix caching, for a group out of range, or for a digest whose length is not the
+    /// hash algorithm's.
+    pub fn import_group_tier_blocks(
         &mut self,
         digests: &[&[u8]],
         priority: RetentionPriority,
+        group: usize,
     ) -> Result<Vec<i64>> {
+        self.check_group(group)?;
         if self.pools.tier.is_none() || !self.pools.caching {
             return Err(KvError::InvalidArgument(
                 "import_tier_blocks needs a host tier and prefix caching".to_string(),
@@ -104,7 +127,7 @@ impl KVCacheManager {
         }
         let mut slots = Vec::with_capacity(hashes.len());
         for hash in hashes {
-            if self.pools.cache.lookup(&hash).is_some() {
+            if self.pools.cache.lookup(group, &hash).is_some() {
                 slots.push(-1);
                 continue;
             }
@@ -112,7 +135,7 @@ impl KVCacheManager {
                 slots.push(-1);
                 continue;
             };
-            let Some((slot, evicted)) = tier.reserve(hash, priority) else {
+            let Some((slot, evicted)) = tier.reserve(group, hash, priority) else {
                 slots.push(-1);
                 continue;
             };
@@ -121,7 +144,7 @@ impl KVCacheManager {
                 self.pools.record_host_eviction(evicted);
                 self.pools
                     .events
-                    .push(KvCacheEvent::BlockStored(host_stored(vec![hash])));
+                    .push(KvCacheEvent::BlockStored(host_stored(group, vec![hash])));
             }
         }
         Ok(slots)
@@ -153,20 +176,23 @@ impl KVCacheManager {
     }
 
     /// Of the sequence's cached tokens, those loaded from the host tier (before the
-    /// first `allocate_slots`: those a claim now would load).
+    /// first `allocate_slots`: those a claim now would load); with several groups, the
+    /// tokens of the blocks some group loads.
     pub fn num_tier_tokens(&self, seq_id: u64) -> Result<usize> {
         let seq = self.seq(seq_id)?;
         Ok(if seq.allocated {
             seq.num_tier_tokens
         } else {
             let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-            self.pools.probe_tier(&seq.hashes, hit) * self.config.block_size
+            self.pools.tier_positions(&seq.hashes, hit) * self.config.block_size
         })
     }
 
     /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
-    /// `max_loads` blocks from the host tier: the hit is cut right before its
-    /// `max_loads + 1`-th tier block, and the blocks past the cut are computed instead.
+    /// `max_loads` blocks from the host tier (over all groups): the hit is cut right
+    /// before its `max_loads + 1`-th tier block (with window or chunked groups: to the
+    /// longest shorter hit whose loads fit), and the blocks past the cut are computed
+    /// instead.
     /// Returns the cached tokens the sequence would claim now. How a scheduler bounds a
     /// step's host-to-GPU transfers; `refresh_prefixes` restores the full hit. Nothing
     /// changes without a tier or when the loads fit. Errors: `UnknownSequence`,
@@ -182,19 +208,7 @@ impl KVCacheManager {
             )));
         }
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-        let mut cap = hit;
-        if self.pools.tier.is_some() {
-            let mut loads = 0;
-            for (i, h) in seq.hashes[..hit].iter().enumerate() {
-                if self.pools.cache.lookup(h).is_none() {
-                    if loads == max_loads {
-                        cap = i;
-                        break;
-                    }
-                    loads += 1;
-                }
-            }
-        }
+        let cap = self.pools.limit_loads(&seq.hashes, hit, max_loads);
         // cap <= hit <= probe_cap_blocks: the cap only shrinks, as through eviction.
         self.slots[slot].probe_cap_blocks = cap;
         Ok(cap * self.config.block_size)
