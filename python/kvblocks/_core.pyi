@@ -516,12 +516,23 @@ class KVCacheManager:
         Returns the in-flight token count of each listed sequence, in order (int64).
         """
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 
         Blocks of its cached prefix that other sequences already use cost nothing; cached
         blocks sitting in the free queue count as taken. ``NEVER`` when the sequence needs
         more blocks than ``num_blocks - 1 - watermark_blocks``.
+
+        With ``num_new_tokens``: can the next step, that many tokens past the cached
+        prefix, get the blocks its ``allocate_slots`` takes in every group? This is the
+        real need of a step (a sliding-window or chunked group holds only the blocks from
+        its claim on; earlier steps' blocks it released are not counted). ``NEVER`` when
+        the pool minus the watermark holds less than this step keeps or than the last
+        step of the known sequence must keep (every block in a full-attention group, the
+        blocks its last query sees in a window group). ``InvalidArgumentError`` as
+        :meth:`allocate_slots` (more tokens than known past the cached prefix).
         """
 
     def allocate_slots(

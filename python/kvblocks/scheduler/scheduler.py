@@ -107,7 +107,12 @@ class Scheduler:
             manager, cfg.max_num_seqs, manager.block_size, cfg.num_lookahead_tokens
         )
         placement = self._placement = Placement(
-            manager, block_table, self._registry, self.policy, cfg.max_wait_steps
+            manager,
+            block_table,
+            self._registry,
+            self.policy,
+            cfg.max_wait_steps,
+            cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else None,
         )
         records = self._records = Records(manager, placement, counters, self.latency)
         self._preemption = Preemption(manager, cfg, placement, records, counters)

@@ -74,6 +74,58 @@ impl KVCacheManager {
         Ok(AllocStatus::Ok)
     }
 
+    /// Can the sequence's next step, `num_new_tokens` tokens past its cached prefix (plus
+    /// lookahead), get its blocks in every group, keeping the watermark free?
+    ///
+    /// The admission check of a scheduler that computes a prompt in steps: the blocks
+    /// counted are those the step's `allocate_slots` takes (a window or chunked group
+    /// needs only the blocks from its claim on, not every block of the prompt).
+    /// `Never` when the pool minus the watermark holds less than this step keeps, or than
+    /// the last step of the known sequence must keep in every group (a full-attention
+    /// group every block, a window group those its last query sees): no later step can
+    /// do with less. Only for sequences not yet allocated and not swapped (else
+    /// `SequenceState`); `InvalidArgument` as `allocate_slots`.
+    pub fn can_allocate_step(
+        &self,
+        seq_id: u64,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<AllocStatus> {
+        let slot = self.slot_of(seq_id)?;
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "can_allocate")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "can_allocate: sequence {seq_id} already has slots; it is an admission check \
+                 for sequences not yet allocated"
+            )));
+        }
+        self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
+        let (plan, needed) = self.plan_allocation(slot, num_new_tokens, num_lookahead_tokens);
+        let bs = self.config.block_size;
+        let known = seq.tokens.len();
+        // Validated: known + lookahead does not overflow.
+        let end_len = (known + num_lookahead_tokens).div_ceil(bs);
+        let step_len = plan.reserved.div_ceil(bs);
+        let (mut step_held, mut end_held) = (0usize, 0usize);
+        for (g, spec) in self.pools.groups.iter().enumerate() {
+            let claimed_from = self.pools.hit_range(g, plan.claim).start;
+            step_held += step_len - claimed_from.min(step_len);
+            // The last known token's query: what the group holds while it runs.
+            let first = spec.released_blocks(known.saturating_sub(1), bs).max(claimed_from);
+            end_held += end_len - first.min(end_len);
+        }
+        let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
+        if step_held.max(end_held) > usable {
+            return Ok(AllocStatus::Never);
+        }
+        let free = self.pools.gpu.num_free() as i128;
+        if free - (needed as i128) < self.watermark_blocks as i128 {
+            return Ok(AllocStatus::Later);
+        }
+        Ok(AllocStatus::Ok)
+    }
+
     /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens in
     /// every group.
     ///
