@@ -209,6 +209,7 @@ class Harness:
             cfg.num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.host_cache_blocks
         )
         self.tier_ops: Counter[str] = Counter()
+        self.group_reads: Counter[str] = Counter()
         self.prefix_ids = PrefixIds()
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
@@ -312,6 +313,11 @@ class Harness:
         mem.write_step(writes)
         for name, table, ids, seq_len, rule in contexts:
             mem.check(name, table, ids, seq_len, attention=rule)
+            if cfg.groups is not None and len(cfg.groups) > 1:
+                # Reads through a group's table with blocks it released (null entries).
+                self.group_reads[
+                    "released" if (table[: -(-seq_len // bs)] == 0).any() else "whole"
+                ] += 1
         in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
         for rid in in_flight:
             self.abort(rid)
@@ -396,20 +402,25 @@ class Harness:
         bs = cfg.block_size
         usable = cfg.num_blocks - 1 - int(np.floor(cfg.watermark * cfg.num_blocks))
         prompt = request.num_prompt_tokens
-        # The step that could not be served computes the last token: each group holds the
-        # blocks its queries from there on see (a window group released the rest).
-        computed = prompt + len(tokens) - 1
-        table_len = -(-(computed + 1 + cfg.sched.num_lookahead_tokens) // bs)
+        # The step that could not be served computes at most the last token; a step of
+        # one token at position p holds, in each group, the blocks from the first one its
+        # query sees (a window group released the rest) to p + 1 + lookahead. A window
+        # group's count is not monotone in p: the sequence cannot pass any position
+        # whose step the pool cannot hold.
         params = request.sampling_params
-        need = 0
-        for rule in cfg.rules:
-            gone = rule.first_visible(computed) // bs
-            held = table_len - gone
-            if params.use_beam_search:
-                shared = max(prompt // bs - gone, 0)
-                held = shared + params.beam_width * (held - shared)
-            need += held
-        return need > usable
+        for p in range(prompt + len(tokens)):
+            table_len = -(-(p + 1 + cfg.sched.num_lookahead_tokens) // bs)
+            need = 0
+            for rule in cfg.rules:
+                gone = rule.first_visible(p) // bs
+                held = table_len - gone
+                if params.use_beam_search:
+                    shared = max(prompt // bs - gone, 0)
+                    held = shared + params.beam_width * (held - shared)
+                need += held
+            if need > usable:
+                return True
+        return False
 
     def check_outputs(self) -> None:
         mgr = self.mgr
@@ -526,3 +537,17 @@ def test_the_oracle_reaches_overdue_requests() -> None:
         run_config(seed).sched.counters.num_requests_overdue for seed in range(CONFIGS_PER_BATCH)
     )
     assert overdue > 0
+
+
+def test_the_oracle_reaches_groups() -> None:
+    """Configurations with several KV cache groups read through window or chunked
+    groups' tables with released blocks and are preempted, so the runs above judge the
+    per-group output by content."""
+    seen: Counter[str] = Counter()
+    for seed in range(2 * CONFIGS_PER_BATCH):
+        harness = run_config(seed)
+        seen.update(harness.group_reads)
+        if harness.group_reads:
+            seen["preempted"] += harness.sched.counters.num_preemptions_recompute
+            seen["swapped"] += harness.sched.counters.num_preemptions_swap
+    assert all(seen[k] > 0 for k in ("released", "whole", "preempted", "swapped")), seen

@@ -82,14 +82,32 @@ def test_a_prompt_over_full_attention_arithmetic_is_admitted_when_the_window_fit
         full.add_request(Request("long", list(range(1, 101)), SamplingParams(max_tokens=8)))
 
 
-def test_a_pure_window_model_runs_a_prompt_longer_than_the_pool() -> None:
+@pytest.mark.parametrize("budget", [16, 128])
+def test_a_pure_window_model_runs_a_prompt_longer_than_the_pool(budget: int) -> None:
     """One sliding-window group of 8 tokens: a 200-token prompt (50 blocks) in a pool of
-    19 usable blocks, computed 16 tokens a step, holds at most the window and a chunk."""
+    19 usable blocks holds at most the window and a chunk. A 128-token chunk (32 blocks
+    until it commits) can never be held: the step is halved until it fits, at admission
+    and for the next chunks."""
     mgr = KVCacheManager(20, 4, groups=[GroupSpec.sliding_window(8)])
-    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=16))
+    sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=budget))
     sched.add_request(Request("long", list(range(1, 201)), SamplingParams(max_tokens=5)))
     _, done = _run(sched)
     assert len(done["long"]) == 5
+
+
+def test_a_prompt_whose_worst_window_never_fits_is_refused() -> None:
+    """46 tokens in blocks of 8, a 28-token window and a full group: the last token's step
+    holds 4 + 6 = 10 blocks (the whole pool), but the query at position 40 sees blocks
+    1..5 while the full group holds 6: 11. The request is refused at ``add_request``
+    instead of being admitted and cut short."""
+    groups = [GroupSpec.sliding_window(28), FULL]
+    sched = Scheduler(KVCacheManager(11, 8, groups=groups, watermark=0.0), SchedulerConfig())
+    with pytest.raises(InvalidArgumentError, match="can ever give"):
+        sched.add_request(Request("r", list(range(1, 47)), SamplingParams(max_tokens=2)))
+    # 40 tokens never pass position 40 and fit: 5 + 5 blocks at most.
+    sched.add_request(Request("ok", list(range(1, 40)), SamplingParams(max_tokens=1)))
+    _, done = _run(sched)
+    assert len(done["ok"]) == 1
 
 
 def test_can_allocate_counts_the_steps_real_need_per_group() -> None:

@@ -111,10 +111,11 @@ class Admission:
             return Deferred.WAIT
         if may_hold and self._wait_for_prefix(state, seq, cached):
             return Deferred.HELD
+        # Every group's loads (a window group loads only the hit's blocks it sees).
+        loads = int(mgr.num_tier_loads(seq)) if self.tiered else 0
         if mgr.allocate_slots(seq, length) is None:
             return Deferred.WAIT
         if self.tiered:
-            loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
             step.num_loads += loads
             self.counters.num_load_blocks += loads
         self._start_prefill(state, step)
@@ -153,7 +154,7 @@ class Admission:
         if bound is None or not self.tiered:
             return True
         mgr = self.manager
-        loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
+        loads = int(mgr.num_tier_loads(seq))
         left = bound - step.num_loads
         if loads <= left:
             return True

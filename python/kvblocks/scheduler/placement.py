@@ -38,10 +38,6 @@ class Placement:
         registry: the request registry (a dropped request is forgotten there).
         policy: the admission policy (whether waiting sequences stay registered).
         max_wait_steps: the wait bound (:class:`WaitBound`).
-        max_chunk_tokens: the most prompt tokens one step computes (chunked prefill);
-            ``None``: a prompt is computed whole. A prompt "can never fit" when its
-            first step, or its last, needs more blocks than the pool holds in every
-            group (a window group's real need, not one block per token).
     """
 
     def __init__(
@@ -51,10 +47,8 @@ class Placement:
         registry: RequestRegistry,
         policy: SchedulingPolicy,
         max_wait_steps: int | None,
-        max_chunk_tokens: int | None = None,
     ) -> None:
         self.manager = manager
-        self.max_chunk_tokens = max_chunk_tokens
         self.block_table = block_table
         self.registry = registry
         self.policy = policy
@@ -64,13 +58,6 @@ class Placement:
         self.swapped: list[RequestState] = []  # key order
         self.table = SequenceTable()
         self.num_split = 0  # requests in SPLIT state (their parts sit in the queues)
-
-    def _first_step(self, seq: int) -> int:
-        """The tokens a waiting sequence's first step computes at most: past its cached
-        prefix, up to one chunk."""
-        rest = int(self.manager.num_tokens(seq)) - int(self.manager.num_computed_tokens(seq))
-        chunk = self.max_chunk_tokens
-        return rest if chunk is None else min(rest, chunk)
 
     # -- counts -------------------------------------------------------------------------
     def num_live_seqs(self) -> int:
@@ -163,9 +150,10 @@ class Placement:
             lora_id=request.lora_id,
             **retention_kwargs(request),
         )
-        if self.manager.can_allocate(seq, num_new_tokens=self._first_step(seq)) == (
-            AllocStatus.NEVER
-        ):
+        # Steps are halved until the pool holds them, so a prompt can never fit only
+        # when one token a step does not: every group's real need, a window group's
+        # worst window (not one block per token in every group).
+        if self.manager.can_allocate(seq, num_new_tokens=1) == AllocStatus.NEVER:
             self.manager.free(seq)
             raise InvalidArgumentError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "

@@ -107,12 +107,7 @@ class Scheduler:
             manager, cfg.max_num_seqs, manager.block_size, cfg.num_lookahead_tokens
         )
         placement = self._placement = Placement(
-            manager,
-            block_table,
-            self._registry,
-            self.policy,
-            cfg.max_wait_steps,
-            cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else None,
+            manager, block_table, self._registry, self.policy, cfg.max_wait_steps
         )
         records = self._records = Records(manager, placement, counters, self.latency)
         self._preemption = Preemption(manager, cfg, placement, records, counters)
@@ -290,7 +285,8 @@ class Scheduler:
             if state.status is not RequestStatus.PREFILL:
                 continue  # preempted while making room for an earlier one
             length = min(len(state.tokens) - state.num_computed, step.budget)
-            if not self._preemption.allocate_chunk(state, length, step):
+            length = self._preemption.allocate_chunk(state, length, step)
+            if length == 0:
                 break
             step.chunks.append(Chunk(state, state.num_computed, length))
             step.budget -= length

@@ -254,7 +254,7 @@ fn fork_copy_on_write_and_swap_work_in_every_group() {
     // The partly filled last block is shared in every group: one copy each.
     let got = m.allocate_slots(2, 0, 1).unwrap().unwrap();
     assert_eq!(got.len(), 3);
-    let copies = m.take_copy_on_writes();
+    let copies = m.take_copy_on_writes().unwrap();
     assert_eq!(copies.len(), 3);
     for (g, pair) in copies.iter().enumerate() {
         assert_eq!(pair[0], m.group_block_table(1, g).unwrap()[2] as i64);
@@ -601,7 +601,8 @@ fn can_allocate_step_is_the_steps_real_need_in_every_group() {
                 assert!(run(&mut m, 100, &prompt[..33]));
                 m.free(100).unwrap();
                 for o in 0..others {
-                    let filler: Vec<u32> = (1000 * (o as u32 + 1)..1000 * (o as u32 + 1) + 9).collect();
+                    let filler: Vec<u32> =
+                        (1000 * (o as u32 + 1)..1000 * (o as u32 + 1) + 9).collect();
                     run(&mut m, 200 + o, &filler);
                 }
                 m.add_sequence(1, &prompt, None, None).unwrap();
@@ -629,11 +630,36 @@ fn can_allocate_step_is_the_steps_real_need_in_every_group() {
     let mut m = grouped(40, 4, &[FULL, window(4)]);
     let long: Vec<u32> = (1..=100).collect();
     m.add_sequence(1, &long, None, None).unwrap();
-    assert_eq!(m.can_allocate(1, 0).unwrap(), kvblocks_core::AllocStatus::Never);
-    assert_eq!(m.can_allocate_step(1, 100, 0).unwrap(), kvblocks_core::AllocStatus::Never);
-    assert_eq!(m.can_allocate_step(1, 16, 0).unwrap(), kvblocks_core::AllocStatus::Ok);
+    assert_eq!(
+        m.can_allocate(1, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
+    assert_eq!(
+        m.can_allocate_step(1, 100, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
+    assert_eq!(
+        m.can_allocate_step(1, 16, 0).unwrap(),
+        kvblocks_core::AllocStatus::Ok
+    );
+    // A window's count is not monotone: 46 tokens in blocks of 8 with a 28-token window
+    // and a full group end holding 4 + 6 = 10 blocks (all of the pool), but the query at
+    // position 40 sees from 13, blocks 1..=5, with 6 full blocks: 11. No schedule passes.
+    let mut m = manager_with(11, 8, |c| {
+        c.groups = vec![window(28), FULL];
+        c.watermark = 0.0;
+    });
+    let prompt46: Vec<u32> = (1..=46).collect();
+    m.add_sequence(1, &prompt46, None, None).unwrap();
+    assert_eq!(
+        m.can_allocate_step(1, 1, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
     // Two full groups: the last step keeps every block of both (50 > 39).
     let mut m = grouped(40, 4, &[FULL, FULL]);
     m.add_sequence(1, &long, None, None).unwrap();
-    assert_eq!(m.can_allocate_step(1, 16, 0).unwrap(), kvblocks_core::AllocStatus::Never);
+    assert_eq!(
+        m.can_allocate_step(1, 16, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
 }

@@ -821,6 +821,11 @@ impl KVCacheManager {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
     }
 
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups.
+    fn num_tier_loads(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_loads(id))
+    }
+
     /// Release the sequence's blocks (last block first) and forget it.
     fn free(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<()> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.free(id))
