@@ -122,8 +122,11 @@ class BlockManager(Protocol):
         """Per sequence, blocks still in flight to the host tier."""
         ...
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
-        """Whether the sequence's prompt fits now, later or never."""
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
+        """Whether the sequence's prompt (or its next ``num_new_tokens``) fits now, later
+        or never."""
         ...
 
     def allocate_slots(
