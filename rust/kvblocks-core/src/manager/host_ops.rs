@@ -188,6 +188,23 @@ impl KVCacheManager {
         })
     }
 
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups (each
+    /// group loads the blocks of the hit its queries see): what a scheduler counts
+    /// against `max_load_blocks_per_step`. Errors: `UnknownSequence`, `SequenceState`
+    /// (already allocated, or swapped).
+    pub fn num_tier_loads(&self, seq_id: u64) -> Result<usize> {
+        let seq = self.seq(seq_id)?;
+        Self::require_resident(seq, "num_tier_loads")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "num_tier_loads: sequence {seq_id} already has slots; it counts a waiting \
+                 sequence's loads"
+            )));
+        }
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        Ok(self.pools.probe_tier(&seq.hashes, hit))
+    }
+
     /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
     /// `max_loads` blocks from the host tier (over all groups): the hit is cut right
     /// before its `max_loads + 1`-th tier block (with window or chunked groups: to the
