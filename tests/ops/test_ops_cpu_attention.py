@@ -5,7 +5,9 @@ plain statement of the semantics. Every case here computes both and holds them t
 rounding (1e-5): decode, prefill, chunked prefill and mixed batches, GQA, per-layer
 sliding windows on one plan, soft-caps, attention sinks, every block size with lengths
 off the block boundaries, empty and one-token contexts, stale slots holding NaN/inf, and
-the cache write.
+the cache write. Decodes run two ways, both held to the reference: the native kernel
+(:func:`kvblocks._core.paged_decode_attention`, fp32 caches) and the torch buckets
+(``native_decode=False``, and what fp16/bf16 caches take).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _variants(num_heads: int) -> list[dict[str, object]]:
     ]
 
 
-def _prefill_plan(case: PagedCase) -> CpuAttentionPlan:
+def _prefill_plan(case: PagedCase, *, native_decode: bool = True) -> CpuAttentionPlan:
     num_blocks, num_kv_heads, block_size, _ = case.key_cache.shape
     return CpuAttentionPlan.for_prefill(
         case.block_tables,
@@ -52,6 +54,19 @@ def _prefill_plan(case: PagedCase) -> CpuAttentionPlan:
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
         block_size=block_size,
+        native_decode=native_decode,
+    )
+
+
+def _decode_plan(case: PagedCase, *, native_decode: bool) -> CpuAttentionPlan:
+    num_blocks, num_kv_heads, block_size, _ = case.key_cache.shape
+    return CpuAttentionPlan.for_decode(
+        case.block_tables,
+        case.seq_lens,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        native_decode=native_decode,
     )
 
 
@@ -92,17 +107,75 @@ def test_prefill_matches_reference(block_size, seq_lens, q_lens, group):
     [[1], [0], [1, 0, 2], [16, 16, 16], [3, 17, 100, 250, 0, 1, 64, 33], list(range(1, 300, 23))],
 )
 @pytest.mark.parametrize("group", [1, 2, 8])
-def test_decode_matches_reference(block_size, seq_lens, group):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "buckets"])
+def test_decode_matches_reference(block_size, seq_lens, group, native):
     """One query per sequence; ``seq_len == 0`` rows are zero, lengths span buckets."""
     case = make_case(8, seq_lens, [0] * len(seq_lens), block_size=block_size, group=group)
     query = _decode_query(case, 9)
     args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    plan = _decode_plan(case, native_decode=native)
+    assert (plan.native is not None) == (native and any(seq_lens))
     for kwargs in _variants(query.shape[1]):
-        got = ops.paged_attention(*args, **kwargs)
+        got = plan.run(query, case.key_cache, case.value_cache, **kwargs)
         want = reference.paged_attention(*args, **kwargs)
         torch.testing.assert_close(got, want, **TIGHT)
+        torch.testing.assert_close(ops.paged_attention(*args, **kwargs), want, **TIGHT)
         idle = case.seq_lens == 0
         assert torch.equal(got[idle], torch.zeros_like(got[idle]))
+
+
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(2, 4), (2, 3), (4, 1), (1, 8)])
+def test_native_decode_odd_shapes_match_reference(head_size, num_kv_heads, group):
+    """Head sizes off the kernel's vector width, GQA groups of 1, 3 and 4, odd lengths."""
+    lens = [1, 7, 31, 33, 0, 129, 2, 65]
+    case = make_case(
+        21, lens, [0] * len(lens), block_size=16, head_size=head_size,
+        num_kv_heads=num_kv_heads, group=group,
+    )  # fmt: skip
+    query = _decode_query(case, 22)
+    plan = _decode_plan(case, native_decode=True)
+    assert plan.native is not None and not plan.decode
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    for kwargs in _variants(num_kv_heads * group):
+        got = plan.run(query, case.key_cache, case.value_cache, **kwargs)
+        torch.testing.assert_close(got, reference.paged_attention(*args, **kwargs), **TIGHT)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_decode_is_the_same_on_any_thread_count(threads):
+    """Work split over threads by key count: every split gives the reference's answer.
+
+    ~7,000 keys at 8 heads of 64 are enough work (NATIVE_WORK_PER_THREAD) for 3 threads.
+    """
+    lens = [3000, 1, 17, 2500, 640, 3, 0, 990]
+    case = make_case(23, lens, [0] * len(lens), block_size=8, group=4)
+    query = _decode_query(case, 24)
+    plan = _decode_plan(case, native_decode=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = plan.run(query, case.key_cache, case.value_cache, sinks=_sinks(8, 3))
+    finally:
+        torch.set_num_threads(before)
+    want = reference.paged_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        sinks=_sinks(8, 3),
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, **TIGHT)
+
+
+def test_native_plan_on_half_caches_falls_back_to_buckets():
+    """A plan built for the native kernel still answers right on fp16 caches."""
+    case = make_case(25, [40, 3, 17], [0, 0, 0], dtype=torch.float16, group=2)
+    query = _decode_query(case, 26)
+    plan = _decode_plan(case, native_decode=True)
+    got = plan.run(query, case.key_cache, case.value_cache, soft_cap=3.0)
+    want = reference.paged_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, soft_cap=3.0
+    )
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=torch.finfo(torch.float16).eps, atol=1e-5)
 
 
 def test_one_plan_serves_every_layer():
@@ -125,6 +198,7 @@ def test_decode_buckets_split_by_length_and_keep_rows():
     plan = CpuAttentionPlan.for_decode(
         case.block_tables, case.seq_lens,
         num_blocks=num_blocks, num_kv_heads=num_kv_heads, block_size=block_size,
+        native_decode=False,
     )  # fmt: skip
     assert len(plan.decode) >= 3 and not plan.covers_all
     query = _decode_query(case, 12)
@@ -137,7 +211,8 @@ def test_decode_buckets_split_by_length_and_keep_rows():
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_stale_slots_past_seq_len_do_not_leak(block_size):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "buckets"])
+def test_stale_slots_past_seq_len_do_not_leak(block_size, native):
     """NaN keys and inf values past each length (and in the null block) change nothing."""
     lens, q_lens = [5, 17, 0, 40, 2, 9, 33, 31], [1, 1, 0, 1, 2, 3, 4, 1]
     case = make_case(6, lens, q_lens, block_size=block_size)
@@ -152,12 +227,13 @@ def test_stale_slots_past_seq_len_do_not_leak(block_size):
             stale[int(case.block_tables[s, n // block_size]), n % block_size :] = True
     case.key_cache.permute(0, 2, 1, 3)[stale] = float("nan")
     case.value_cache.permute(0, 2, 1, 3)[stale] = float("inf")
-    got_prefill = ops.paged_prefill_attention(
-        case.query, case.key_cache, case.value_cache, case.block_tables,
-        case.query_start_loc, case.seq_lens, sliding_window=4,
-    )  # fmt: skip
+    got_prefill = _prefill_plan(case, native_decode=native).run(
+        case.query, case.key_cache, case.value_cache, sliding_window=4
+    )
     torch.testing.assert_close(got_prefill, want_prefill, **TIGHT)
-    torch.testing.assert_close(ops.paged_attention(*decode_args), want_decode, **TIGHT)
+    decode_plan = _decode_plan(case, native_decode=native)
+    got_decode = decode_plan.run(query, case.key_cache, case.value_cache)
+    torch.testing.assert_close(got_decode, want_decode, **TIGHT)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -250,10 +326,12 @@ def test_cache_write_matches_reference(dtype, block_size):
         )
 
 
-def test_decodes_inside_a_prefill_batch_match_reference():
-    """Decodes inside a prefill batch go through the decode buckets, prefill through SDPA."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "buckets"])
+def test_decodes_inside_a_prefill_batch_match_reference(native):
+    """Decodes inside a prefill batch go natively or by buckets, prefill through SDPA."""
     case = make_case(18, [64, 1, 65, 200, 3], [64, 1, 1, 1, 3], block_size=16, group=4)
-    plan = _prefill_plan(case)
-    assert len(plan.decode) >= 1 and len(plan.prefill) == 2
+    plan = _prefill_plan(case, native_decode=native)
+    assert (len(plan.decode) >= 1) != native and (plan.native is not None) == native
+    assert len(plan.prefill) == 2
     got = plan.run(case.query, case.key_cache, case.value_cache, soft_cap=5.0)
     torch.testing.assert_close(got, ref_prefill(case, soft_cap=5.0), **TIGHT)

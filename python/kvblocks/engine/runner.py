@@ -93,11 +93,14 @@ class PagedAttention:
                 "block_size": block_size,
             }
             self.cpu_slots = CpuCacheSlots.build(slot_mapping, **shape)
+            native = key_cache.dtype == torch.float32
             if decode_only:
-                self.cpu_plan = CpuAttentionPlan.for_decode(block_tables, seq_lens, **shape)
+                self.cpu_plan = CpuAttentionPlan.for_decode(
+                    block_tables, seq_lens, native_decode=native, **shape
+                )
             else:
                 self.cpu_plan = CpuAttentionPlan.for_prefill(
-                    block_tables, query_start_loc, seq_lens, **shape
+                    block_tables, query_start_loc, seq_lens, native_decode=native, **shape
                 )
 
     def __call__(

@@ -301,6 +301,7 @@ def paged_attention(
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
         block_size=block_size,
+        native_decode=key_cache.dtype == torch.float32,
     )
     return plan.run(
         query,
@@ -395,6 +396,7 @@ def paged_prefill_attention(
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
         block_size=block_size,
+        native_decode=key_cache.dtype == torch.float32,
     )
     return plan.run(
         query,

@@ -17,6 +17,12 @@ the step's block tables and lengths:
   products per bucket, every query head of a KV head as one row of the product (no K/V
   expansion for GQA). Slots past a sequence's length are masked in the scores and zeroed
   in the value copy (they may hold anything, even NaN: see the reference).
+* **Decodes natively when the cache is fp32.** With fp32 caches (the CPU engine's
+  default) the decodes skip the gathers: :func:`kvblocks._core.paged_decode_attention`
+  (the Rust core's kernel, GIL released, up to ``torch.get_num_threads()`` threads as
+  the work warrants: :data:`NATIVE_WORK_PER_THREAD`) reads each key and value row in
+  place through the block table, with no padding between lengths. Plans built with
+  ``native_decode=False``, and fp16/bf16 caches, take the buckets.
 * **Prefill chunks by fused SDPA.** Chunks of two or more tokens are grouped by exact
   ``(chunk length, context length)``, so nothing is padded, and run through
   :func:`torch.nn.functional.scaled_dot_product_attention` (causal, or with the
@@ -40,9 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvblocks._core import paged_decode_attention
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["BUCKET_COST_SLOTS", "CpuAttentionPlan", "length_buckets"]
+__all__ = ["BUCKET_COST_SLOTS", "NATIVE_WORK_PER_THREAD", "CpuAttentionPlan", "length_buckets"]
 
 BUCKET_COST_SLOTS = 256
 """What one more decode bucket costs, in padded key slots.
@@ -51,6 +58,16 @@ A bucket is about ten torch calls per layer (~60-80 us on the development machin
 padded key slot costs a gathered K and V row and its share of two matrix products
 (~0.25-0.3 us at head 64, GQA 4). :func:`length_buckets` splits a batch where the padding
 saved exceeds this.
+"""
+
+
+NATIVE_WORK_PER_THREAD = 1 << 21
+"""Multiply-adds (keys x query heads x head size, scores and values) per native thread.
+
+The kernel starts its threads per call (per layer), which costs tens of microseconds
+and more on a busy machine; ~2M multiply-adds is ~0.5 ms of one core's work, so a small
+decode batch (16 sequences of 128 tokens at 8 heads of 64) runs on the calling thread
+and a large one on up to ``torch.get_num_threads()``.
 """
 
 
@@ -115,6 +132,17 @@ class _DecodeBucket:
 
 
 @dataclass(frozen=True)
+class _NativeDecode:
+    """Every decode of the step, for the native kernel (fp32 caches)."""
+
+    rows: Tensor | None  # int64 [n]: their query rows; None: every row, in order
+    first_row: np.ndarray  # int64 [n]: the same rows, for the bucket fallback
+    tables: np.ndarray  # int32 [n, T], C-contiguous
+    lens: np.ndarray  # int32 [n]
+    keys: int  # the keys all of them read (a window may read fewer)
+
+
+@dataclass(frozen=True)
 class _PrefillGroup:
     """Sequences whose chunks have the same length and the same context length."""
 
@@ -132,13 +160,16 @@ class CpuAttentionPlan:
     Build it with :meth:`for_prefill` (varlen chunks, decodes included) or
     :meth:`for_decode` (one query per sequence); both validate the tables against the
     cache shape and raise :class:`~kvblocks.errors.InvalidArgumentError` as the
-    reference does. :meth:`run` attends one layer.
+    reference does. ``native_decode`` (default) plans the decodes for the native kernel
+    (fp32 caches; other dtypes fall back to buckets built at run time): pass ``False``
+    when the caches are fp16/bf16. :meth:`run` attends one layer.
     """
 
     num_tokens: int  # query rows
     num_kv_heads: int
     block_size: int
     decode: tuple[_DecodeBucket, ...]
+    native: _NativeDecode | None  # the decodes, when planned for the native kernel
     prefill: tuple[_PrefillGroup, ...]
     covers_all: bool  # every query row belongs to a bucket or group
 
@@ -152,6 +183,7 @@ class CpuAttentionPlan:
         num_blocks: int,
         num_kv_heads: int,
         block_size: int,
+        native_decode: bool = True,
     ) -> CpuAttentionPlan:
         """The plan of a varlen batch (``query_start_loc`` int32 ``[S + 1]``)."""
         starts = query_start_loc.to("cpu", torch.int64).numpy()
@@ -160,7 +192,14 @@ class CpuAttentionPlan:
         tables = block_tables.to("cpu").numpy()
         _check(tables, lens, q_lens, num_blocks, block_size)
         return cls._build(
-            tables, starts[:-1], q_lens, lens, int(q_lens.sum()), num_kv_heads, block_size
+            tables,
+            starts[:-1],
+            q_lens,
+            lens,
+            int(q_lens.sum()),
+            num_kv_heads,
+            block_size,
+            native_decode,
         )
 
     @classmethod
@@ -172,6 +211,7 @@ class CpuAttentionPlan:
         num_blocks: int,
         num_kv_heads: int,
         block_size: int,
+        native_decode: bool = True,
     ) -> CpuAttentionPlan:
         """The plan of a decode batch: query row ``s`` at position ``seq_lens[s] - 1``.
 
@@ -182,7 +222,9 @@ class CpuAttentionPlan:
         tables = block_tables.to("cpu").numpy()
         _check(tables, lens, q_lens, num_blocks, block_size)
         rows = np.arange(lens.size, dtype=np.int64)
-        return cls._build(tables, rows, q_lens, lens, lens.size, num_kv_heads, block_size)
+        return cls._build(
+            tables, rows, q_lens, lens, lens.size, num_kv_heads, block_size, native_decode
+        )
 
     @classmethod
     def _build(
@@ -194,15 +236,26 @@ class CpuAttentionPlan:
         num_rows: int,
         num_kv_heads: int,
         block_size: int,
+        native_decode: bool,
     ) -> CpuAttentionPlan:
-        num_tiles = -(-lens // block_size)
         decodes = np.flatnonzero(q_lens == 1)
-        buckets = []
-        for members in length_buckets(num_tiles[decodes] * block_size):
-            seqs = decodes[members]
-            whole = seqs.size == num_rows and bool((first_row[seqs] == np.arange(num_rows)).all())
-            buckets.append(
-                _decode_bucket(tables, seqs, first_row, lens, num_kv_heads, block_size, whole)
+        native = None
+        buckets: tuple[_DecodeBucket, ...] = ()
+        if native_decode and decodes.size:
+            used = int(-(-int(lens[decodes].max()) // block_size))
+            whole = decodes.size == num_rows and bool(
+                (first_row[decodes] == np.arange(num_rows)).all()
+            )
+            native = _NativeDecode(
+                rows=None if whole else torch.from_numpy(first_row[decodes]),
+                first_row=first_row[decodes],
+                tables=np.ascontiguousarray(tables[decodes, :used], dtype=np.int32),
+                lens=lens[decodes].astype(np.int32),
+                keys=int(lens[decodes].sum()),
+            )
+        elif decodes.size:
+            buckets = _decode_buckets(
+                tables, decodes, first_row, lens, num_rows, num_kv_heads, block_size
             )
         groups = []
         chunked = np.flatnonzero(q_lens > 1)
@@ -227,7 +280,8 @@ class CpuAttentionPlan:
             num_tokens=num_rows,
             num_kv_heads=num_kv_heads,
             block_size=block_size,
-            decode=tuple(buckets),
+            decode=buckets,
+            native=native,
             prefill=tuple(groups),
             covers_all=int(q_lens.sum()) == num_rows,
         )
@@ -254,6 +308,20 @@ class CpuAttentionPlan:
         sinks_f32 = None if sinks is None else sinks.to(torch.float32)
         args = (query, key_cache, value_cache, scale, sliding_window, soft_cap, sinks_f32)
         parts = [(b.rows, _run_decode(b, *args)) for b in self.decode]
+        if self.native is not None:
+            if _native_ready(query, key_cache, value_cache):
+                parts.append((self.native.rows, _run_native(self.native, *args)))
+            else:
+                fallback = _decode_buckets(
+                    self.native.tables,
+                    np.arange(self.native.lens.size),
+                    self.native.first_row,
+                    self.native.lens.astype(np.int64),
+                    self.num_tokens,
+                    self.num_kv_heads,
+                    self.block_size,
+                )
+                parts += [(b.rows, _run_decode(b, *args)) for b in fallback]
         parts += [(g.tokens, _run_prefill(g, *args)) for g in self.prefill]
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]  # one bucket or group held every row, in order
@@ -288,6 +356,72 @@ def _check(
             f"sequence {s} has {int(q_lens[s])} query tokens but seq_lens "
             f"{int(lens[s])}; seq_lens must include the chunk (>= query length)"
         )
+
+
+def _decode_buckets(
+    tables: np.ndarray,
+    decodes: np.ndarray,
+    first_row: np.ndarray,
+    lens: np.ndarray,
+    num_rows: int,
+    num_kv_heads: int,
+    block_size: int,
+) -> tuple[_DecodeBucket, ...]:
+    """The decodes ``decodes`` (indices into the step's sequences) in length buckets."""
+    buckets = []
+    num_tiles = -(-lens[decodes] // block_size)
+    for members in length_buckets(num_tiles * block_size):
+        seqs = decodes[members]
+        whole = seqs.size == num_rows and bool((first_row[seqs] == np.arange(num_rows)).all())
+        buckets.append(
+            _decode_bucket(tables, seqs, first_row, lens, num_kv_heads, block_size, whole)
+        )
+    return tuple(buckets)
+
+
+def _native_ready(query: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
+    """Whether the native kernel can read these caches in place (fp32, contiguous, CPU)."""
+    return (
+        key_cache.dtype == torch.float32
+        and value_cache.dtype == torch.float32
+        and key_cache.device.type == "cpu"
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and query.device.type == "cpu"
+    )
+
+
+def _run_native(
+    native: _NativeDecode,
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """The decodes by the Rust kernel, ``[n, H, D]`` in ``query``'s dtype."""
+    if native.rows is not None:
+        query = query.index_select(0, native.rows)
+    q = query.detach().to(torch.float32).contiguous()
+    out = torch.empty_like(q)
+    work = 2 * native.keys * q.shape[1] * q.shape[2]
+    threads = max(1, min(torch.get_num_threads(), work // NATIVE_WORK_PER_THREAD))
+    paged_decode_attention(
+        out.numpy(),
+        q.numpy(),
+        key_cache.detach().numpy(),
+        value_cache.detach().numpy(),
+        native.tables,
+        native.lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=None if sinks is None else sinks.detach().contiguous().numpy(),
+        threads=threads,
+    )
+    return out.to(query.dtype)
 
 
 def _decode_bucket(

@@ -55,6 +55,10 @@
 //!   only the entries that changed since the last sync (see its docs for when a row is
 //!   written whole); the Python names are `update_block_table` (in place) and
 //!   `block_table_delta` (the writes only).
+//!
+//! Beside the manager, [`paged_decode_attention`] is the CPU engine's decode kernel: fp32
+//! attention of one query per sequence read in place through the block tables (see the
+//! `paged_attention` module).
 
 mod alloc_status;
 mod batch_allocation;
@@ -68,6 +72,7 @@ mod error;
 mod events;
 mod host_tier;
 mod manager;
+mod paged_attention;
 mod prefix_cache;
 mod priority_lru;
 mod retention;
@@ -85,6 +90,9 @@ pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent, KvCacheSpecKind, LoraKey, SeqExtraKeys};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
+pub use paged_attention::{
+    exp_in_place, paged_decode_attention, AttentionParams, DecodeBatch, PagedShape,
+};
 pub use retention::RetentionPriority;
 pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;
