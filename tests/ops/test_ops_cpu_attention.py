@@ -335,3 +335,40 @@ def test_decodes_inside_a_prefill_batch_match_reference(native):
     assert len(plan.prefill) == 2
     got = plan.run(case.query, case.key_cache, case.value_cache, soft_cap=5.0)
     torch.testing.assert_close(got, ref_prefill(case, soft_cap=5.0), **TIGHT)
+
+
+def test_native_kernel_refuses_bad_arrays_before_writing():
+    """The binding's own checks: layout, shapes and ranges, ``out`` untouched.
+
+    A Fortran-ordered array is contiguous too, and was read as if C-ordered (a silently
+    wrong answer) until the binding checked the order itself.
+    """
+    from kvblocks._core import paged_decode_attention
+
+    case = make_case(27, [20, 5], [0, 0], block_size=8, group=4)
+    query = _decode_query(case, 28).numpy()
+    kc, vc = case.key_cache.numpy(), case.value_cache.numpy()
+    tables, lens = case.block_tables.numpy(), case.seq_lens.numpy()
+    out = np.full_like(query, 7.0)
+    bad_tables = tables.copy()
+    bad_tables[0, 0] = kc.shape[0]
+    calls = {
+        "C-contiguous": (out, np.asfortranarray(query), kc, vc, tables, lens),
+        "differ in shape": (out, query, kc, vc[:-1], tables, lens),
+        "must have 2 rows": (out, query, kc, vc, tables[:1], lens),
+        "outside": (out, query, kc, vc, bad_tables, lens),
+        "capacity": (out, query, kc, vc, tables, lens + 1000),
+    }
+    for needle, args in calls.items():
+        with pytest.raises(InvalidArgumentError, match=needle):
+            paged_decode_attention(*args, scale=0.125)
+    with pytest.raises(InvalidArgumentError, match="out must be C-contiguous"):
+        paged_decode_attention(np.asfortranarray(out), query, kc, vc, tables, lens, scale=0.1)
+    # numpy's borrow checker refuses an out that is an input before the kernel sees it.
+    with pytest.raises(TypeError, match="borrowed"):
+        paged_decode_attention(query, query, kc, vc, tables, lens, scale=0.125)
+    with pytest.raises(InvalidArgumentError, match="one per query head"):
+        paged_decode_attention(
+            out, query, kc, vc, tables, lens, scale=0.125, sinks=np.zeros(3, np.float32)
+        )
+    assert (out == 7.0).all()

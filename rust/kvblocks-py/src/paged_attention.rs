@@ -18,9 +18,13 @@ fn slice<'a, T: Element, D: numpy::ndarray::Dimension>(
     array: &'a PyReadonlyArray<'_, T, D>,
     name: &str,
 ) -> PyResult<&'a [T]> {
-    array
-        .as_slice()
-        .map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
+    // `as_slice` also accepts a Fortran-ordered array, whose elements it would hand over
+    // in the wrong order: only C order is read.
+    let c_order = array.is_c_contiguous();
+    match array.as_slice() {
+        Ok(data) if c_order => Ok(data),
+        _ => Err(invalid_argument(format!("{name} must be C-contiguous"))),
+    }
 }
 
 /// The byte range `[start, end)` a slice covers.
@@ -84,6 +88,9 @@ pub(crate) fn paged_decode_attention(
         Some(array) => Some(slice(array, "sinks")?),
         None => None,
     };
+    if !out.is_c_contiguous() {
+        return Err(invalid_argument("out must be C-contiguous".to_owned()));
+    }
     let out = out
         .as_slice_mut()
         .map_err(|_| invalid_argument("out must be C-contiguous".to_owned()))?;
