@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
+use crate::group::GroupSpec;
 use crate::host_tier::Medium;
 
 /// vLLM's LoRA hash key, `("lora", name, path)` (the fields of its `LoRARequest`).
@@ -57,9 +58,12 @@ pub struct BlockStored {
     pub medium: Medium,
     /// The KV cache group the blocks belong to (vLLM's `group_idx`).
     pub group_idx: u32,
-    /// What that group's layers attend to; stamped by `take_events` from the group's
-    /// spec (where the event is recorded, the default).
-    pub kv_cache_spec: KvCacheSpecKind,
+    /// What that group's layers attend to (vLLM's `kv_cache_spec_kind` and
+    /// `kv_cache_spec_sliding_window`, from [`GroupSpec::kind`] and
+    /// [`GroupSpec::sliding_window`]): the pools record structure only, and
+    /// `KVCacheManager::take_events` stamps each event's spec from its group, as vLLM's
+    /// `KVCacheManager.take_events` does.
+    pub kv_cache_spec: GroupSpec,
 }
 
 impl BlockStored {
@@ -82,7 +86,7 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<BlockHash>,
     /// Where the blocks were removed from.
     pub medium: Medium,
-    /// The KV cache group the blocks belonged to.
+    /// The KV cache group whose blocks these are (vLLM's `group_idx`; 0 with one group).
     pub group_idx: u32,
 }
 
@@ -99,48 +103,4 @@ pub enum KvCacheEvent {
     /// unconfirmed memory ops) are announced again right after it, by one `BlockStored`
     /// with medium CPU (hashes only).
     AllBlocksCleared,
-}
-
-// --- KV cache groups ------------------------------------------------------------------
-// vLLM 0.33 tags every event with its KV cache group (`group_idx`) and every
-// `BlockStored` with the group's attention kind. The manager has one group today (index
-// 0); a multi-group manager sets `group_idx` where it records an event and gives each
-// group its spec: `KVCacheManager::take_events` stamps a `BlockStored`'s spec from its
-// group, as vLLM's `KVCacheManager.take_events` does (the pool records structure only).
-
-/// What the layers of a KV cache group attend to, as vLLM's events name it
-/// (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KvCacheSpecKind {
-    /// Every token attends to every earlier token (`"full_attention"`).
-    #[default]
-    FullAttention,
-    /// Each token attends to the last `window` tokens (`"sliding_window"`).
-    SlidingWindow {
-        /// The window, in tokens.
-        window: usize,
-    },
-}
-
-impl KvCacheSpecKind {
-    /// The spec of a manager with an optional uniform sliding window.
-    pub fn from_sliding_window(window: Option<usize>) -> Self {
-        window.map_or(Self::FullAttention, |window| Self::SlidingWindow { window })
-    }
-
-    /// vLLM's `KVCacheSpecKind` value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::FullAttention => "full_attention",
-            Self::SlidingWindow { .. } => "sliding_window",
-        }
-    }
-
-    /// The window of a sliding-window group (vLLM's `kv_cache_spec_sliding_window`).
-    pub fn sliding_window(self) -> Option<usize> {
-        match self {
-            Self::FullAttention => None,
-            Self::SlidingWindow { window } => Some(window),
-        }
-    }
 }

@@ -94,19 +94,19 @@ impl BlockStored {
         Ok(Some(list))
     }
 
-    /// The KV cache group of the blocks (vLLM's ``group_idx``; 0, the manager's one group).
+    /// The KV cache group of the blocks (vLLM's ``group_idx``; 0 with one group).
     #[getter]
     fn group_idx(&self) -> u32 {
         self.inner.group_idx
     }
 
-    /// What the group's layers attend to: ``"full_attention"`` or ``"sliding_window"``.
+    /// What the group's layers attend to: its ``GroupSpec.kind`` (vLLM's ``kv_cache_spec_kind``).
     #[getter]
     fn kv_cache_spec_kind(&self) -> &'static str {
-        self.inner.kv_cache_spec.as_str()
+        self.inner.kv_cache_spec.kind()
     }
 
-    /// The group's sliding window in tokens; ``None`` for full attention.
+    /// The group's sliding window in tokens; ``None`` for other groups.
     #[getter]
     fn kv_cache_spec_sliding_window(&self) -> Option<usize> {
         self.inner.kv_cache_spec.sliding_window()
@@ -150,7 +150,7 @@ impl BlockRemoved {
         self.inner.medium.as_str()
     }
 
-    /// The KV cache group the blocks belonged to (vLLM's ``group_idx``).
+    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
     #[getter]
     fn group_idx(&self) -> u32 {
         self.inner.group_idx

@@ -13,6 +13,7 @@ mod blake3_hasher;
 mod block_table_delta;
 mod errors;
 mod events;
+mod group_spec;
 mod hashing;
 mod manager;
 mod paged_attention;
@@ -33,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::BlockRemoved>()?;
     m.add_class::<events::AllBlocksCleared>()?;
     m.add_class::<hashing::BlockHasher>()?;
+    m.add_class::<group_spec::GroupSpec>()?;
     m.add_class::<manager::KVCacheManager>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     m.add_function(wrap_pyfunction!(

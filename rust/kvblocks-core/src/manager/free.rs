@@ -6,10 +6,12 @@ use crate::error::Result;
 use crate::events::KvCacheEvent;
 
 impl KVCacheManager {
-    /// Release the sequence's blocks (last block first) and forget it.
+    /// Release the sequence's blocks (groups last to first, each last block first) and
+    /// forget it.
     ///
     /// Unhashed blocks go to the front of the free queue, cached blocks to the back (of
-    /// their retention priority's level).
+    /// their retention priority's level), so a group's first blocks, and the first
+    /// group's, are evicted last.
     /// Works on swapped sequences (their CPU blocks go to the CPU queue's front).
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         let slot = self.slot_of(seq_id)?;
@@ -21,11 +23,13 @@ impl KVCacheManager {
         }
         // Released window entries (a leading run) are null in both pools' tables; CPU
         // id 0 is a real block, so they are skipped by position, not by value.
-        for &b in seq.table[seq.num_released_blocks..].iter().rev() {
-            if seq.swapped {
-                self.pools.release_cpu(b);
-            } else {
-                self.pools.release_gpu(b);
+        for t in seq.tables.iter().rev() {
+            for &b in t.blocks[t.num_released..].iter().rev() {
+                if seq.swapped {
+                    self.pools.release_cpu(b);
+                } else {
+                    self.pools.release_gpu(b);
+                }
             }
         }
         if seq.swapped {
@@ -58,10 +62,18 @@ impl KVCacheManager {
             });
             if self.pools.record_events {
                 self.pools.events.push(KvCacheEvent::AllBlocksCleared);
-                if !kept.is_empty() {
-                    self.pools
-                        .events
-                        .push(KvCacheEvent::BlockStored(host_stored(kept)));
+                // Per group, hashes only: the kept blocks' tokens are not at hand.
+                for g in 0..self.pools.groups.len() {
+                    let block_hashes: Vec<_> = kept
+                        .iter()
+                        .filter(|(group, _)| *group == g)
+                        .map(|(_, h)| *h)
+                        .collect();
+                    if !block_hashes.is_empty() {
+                        self.pools
+                            .events
+                            .push(KvCacheEvent::BlockStored(host_stored(g, block_hashes)));
+                    }
                 }
             }
         }
