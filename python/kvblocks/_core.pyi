@@ -44,6 +44,7 @@ __all__ = [
     "__version__",
     "blake3_derive_key",
     "gather_row_prefixes",
+    "paged_decode_attention",
 ]
 
 __version__: str
@@ -823,6 +824,33 @@ def gather_row_prefixes(
     row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
     2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
     raise :class:`InvalidArgumentError` before anything is copied."""
+
+def paged_decode_attention(
+    out: npt.NDArray[np.float32],
+    query: npt.NDArray[np.float32],
+    key_cache: npt.NDArray[np.float32],
+    value_cache: npt.NDArray[np.float32],
+    block_tables: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: npt.NDArray[np.float32] | None = None,
+    threads: int = 1,
+) -> None:
+    """Decode attention of one query per sequence over the paged KV cache, into ``out``.
+
+    fp32 C-contiguous arrays (zero-copy NumPy views of CPU torch tensors): ``query`` and
+    ``out`` ``[num_seqs, num_heads, head_size]``, caches ``[num_blocks, num_kv_heads,
+    block_size, head_size]``, int32 ``block_tables`` ``[num_seqs, max_blocks]`` and
+    ``seq_lens`` ``[num_seqs]``. The query of sequence ``s`` sits at ``seq_lens[s] - 1``
+    and reads its keys in place through its table row (window, soft-cap and per-head
+    ``sinks`` as in :mod:`kvblocks.ops.reference`); a length of 0 gives a zero row.
+    ``threads`` threads share the work, the GIL released. Bad shapes, a block id outside
+    the cache, a length past the table, or an ``out`` sharing memory with an input raise
+    :class:`InvalidArgumentError` before anything is written. What
+    :mod:`kvblocks.ops.cpu_attention` runs for fp32 decodes."""
 
 @final
 class Blake3:

@@ -16,7 +16,6 @@ on the torch reference ops at the same dtype.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import sys
 import types
@@ -28,7 +27,7 @@ import pytest
 import torch
 
 import kvblocks.ops
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, runner
 from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.engine.outputs import TokenLogprobs
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
@@ -92,19 +91,29 @@ def kernel_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kernels")
 
 
-def _forwarding_hints(op: Callable[..., Any], hints: dict[str, Any]) -> Callable[..., Any]:
-    """The ops front-end ``op`` (validation, then the CPU dispatch) with the engine's
-    host-side hints kept in ``hints`` for the duration of the call."""
+def _without_hints(op: Callable[..., Any]) -> Callable[..., Any]:
+    """``op`` called as the ops front-end is: the engine's host-side hints dropped."""
 
-    @functools.wraps(op)
     def call(*args: Any, **kwargs: Any) -> Any:
-        hints.update((name, kwargs[name]) for name in _HINTS if name in kwargs)
-        try:
-            return op(*args, **kwargs)
-        finally:
-            hints.clear()
+        return op(*args, **{k: v for k, v in kwargs.items() if k not in _HINTS})
 
     return call
+
+
+class _NoCpuPlan:
+    """Stands in for the runner's CPU plan builders: no plan, so the ops front-ends run."""
+
+    @staticmethod
+    def for_decode(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def for_prefill(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    @staticmethod
+    def build(*args: Any, **kwargs: Any) -> None:
+        return None
 
 
 @pytest.fixture
@@ -126,18 +135,10 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
-    # The front-end's CPU dispatch passes neither max_seq_len / max_query_len nor
-    # seq_lens_host on: take them from the engine's call, so that the backend plans with
-    # exactly what the engine gave (fp16/bf16 decode needs seq_lens_host for its split plan).
+    # The engine gives the ops front-ends max_seq_len / max_query_len and seq_lens_host:
+    # the backend plans with exactly what the engine gave (fp16/bf16 decode needs
+    # seq_lens_host for its split plan).
     hints: dict[str, Any] = {}
-    monkeypatch.setattr(
-        kvblocks.ops, "paged_attention", _forwarding_hints(kvblocks.ops.paged_attention, hints)
-    )
-    monkeypatch.setattr(
-        kvblocks.ops,
-        "paged_prefill_attention",
-        _forwarding_hints(kvblocks.ops.paged_prefill_attention, hints),
-    )
 
     # The CUDA dispatch refuses sinks before reaching the backend; none reach it here.
     def decode(q, kc, vc, bt, sl, *, scale=None, sliding_window=None, soft_cap=None, sinks=None):
@@ -164,6 +165,25 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     monkeypatch.setattr(reference, "paged_prefill_attention", prefill)
     monkeypatch.setattr(reference, "reshape_and_cache", cuda_backend.reshape_and_cache)
     monkeypatch.setattr(reference, "copy_blocks", cuda_backend.copy_blocks)
+    # The CPU dispatch runs the fast CPU path (ops.cpu_attention, ops.cpu_cache), and the
+    # runner its per-step plan: point both at the emulated kernels instead. The runner
+    # builds no plan, so it calls the ops front-ends; those hand CPU tensors to the backend.
+    monkeypatch.setattr(runner, "CpuAttentionPlan", _NoCpuPlan)
+    monkeypatch.setattr(runner, "CpuCacheSlots", _NoCpuPlan)
+
+    def taking_hints(op: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            hints.update((name, kwargs.pop(name)) for name in _HINTS if name in kwargs)
+            try:
+                return op(*args, **kwargs)
+            finally:
+                hints.clear()
+
+        return call
+
+    monkeypatch.setattr(kvblocks.ops, "paged_attention", taking_hints(decode))
+    monkeypatch.setattr(kvblocks.ops, "paged_prefill_attention", taking_hints(prefill))
+    monkeypatch.setattr(kvblocks.ops, "reshape_and_cache", cuda_backend.reshape_and_cache)
     emu_runtime.clear_backend_caches()
     yield launches
     emu_runtime.clear_backend_caches()
@@ -250,6 +270,8 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     with monkeypatch.context() as patch:
         for name, op in _REFERENCE_OPS.items():
             patch.setattr(reference, name, op)
+            if name != "copy_blocks":  # the fixture routes the others' front-ends too
+                patch.setattr(kvblocks.ops, name, _without_hints(op))
         # More blocks: the 24 forced prompts fit at once (the math does not depend on it).
         reference_llm = LLM(model, dtype=dtype, device="cpu", **(engine | {"num_blocks": 256}))
         forced = [

@@ -15,6 +15,7 @@ import torch
 from kvblocks.engine.dense import dense_logits
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.runner import ModelRunner
+from kvblocks.ops.cpu_attention import CpuAttentionPlan
 from kvblocks.scheduler.output import SchedulerOutput
 
 BS = 8
@@ -109,6 +110,38 @@ def test_chunked_prefill_then_decode_matches_dense(family: str, request) -> None
     b.tokens.append(int(logits[0].argmax()))
     a.tokens.append(int(logits[1].argmax()))
     decode(runner, model, [a, b], 12)
+
+
+def test_cpu_step_plans_are_built_once_and_run_by_every_layer(
+    tiny_llama: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU a step's gathers and cache rows are computed once, not once per layer."""
+    built: list[str] = []
+    runs: list[object] = []
+    for name in ("for_prefill", "for_decode"):
+        original = getattr(CpuAttentionPlan, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            built.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(CpuAttentionPlan, name, counted)
+    original_run = CpuAttentionPlan.run
+
+    def counted_run(plan, *args, **kwargs):
+        runs.append(plan)
+        return original_run(plan, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAttentionPlan, "run", counted_run)
+    runner = ModelRunner(tiny_llama, num_blocks=32, block_size=BS)
+    seq = Seq(_prompt(20, 3), blocks=[4, 9, 2])
+    logits = runner.forward_logits(step([(seq, 20)]))
+    assert logits is not None
+    seq.tokens.append(int(logits[0].argmax()))
+    decode(runner, tiny_llama, [seq], 2)
+    layers = tiny_llama.config.num_hidden_layers
+    assert built == ["for_prefill", "for_decode", "for_decode"]
+    assert len(runs) == 3 * layers and len({id(p) for p in runs}) == 3
 
 
 def test_swap_out_and_in_to_other_blocks(tiny_llama: LlamaForCausalLM) -> None:

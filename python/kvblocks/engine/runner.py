@@ -4,8 +4,10 @@ Per step it applies the scheduler's swaps, copy-on-write copies and host-tier of
 loads in the order the block manager issued them (``SchedulerOutput.memory_ops``), brings
 its device copy of the scheduler's persistent block table up to date by scattering only
 the step's delta, runs the decoder over the flattened batch with every layer's attention
-going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors, the torch reference on
-the CPU), computes logits only at the sampling rows and samples.
+going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors; on the CPU one
+:class:`~kvblocks.ops.cpu_attention.CpuAttentionPlan` and one
+:class:`~kvblocks.ops.cpu_cache.CpuCacheSlots` per step, run by every layer), computes
+logits only at the sampling rows and samples.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from kvblocks.engine.config import AttentionSpec
 from kvblocks.engine.models import CausalLM
 from kvblocks.engine.sampler import Sampler
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops.cpu_attention import CpuAttentionPlan
+from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.scheduler.block_table import delta_indices
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.tiers.layout import KVLayout
@@ -49,6 +53,10 @@ class PagedAttention:
     scale, soft-cap and sinks (its :class:`~kvblocks.engine.config.AttentionSpec`); with
     today's uniform allocation a windowed layer reads its window through the same full
     block table as every other layer.
+
+    On the CPU the step's gathers and cache rows are computed once, here, and each layer
+    runs them (``cpu_plan``/``cpu_slots``, built when ``kv_caches`` live on the CPU);
+    the model's own tensors need no per-layer re-validation.
     """
 
     def __init__(
@@ -75,6 +83,26 @@ class PagedAttention:
         # Host-side maxima spare the CUDA path a device sync per layer when planning launches.
         self.max_seq_len = max_seq_len
         self.max_query_len = max_query_len
+        self.cpu_plan: CpuAttentionPlan | None = None
+        self.cpu_slots: CpuCacheSlots | None = None
+        key_cache = kv_caches[0][0]
+        if not key_cache.is_cuda:
+            num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+            shape = {
+                "num_blocks": num_blocks,
+                "num_kv_heads": num_kv_heads,
+                "block_size": block_size,
+            }
+            self.cpu_slots = CpuCacheSlots.build(slot_mapping, **shape)
+            native = key_cache.dtype == torch.float32
+            if decode_only:
+                self.cpu_plan = CpuAttentionPlan.for_decode(
+                    block_tables, seq_lens, native_decode=native, **shape
+                )
+            else:
+                self.cpu_plan = CpuAttentionPlan.for_prefill(
+                    block_tables, query_start_loc, seq_lens, native_decode=native, **shape
+                )
 
     def __call__(
         self,
@@ -87,6 +115,17 @@ class PagedAttention:
     ) -> Tensor:
         """Cache the new K/V and attend (see :class:`~kvblocks.engine.models.AttentionBackend`)."""
         key_cache, value_cache = self.kv_caches[layer_idx]
+        if self.cpu_plan is not None and self.cpu_slots is not None:
+            self.cpu_slots.write(key, value, key_cache, value_cache)
+            return self.cpu_plan.run(
+                query,
+                key_cache,
+                value_cache,
+                scale=spec.scale,
+                sliding_window=spec.sliding_window,
+                soft_cap=spec.soft_cap,
+                sinks=sinks,
+            )
         ops.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
         if self.decode_only:
             return ops.paged_attention(

@@ -1,11 +1,13 @@
 """KV-cache ops: paged attention and cache maintenance on the paged KV cache.
 
 Each op validates its arguments, then runs the CUDA kernel (``cuda/*.cu`` compiled at
-run time through CuPy/NVRTC) when the tensors live on a CUDA device, or the torch
-reference (:mod:`kvblocks.ops.reference`) otherwise; :func:`swap_blocks` is torch copies
-on every device. Importing this module needs torch (``pip install 'kvblocks[torch]'``;
-without it the import raises one ImportError saying so) but neither CuPy nor a GPU: CuPy
-is imported on the first CUDA call.
+run time through CuPy/NVRTC) when the tensors live on a CUDA device, or the fast CPU
+path otherwise (:mod:`kvblocks.ops.cpu_attention`, :mod:`kvblocks.ops.cpu_cache`: fused
+torch ops over a per-step plan, tested against the plain torch reference
+:mod:`kvblocks.ops.reference`); :func:`swap_blocks` is torch copies on every device.
+Importing this module needs torch (``pip install 'kvblocks[torch]'``; without it the
+import raises one ImportError saying so) but neither CuPy nor a GPU: CuPy is imported
+on the first CUDA call.
 
 Cache layout (per layer, for K and V): ``[num_blocks, num_kv_heads, block_size,
 head_size]``, so every (block, head) tile is one contiguous range.
@@ -45,6 +47,8 @@ from kvblocks.ops.checks import (
     check_sliding_window,
     check_tokens_like_cache,
 )
+from kvblocks.ops.cpu_attention import CpuAttentionPlan
+from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.ops.decode_attention import DecodeAttention
 
 if TYPE_CHECKING:
@@ -164,7 +168,11 @@ def reshape_and_cache(
     if key_cache.is_cuda:
         _cuda_backend().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     else:
-        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        num_blocks, _, block_size, _ = key_cache.shape
+        slots = CpuCacheSlots.build(
+            slot_mapping, num_blocks=num_blocks, num_kv_heads=num_kv_heads, block_size=block_size
+        )
+        slots.write(key, value, key_cache, value_cache)
 
 
 def _check_attention_args(
@@ -204,8 +212,8 @@ def _check_attention_args(
         # The kernels do not take the extra denominator term yet; refusing beats
         # silently attending without it.
         raise InvalidArgumentError(
-            "attention sinks are not supported by the CUDA kernels yet; only the torch "
-            "reference (CPU tensors) implements them"
+            "attention sinks are not supported by the CUDA kernels yet; only the CPU path "
+            "(CPU tensors) implements them"
         )
 
 
@@ -235,7 +243,7 @@ def paged_attention(
     ``[num_seqs, max_blocks]`` (padding = null block 0); ``seq_lens``: int32 ``[num_seqs]``.
     ``scale`` defaults to ``1/sqrt(head_size)``; key ``j`` is visible to position ``p``
     iff ``p - sliding_window < j <= p``; ``soft_cap`` applies ``cap * tanh(s / cap)``
-    after scaling; ``sinks`` (``[num_heads]`` float, torch reference only for now) adds
+    after scaling; ``sinks`` (``[num_heads]`` float, CPU tensors only for now) adds
     one learned logit per query head to the softmax denominator, gpt-oss's attention
     sinks (the exact formula is in :mod:`kvblocks.ops.reference`). A sequence with
     ``seq_len == 0`` (batch padding) yields zeros.
@@ -286,12 +294,19 @@ def paged_attention(
             max_seq_len=max_seq_len,
             seq_lens_host=seq_lens_host,
         )
-    return reference.paged_attention(
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    plan = CpuAttentionPlan.for_decode(
+        block_tables,
+        seq_lens,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        native_decode=key_cache.dtype == torch.float32,
+    )
+    return plan.run(
         query,
         key_cache,
         value_cache,
-        block_tables,
-        seq_lens,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
@@ -373,13 +388,20 @@ def paged_prefill_attention(
             soft_cap=soft_cap,
             max_query_len=max_query_len,
         )
-    return reference.paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    plan = CpuAttentionPlan.for_prefill(
         block_tables,
         query_start_loc,
         seq_lens,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        native_decode=key_cache.dtype == torch.float32,
+    )
+    return plan.run(
+        query,
+        key_cache,
+        value_cache,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,

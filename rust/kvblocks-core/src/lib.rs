@@ -64,6 +64,10 @@
 //!   only the entries that changed since the last sync (see its docs for when a row is
 //!   written whole); the Python names are `update_block_table` (in place) and
 //!   `block_table_delta` (the writes only).
+//!
+//! Beside the manager, [`paged_decode_attention`] is the CPU engine's decode kernel: fp32
+//! attention of one query per sequence read in place through the block tables (see the
+//! `paged_attention` module).
 
 mod alloc_status;
 mod batch_allocation;
@@ -78,6 +82,7 @@ mod events;
 mod group;
 mod host_tier;
 mod manager;
+mod paged_attention;
 mod prefix_cache;
 mod priority_lru;
 mod retention;
@@ -96,6 +101,9 @@ pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys}
 pub use group::{GroupSpec, MAX_GROUPS};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
+pub use paged_attention::{
+    exp_in_place, paged_decode_attention, AttentionParams, DecodeBatch, PagedShape,
+};
 pub use retention::RetentionPriority;
 pub use row_prefixes::gather_row_prefixes;
 pub use stats::Stats;

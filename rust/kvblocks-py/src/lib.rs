@@ -2,7 +2,8 @@
 //!
 //! A thin layer: argument conversion ([`args`]), the one error mapping ([`errors`]),
 //! the manager behind a mutex ([`manager`]), prompt hashing ([`hashing`]), events and
-//! `AllocStatus` as frozen classes, and BLAKE3 for the tiers ([`blake3_hasher`]).
+//! `AllocStatus` as frozen classes, BLAKE3 for the tiers ([`blake3_hasher`]) and the CPU
+//! decode-attention kernel ([`paged_attention`]).
 //! The Python contract is `python/kvblocks/_core.pyi` (checked by `mypy.stubtest`).
 
 mod alloc_status;
@@ -15,6 +16,7 @@ mod events;
 mod group_spec;
 mod hashing;
 mod manager;
+mod paged_attention;
 mod row_prefixes;
 
 use pyo3::prelude::*;
@@ -35,6 +37,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group_spec::GroupSpec>()?;
     m.add_class::<manager::KVCacheManager>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        paged_attention::paged_decode_attention,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(blake3_hasher::blake3_derive_key, m)?)?;
     Ok(())
 }
