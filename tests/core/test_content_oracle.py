@@ -375,7 +375,9 @@ class ContentOracle(RuleBasedStateMachine):
         next token there: certain to need a copy-on-write copy (in the op list, with a
         host tier)."""
         cands = [s for s in self._idle() if self.computed[s] % self.bs]
-        parent = data.draw(st.sampled_from(cands))
+        self._fork_and_write(data.draw(st.sampled_from(cands)), token)
+
+    def _fork_and_write(self, parent: int, token: int) -> None:
         child = self.next_id
         self.next_id += 1
         self.m.fork(parent, child)
@@ -428,11 +430,18 @@ class ContentOracle(RuleBasedStateMachine):
         COVERAGE["ops"] += 1
         COVERAGE["retention_priority"] += 1
 
-    def _one_off(self, blocks: int, priority: int | None, tokens: list[int] | None = None):
+    def _one_off(
+        self,
+        blocks: int,
+        priority: int | None,
+        tokens: list[int] | None = None,
+        keep: bool = False,
+    ):
         """Prefill a prompt of ``blocks`` full blocks of fresh tokens (or ``tokens``) whole,
         at ``priority`` (set while it is live, before its blocks are committed), check
-        every sequence's KV, commit it and free it: its blocks stay cached. Return the
-        prompt and the cached tokens it claimed (``None``: not admitted)."""
+        every sequence's KV, commit it and free it (``keep``: leave it held): its blocks
+        stay cached. Return the prompt and the cached tokens it claimed (``None``: not
+        admitted)."""
         if tokens is None:
             tokens = [FLOOD_TOKEN + self.next_id, *range(12, 11 + blocks * self.bs)]
         sid = self.next_id
@@ -455,7 +464,8 @@ class ContentOracle(RuleBasedStateMachine):
         del self.pending[sid]
         self.computed[sid] += new
         self.every_sequence_reads_its_own_kv()
-        self._forget(sid)
+        if not keep:
+            self._forget(sid)
         return tokens, hit
 
     # Without caching nothing is evicted: the rule would only take steps from the others.
@@ -999,12 +1009,37 @@ class TieredContentOracle(ContentOracle):
 TIER_COVERAGE: Counter[str] = Counter()
 
 
+def _forced_copy_on_write() -> None:
+    """One fixed example over a host tier certain to journal a copy-on-write copy: a
+    prompt of one and a half blocks stays held, is forked, and the child writes its next
+    token into the shared partial block (Hypothesis derandomizes under ``CI=true``, and
+    the fixed draws need not reach it)."""
+    machine = TieredContentOracle()
+    machine.setup(
+        num_blocks=12,
+        block_size=2,
+        num_cpu_blocks=2,
+        host_cache_blocks=4,
+        host_offload="evict",
+        window=None,
+    )
+    before = TIER_COVERAGE["copy"]
+    tokens, hit = machine._one_off(0, None, tokens=[12, 13, 14], keep=True)
+    assert hit == 0, hit
+    machine._fork_and_write(machine.next_id - 1, 5)
+    assert TIER_COVERAGE["copy"] > before, TIER_COVERAGE
+    machine.every_sequence_reads_its_own_kv()
+    machine.structure_holds()
+    machine.teardown()
+
+
 def test_every_sequence_reads_its_own_kv_with_a_host_tier() -> None:
     """Random operations over a host tier: every sequence reads its own KV, every loaded
     block holds its prefix's KV, and offloads, loads, imports, tier hits and tier
     evictions are all reached."""
     COVERAGE.clear()
     TIER_COVERAGE.clear()
+    _forced_copy_on_write()
     budget = MIN_OPERATIONS // 2
     reached = (
         "offload",
