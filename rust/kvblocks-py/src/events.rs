@@ -119,12 +119,6 @@ impl BlockStored {
         self.inner.medium.as_str()
     }
 
-    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
-    #[getter]
-    fn group_idx(&self) -> u32 {
-        self.inner.group_idx
-    }
-
     fn __repr__(&self) -> String {
         format!(
             "BlockStored(blocks={}, hashes=[{}], lora_id={:?}, lora_name={:?})",
