@@ -100,13 +100,14 @@ impl BlockStored {
         self.inner.group_idx
     }
 
-    /// What the group's layers attend to: ``"full_attention"`` or ``"sliding_window"``.
+    /// What the group's layers attend to: ``"full_attention"``, ``"sliding_window"``,
+    /// ``"chunked_local_attention"`` or ``"mamba"`` (a recurrent-state group).
     #[getter]
     fn kv_cache_spec_kind(&self) -> &'static str {
         self.inner.kv_cache_spec.kind()
     }
 
-    /// The group's sliding window in tokens; ``None`` for full attention.
+    /// The group's sliding window in tokens; ``None`` for other groups.
     #[getter]
     fn kv_cache_spec_sliding_window(&self) -> Option<usize> {
         self.inner.kv_cache_spec.sliding_window()

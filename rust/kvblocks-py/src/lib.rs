@@ -16,6 +16,7 @@ mod group_spec;
 mod hashing;
 mod manager;
 mod row_prefixes;
+mod state_mapping;
 
 use pyo3::prelude::*;
 
@@ -34,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::BlockHasher>()?;
     m.add_class::<group_spec::GroupSpec>()?;
     m.add_class::<manager::KVCacheManager>()?;
+    m.add_class::<state_mapping::StateMapping>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     m.add_function(wrap_pyfunction!(blake3_hasher::blake3_derive_key, m)?)?;
     Ok(())
