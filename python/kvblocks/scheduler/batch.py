@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -42,6 +42,7 @@ def build_step(
     finished_request_ids: list[str],
     beam_width_of: Callable[[int], int],
     block_table: PersistentBlockTable | None = None,
+    state_groups: Sequence[int] = (),
 ) -> tuple[SchedulerOutput, StepPlan]:
     """Assemble the step's :class:`SchedulerOutput` from its decode rows and prefill chunks.
 
@@ -50,7 +51,8 @@ def build_step(
     width of a decoding beam sequence. One ``slot_mapping`` call covers the whole batch;
     with a ``block_table`` (the scheduler's persistent table) one sync writes only the
     entries that changed and ``SchedulerOutput.block_tables`` is gathered only if read,
-    else one ``block_tables`` call builds the ``[S, B]`` tables.
+    else one ``block_tables`` call builds the ``[S, B]`` tables. Each recurrent-state group in
+    ``state_groups`` adds its ``state_mapping`` of the batch.
     """
     mgr = manager
     temperature, top_p, top_k, seeds, seq_index = dec_sampling
@@ -166,6 +168,8 @@ def build_step(
         num_decode_seqs=num_decode,
         finished_request_ids=finished_request_ids,
     )
+    if state_groups and len(seq_ids):
+        output.state_mappings = [mgr.state_mapping(seq_ids, group=g) for g in state_groups]
     if block_table is not None:
         output.block_table = block_table.table
         output.block_table_rows = table_rows

@@ -173,6 +173,15 @@ class Scheduler:
         self._prefix_caching = bool(manager.enable_prefix_caching)
         # Host-tier loads the step in progress queued (admissions claim them).
         self._step_loads = 0
+        # Recurrent-state groups: each step carries where their states are read and saved.
+        self._state_groups = [
+            g for g, spec in enumerate(getattr(manager, "groups", ())) if spec.kind == "mamba"
+        ]
+        if self._state_groups and self.config.num_lookahead_tokens:
+            raise InvalidArgumentError(
+                "num_lookahead_tokens must be 0 with a recurrent-state group (its state is "
+                "saved after the known tokens only)"
+            )
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -482,6 +491,7 @@ class Scheduler:
             self._finished_ids,
             lambda seq: self._owner[seq].params.beam_width,
             self._block_table,
+            self._state_groups,
         )
         self._finished_ids = []
         # memory_ops carries every move of the step, so an engine can apply it alone.
