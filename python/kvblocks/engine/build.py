@@ -30,10 +30,10 @@ from kvblocks.tiers.weights import CheckpointDigest
 __all__ = [
     "build_model",
     "cache_sizes",
-    "recurrent_layout",
     "check_max_model_len",
     "check_remote_tier",
     "connect_remote_tier",
+    "recurrent_layout",
     "resolve_device",
     "state_bytes",
     "weights_before_load",

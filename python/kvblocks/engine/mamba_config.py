@@ -57,7 +57,9 @@ class MambaConfig:
         for name in ("n_heads", "d_head", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(f"mamba_{name} must be a positive integer, got {value!r}")
+                raise InvalidArgumentError(
+                    f"mamba_{name} must be a positive integer, got {value!r}"
+                )
         if self.n_heads * self.d_head != self.expand * hidden_size:
             raise InvalidArgumentError(
                 f"mamba_n_heads * mamba_d_head ({self.n_heads} * {self.d_head}) must equal "
@@ -113,9 +115,7 @@ def mamba_from_hf(raw: dict[str, Any], hidden_size: int, num_layers: int) -> Mam
     """The mixers of a Bamba ``config.json`` (transformers' ``BambaConfig`` defaults)."""
     limit = raw.get("time_step_limit")
     if limit is not None and (
-        len(limit) != 2
-        or _json_float(limit[0]) != 0.0
-        or not math.isinf(_json_float(limit[1]))
+        len(limit) != 2 or _json_float(limit[0]) != 0.0 or not math.isinf(_json_float(limit[1]))
     ):
         # transformers clamps the time step in its prefill scan but not when decoding.
         raise InvalidArgumentError(
@@ -158,8 +158,7 @@ def bamba_rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
         )
     if params.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
         raise InvalidArgumentError(
-            f"rope_type {params.get('rope_type')!r} is not supported for bamba; expected "
-            "'default'"
+            f"rope_type {params.get('rope_type')!r} is not supported for bamba; expected 'default'"
         )
     rest = {k: v for k, v in params.items() if k != "partial_rotary_factor"}
     return {**raw, "rope_parameters": rest or None}

@@ -56,7 +56,9 @@ class StateCache:
         f32 = torch.float32
         self.conv = torch.zeros((slots, num_blocks, *conv), dtype=f32, device=device)
         self.ssm = torch.zeros((slots, num_blocks, *ssm), dtype=f32, device=device)
-        self.cpu_conv = torch.zeros((slots, num_cpu_blocks, *conv), dtype=f32, pin_memory=pin_memory)
+        self.cpu_conv = torch.zeros(
+            (slots, num_cpu_blocks, *conv), dtype=f32, pin_memory=pin_memory
+        )
         self.cpu_ssm = torch.zeros((slots, num_cpu_blocks, *ssm), dtype=f32, pin_memory=pin_memory)
 
     def copy(self, pairs: np.ndarray) -> None:

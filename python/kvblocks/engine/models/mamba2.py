@@ -19,6 +19,7 @@ from chunk to chunk, in float32.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -72,8 +73,8 @@ class ZeroStates:
     sequence, computed from the zero state; nothing is saved."""
 
     def __init__(self, positions: Tensor, conv_shape: tuple[int, int], ssm_shape: tuple[int, ...]):
-        starts = torch.nonzero(positions == 0).flatten().tolist() + [int(positions.shape[0])]
-        self._segments = [SeqSegments(a, b, ()) for a, b in zip(starts, starts[1:], strict=False)]
+        starts = [*torch.nonzero(positions == 0).flatten().tolist(), int(positions.shape[0])]
+        self._segments = [SeqSegments(a, b, ()) for a, b in itertools.pairwise(starts)]
         self._conv_shape = conv_shape
         self._ssm_shape = ssm_shape
         self._device = positions.device
@@ -110,7 +111,9 @@ def _scan(
         n = xs.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
         # decay[t, s] = exp(cum[t] - cum[s]) for s <= t: how much token s's input is left at t.
-        decay = torch.exp((cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[..., None], -torch.inf))
+        decay = torch.exp(
+            (cum[:, None, :] - cum[None, :, :]).masked_fill(~causal[..., None], -torch.inf)
+        )
         scores = torch.einsum("thn,shn->tsh", cs, bs) * decay * dts[None, :, :]
         y = torch.einsum("tsh,shp->thp", scores, xs)
         y = y + torch.exp(cum)[..., None] * torch.einsum("thn,hpn->thp", cs, h)
