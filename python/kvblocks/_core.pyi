@@ -495,6 +495,12 @@ class KVCacheManager:
     def num_tier_tokens(self, seq_id: int) -> int:
         """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
         charges as loads instead of recompute (0 without a tier)."""
+    def num_tier_loads(self, seq_id: int) -> int:
+        """The blocks the sequence's claim loads from the host tier (before the first
+        ``allocate_slots``: those a claim now would load), over every group: what a
+        scheduler's ``max_load_blocks_per_step`` counts. With one group it is
+        ``num_tier_tokens // block_size``; with several, each group's block of a position
+        is its own load (0 without a tier)."""
     def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
         """Cap a waiting sequence's claim so that it loads at most ``max_loads`` blocks
         from the host tier; return the cached tokens it would claim now.

@@ -87,3 +87,30 @@ def test_refused_calls_change_nothing() -> None:
     assert m.block_table(1, group=1).tolist() == before
     m.commit(1, 6)
     m.check_invariants()
+
+
+def test_tier_loads_count_the_state_groups_blocks() -> None:
+    """A hit served by the host tier loads each group's own blocks: ``num_tier_loads``
+    counts the attention blocks and the checkpoint's state block, ``num_tier_tokens``
+    the positions (what a scheduler bounding each step's loads must not confuse)."""
+    m = _manager(host_cache_blocks=32)
+    prompt = list(range(19))
+    m.add_sequence(1, prompt)
+    m.allocate_slots(1, 19)
+    m.commit(1, 19)
+    m.free(1)
+    # Other prompts push every cached block of the first out of the GPU, into the tier.
+    for sid in range(2, 8):
+        m.add_sequence(sid, [1000 * sid + t for t in range(16)])
+        m.allocate_slots(sid, 16)
+        m.commit(sid, 16)
+        m.free(sid)
+    m.take_memory_ops()
+    m.confirm_memory_ops()
+    assert m.add_sequence(9, prompt) == 16
+    # Four attention blocks and the state after 16 tokens (entry 3): five loads.
+    assert (m.num_tier_tokens(9), m.num_tier_loads(9)) == (16, 5)
+    m.allocate_slots(9, 3)
+    loads = [p for kind, p in m.take_memory_ops() if kind == "load"]
+    assert sum(len(p) for p in loads) == m.num_tier_loads(9) == 5
+    m.check_invariants()

@@ -1160,7 +1160,7 @@ class Scheduler:
         if mgr.allocate_slots(seq, length) is None:
             return None
         if self._tiered:
-            loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
+            loads = int(mgr.num_tier_loads(seq))
             self._step_loads += loads
             self.counters.num_load_blocks += loads
         state.num_computed = int(mgr.num_computed_tokens(seq))
@@ -1195,7 +1195,7 @@ class Scheduler:
         if bound is None or not self._tiered:
             return True
         mgr = self.manager
-        loads = int(mgr.num_tier_tokens(seq)) // mgr.block_size
+        loads = int(mgr.num_tier_loads(seq))
         left = bound - self._step_loads
         if loads <= left:
             return True

@@ -390,6 +390,7 @@ fn host_tier_keys_blocks_by_group() {
     // Full: 3 blocks; window 3 at position 6 sees from 4: block 2 only.
     assert_eq!(loads, 4);
     assert_eq!(m.num_tier_tokens(3).unwrap(), 6);
+    assert_eq!(m.num_tier_loads(3).unwrap(), 4);
 }
 
 #[test]
@@ -412,6 +413,7 @@ fn tier_loads_are_limited_over_every_group() {
     // The whole hit (4 blocks) loads 4 full-attention blocks and the window's block 3.
     assert_eq!(m.num_computed_tokens(3).unwrap(), 8);
     assert_eq!(m.num_tier_tokens(3).unwrap(), 8);
+    assert_eq!(m.num_tier_loads(3).unwrap(), 5);
     // At most 2 loads: a hit of 1 block (1 + 1 loads); 2 blocks would load 2 + 1.
     assert_eq!(m.limit_tier_loads(3, 2).unwrap(), 2);
     m.allocate_slots(3, 2, 0).unwrap().unwrap();
@@ -421,6 +423,7 @@ fn tier_loads_are_limited_over_every_group() {
         .filter(|o| o.kind == kvblocks_core::MemoryOpKind::Load)
         .count();
     assert_eq!(loads, 2);
+    assert_eq!(m.num_tier_loads(3).unwrap(), 2);
     m.check_invariants().unwrap();
 }
 

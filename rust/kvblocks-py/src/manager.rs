@@ -817,6 +817,12 @@ impl KVCacheManager {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
     }
 
+    /// The blocks the sequence's claim loads (or, before the first ``allocate_slots``,
+    /// would load) from the host tier, over every group.
+    fn num_tier_loads(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_loads(id))
+    }
+
     /// Release the sequence's blocks (last block first) and forget it.
     fn free(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<()> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.free(id))

@@ -409,6 +409,7 @@ impl KVCacheManager {
         seq.num_computed = plan.claim * bs;
         seq.num_cached_tokens = plan.claim * bs;
         seq.num_tier_tokens = plan.tier_positions * bs;
+        seq.num_tier_loads = tier_hits.len();
         seq.num_registered_blocks = plan.claim;
         if let Some(t) = pools.tier.as_mut() {
             t.stats.hits += (plan.tier_positions * bs) as u64;

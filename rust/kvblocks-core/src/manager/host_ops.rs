@@ -195,6 +195,20 @@ impl KVCacheManager {
         })
     }
 
+    /// The blocks the sequence's claim loads from the host tier (before the first
+    /// `allocate_slots`: those a claim now would load), over every group: the host-to-GPU
+    /// copies a scheduler's per-step bound counts. With one group it is `num_tier_tokens
+    /// / block_size`; with several, each group's block of a position is a load of its own.
+    pub fn num_tier_loads(&self, seq_id: u64) -> Result<usize> {
+        let seq = self.seq(seq_id)?;
+        Ok(if seq.allocated {
+            seq.num_tier_loads
+        } else {
+            let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+            self.pools.probe_tier(&seq.hashes, hit)
+        })
+    }
+
     /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
     /// `max_loads` blocks from the host tier (over all groups): the hit is cut right
     /// before its `max_loads + 1`-th tier block (with window or chunked groups: to the
