@@ -172,6 +172,28 @@ class GroupedTieredContentOracle(_GroupCoverage, TieredContentOracle):
         self.mem = KVMemory(num_blocks, num_cpu_blocks, block_size, host_cache_blocks)
 
 
+def _forced_sparse_hit(machine: type[Any], **setup: Any) -> None:
+    """One fixed example certain to reach a sparse hit, whatever the random examples drew
+    (Hypothesis derandomizes under ``CI=true``): a prompt of three blocks is computed and
+    freed, then the same prompt and one more token claims its cached blocks, of which the
+    window group keeps only those its window still sees."""
+    oracle = machine()
+    oracle.setup(
+        block_size=2,
+        num_cpu_blocks=2,
+        groups=[("full_attention", None), ("sliding_window", 2)],
+        **setup,
+    )
+    before = GROUP_COVERAGE["sparse_hit"]
+    tokens, _ = oracle._one_off(3, None)
+    _, hit = oracle._one_off(0, None, tokens=[*tokens, 0])
+    assert hit == len(tokens), hit
+    assert GROUP_COVERAGE["sparse_hit"] > before, GROUP_COVERAGE
+    oracle.every_sequence_reads_its_own_kv()
+    oracle.structure_holds()
+    oracle.teardown()
+
+
 def _run(
     machine: type[Any],
     budget: int,
@@ -195,6 +217,7 @@ def test_every_group_reads_its_own_kv() -> None:
     reads its own KV and holds only what its queries can still see."""
     COVERAGE.clear()
     GROUP_COVERAGE.clear()
+    _forced_sparse_hit(GroupedContentOracle, num_blocks=24, caching=True, hash_algo="blake3")
     _run(
         GroupedContentOracle,
         MIN_OPERATIONS // 2,
@@ -228,6 +251,9 @@ def test_every_group_reads_its_own_kv_with_a_host_tier() -> None:
     COVERAGE.clear()
     TIER_COVERAGE.clear()
     GROUP_COVERAGE.clear()
+    _forced_sparse_hit(
+        GroupedTieredContentOracle, num_blocks=24, host_cache_blocks=8, host_offload="evict"
+    )
     _run(
         GroupedTieredContentOracle,
         MIN_OPERATIONS // 4,
