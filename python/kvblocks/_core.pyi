@@ -639,13 +639,16 @@ class KVCacheManager:
         :class:`SequenceStateError`.
         """
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
+        """Drain the memory-op journal as copy-on-write ``(src, dst)`` block pairs, shape
+        ``[n, 2]``: a view of ``take_memory_ops`` for a caller that applies swaps from the
+        rows ``swap_out``/``swap_in`` return (their journal entries are dropped).
 
-        With a host tier, raises :class:`SequenceStateError` while ops are queued (copies
-        are ordered with offloads and loads): use ``take_memory_ops``.
+        Raises :class:`SequenceStateError`, changing nothing, while host-tier offloads or
+        loads are queued (they are ordered with the copies): use ``take_memory_ops``.
         """
     def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
-        """Drain every queued block move in issue order, as runs of one kind.
+        """Drain every queued block move in issue order, as runs of one kind: the one
+        memory-op protocol, with or without a host tier.
 
         Kinds: ``"swap_out"`` (gpu, cpu), ``"swap_in"`` (cpu, gpu), ``"copy"`` (src,
         dst GPU blocks), ``"offload"`` (gpu block, tier slot), ``"load"`` (tier slot, gpu

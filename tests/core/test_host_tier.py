@@ -115,6 +115,26 @@ def test_copy_drain_refuses_while_tier_ops_are_queued() -> None:
     assert m.take_copy_on_writes().shape == (0, 2)
 
 
+def test_one_journal_with_or_without_a_tier() -> None:
+    """Swaps and copies are journaled alike with and without a tier; the copy view works
+    on both while no offload or load is queued (it refused on any op with a tier)."""
+    for host in (0, 8):
+        m = KVCacheManager(16, 4, num_cpu_blocks=8, host_cache_blocks=host)
+        m.add_sequence(1, list(range(6)))
+        assert m.allocate_slots(1, 6) is not None
+        m.commit(1, 6)
+        m.take_memory_ops()  # write-through offloads, if any
+        m.fork(1, 2)
+        assert m.allocate_slots(2, 0, num_lookahead_tokens=1) is not None  # copy-on-write
+        rows = m.swap_out([1])
+        ops = m.take_memory_ops()
+        assert [kind for kind, _ in ops] == ["copy", "swap_out"], host
+        assert ops[1][1].tolist() == rows.tolist()
+        m.swap_in([1])
+        assert m.take_copy_on_writes().shape == (0, 2), host  # the swap-in row dropped
+        assert m.take_memory_ops() == []
+
+
 def test_reset_drops_unpinned_tier_blocks() -> None:
     m = tiered()
     evict_then_hit(m)

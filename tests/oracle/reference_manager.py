@@ -263,7 +263,8 @@ class ReferenceKVCacheManager:
         self._cpu_refcount = [0] * self._num_cpu_blocks
         self._cpu_free = _FreeQueue(range(self._num_cpu_blocks))
         self._seqs: dict[int, _Sequence] = {}
-        self._cow: list[tuple[int, int]] = []
+        # Every block move in issue order, as the core journals them: (kind, src, dst).
+        self._ops: list[tuple[str, int, int]] = []
         self._events: list[RefEvent] = []
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -671,7 +672,7 @@ class ReferenceKVCacheManager:
             self._refcount[dst] = 1
             self._refcount[src] -= 1
             seq.block_table[index] = dst
-            self._cow.append((src, dst))
+            self._ops.append(("copy", src, dst))
             self._cow_copies += 1
             taken.append(dst)
         for _ in range(append):
@@ -850,10 +851,24 @@ class ReferenceKVCacheManager:
         )
 
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the queued copy-on-write ``(src, dst)`` pairs, shape ``[n, 2]``."""
-        out = np.array(self._cow, dtype=np.int64).reshape(-1, 2)
-        self._cow.clear()
-        return out
+        """Drain the journal as copy-on-write ``(src, dst)`` pairs, shape ``[n, 2]`` (swap
+        rows dropped: ``swap_out``/``swap_in`` returned them)."""
+        out = np.array([(s, d) for k, s, d in self._ops if k == "copy"], dtype=np.int64)
+        self._ops.clear()
+        return out.reshape(-1, 2)
+
+    def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
+        """Drain every queued block move in issue order, as runs of one kind."""
+        runs: list[tuple[str, list[tuple[int, int]]]] = []
+        for kind, src, dst in self._ops:
+            if not runs or runs[-1][0] != kind:
+                runs.append((kind, []))
+            runs[-1][1].append((src, dst))
+        self._ops.clear()
+        return [(kind, np.array(pairs, dtype=np.int64).reshape(-1, 2)) for kind, pairs in runs]
+
+    def confirm_memory_ops(self) -> None:
+        """No host tier: nothing to confirm."""
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it."""
@@ -922,6 +937,7 @@ class ReferenceKVCacheManager:
             seq.block_table[seq.num_released :] = [mapping[gpu] for gpu in live]
             seq.swapped = True
         self._swapped_out += len(blocks)
+        self._ops.extend(("swap_out", gpu, cpu) for gpu, cpu in mapping.items())
         return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
 
     def swap_in(self, seq_ids: object) -> npt.NDArray[np.int64]:
@@ -942,6 +958,7 @@ class ReferenceKVCacheManager:
             seq.block_table[seq.num_released :] = [mapping[cpu] for cpu in live]
             seq.swapped = False
         self._swapped_in += len(blocks)
+        self._ops.extend(("swap_in", cpu, gpu) for cpu, gpu in mapping.items())
         return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
 
     # -- step inputs -------------------------------------------------------------------

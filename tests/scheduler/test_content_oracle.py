@@ -462,3 +462,12 @@ def test_the_oracle_reaches_same_step_prefix_holds(monkeypatch: pytest.MonkeyPat
     for seed in range(CONFIGS_PER_BATCH):
         run_config(seed)
     assert holds[True] > 0, holds
+
+
+def test_the_oracle_reaches_overdue_requests() -> None:
+    """Requests that waited ``max_wait_steps`` and were admitted ahead of the policy's
+    order occur in the oracle's workloads, so the runs above judge them by content."""
+    overdue = sum(
+        run_config(seed).sched.counters.num_requests_overdue for seed in range(CONFIGS_PER_BATCH)
+    )
+    assert overdue > 0

@@ -139,12 +139,7 @@ class EngineCore:
         )
 
     def _check_progress(self, out: SchedulerOutput) -> None:
-        moved = (
-            len(out.blocks_to_swap_out)
-            + len(out.blocks_to_swap_in)
-            + len(out.blocks_to_copy)
-            + sum(len(pairs) for _kind, pairs in out.memory_ops)
-        )
+        moved = sum(len(pairs) for _kind, pairs in out.memory_ops)
         self._idle = self._idle + 1 if out.num_tokens == 0 and moved == 0 else 0
         if self._idle >= MAX_IDLE_STEPS:
             raise OutOfBlocksError(
@@ -217,15 +212,11 @@ class EngineCore:
         manager = self.manager
         for seq in manager.seq_ids().tolist():
             manager.free(int(seq))
-        # Block moves for sequences that no longer exist. With a host tier they are
-        # drained as one list (take_copy_on_writes would raise while any are queued) and
-        # confirmed so that their slots unpin; reset_prefix_cache then drops every
-        # unpinned slot, including those whose offload never ran.
-        if manager.host_cache_blocks > 0:
-            manager.take_memory_ops()
-            manager.confirm_memory_ops()
-        else:
-            manager.take_copy_on_writes()
+        # Block moves for sequences that no longer exist: drained and confirmed so that
+        # host-tier slots unpin; reset_prefix_cache then drops every unpinned slot,
+        # including those whose offload never ran.
+        manager.take_memory_ops()
+        manager.confirm_memory_ops()
         manager.reset_prefix_cache()
 
     def _flush_tier_ops(self) -> None:
@@ -237,8 +228,6 @@ class EngineCore:
         prefix cache and the tier's unpinned slots are dropped.
         """
         manager = self.manager
-        if manager.host_cache_blocks == 0:
-            return
         memory_ops = manager.take_memory_ops()
         if not memory_ops:
             return

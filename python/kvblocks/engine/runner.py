@@ -207,20 +207,12 @@ class ModelRunner:
 
         In the order the block manager issued them (``out.memory_ops``: swaps, copies,
         host-tier ``"offload"`` (gpu block, tier slot) and ``"load"`` (tier slot, gpu
-        block)) when the scheduler reports it; otherwise swap out, swap in, then copies,
-        as the first interface version specified. Each run completes (in stream order on
+        block)). Each run completes (in stream order on
         CUDA; an offload returns once the pool holds its bytes) before the next one starts,
         so an offload reads its block before a later op or the forward pass overwrites it,
         and the engine may confirm the ops once this returns.
         """
-        ops_in_order = out.memory_ops
-        if not ops_in_order:
-            ops_in_order = [
-                ("swap_out", out.blocks_to_swap_out),
-                ("swap_in", out.blocks_to_swap_in),
-                ("copy", out.blocks_to_copy),
-            ]
-        self.apply_block_ops(ops_in_order)
+        self.apply_block_ops(out.memory_ops)
 
     def apply_block_ops(self, memory_ops: Sequence[tuple[str, object]]) -> None:
         """Apply runs ``[(kind, pairs [n, 2]), ...]`` in order (``take_memory_ops``' list).

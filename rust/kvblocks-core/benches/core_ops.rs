@@ -128,7 +128,7 @@ fn bench_fork_cow(c: &mut Criterion) {
             m.commit(1, 0, &[42]).unwrap();
             let got = m.allocate_slots(1, 1, 0).unwrap();
             black_box(got);
-            black_box(m.take_copy_on_writes());
+            black_box(m.take_copy_on_writes().unwrap());
             m.commit(1, 1, &[]).unwrap();
             m.free(1).unwrap();
         })

@@ -256,7 +256,7 @@ fn fork_copy_on_write_and_swap_work_in_every_group() {
     // The partly filled last block is shared in every group: one copy each.
     let got = m.allocate_slots(2, 0, 1).unwrap().unwrap();
     assert_eq!(got.len(), 3);
-    let copies = m.take_copy_on_writes();
+    let copies = m.take_copy_on_writes().unwrap();
     assert_eq!(copies.len(), 3);
     for (g, pair) in copies.iter().enumerate() {
         assert_eq!(pair[0], m.group_block_table(1, g).unwrap()[2] as i64);

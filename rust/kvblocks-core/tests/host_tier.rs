@@ -160,15 +160,28 @@ fn copies_and_swaps_share_the_ordered_list() {
         ops[1..].iter().map(|o| [o.src, o.dst]).collect::<Vec<_>>(),
         rows
     );
-    // Copies queued with a tier: the copy-only drain refuses.
+    // Copies and swaps only: the copy view works with a tier too (the swaps' rows were
+    // returned by swap_out/swap_in).
     m.commit(2, 0, &[]).unwrap();
     m.allocate_slots(2, 0, 4).unwrap().unwrap();
-    m.swap_in(&[1]).unwrap();
+    let back = m.swap_in(&[1]).unwrap();
+    let ops = m.take_memory_ops();
+    assert_eq!(ops.last().map(|o| [o.src, o.dst]), back.last().copied());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
+}
+
+#[test]
+fn the_copy_view_refuses_while_offloads_or_loads_are_queued() {
+    let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
+    prefill(&mut m, 1, &toks(0, 8));
     assert_fails_unchanged(
         &mut m,
-        |m| m.try_take_copy_on_writes(),
+        |m| m.take_copy_on_writes(),
         |e| matches!(e, KvError::SequenceState(_)),
     );
+    let kinds: Vec<_> = m.take_memory_ops().iter().map(|o| o.kind).collect();
+    assert!(kinds.contains(&MemoryOpKind::Offload));
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
 }
 
 #[test]
@@ -220,7 +233,7 @@ fn without_a_tier_nothing_changes() {
     assert_eq!(m.num_tier_tokens(1).unwrap(), 0);
     assert!(m.stats().host_tier.is_none());
     m.confirm_memory_ops();
-    assert!(m.try_take_copy_on_writes().unwrap().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
 }
 
 /// Random operations in a debug build (debug assertions on): no panic, invariants after

@@ -588,8 +588,8 @@ fn fork_shares_blocks_and_cow_copies_the_written_block() {
     m.commit(1, 0, &[66]).unwrap();
     assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
     assert_eq!(m.block_table(2).unwrap(), vec![1, 3]);
-    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
-    assert!(m.take_copy_on_writes().is_empty());
+    assert_eq!(m.take_copy_on_writes().unwrap(), vec![[2, 3]]);
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     // the parent is now the only owner of block 2: written in place
     assert_eq!(m.allocate_slots(1, 1, 0).unwrap(), Some(vec![]));
     assert_eq!(m.stats().cow_copies, 1);
@@ -605,7 +605,7 @@ fn cow_replacement_comes_before_appended_blocks() {
     m.fork(1, 2).unwrap();
     m.commit(2, 0, &[1, 2, 3]).unwrap();
     assert_eq!(m.allocate_slots(2, 3, 0).unwrap(), Some(vec![3, 4]));
-    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
+    assert_eq!(m.take_copy_on_writes().unwrap(), vec![[2, 3]]);
     m.check_invariants().unwrap();
 }
 
@@ -615,14 +615,14 @@ fn no_cow_when_nothing_is_written_or_at_block_boundary() {
     prefill(&mut m, 1, &toks(0, 6));
     m.fork(1, 2).unwrap();
     assert_eq!(m.allocate_slots(2, 0, 0).unwrap(), Some(vec![]));
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     m.commit(2, 0, &[]).unwrap();
     let mut m = manager(8, 4);
     prefill(&mut m, 1, &toks(0, 8));
     m.fork(1, 2).unwrap();
     m.commit(2, 0, &[5]).unwrap();
     assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     m.check_invariants().unwrap();
 }
 

@@ -703,13 +703,10 @@ impl KVCacheManager {
             .py_err()
     }
 
-    /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
-    ///
-    /// With a host tier, ``SequenceStateError`` while ops are queued: use
-    /// ``take_memory_ops``.
+    /// The copy pairs of the memory-op journal, drained; see the stub.
     fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let pairs = self
-            .run(py, Work::Short, |m| m.try_take_copy_on_writes())
+            .run(py, Work::Short, |m| m.take_copy_on_writes())
             .py_err()?;
         pairs_to_py(py, pairs)
     }

@@ -1,5 +1,9 @@
 //! The ordered memory-op list and the host tier's queries.
 //!
+//! Every block move the manager decides (swaps, copy-on-write copies, host-tier offloads
+//! and loads) is journaled in one list, in issue order, with or without a tier: it is the
+//! one protocol. [`KVCacheManager::take_copy_on_writes`] is a view of it.
+//!
 //! Contract (see `docs/scheduler-engine-interface.md`, "Host tier"): the engine drains the
 //! ops of a step with [`KVCacheManager::take_memory_ops`] and applies them in the order
 //! given, before the step's attention (on one stream, or with each op ordered after the
@@ -146,40 +150,29 @@ impl KVCacheManager {
         Ok(slots)
     }
 
-    /// Drain the queued copy-on-write `(src, dst)` block pairs.
+    /// Drain the journal as copy-on-write `(src, dst)` block pairs: a view of
+    /// `take_memory_ops` for a caller that applies swaps from the rows `swap_out` and
+    /// `swap_in` return (their journal entries are dropped here).
     ///
-    /// For a manager without a host tier. With one, copies are interleaved with offloads
-    /// and loads that must be applied in order, so this fails with `SequenceState` while
-    /// any op is queued (use `take_memory_ops`). Swap moves queued with the copies are
-    /// dropped: `swap_out`/`swap_in` returned them.
-    pub fn try_take_copy_on_writes(&mut self) -> Result<Vec<[i64; 2]>> {
-        if self.pools.tier.is_some() && !self.pools.ops.is_empty() {
+    /// Fails with `SequenceState`, changing nothing, while the journal holds an offload or
+    /// a load: those cannot be expressed as copies nor dropped (drain them with
+    /// `take_memory_ops`).
+    pub fn take_copy_on_writes(&mut self) -> Result<Vec<[i64; 2]>> {
+        let tier_op = |op: &MemoryOp| matches!(op.kind, MemoryOpKind::Offload | MemoryOpKind::Load);
+        if self.pools.ops.iter().any(tier_op) {
             return Err(KvError::SequenceState(
-                "take_copy_on_writes: this manager has a host tier; its copies are ordered \
-                 with offloads and loads, drain them with take_memory_ops"
+                "take_copy_on_writes: host-tier offloads or loads are queued, ordered with \
+                 the copies; drain them with take_memory_ops"
                     .to_string(),
             ));
         }
-        Ok(self.take_copy_on_writes())
-    }
-
-    /// Drain the queued copy-on-write `(src, dst)` block pairs (other queued ops are
-    /// dropped; a manager with a host tier uses `take_memory_ops` instead, see
-    /// `try_take_copy_on_writes`).
-    pub fn take_copy_on_writes(&mut self) -> Vec<[i64; 2]> {
-        if self.pools.ops.is_empty() {
-            return Vec::new();
-        }
-        if let Some(t) = self.pools.tier.as_mut() {
-            // Dropped tier ops still count as taken: their pins wait for a confirmation.
-            t.mark_taken();
-        }
-        self.pools
+        Ok(self
+            .pools
             .ops
             .drain(..)
             .filter(|op| op.kind == MemoryOpKind::Copy)
             .map(|op| [op.src, op.dst])
-            .collect()
+            .collect())
     }
 
     /// Of the sequence's cached tokens, those loaded from the host tier (before the

@@ -35,7 +35,8 @@ pub(super) struct Pools {
     pub counters: Counters,
     /// The host tier below the GPU pool, if configured.
     pub tier: Option<HostTier>,
-    /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
+    /// Every block move in issue order (with or without a tier), drained by
+    /// `take_memory_ops` (or its copy view `take_copy_on_writes`).
     pub ops: Vec<MemoryOp>,
     /// Retention priority of each cached GPU block (the highest of the sequences that
     /// committed or claimed it): its level in the free queue, and what an offload at
