@@ -124,7 +124,7 @@ fn a_hit_ends_on_the_last_cached_checkpoint() {
     assert_eq!(read, t2[5] as i64);
     assert!(writes.iter().all(|&(_, b)| b != read));
     assert_eq!(writes, vec![(30, t2[7] as i64)]);
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     m.commit(2, 6, &[]).unwrap();
     // Sequence 1 still holds its own state; 2 released the claimed one back to the cache.
     assert_eq!(held(&m, 1, 1), vec![(7, t1[7])]);
@@ -165,7 +165,7 @@ fn a_fork_copies_the_state_it_shares_before_writing_it() {
     // The child's next step updates the shared state in place: a copy first, in every
     // group (the attention group's last block is shared too).
     m.allocate_slots(2, 1, 0).unwrap().unwrap();
-    let copies = m.take_copy_on_writes();
+    let copies = m.take_copy_on_writes().unwrap();
     let child = m.group_block_table(2, 1).unwrap();
     assert!(copies.contains(&[parent[1] as i64, child[1] as i64]));
     assert_ne!(child[1], parent[1]);
@@ -176,7 +176,7 @@ fn a_fork_copies_the_state_it_shares_before_writing_it() {
     m.commit(2, 1, &[]).unwrap();
     // The parent's state is its own again: no copy for its step.
     m.allocate_slots(1, 1, 0).unwrap().unwrap();
-    let copies = m.take_copy_on_writes();
+    let copies = m.take_copy_on_writes().unwrap();
     assert!(copies.iter().all(|c| c[0] != parent[1] as i64));
     assert_eq!(
         states(&m, 1, 1),
@@ -189,7 +189,7 @@ fn a_fork_copies_the_state_it_shares_before_writing_it() {
     m.fork(3, 4).unwrap();
     m.commit(4, 0, &[9]).unwrap();
     m.allocate_slots(4, 1, 0).unwrap().unwrap();
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     let t3 = m.group_block_table(3, 1).unwrap();
     let t4 = m.group_block_table(4, 1).unwrap();
     assert_eq!(states(&m, 4, 1), (t3[1] as i64, vec![(9, t4[2] as i64)]));
