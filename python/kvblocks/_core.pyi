@@ -496,11 +496,9 @@ class KVCacheManager:
         """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
         charges as loads instead of recompute (0 without a tier)."""
     def num_tier_loads(self, seq_id: int) -> int:
-        """The blocks the sequence's claim loads from the host tier (before the first
-        ``allocate_slots``: those a claim now would load), over every group: what a
-        scheduler's ``max_load_blocks_per_step`` counts. With one group it is
-        ``num_tier_tokens // block_size``; with several, each group's block of a position
-        is its own load (0 without a tier)."""
+        """The host-tier blocks a waiting sequence's claim would load, over all groups
+        (each group loads the hit's blocks its queries see; ``num_tier_tokens`` counts
+        positions). ``SequenceStateError`` once allocated."""
     def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
         """Cap a waiting sequence's claim so that it loads at most ``max_loads`` blocks
         from the host tier; return the cached tokens it would claim now.
@@ -566,12 +564,23 @@ class KVCacheManager:
         Returns the in-flight token count of each listed sequence, in order (int64).
         """
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 
         Blocks of its cached prefix that other sequences already use cost nothing; cached
         blocks sitting in the free queue count as taken. ``NEVER`` when the sequence needs
         more blocks than ``num_blocks - 1 - watermark_blocks``.
+
+        With ``num_new_tokens``: can the next step, that many tokens past the cached
+        prefix, get the blocks its ``allocate_slots`` takes in every group? This is the
+        real need of a step (a sliding-window or chunked group holds only the blocks from
+        its claim on; earlier steps' blocks it released are not counted). ``NEVER`` when
+        the pool minus the watermark holds less than this step keeps, or than the least
+        any schedule of the known tokens needs (computed one a step: every block of a
+        full-attention group, a window group's worst window). ``InvalidArgumentError``
+        as :meth:`allocate_slots` (more tokens than known past the cached prefix).
         """
 
     def allocate_slots(

@@ -585,8 +585,12 @@ class ReferenceKVCacheManager:
             out.append((n - hit) * bs)
         return np.array(out, dtype=np.int64)
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
-        """Can the whole known sequence get blocks, keeping the watermark free?"""
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
+        """Can the whole known sequence get blocks, keeping the watermark free? With
+        ``num_new_tokens``: can that step (past the cached prefix) get them, and can the
+        known tokens ever be computed (one a step: the window's worst count)?"""
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
         sid, seq = self._get_running(seq_id, "check admission of")
         if seq.allocated:
@@ -596,6 +600,20 @@ class ReferenceKVCacheManager:
         bs = self._block_size
         hits = self._probe_blocks(seq)
         start = self._claim_start(hits)
+        if num_new_tokens is not None:
+            new = _check_int(num_new_tokens, "num_new_tokens", 0, _MAX_COUNT)
+            _, computed, _, _, taken = self._plan_allocation(sid, seq, new, lookahead)
+            held = -(-(computed + new + lookahead) // bs) - start
+            for p in range(computed, len(seq.token_ids)):
+                first = start
+                if self._sliding_window is not None:
+                    first = max(first, max(p + 1 - self._sliding_window, 0) // bs)
+                held = max(held, -(-(p + 1 + lookahead) // bs) - first)
+            if held > self._num_blocks - 1 - self._watermark_blocks:
+                return AllocStatus.NEVER
+            if len(self._free) - taken < self._watermark_blocks:
+                return AllocStatus.LATER
+            return AllocStatus.OK
         required = -(-(len(seq.token_ids) + lookahead) // bs) - start
         shared = sum(1 for h in seq.hashes[start:hits] if self._refcount[self._cache[h]] > 0)
         needed = required - shared

@@ -35,9 +35,9 @@ import numpy as np
 import pytest
 import test_content_oracle as base
 
-from kvblocks import GroupSpec, KVCacheManager
+from kvblocks import GroupSpec
 from kvblocks.scheduler import Request
-from oracle.kv_memory import ContentError, state_writes
+from oracle.kv_memory import Attention, ContentError, state_writes
 
 NUM_BATCHES = 4
 CONFIGS_PER_BATCH = 25 * base.SCALE
@@ -48,24 +48,13 @@ class StateConfig(base.Config):
 
     def __init__(self, seed: int) -> None:
         super().__init__(seed)
-        rng = np.random.default_rng(seed + 4_000_003)
-        # The attention group is full attention (the scheduler's table is group 0's).
+        rng = np.random.default_rng(seed + 5_000_003)
+        # One full-attention group (group 0, the only one with KV), then the state groups.
         self.window = None
         self.sched = dataclasses.replace(self.sched, num_lookahead_tokens=0)
         self.every = [int(rng.integers(1, 4)) for _ in range(int(rng.integers(1, 3)))]
-
-    def manager(self) -> KVCacheManager:
-        return KVCacheManager(
-            self.num_blocks,
-            self.block_size,
-            num_cpu_blocks=self.num_cpu_blocks,
-            enable_prefix_caching=self.caching,
-            watermark=self.watermark,
-            groups=[GroupSpec.full_attention()] + [GroupSpec.recurrent(k) for k in self.every],
-            record_events=False,
-            host_cache_blocks=self.host_cache_blocks,
-            host_offload=self.host_offload,
-        )
+        self.rules = [Attention()]
+        self.groups = [GroupSpec.full_attention()] + [GroupSpec.recurrent(k) for k in self.every]
 
 
 class StateHarness(base.Harness):
@@ -81,6 +70,16 @@ class StateHarness(base.Harness):
     def _state_ids(self, request: Request, group: int, tokens: list[int]) -> list[int]:
         # ids[p - 1] is the state after [0, p): the state group's own namespace.
         return self.prefix_ids.ids(tokens, (base._namespace(request), "state", group))
+
+    def sync_table(self, out: Any) -> np.ndarray:
+        """The base check of every group's table (state groups included); attention then
+        reads group 0's only (``cfg.rules``)."""
+        rules = self.cfg.rules
+        self.cfg.rules = rules + [Attention()] * len(self.cfg.every)
+        try:
+            return super().sync_table(out)
+        finally:
+            self.cfg.rules = rules
 
     def apply_memory_ops(self, out: Any) -> None:
         super().apply_memory_ops(out)

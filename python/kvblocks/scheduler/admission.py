@@ -84,15 +84,7 @@ class Admission:
             self.placement.register(state, step.step)  # claim against the cache as it is now
         if not self._fit_loads(seq, step):
             return Deferred.WAIT
-        status = mgr.can_allocate(seq, num_lookahead_tokens=0)
-        if status == AllocStatus.NEVER:
-            self.records.end_early(state, FinishReason.LENGTH, step)
-            return Deferred.ENDED
-        if status != AllocStatus.OK:
-            return Deferred.WAIT
         cached = int(mgr.num_computed_tokens(seq))
-        if may_hold and self._wait_for_prefix(state, seq, cached):
-            return Deferred.HELD
         length = len(state.tokens) - cached
         if length > step.budget:
             # Without chunked prefill a prompt is computed whole or waits (add_request
@@ -103,10 +95,27 @@ class Admission:
             if not self.config.enable_chunked_prefill and whole:
                 return Deferred.WAIT
             length = step.budget
+        # The step's real need in every group (a window group holds only its window and
+        # the chunk), with the watermark kept free.
+        status = mgr.can_allocate(seq, num_new_tokens=length)
+        while status == AllocStatus.NEVER and length > 1:
+            # The pool can never hold this step whole (a window group holds every block
+            # of a step until it commits), but maybe a shorter one: a recomputed
+            # sequence, or a chunk, may be computed in smaller steps.
+            length = (length + 1) // 2
+            status = mgr.can_allocate(seq, num_new_tokens=length)
+        if status == AllocStatus.NEVER:
+            self.records.end_early(state, FinishReason.LENGTH, step)
+            return Deferred.ENDED
+        if status != AllocStatus.OK:
+            return Deferred.WAIT
+        if may_hold and self._wait_for_prefix(state, seq, cached):
+            return Deferred.HELD
+        # Every group's loads (a window group loads only the hit's blocks it sees).
+        loads = int(mgr.num_tier_loads(seq)) if self.tiered else 0
         if mgr.allocate_slots(seq, length) is None:
             return Deferred.WAIT
         if self.tiered:
-            loads = int(mgr.num_tier_loads(seq))
             step.num_loads += loads
             self.counters.num_load_blocks += loads
         self._start_prefill(state, step)

@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.scheduler.block_table import PersistentBlockTable, TableWrites
+from kvblocks.scheduler.block_table import PersistentBlockTable, TableDelta, TableWrites
 from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.scheduler.request import RequestOutput
@@ -187,20 +187,27 @@ def build_step(
     logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
     plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
     block_tables: npt.NDArray[np.int32] | None = None
-    table_rows = table_delta = None
+    table_rows = None
+    table_deltas: list[TableDelta] | None = None
+    num_groups = int(getattr(mgr, "num_groups", 1))
     if len(seq_ids):
-        slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
+        # One call for every group's slots (each group writes into its own blocks).
+        if num_groups == 1:
+            group_slots = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)[None]
+        else:
+            group_slots = np.asarray(mgr.group_slot_mappings(seq_ids, num_sched), dtype=np.int64)
         if block_table is None:
             block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
         else:
             table_rows = block_table.assign(seq_ids)
-            table_delta = block_table.sync(seq_ids, table_rows, seq_lens)
+            table_deltas = block_table.sync_groups(seq_ids, table_rows, seq_lens)
     else:
-        slot_mapping = np.zeros(0, dtype=np.int64)
+        group_slots = np.zeros((num_groups, 0), dtype=np.int64)
         block_tables = np.zeros((0, 1), dtype=np.int32)
         if block_table is not None:
             table_rows = np.zeros(0, dtype=np.int32)
-            table_delta = TableWrites.empty()
+            table_deltas = [TableWrites.empty() for _ in range(num_groups)]
+    slot_mapping = group_slots[0]
     num_prefill_tokens = int(num_sched[num_decode:].sum())
     output = SchedulerOutput(
         seq_ids=seq_ids,
@@ -227,13 +234,17 @@ def build_step(
         num_decode_seqs=num_decode,
         finished_request_ids=batch.finished_request_ids,
         memory_ops=batch.memory_ops,
+        group_slot_mappings=group_slots,
     )
     if state_groups and len(seq_ids):
         output.state_mappings = [mgr.state_mapping(seq_ids, group=g) for g in state_groups]
     if block_table is not None:
+        assert table_deltas is not None
         output.block_table = block_table.table
+        output.group_block_table = block_table.group_tables
         output.block_table_rows = table_rows
-        output.block_table_delta = table_delta
+        output.block_table_delta = table_deltas[0]
+        output.group_block_table_deltas = table_deltas
         output.block_table_reallocated = block_table.reallocated
         block_table.step_done()
     plan = StepPlan(

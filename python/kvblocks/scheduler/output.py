@@ -11,6 +11,7 @@ produces logits this step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +156,19 @@ class SchedulerOutput:
             ``kvblocks.StateMapping`` per such group in group order: where each sequence's
             state is read and where the states of this step (each checkpoint it crosses,
             then its end) are saved (``KVCacheManager.state_mapping``); empty otherwise.
+        group_slot_mappings: int64 [G, T] per KV cache group ``g`` (``G =
+            manager.num_groups``, 1 without groups), the cache slot where each token's K/V
+            is written by the layers of group ``g``: each group has its own blocks. Row 0
+            is ``slot_mapping``. One manager call per step. ``None`` in hand-built
+            records.
+        group_block_table: int32 [G, max_rows, max_blocks] the persistent block table of
+            every group (each sequence in the same row ``block_table_rows[i]`` of every
+            group; a window or chunked group's entries for blocks no future query sees
+            are the null block). Group 0 is ``block_table`` (the same memory). Updated in
+            place by the next ``schedule()``, reallocated with ``block_table``.
+        group_block_table_deltas: one delta per group (as ``block_table_delta``; entry 0
+            is ``block_table_delta``): the entries this step wrote into each group's
+            table.
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -191,6 +205,40 @@ class SchedulerOutput:
     suppressed_token_ids: npt.NDArray[np.int64] | None = None
     suppressed_indptr: npt.NDArray[np.int64] | None = None
     state_mappings: list[Any] = field(default_factory=list)
+    group_slot_mappings: npt.NDArray[np.int64] | None = None
+    group_block_table: npt.NDArray[np.int32] | None = None
+    group_block_table_deltas: list[TableDelta] | None = None
+
+    @property
+    def num_groups(self) -> int:
+        """``G``: the KV cache groups the step's per-group arrays cover (1 without
+        groups)."""
+        if self.group_block_table is not None:
+            return int(self.group_block_table.shape[0])
+        if self.group_slot_mappings is not None:
+            return int(self.group_slot_mappings.shape[0])
+        return 1
+
+    @functools.cached_property
+    def group_block_tables(self) -> npt.NDArray[np.int32]:
+        """int32 [G, S, B]: every group's block table of each scheduled sequence, padded
+        with the null block and trimmed to the longest (``block_tables`` is group 0).
+
+        Gathered from ``group_block_table`` on first read: read it before the next
+        ``schedule()``, which updates that table in place.
+        """
+        if self.group_block_table is None:
+            return np.ascontiguousarray(self.block_tables[None])
+        rows = self.block_table_rows
+        if rows is None:
+            raise ValueError("group_block_table has no block_table_rows to gather with")
+        width = int(self.block_tables.shape[1])
+        gathered = self.group_block_table[:, rows]
+        # The full-attention group (or the longest table) sets the width: a window group's
+        # table has the same length, its leading entries null.
+        used = np.flatnonzero(gathered.any(axis=(0, 1)))
+        width = max(width, int(used[-1]) + 1 if len(used) else 0)
+        return np.ascontiguousarray(gathered[:, :, :width])
 
     @property
     def blocks_to_swap_out(self) -> npt.NDArray[np.int64]:

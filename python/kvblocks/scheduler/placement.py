@@ -150,7 +150,10 @@ class Placement:
             lora_id=request.lora_id,
             **retention_kwargs(request),
         )
-        if self.manager.can_allocate(seq) == AllocStatus.NEVER:
+        # Steps are halved until the pool holds them, so a prompt can never fit only
+        # when one token a step does not: every group's real need, a window group's
+        # worst window (not one block per token in every group).
+        if self.manager.can_allocate(seq, num_new_tokens=1) == AllocStatus.NEVER:
             self.manager.free(seq)
             raise InvalidArgumentError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "

@@ -76,22 +76,28 @@ class Preemption:
         else:
             self.records.end_early(needy, FinishReason.LENGTH, step)
 
-    def allocate_chunk(self, state: RequestState, length: int, step: StepState) -> bool:
+    def allocate_chunk(self, state: RequestState, length: int, step: StepState) -> int:
         """Slots for the next chunk of a request being prefilled; preempts requests
-        prefilled after it if needed. ``False``: it must wait (or it was ended, when it
-        alone holds blocks and still cannot get them)."""
+        prefilled after it if needed. Returns the tokens the chunk got slots for:
+        ``length``, or fewer when the request alone holds blocks and the pool cannot hold
+        the whole chunk (a window or chunked group holds every block of a step until it
+        commits, so a shorter step needs fewer); ``0``: it must wait (or it was ended,
+        when it alone holds blocks and cannot get even one token's)."""
         prefilling = self.placement.prefilling
         seq = state.seq_ids[0]
         while self.manager.allocate_slots(seq, length) is None:
             victim = prefilling[-1]
             if victim is state:
                 if len(self.placement.table) == 0 and len(prefilling) == 1:
+                    if length > 1:
+                        length = (length + 1) // 2
+                        continue
                     step.preempted = True
                     self.records.end_early(state, FinishReason.LENGTH, step)
-                return False
+                return 0
             step.preempted = True
             self.preempt(victim, step)
-        return True
+        return length
 
     def _pick_victim(self) -> RequestState | None:
         placement = self.placement

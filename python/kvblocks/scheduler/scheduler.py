@@ -288,7 +288,8 @@ class Scheduler:
             if state.status is not RequestStatus.PREFILL:
                 continue  # preempted while making room for an earlier one
             length = min(len(state.tokens) - state.num_computed, step.budget)
-            if not self._preemption.allocate_chunk(state, length, step):
+            length = self._preemption.allocate_chunk(state, length, step)
+            if length == 0:
                 break
             step.chunks.append(Chunk(state, state.num_computed, length))
             step.budget -= length

@@ -82,8 +82,6 @@ pub struct Sequence {
     pub num_cached_tokens: usize,
     /// Of `num_cached_tokens`, the tokens loaded from the host tier.
     pub num_tier_tokens: usize,
-    /// The blocks the claim loaded from the host tier, over every group.
-    pub num_tier_loads: usize,
     /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate),
     /// in every group (all groups register at the same commit).
     pub num_registered_blocks: usize,

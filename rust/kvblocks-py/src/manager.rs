@@ -593,19 +593,26 @@ impl KVCacheManager {
     }
 
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
+    /// With ``num_new_tokens``: can the next step of that many tokens past the cached
+    /// prefix get its blocks in every group (a window group's real need)?
     #[pyo3(
-        signature = (seq_id, *, num_lookahead_tokens = None),
-        text_signature = "(self, seq_id, *, num_lookahead_tokens=0)"
+        signature = (seq_id, *, num_lookahead_tokens = None, num_new_tokens = None),
+        text_signature = "(self, seq_id, *, num_lookahead_tokens=0, num_new_tokens=None)"
     )]
     fn can_allocate(
         &self,
         py: Python<'_>,
         seq_id: SeqId,
         num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
+        num_new_tokens: Option<Count<names::NumNewTokens>>,
     ) -> PyResult<AllocStatus> {
         let id = seq_id.0;
         let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
-        let status = self.read(py, |m| m.can_allocate(id, lookahead)).py_err()?;
+        let status = match num_new_tokens {
+            None => self.read(py, |m| m.can_allocate(id, lookahead)),
+            Some(new) => self.read(py, |m| m.can_allocate_step(id, new.0, lookahead)),
+        }
+        .py_err()?;
         Ok(status.into())
     }
 
@@ -814,8 +821,7 @@ impl KVCacheManager {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
     }
 
-    /// The blocks the sequence's claim loads (or, before the first ``allocate_slots``,
-    /// would load) from the host tier, over every group.
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups.
     fn num_tier_loads(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_loads(id))
     }

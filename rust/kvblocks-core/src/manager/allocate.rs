@@ -6,6 +6,7 @@ use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
 use crate::events::KvCacheEvent;
+use crate::group::GroupSpec;
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind};
 use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
@@ -81,6 +82,91 @@ impl KVCacheManager {
             return Ok(AllocStatus::Later);
         }
         Ok(AllocStatus::Ok)
+    }
+
+    /// Can the sequence's next step, `num_new_tokens` tokens past its cached prefix (plus
+    /// lookahead), get its blocks in every group, keeping the watermark free?
+    ///
+    /// The admission check of a scheduler that computes a prompt in steps: the blocks
+    /// counted are those the step's `allocate_slots` takes (a window or chunked group
+    /// needs only the blocks from its claim on, not every block of the prompt).
+    /// `Never` when the pool minus the watermark holds less than this step keeps, or than
+    /// the least any schedule of the known tokens needs (computed one a step: a
+    /// full-attention group's every block, a window group's worst window; see
+    /// `peak_held`). Only for sequences not yet allocated and not swapped (else
+    /// `SequenceState`); `InvalidArgument` as `allocate_slots`.
+    pub fn can_allocate_step(
+        &self,
+        seq_id: u64,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<AllocStatus> {
+        let slot = self.slot_of(seq_id)?;
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "can_allocate")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "can_allocate: sequence {seq_id} already has slots; it is an admission check \
+                 for sequences not yet allocated"
+            )));
+        }
+        self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
+        let (plan, needed) = self.plan_allocation(slot, num_new_tokens, num_lookahead_tokens);
+        let bs = self.config.block_size;
+        let step_len = plan.reserved.div_ceil(bs);
+        let mut step_held = 0usize;
+        for g in 0..self.pools.groups.len() {
+            let claimed_from = self.pools.hit_range(g, plan.claim).start;
+            step_held += step_len - claimed_from.min(step_len);
+        }
+        let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
+        if step_held > usable || self.peak_held(slot, num_lookahead_tokens) > usable {
+            return Ok(AllocStatus::Never);
+        }
+        let free = self.pools.gpu.num_free() as i128;
+        if free - (needed as i128) < self.watermark_blocks as i128 {
+            return Ok(AllocStatus::Later);
+        }
+        Ok(AllocStatus::Ok)
+    }
+
+    /// The most blocks the (not yet allocated) sequence holds in all groups together
+    /// while its known tokens are computed one at a time from its cached prefix: the
+    /// least any schedule of its steps needs. A full-attention group's count only grows;
+    /// a window or chunked group's repeats with a period of `block_size` (window) or
+    /// `lcm(chunk, block_size)` (chunked) positions, so the last period holds the peak.
+    fn peak_held(&self, slot: usize, lookahead: usize) -> usize {
+        let seq = &self.slots[slot];
+        let bs = self.config.block_size;
+        let known = seq.tokens.len();
+        let cached = self.computed_of(seq).min(known.saturating_sub(1));
+        let claim = cached / bs;
+        let groups = &self.pools.groups;
+        let period = groups
+            .iter()
+            .map(|spec| match *spec {
+                GroupSpec::ChunkedLocalAttention { chunk } => chunk / gcd(chunk, bs) * bs,
+                _ => bs,
+            })
+            .max()
+            .unwrap_or(bs);
+        let from = cached.max(known.saturating_sub(period));
+        let mut peak = 0;
+        // Single-token steps: the query at `p` reserves through `p + 1 + lookahead` and
+        // sees from `first_visible(p)` (or from the claim's first block).
+        for p in from..known {
+            let table_len = (p + 1 + lookahead).div_ceil(bs);
+            let held: usize = (0..groups.len())
+                .map(|g| {
+                    let first = groups[g]
+                        .released_blocks(p, bs)
+                        .max(self.pools.hit_range(g, claim).start);
+                    table_len - first.min(table_len)
+                })
+                .sum();
+            peak = peak.max(held);
+        }
+        peak
     }
 
     /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens in
@@ -409,7 +495,6 @@ impl KVCacheManager {
         seq.num_computed = plan.claim * bs;
         seq.num_cached_tokens = plan.claim * bs;
         seq.num_tier_tokens = plan.tier_positions * bs;
-        seq.num_tier_loads = tier_hits.len();
         seq.num_registered_blocks = plan.claim;
         if let Some(t) = pools.tier.as_mut() {
             t.stats.hits += (plan.tier_positions * bs) as u64;
@@ -420,5 +505,14 @@ impl KVCacheManager {
             pools.counters.prefix_cache_hits += ((plan.claim - plan.tier_positions) * bs) as u64;
         }
         Some(())
+    }
+}
+
+/// Greatest common divisor (`gcd(a, 0) = a`).
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }

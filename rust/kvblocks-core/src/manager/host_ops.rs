@@ -188,18 +188,21 @@ impl KVCacheManager {
         })
     }
 
-    /// The blocks the sequence's claim loads from the host tier (before the first
-    /// `allocate_slots`: those a claim now would load), over every group: the host-to-GPU
-    /// copies a scheduler's per-step bound counts. With one group it is `num_tier_tokens
-    /// / block_size`; with several, each group's block of a position is a load of its own.
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups (each
+    /// group loads the blocks of the hit its queries see): what a scheduler counts
+    /// against `max_load_blocks_per_step`. Errors: `UnknownSequence`, `SequenceState`
+    /// (already allocated, or swapped).
     pub fn num_tier_loads(&self, seq_id: u64) -> Result<usize> {
         let seq = self.seq(seq_id)?;
-        Ok(if seq.allocated {
-            seq.num_tier_loads
-        } else {
-            let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-            self.pools.probe_tier(&seq.hashes, hit)
-        })
+        Self::require_resident(seq, "num_tier_loads")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "num_tier_loads: sequence {seq_id} already has slots; it counts a waiting \
+                 sequence's loads"
+            )));
+        }
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        Ok(self.pools.probe_tier(&seq.hashes, hit))
     }
 
     /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most

@@ -62,7 +62,6 @@ impl KVCacheManager {
             probe_cap_blocks: cap,
             num_cached_tokens: 0,
             num_tier_tokens: 0,
-            num_tier_loads: 0,
             num_registered_blocks: 0,
             swapped: false,
             in_flight: 0..0,
