@@ -30,6 +30,10 @@ from kvblocks.scheduler.step_outputs import DecodeDeltas
 
 __all__ = ["ResultApplier", "check_result"]
 
+Rows = npt.NDArray[np.int64] | slice
+"""Decode-table rows: an index array, or ``slice(0, n)`` when the step's decode rows are
+still the table's first ``n`` rows (no reordering since they were cut)."""
+
 
 def check_result(
     output: SchedulerOutput, plan: StepPlan, result: ModelStepResult
@@ -41,7 +45,9 @@ def check_result(
             missing top-K for beam rows).
     """
     counts = output.sample_counts
-    sampled = np.asarray(result.sampled_token_ids, dtype=np.int64).reshape(-1)
+    sampled = np.asarray(result.sampled_token_ids, dtype=np.int64)
+    if sampled.ndim != 1:
+        sampled = sampled.reshape(-1)
     total = int(counts.sum()) if plan.special else len(counts)
     if sampled.shape[0] != total:
         raise InvalidArgumentError(
@@ -51,7 +57,9 @@ def check_result(
     if result.sampled_logprobs is None:
         logprobs = np.zeros(total, dtype=np.float64)
     else:
-        logprobs = np.asarray(result.sampled_logprobs, dtype=np.float64).reshape(-1)
+        logprobs = np.asarray(result.sampled_logprobs, dtype=np.float64)
+        if logprobs.ndim != 1:
+            logprobs = logprobs.reshape(-1)
         if logprobs.shape[0] != total:
             raise InvalidArgumentError(
                 f"sampled_logprobs has {logprobs.shape[0]} entries, expected {total}"
@@ -107,24 +115,31 @@ class ResultApplier:
             ones = None
             row_tok = sampled
             row_lp = logprobs
-        commit_tokens = np.full(output.num_seqs, -1, dtype=np.int64)
-        commit_tokens[plan.row_seq_pos] = row_tok
-        self.manager.commit_batch(output.seq_ids, output.num_scheduled_tokens, commit_tokens)
+        if len(row_tok) == output.num_seqs:
+            commit_tokens = row_tok  # every sequence samples: rows are the batch order
+        else:
+            commit_tokens = np.full(output.num_seqs, -1, dtype=np.int64)
+            commit_tokens[plan.row_seq_pos] = row_tok
+        # Decodes only: one computed token each.
+        computed = 1 if not plan.chunks else output.num_scheduled_tokens
+        self.manager.commit_batch(output.seq_ids, computed, commit_tokens)
         # Every drawn token: one per ordinary row, n for a prompt row that forks n samples
         # (beam tokens are counted in BeamSearch.step).
         self.counters.num_generated_tokens += int(counts.sum()) if plan.special else len(row_tok)
 
         # Decodes: vectorised append of one token per sequence, then stop conditions.
         if num_decode:
-            rows = table.rows_of(output.seq_ids[:num_decode])
+            rows: Rows = slice(0, num_decode)
+            if plan.table_version != table.version or ones is not None:
+                rows = table.rows_of(output.seq_ids[:num_decode])
             tok = row_tok[:num_decode]
             lp = row_lp[:num_decode]
+            beam_rows = None
             if ones is not None:
+                assert not isinstance(rows, slice)
                 mask = ones[:num_decode]
                 beam_rows = rows[~mask]
                 rows, tok, lp = rows[mask], tok[mask], lp[mask]
-            else:
-                beam_rows = None
             cols = table.cols
             cols["last_token"][rows] = tok
             cols["num_tokens"][rows] += 1
@@ -136,9 +151,10 @@ class ResultApplier:
             stop_tokens = self.placement.registry.stop_tokens
             if stop_tokens.size:
                 done |= cols["has_stop"][rows] & np.isin(tok, stop_tokens)
-            hits = np.flatnonzero(done)
-            if hits.size:
-                self._finish_decode_rows(rows[hits], tok[hits], upd)
+            if done.any():
+                hits = np.flatnonzero(done)
+                ended = hits if isinstance(rows, slice) else rows[hits]
+                self._finish_decode_rows(ended, tok[hits], upd)
             if beam_rows is not None and beam_rows.size:
                 self.beams.decode(beam_rows, output, result, upd)
         # Prefill chunks: progress, and the first token(s) of completed prompts.
@@ -209,7 +225,7 @@ class ResultApplier:
 
     def _decode_deltas(
         self,
-        rows: npt.NDArray[np.int64],
+        rows: Rows,
         tokens: npt.NDArray[np.int64],
         generated: npt.NDArray[np.int64],
         aborted: list[RequestState],
@@ -217,16 +233,21 @@ class ResultApplier:
         """The decode rows' new tokens as columns (rows of aborted requests left out)."""
         cols = self.placement.table.cols
         if aborted:
+            if isinstance(rows, slice):
+                rows = np.arange(rows.start, rows.stop, dtype=np.int64)
             seqs = [s for a in aborted for p in (a, *a.parts) for s in p.seq_ids]
             keep = ~np.isin(cols["seq_id"][rows], np.array(seqs, dtype=np.int64))
             rows, tokens, generated = rows[keep], tokens[keep], generated[keep]
-        # rows and generated are fresh arrays; tokens may be a view of the engine's result.
+        cums = cols["cum_logprob"][rows]
+        if isinstance(rows, slice):
+            cums = cums.copy()  # a view of what the next step updates in place
+        # generated is a fresh array; tokens may be a view of the engine's result.
         return DecodeDeltas(
             rows,
             cols["request_id"],
             cols["seq_index"],
             np.array(tokens, dtype=np.int64),
-            cols["cum_logprob"][rows],
+            cums,
             generated,
         )
 

@@ -15,13 +15,13 @@ from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.scheduler.request import RequestOutput
 from kvblocks.scheduler.request_state import RequestState
-from kvblocks.scheduler.seq_table import Rows
+from kvblocks.scheduler.seq_table import SequenceTable
 from kvblocks.scheduler.step import Chunk
 
 __all__ = ["DecodeRows", "StepBatch", "StepPlan", "build_step"]
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
     """What ``schedule`` decided, kept until the matching ``update``.
 
@@ -34,6 +34,8 @@ class StepPlan:
         special: some row has ``sample_count != 1``.
         ended: final records of requests ended for lack of room while scheduling.
         aborted: requests aborted while the step was in flight (released at ``update``).
+        table_version: the decode table's version when the decode rows were cut: while
+            it is unchanged they are still rows ``0..num_decode_seqs-1``.
     """
 
     output: SchedulerOutput
@@ -44,12 +46,14 @@ class StepPlan:
     special: bool = False
     ended: list[RequestOutput] = field(default_factory=list)
     aborted: list[RequestState] = field(default_factory=list)
+    table_version: int = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeRows:
     """A step's decode rows: the first ``len(seq_ids)`` rows of the decode table, batch
-    order (``lens`` and ``is_beam`` are views, read before the table changes)."""
+    order (``lens`` and ``is_beam`` are views, read before the table changes), cut at
+    the table's ``table_version``."""
 
     seq_ids: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
@@ -61,10 +65,12 @@ class DecodeRows:
     seeds: npt.NDArray[np.int64]
     seq_index: npt.NDArray[np.int32]
     request_ids: list[str]
+    table_version: int
 
     @classmethod
-    def from_table(cls, cols: Rows, end: int) -> DecodeRows:
+    def from_table(cls, table: SequenceTable, end: int) -> DecodeRows:
         """The first ``end`` rows of the table's columns."""
+        cols = table.cols
         return cls(
             seq_ids=cols["seq_id"][:end].copy(),
             tokens=cols["last_token"][:end].copy(),
@@ -76,10 +82,11 @@ class DecodeRows:
             seeds=cols["seed"][:end].copy(),
             seq_index=cols["seq_index"][:end].copy(),
             request_ids=cols["request_id"][:end].tolist(),
+            table_version=table.version,
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class StepBatch:
     """Everything a step computes and moves: the input of :func:`build_step`."""
 
@@ -101,9 +108,10 @@ def build_step(
     ``beam_width_of(seq_id)`` gives the beam width of a decoding beam sequence. One
     ``slot_mapping`` call covers the whole batch; with a ``block_table`` (the scheduler's
     persistent table) one sync writes only the entries that changed and
-    ``SchedulerOutput.block_tables`` is gathered only if read, else one ``block_tables``
-    call builds the ``[S, B]`` tables. Each recurrent-state group in ``state_groups``
-    adds its ``state_mapping`` of the batch.
+    ``SchedulerOutput.block_tables`` is gathered only if read (and a decode-only step's
+    slots are read from the synced rows), else one ``block_tables`` call builds the
+    ``[S, B]`` tables. Each recurrent-state group in ``state_groups`` adds its
+    ``state_mapping`` of the batch.
     """
     mgr = manager
     dec = batch.decodes
@@ -118,12 +126,15 @@ def build_step(
         dec.seq_index,
     )
     dec_request_ids = dec.request_ids
-    sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
     special = bool(dec_beam.any())
     beam_width = 0
     if special:
+        sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
         for seq in dec_ids[dec_beam].tolist():
             beam_width = max(beam_width, beam_width_of(seq))
+    else:
+        sample_counts = np.ones(num_decode, dtype=np.int32)
+    num_sched: npt.NDArray[np.int64] | None = None  # None: decodes only, one token each
     if chunks:
         chunk_ids = np.array([s.seq_ids[0] for s, _, _ in chunks], dtype=np.int64)
         chunk_lens = np.array([n for _, _, n in chunks], dtype=np.int64)
@@ -140,12 +151,18 @@ def build_step(
         seq_lens = np.concatenate([dec_lens, chunk_starts + chunk_lens]).astype(np.int32)
     else:
         seq_ids = dec_ids
-        num_sched = np.ones(num_decode, np.int64)
         input_ids = dec_tokens
         positions = dec_lens - 1
         seq_lens = dec_lens.astype(np.int32)
-    query_start_loc = np.zeros(len(seq_ids) + 1, dtype=np.int32)
-    np.cumsum(num_sched, out=query_start_loc[1:])
+    if num_sched is None:
+        num_scheduled = np.ones(num_decode, dtype=np.int32)
+        query_start_loc = np.arange(num_decode + 1, dtype=np.int32)
+        num_prefill_tokens = 0
+    else:
+        num_scheduled = num_sched.astype(np.int32)
+        query_start_loc = np.zeros(len(seq_ids) + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_prefill_tokens = int(num_sched[num_decode:].sum())
     logits = [np.arange(num_decode, dtype=np.int64)]
     row_seq_pos = [np.arange(num_decode, dtype=np.int64)]
     row_chunk: list[int] = []
@@ -190,17 +207,22 @@ def build_step(
     table_rows = None
     table_deltas: list[TableDelta] | None = None
     num_groups = int(getattr(mgr, "num_groups", 1))
+    counts = 1 if num_sched is None else num_sched  # decodes only: one token each
+    group_slots: npt.NDArray[np.int64] | None = None
     if len(seq_ids):
-        # One call for every group's slots (each group writes into its own blocks).
-        if num_groups == 1:
-            group_slots = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)[None]
-        else:
-            group_slots = np.asarray(mgr.group_slot_mappings(seq_ids, num_sched), dtype=np.int64)
+        if num_groups > 1:
+            # One call for every group's slots (each group writes into its own blocks).
+            group_slots = np.asarray(mgr.group_slot_mappings(seq_ids, counts), dtype=np.int64)
         if block_table is None:
             block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
         else:
             table_rows = block_table.assign(seq_ids)
             table_deltas = block_table.sync_groups(seq_ids, table_rows, seq_lens)
+            if group_slots is None and num_sched is None:
+                # Decodes only: one slot each, read from the rows just synced.
+                group_slots = block_table.decode_slots(table_rows, positions)[None]
+        if group_slots is None:
+            group_slots = np.asarray(mgr.slot_mapping(seq_ids, counts), dtype=np.int64)[None]
     else:
         group_slots = np.zeros((num_groups, 0), dtype=np.int64)
         block_tables = np.zeros((0, 1), dtype=np.int32)
@@ -208,10 +230,9 @@ def build_step(
             table_rows = np.zeros(0, dtype=np.int32)
             table_deltas = [TableWrites.empty() for _ in range(num_groups)]
     slot_mapping = group_slots[0]
-    num_prefill_tokens = int(num_sched[num_decode:].sum())
     output = SchedulerOutput(
         seq_ids=seq_ids,
-        num_scheduled_tokens=num_sched.astype(np.int32),
+        num_scheduled_tokens=num_scheduled,
         input_token_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,
@@ -220,7 +241,7 @@ def build_step(
         # None: gathered from block_table on first read (SchedulerOutput.block_tables).
         block_tables=cast("npt.NDArray[np.int32]", block_tables),
         logits_indices=logits_indices,
-        sample_seq_ids=seq_ids[plan_row_pos],
+        sample_seq_ids=seq_ids[plan_row_pos] if chunks else seq_ids.copy(),
         sample_request_ids=dec_request_ids,
         sample_seq_index=seq_index.astype(np.int32, copy=False),
         sample_counts=sample_counts,
@@ -248,6 +269,11 @@ def build_step(
         output.block_table_reallocated = block_table.reallocated
         block_table.step_done()
     plan = StepPlan(
-        output, chunks=chunks, row_seq_pos=plan_row_pos, row_chunk=row_chunk, special=special
+        output,
+        chunks=chunks,
+        row_seq_pos=plan_row_pos,
+        row_chunk=row_chunk,
+        special=special,
+        table_version=dec.table_version,
     )
     return output, plan

@@ -127,7 +127,7 @@ class PersistentBlockTable:
     @property
     def num_held(self) -> int:
         """Rows held by sequences."""
-        return self.table.shape[0] - len(self._free)
+        return int(self.table.shape[0]) - len(self._free)
 
     def row_of(self, seq_id: int) -> int:
         """The row of a sequence, ``-1`` if it holds none."""
@@ -142,7 +142,10 @@ class PersistentBlockTable:
             grown[: len(self._row_of)] = self._row_of
             self._row_of = grown
             rows = self._row_of[seq_ids]
-        for i in np.flatnonzero(rows < 0).tolist():
+        missing = rows < 0
+        if not missing.any():  # the usual step: every sequence has its row
+            return rows
+        for i in np.flatnonzero(missing).tolist():
             if not self._free:
                 self._grow(rows=2 * self.table.shape[0])
             row = self._free.pop()
@@ -200,6 +203,17 @@ class PersistentBlockTable:
         if self.num_groups == 1:
             return [self.manager.update_block_table(self.table, seq_ids, rows)]
         return list(self.manager.update_group_block_tables(self.group_tables, seq_ids, rows))
+
+    def decode_slots(
+        self, rows: npt.NDArray[np.int32], positions: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.int64]:
+        """The cache slot of one token per row (``block * block_size + offset``), read
+        from the table: what the manager's ``slot_mapping`` gives for a decode step, once
+        :meth:`sync` wrote the step's rows (the block a position falls in is reserved)."""
+        blocks = self.table[rows, positions // self.block_size].astype(np.int64)
+        blocks *= self.block_size
+        blocks += positions % self.block_size
+        return blocks
 
     def step_done(self) -> None:
         """The step's output carries the current table; later growth is news again."""

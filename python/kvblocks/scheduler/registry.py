@@ -32,6 +32,7 @@ class RequestRegistry:
         #: Every stop token of a request added so far (sorted), for the vectorised check.
         self.stop_tokens: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         self._finished_ids: list[str] = []
+        self._shared = False  # ``requests`` was handed out by snapshot(): copy on change
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -44,6 +45,17 @@ class RequestRegistry:
     def next_counter(self) -> int:
         """The arrival counter the next added request gets."""
         return self._counter
+
+    def snapshot(self) -> dict[str, RequestState]:
+        """The unfinished requests now, as a mapping later changes do not affect (it is
+        copied at the next change, not now: most steps add and finish nothing)."""
+        self._shared = True
+        return self.requests
+
+    def _own(self) -> None:
+        if self._shared:
+            self.requests = dict(self.requests)
+            self._shared = False
 
     def new_seq_id(self) -> int:
         """A sequence id no live sequence has (the last one given back, else a new one)."""
@@ -60,6 +72,7 @@ class RequestRegistry:
     def add(self, state: RequestState) -> None:
         """Register a new request (its first sequence id included)."""
         self._counter += 1
+        self._own()
         self.requests[state.request.request_id] = state
         self.owner[state.seq_ids[0]] = state
         if state.params.min_tokens > 0:
@@ -87,6 +100,7 @@ class RequestRegistry:
         part) is reported in the next step's ``finished_request_ids``."""
         rid = state.request.request_id
         if self.requests.get(rid) is state:
+            self._own()
             del self.requests[rid]
             if state.params.min_tokens > 0:
                 self.num_min_tokens -= 1

@@ -277,7 +277,7 @@ class Scheduler:
             end = min(end, len(table))
         step.budget -= end
         step.num_seqs = end
-        return DecodeRows.from_table(table.cols, end)
+        return DecodeRows.from_table(table, end)
 
     def _schedule_chunks(self, step: StepState) -> None:
         """Phase 2: the next chunk of each request being prefilled, in key order."""
@@ -380,7 +380,7 @@ class Scheduler:
         # copies are complete, so their slots are released (a no-op without a tier).
         self.manager.confirm_memory_ops()
         upd = UpdateState(now, self.counters.num_steps, finished=plan.ended)
-        states = dict(self._registry.requests)  # the step's records outlive finished requests
+        states = self._registry.snapshot()  # the step's records outlive finished requests
         decode = None
         if output.num_seqs:
             decode = self._results.apply(output, plan, sampled, logprobs, result, upd)

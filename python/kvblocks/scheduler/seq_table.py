@@ -50,12 +50,15 @@ class SequenceTable:
     """Decoding sequences as NumPy columns, sorted by (prio, arrival, counter, seq_id).
 
     ``row_of`` maps a sequence id to its row (``-1`` when absent) so that results can be
-    applied after the table was reordered between ``schedule`` and ``update``.
+    applied after the table was reordered between ``schedule`` and ``update``;
+    ``version`` counts the reorderings, so a caller that saw no change since it cut the
+    first ``n`` rows knows they are still rows ``0..n-1`` (and can slice instead).
     """
 
     def __init__(self) -> None:
         self.cols: Rows = empty_rows()
         self.row_of: npt.NDArray[np.int64] = np.full(1024, -1, dtype=np.int64)
+        self.version = 0
 
     def __len__(self) -> int:
         return int(self.cols["seq_id"].shape[0])
@@ -81,6 +84,7 @@ class SequenceTable:
 
     def update(self, remove: npt.NDArray[np.int64] | None, add: list[Rows]) -> None:
         """Drop the rows ``remove``, append ``add`` and restore the priority order."""
+        self.version += 1
         if remove is not None and remove.size:
             self.row_of[self.cols["seq_id"][remove]] = -1
             keep = np.ones(len(self), dtype=bool)

@@ -28,7 +28,7 @@ class Chunk(NamedTuple):
     length: int
 
 
-@dataclass
+@dataclass(slots=True)
 class StepState:
     """The step ``schedule()`` is building.
 
@@ -55,7 +55,7 @@ class StepState:
     ended: list[RequestOutput] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class UpdateState:
     """What ``update()`` collects while it applies a step's results.
 

@@ -37,7 +37,7 @@ class DecodeDeltas:
 
     def __init__(
         self,
-        rows: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64] | slice,
         request_id_col: npt.NDArray[np.object_],
         seq_index_col: npt.NDArray[np.int32],
         token_ids: npt.NDArray[np.int64],

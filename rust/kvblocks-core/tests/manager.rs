@@ -1138,3 +1138,50 @@ fn check_invariants_passes_on_fresh_and_busy_managers() {
     m.free(4).unwrap();
     m.check_invariants().unwrap();
 }
+
+/// The last batch's slots are reused by the next call with the same ids (a scheduler's
+/// allocate / map / sync / commit): freeing a sequence (its slot refilled by another) or
+/// adding one must not let a stale slot through, and duplicates are still refused.
+#[test]
+fn batch_calls_resolve_ids_again_after_sequences_come_and_go() {
+    let mut m = manager(64, 4);
+    for id in [1, 2, 3] {
+        m.add_sequence(id, &toks(10 * id as u32, 6), None, None)
+            .unwrap();
+    }
+    let ids = [1u64, 2, 3];
+    let step = |m: &mut KVCacheManager, ids: &[u64]| {
+        let mut want = Vec::new();
+        for &id in ids {
+            let n = m.num_tokens(id).unwrap() - m.num_computed_tokens(id).unwrap();
+            want.push(n as i64);
+        }
+        let got = m
+            .allocate_slots_batch(ids, BatchArg::Each(&want), 0)
+            .unwrap();
+        assert_eq!(got.num_served, ids.len());
+        let batch = m.slot_mapping(ids, Some(BatchArg::Each(&want))).unwrap();
+        let mut single = Vec::new();
+        for (&id, &n) in ids.iter().zip(&want) {
+            single.extend(m.slot_mapping(&[id], Some(BatchArg::Scalar(n))).unwrap());
+        }
+        assert_eq!(batch, single);
+        m.commit_batch(ids, BatchArg::Each(&want), None).unwrap();
+        m.check_invariants().unwrap();
+    };
+    step(&mut m, &ids);
+    // Free the first: the last sequence moves into its slot; a new 1 takes another.
+    m.free(1).unwrap();
+    m.add_sequence(1, &toks(500, 9), None, None).unwrap();
+    step(&mut m, &ids);
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 9);
+    assert!(matches!(
+        m.allocate_slots_batch(&[2, 2], BatchArg::Scalar(0), 0),
+        Err(KvError::InvalidArgument(_))
+    ));
+    m.free(2).unwrap();
+    assert!(matches!(
+        m.slot_mapping(&ids, None),
+        Err(KvError::UnknownSequence(2))
+    ));
+}

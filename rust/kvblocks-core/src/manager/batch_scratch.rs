@@ -1,4 +1,5 @@
-//! Reusable marks for detecting a sequence id listed twice in a batch.
+//! Reusable marks for detecting a sequence id listed twice in a batch, and the last
+//! batch resolved to slots.
 
 /// Per-slot epoch marks: an id is a duplicate if its slot already carries this epoch.
 ///
@@ -8,6 +9,10 @@
 pub(super) struct BatchScratch {
     marks: Vec<u64>,
     epoch: u64,
+    // The last batch of distinct ids resolved to slots: a scheduler passes the same ids
+    // to allocate, map, sync and commit every step, and the steps after it.
+    memo_ids: Vec<u64>,
+    memo_slots: Vec<u32>,
 }
 
 impl PartialEq for BatchScratch {
@@ -24,6 +29,28 @@ impl BatchScratch {
         }
         self.epoch += 1;
         self.epoch
+    }
+
+    /// The slots of `ids` if they are the last batch remembered (distinct ids, resolved
+    /// since the last [`BatchScratch::forget_batch`]).
+    #[inline]
+    pub fn recall(&self, ids: &[u64]) -> Option<&[u32]> {
+        (!ids.is_empty() && self.memo_ids == ids).then_some(&self.memo_slots[..])
+    }
+
+    /// Remember a batch of distinct ids and their slots.
+    pub fn remember(&mut self, ids: &[u64], slots: &[u32]) {
+        self.memo_ids.clear();
+        self.memo_ids.extend_from_slice(ids);
+        self.memo_slots.clear();
+        self.memo_slots.extend_from_slice(slots);
+    }
+
+    /// Sequences were added or freed (a freed slot is refilled by another sequence):
+    /// the remembered batch may name slots that moved.
+    pub fn forget_batch(&mut self) {
+        self.memo_ids.clear();
+        self.memo_slots.clear();
     }
 
     /// Mark `slot` for `epoch`; false if it was already marked (a duplicate).

@@ -16,6 +16,7 @@ impl KVCacheManager {
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         let slot = self.slot_of(seq_id)?;
         self.index.remove(&seq_id);
+        self.scratch.forget_batch();
         let mut seq = self.slots.swap_remove(slot);
         self.in_flight.untrack(&mut seq);
         if let Some(moved) = self.slots.get(slot) {

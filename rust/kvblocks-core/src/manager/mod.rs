@@ -215,6 +215,9 @@ impl KVCacheManager {
 
     /// Slots of `seq_ids` in order; `InvalidArgument` if an id is listed twice.
     fn batch_slots(&mut self, seq_ids: &[u64]) -> Result<Vec<u32>> {
+        if let Some(slots) = self.scratch.recall(seq_ids) {
+            return Ok(slots.to_vec());
+        }
         let mut out = Vec::with_capacity(seq_ids.len());
         let epoch = self.scratch.next_epoch(self.slots.len());
         for &id in seq_ids {
@@ -226,6 +229,7 @@ impl KVCacheManager {
             }
             out.push(slot);
         }
+        self.scratch.remember(seq_ids, &out);
         Ok(out)
     }
 }

@@ -67,6 +67,7 @@ impl KVCacheManager {
             in_flight: 0..0,
         };
         self.index.insert(seq_id, self.slots.len() as u32);
+        self.scratch.forget_batch();
         self.slots.push(seq);
         Ok(cap * bs)
     }
@@ -113,6 +114,7 @@ impl KVCacheManager {
             }
         }
         self.index.insert(child_id, self.slots.len() as u32);
+        self.scratch.forget_batch();
         self.slots.push(child);
         Ok(())
     }

@@ -16,6 +16,16 @@ impl KVCacheManager {
 
     /// Resident sequences of a batch, resolved once (duplicates allowed: read only).
     pub(super) fn resident_batch(&self, seq_ids: &[u64], op: &str) -> Result<Vec<&Sequence>> {
+        if let Some(slots) = self.scratch.recall(seq_ids) {
+            return slots
+                .iter()
+                .map(|&slot| {
+                    let seq = &self.slots[slot as usize];
+                    Self::require_resident(seq, op)?;
+                    Ok(seq)
+                })
+                .collect();
+        }
         seq_ids.iter().map(|&id| self.resident(id, op)).collect()
     }
 

@@ -98,6 +98,8 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 pub(crate) trait IntTarget: Copy {
     /// The value as this type; the caller checked the range.
     fn from_i128(v: i128) -> Self;
+    /// The value as this type; the caller checked the range.
+    fn from_i64(v: i64) -> Self;
 }
 
 macro_rules! int_target {
@@ -107,10 +109,43 @@ macro_rules! int_target {
             fn from_i128(v: i128) -> Self {
                 v as $t
             }
+            #[inline]
+            fn from_i64(v: i64) -> Self {
+                v as $t
+            }
         }
     )*};
 }
 int_target!(u32, u64, i64);
+
+/// The usual case of [`copy_array`]: a contiguous `int64` array and bounds that fit
+/// `int64`, checked and converted without widening each value to `i128` (ids of a
+/// thousand sequences go through here several times per scheduler step).
+fn copy_contiguous_i64<T: IntTarget>(
+    arr: &Bound<'_, PyUntypedArray>,
+    name: &str,
+    lo: i128,
+    hi: i128,
+    out: &mut Vec<T>,
+) -> PyResult<bool> {
+    let (Ok(lo64), Ok(last64)) = (i64::try_from(lo), i64::try_from(hi - 1)) else {
+        return Ok(false);
+    };
+    let Ok(typed) = arr.cast::<PyArray1<i64>>() else {
+        return Ok(false);
+    };
+    let view = typed.readonly();
+    let Ok(slice) = view.as_slice() else {
+        return Ok(false);
+    };
+    if let Some(bad) = slice.iter().find(|&&x| x < lo64 || x > last64) {
+        return Err(invalid_argument(format!(
+            "every entry of {name} must be in [{lo}, {hi}), got {bad}"
+        )));
+    }
+    out.extend(slice.iter().map(|&x| T::from_i64(x)));
+    Ok(true)
+}
 
 /// Copy a NumPy array of element type `S` into `out`, checking every value's range.
 fn copy_array<S, T>(
@@ -177,7 +212,8 @@ pub(crate) fn int_vec<T: IntTarget>(
             // `np.array([])` is float64; an empty array of any dtype is an empty list.
             return Ok(out);
         }
-        let done = copy_array::<i64, T>(arr, name, lo, hi, &mut out)?
+        let done = copy_contiguous_i64::<T>(arr, name, lo, hi, &mut out)?
+            || copy_array::<i64, T>(arr, name, lo, hi, &mut out)?
             || copy_array::<i32, T>(arr, name, lo, hi, &mut out)?
             || copy_array::<u32, T>(arr, name, lo, hi, &mut out)?
             || copy_array::<u64, T>(arr, name, lo, hi, &mut out)?
