@@ -15,6 +15,7 @@ from kvblocks._core import (
     BlockStored,
     GroupSpec,
     KVCacheManager,
+    StateMapping,
     __version__,
 )
 from kvblocks.errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "OutOfBlocksError",
     "SamplingParams",
     "SequenceStateError",
+    "StateMapping",
     "UnknownSequenceError",
     "__version__",
 ]

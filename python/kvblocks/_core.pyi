@@ -41,6 +41,7 @@ __all__ = [
     "BlockTableDelta",
     "GroupSpec",
     "KVCacheManager",
+    "StateMapping",
     "__version__",
     "blake3_derive_key",
     "gather_row_prefixes",
@@ -121,6 +122,28 @@ class BatchAllocation:
         ``block_ids[block_indptr[i]:block_indptr[i + 1]]``."""
 
 @final
+class StateMapping:
+    """Where one step reads and writes the states of one recurrent-state group
+    (:meth:`KVCacheManager.state_mapping`), in CSR form. A state "after ``p`` tokens" is
+    the group's layers' state once tokens ``[0, p)`` went through them."""
+
+    @property
+    def read_blocks(self) -> npt.NDArray[np.int64]:
+        """``[S]`` the block holding each sequence's state after its computed tokens, or
+        ``-1`` before any token is computed (the zero state)."""
+    @property
+    def write_indptr(self) -> npt.NDArray[np.int64]:
+        """``[S + 1]`` sequence ``i`` writes entries ``write_indptr[i]:write_indptr[i + 1]``."""
+    @property
+    def write_positions(self) -> npt.NDArray[np.int64]:
+        """The tokens each saved state covers, ascending per sequence; a sequence's last
+        one is the end of its reserved tokens."""
+    @property
+    def write_blocks(self) -> npt.NDArray[np.int64]:
+        """The block each state is saved in."""
+    def __len__(self) -> int: ...
+
+@final
 class BlockStored:
     """KV cache event: full blocks entered the prefix cache (one event per block run)."""
 
@@ -157,7 +180,7 @@ class BlockStored:
     @property
     def kv_cache_spec_kind(
         self,
-    ) -> Literal["full_attention", "sliding_window", "chunked_local_attention"]:
+    ) -> Literal["full_attention", "sliding_window", "chunked_local_attention", "mamba"]:
         """What the group's layers attend to (the group's ``GroupSpec.kind``)."""
     @property
     def kv_cache_spec_sliding_window(self) -> int | None:
@@ -237,12 +260,14 @@ class BlockHasher:
 
 @final
 class GroupSpec:
-    """The attention of one KV cache group's layers: which past tokens a query sees.
+    """The attention of one KV cache group's layers (which past tokens a query sees), or
+    their recurrent state.
 
-    A hybrid model's layers are put in groups of equal size, one attention kind per
-    group, so that one block id names the same bytes in every group and all groups share
-    one pool (``docs/hybrid-groups.md``). Each sequence keeps one block table per group;
-    a group holds only the blocks its future queries can see.
+    A hybrid model's layers are put in groups of equal size, one kind per group, so that
+    one block id names the same bytes in every group and all groups share one pool
+    (``docs/hybrid-groups.md``). Each sequence keeps one block table per group; an
+    attention group holds only the blocks its future queries can see, a recurrent-state
+    group one block: the state after the sequence's computed tokens.
     """
 
     @staticmethod
@@ -255,17 +280,31 @@ class GroupSpec:
     def chunked_local_attention(chunk: int) -> GroupSpec:
         """Chunked local attention (Llama 4): a query at ``p`` sees its own chunk of
         ``chunk >= 1`` tokens, ``[p // chunk * chunk, p]``."""
+    @staticmethod
+    def recurrent(checkpoint_every_blocks: int) -> GroupSpec:
+        """Recurrent layers (Mamba's conv and SSM state): one state per sequence in one
+        block of its table (entry ``ceil(computed / block_size) - 1`` holds the state after
+        the computed tokens), updated in place by each step and copied first when a fork
+        shares it. The state after every ``checkpoint_every_blocks >= 1``-th block is
+        cached (vLLM's ``"mamba"`` kind), and a prefix hit ends on a cached one
+        (:meth:`KVCacheManager.state_mapping` says where a step reads and writes)."""
     @property
-    def kind(self) -> Literal["full_attention", "sliding_window", "chunked_local_attention"]:
-        """vLLM's ``kv_cache_spec_kind`` name."""
+    def kind(
+        self,
+    ) -> Literal["full_attention", "sliding_window", "chunked_local_attention", "mamba"]:
+        """vLLM's ``kv_cache_spec_kind`` name (``"mamba"``: a recurrent-state group)."""
     @property
     def window(self) -> int | None:
         """The window of a sliding-window group, else ``None``."""
     @property
     def chunk(self) -> int | None:
         """The chunk of a chunked local group, else ``None``."""
+    @property
+    def checkpoint_every_blocks(self) -> int | None:
+        """Blocks between cached states of a recurrent-state group, else ``None``."""
     def first_visible(self, position: int) -> int:
-        """The first position a query at ``position`` (or any later one) attends to."""
+        """The first position a query at ``position`` (or any later one) attends to
+        (``position`` itself for a recurrent-state group)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
@@ -319,7 +358,12 @@ class KVCacheManager:
             ``group_slot_mappings``, ``update_group_block_tables`` and
             ``group_block_table_deltas`` give every group in one call. Memory ops name
             block ids of the one pool: a copy, swap, offload or load moves a block's
-            bytes in every group's layers.
+            bytes in every group's layers. A recurrent-state group
+            (:meth:`GroupSpec.recurrent`) holds one state block per sequence, serves a hit
+            only on a cached checkpoint boundary, and makes the manager refuse
+            ``num_lookahead_tokens > 0`` and a commit of part of a reservation (the
+            engine saves the state after the reserved tokens only): see
+            :meth:`state_mapping`.
     """
 
     def __new__(
@@ -578,6 +622,9 @@ class KVCacheManager:
         the prefix cache (in every group); blocks no future query of a sliding-window or
         chunked group sees are released (their entries become the null block).
         Ends the allocate/commit round (uncommitted lookahead reservations are dropped).
+        With a recurrent-state group it must be the whole reservation (the step ran) or
+        0 (it did not), else :class:`InvalidArgumentError`; the step's states other than
+        the one after the computed tokens are then released (checkpoints cached first).
         """
     def commit_batch(
         self,
@@ -784,7 +831,25 @@ class KVCacheManager:
     def group_slot_mappings(
         self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
     ) -> npt.NDArray[np.int64]:
-        """:meth:`slot_mapping` of every group in one call, ``[num_groups, num_tokens]``."""
+        """:meth:`slot_mapping` of every group in one call, ``[num_groups, num_tokens]``
+        (a recurrent-state group's row is ``-1``: it keeps no per-token KV)."""
+    def state_mapping(self, seq_ids: _SeqIds, *, group: int) -> StateMapping:
+        """Where the pending step of each sequence reads and writes the states of
+        recurrent-state group ``group``.
+
+        The step reads the state after the sequence's computed tokens from
+        ``read_blocks[i]`` (``-1``: none computed, start from zeros) and saves, for its
+        pending reservation ``[computed, reserved)``, the state after each checkpoint
+        boundary it crosses (every ``checkpoint_every_blocks * block_size`` tokens) and
+        the state after ``reserved`` tokens, in that order, into the blocks named. A
+        state written in place (its block is also the read block) was copied first when
+        shared (the reservation's copy-on-write). No pending reservation: no writes.
+
+        Raises:
+            InvalidArgumentError: ``group`` out of range or not a recurrent-state group.
+            UnknownSequenceError: an id is not held.
+            SequenceStateError: a sequence is swapped out.
+        """
 
     # -- prefix cache, events, stats -------------------------------------------------
     def reset_prefix_cache(self) -> bool:

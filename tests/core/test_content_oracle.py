@@ -1024,7 +1024,7 @@ def _forced_copy_on_write() -> None:
         window=None,
     )
     before = TIER_COVERAGE["copy"]
-    tokens, hit = machine._one_off(0, None, tokens=[12, 13, 14], keep=True)
+    _, hit = machine._one_off(0, None, tokens=[12, 13, 14], keep=True)
     assert hit == 0, hit
     machine._fork_and_write(machine.next_id - 1, 5)
     assert TIER_COVERAGE["copy"] > before, TIER_COVERAGE

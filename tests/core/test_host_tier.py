@@ -58,6 +58,7 @@ def test_a_hit_in_the_tier_is_reported_then_loaded() -> None:
     # Two whole blocks hit (never the whole prompt), both in the tier.
     assert m.add_sequence(3, prompt) == 8
     assert m.num_tier_tokens(3) == 8
+    assert m.num_tier_loads(3) == 2  # one group: one load per tier block
     assert m.num_cached_tokens(3) == 8
     assert m.refresh_prefixes([3]).tolist() == [8]
     assert m.can_allocate(3) == kvblocks.AllocStatus.OK
@@ -224,6 +225,8 @@ def test_bad_calls_raise_and_change_nothing() -> None:
         m.num_tier_tokens(99)
     with pytest.raises((TypeError, kvblocks.InvalidArgumentError)):
         m.num_tier_tokens(-1)
+    with pytest.raises(kvblocks.UnknownSequenceError):
+        m.num_tier_loads(99)
     m.confirm_memory_ops()
     m.confirm_memory_ops()
     assert snapshot(m) == before

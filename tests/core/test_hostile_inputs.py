@@ -127,6 +127,7 @@ FUZZ = textwrap.dedent(
         "block_table": 1, "block_tables": 1, "slot_mapping": 2, "can_allocate": 1,
         "can_swap_out": 1, "can_swap_in": 1, "refresh_prefixes": 1, "probe_prefixes": 1,
         "num_tokens": 1, "num_computed_tokens": 1, "token_ids": 1, "num_tier_tokens": 1,
+        "num_tier_loads": 1,
         "import_tier_blocks": 1, "num_cached_prefix_blocks": 1, "tier_slot_hashes": 1,
         "set_retention_priority": 2, "retention_priority": 1, "limit_tier_loads": 2,
     }

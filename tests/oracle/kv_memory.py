@@ -25,6 +25,12 @@ belongs to one group at a time, and its slots hold that group's layers' KV. The 
 intern ``(namespace, group)`` as the namespace, so a group reading another group's KV
 reads a wrong id. Which positions a group's query may attend to is :class:`Attention`'s
 rule, the oracle's own.
+
+A recurrent-state group's block holds one state: "the state after tokens ``[0, p)``",
+which depends exactly on ``tokens[:p]``, so it is the prefix id of position ``p - 1`` (in
+the group's namespace), written into every slot of the block (:meth:`KVMemory.write_state`
+and :meth:`KVMemory.check_state`; the oracle's rule: table entry ``ceil(p / block_size) -
+1`` holds the state after ``p`` computed tokens, see :func:`state_writes`).
 """
 
 from __future__ import annotations
@@ -88,6 +94,24 @@ class PrefixIds:
 
 class ContentError(AssertionError):
     """What the memory holds is not what a sequence must read."""
+
+
+def state_entry(position: int, block_size: int) -> int | None:
+    """The table entry holding a recurrent group's state after ``position`` tokens: the
+    block whose tokens end there (``None`` for the initial state)."""
+    return None if position == 0 else -(-position // block_size) - 1
+
+
+def state_writes(computed: int, end: int, block_size: int, every: int) -> list[int]:
+    """The states (as tokens covered) a step computing ``[computed, end)`` must save: each
+    boundary of ``every`` blocks it crosses, and ``end``."""
+    if end <= computed:
+        return []
+    stride = every * block_size
+    out = list(range((computed // stride + 1) * stride, end + 1, stride))
+    if not out or out[-1] != end:
+        out.append(end)
+    return out
 
 
 class KVMemory:
@@ -159,6 +183,10 @@ class KVMemory:
                 f"{what} write slot {slot} (block {slot // self.block_size}) twice in one step"
             )
         self.write(flat, np.concatenate(values))
+
+    def state_slots(self, block: int) -> np.ndarray:
+        """Every slot of ``block``: where a recurrent state is written (one per block)."""
+        return np.arange(block * self.block_size, (block + 1) * self.block_size)
 
     # -- block moves ---------------------------------------------------------------------
 
@@ -282,6 +310,47 @@ class KVMemory:
                 f"the table has {table.size}"
             )
         return self.gpu[table[pos // self.block_size], pos % self.block_size]
+
+    def read_state(self, block: int) -> int:
+        """The state a block holds (:data:`UNWRITTEN` or :data:`GARBAGE` if its slots do
+        not all hold one value)."""
+        values = np.unique(self.gpu[block])
+        return int(values[0]) if len(values) == 1 else GARBAGE
+
+    def check_state(
+        self,
+        name: object,
+        block_table: npt.ArrayLike,
+        expected: Sequence[int],
+        num_computed: int,
+        *,
+        held_exactly: bool,
+    ) -> None:
+        """A recurrent group's table: entry ``ceil(num_computed / block_size) - 1`` holds
+        the state after ``num_computed`` tokens (``expected[num_computed - 1]``). With
+        ``held_exactly`` (no step pending) no other entry holds a block: the group keeps
+        one state."""
+        table = np.asarray(block_table, dtype=np.int64).reshape(-1)
+        entry = state_entry(num_computed, self.block_size)
+        held = np.flatnonzero(table != NULL_BLOCK).tolist()
+        if entry is not None:
+            if entry >= table.size or table[entry] == NULL_BLOCK:
+                raise ContentError(
+                    f"sequence {name}: no block holds its state after {num_computed} tokens "
+                    f"(entry {entry})"
+                )
+            got = self.read_state(int(table[entry]))
+            if got != expected[num_computed - 1]:
+                raise ContentError(
+                    f"sequence {name}: block {table[entry]} (entry {entry}) holds state {got}, "
+                    f"expected the state after {num_computed} tokens, "
+                    f"{expected[num_computed - 1]}"
+                )
+        if held_exactly and held != ([] if entry is None else [entry]):
+            raise ContentError(
+                f"sequence {name}: entries {held} hold blocks, but at {num_computed} tokens "
+                f"only entry {entry} holds a state"
+            )
 
     def check(
         self,

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from kvblocks._core import KVCacheManager
+from kvblocks.engine.layer_groups import HybridLayout, hybrid_layout
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.models import CausalLM
 from kvblocks.engine.runner import ModelRunner
+from kvblocks.engine.state_cache import state_block_bytes
 from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.engine.weights_identity import checkpoint_weights, model_weights_digest
 from kvblocks.errors import InvalidArgumentError
@@ -31,7 +33,9 @@ __all__ = [
     "check_max_model_len",
     "check_remote_tier",
     "connect_remote_tier",
+    "recurrent_layout",
     "resolve_device",
+    "state_bytes",
     "weights_before_load",
 ]
 
@@ -148,6 +152,36 @@ def cache_sizes(
     if num_cpu_blocks < 0:
         raise InvalidArgumentError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
     return num_blocks, num_cpu_blocks
+
+
+def recurrent_layout(
+    model: CausalLM,
+    block_size: int,
+    checkpoint_blocks: int | None,
+    host_cache_blocks: int,
+    remote_tier: RemoteTier | None,
+) -> HybridLayout | None:
+    """The KV cache groups of a hybrid recurrent model (``None`` for an attention-only
+    one, which takes no ``checkpoint_blocks``); such a model has no host or remote tier."""
+    layout = hybrid_layout(model.config, block_size, checkpoint_blocks)
+    if layout is None:
+        if checkpoint_blocks is not None:
+            raise InvalidArgumentError(
+                "state_checkpoint_blocks applies to models with recurrent layers only"
+            )
+        return None
+    if host_cache_blocks or remote_tier is not None:
+        raise InvalidArgumentError(
+            "host and remote tiers are not supported with a recurrent model (their rows "
+            "hold KV, not states)"
+        )
+    return layout
+
+
+def state_bytes(model: CausalLM, layout: HybridLayout | None) -> int:
+    """Bytes of one block's recurrent states (0 without a layout)."""
+    mixers = getattr(model, "mixers", [])
+    return 0 if layout is None or not mixers else state_block_bytes(mixers[0], layout)
 
 
 def check_remote_tier(remote_tier: RemoteTier | None, options: RemoteTierOptions | None) -> None:

@@ -15,7 +15,9 @@ One record covers every supported family; they differ in a handful of switches:
   norm and local/global rope bases (Gemma 3);
 - ``gpt_oss``: alternating 128-token windows and full attention, attention sinks,
   biases on every attention projection, a top-k mixture of experts with a clamped
-  SwiGLU, YaRN rope.
+  SwiGLU, YaRN rope;
+- ``bamba``: Mamba 2 mixers (recurrent layers, :attr:`ModelConfig.mamba`) with full
+  attention in the layers ``attn_layer_indices`` names, its rope over half of each head.
 
 Anything else (another ``model_type``, a quantized checkpoint, a rope type or switch
 that is not implemented) raises :class:`~kvblocks.errors.InvalidArgumentError` naming
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvblocks.engine.mamba_config import MambaConfig
 from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.validation import check_int, check_number, check_optional_int
@@ -53,6 +56,7 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
@@ -69,7 +73,7 @@ _GEMMA = ("gemma2", "gemma3_text")
 # transformers ignores attention_bias for these (no biases) or always has q/k/v biases.
 _NO_ATTENTION_BIAS = ("mistral", "ministral")
 # The output projection carries a bias exactly when the q/k/v ones do.
-_OUT_PROJ_BIAS = ("llama", "qwen3", "olmo3", "gemma2", "gemma3_text", "gpt_oss")
+_OUT_PROJ_BIAS = ("llama", "qwen3", "olmo3", "gemma2", "gemma3_text", "gpt_oss", "bamba")
 _ACTIVATIONS = {
     "llama": ("silu",),
     "gemma": ("gelu_pytorch_tanh", "gelu", "gelu_new", "silu"),
@@ -106,6 +110,8 @@ class ModelConfig:
     ``query_pre_attn_scalar`` sets the attention scale to its inverse square root
     (Gemma; ``None``: ``1/sqrt(head_dim)``). ``num_local_experts`` > 0 makes the MLP a
     mixture of experts (gpt-oss) with ``num_experts_per_tok`` experts per token.
+    ``mamba`` describes the recurrent mixers of a hybrid model (Bamba; ``None`` for the
+    attention-only families).
     """
 
     model_type: str = "llama"
@@ -138,6 +144,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    mamba: MambaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -173,6 +180,12 @@ class ModelConfig:
         self._check_layer_types()
         self._check_numerics()
         self._check_experts()
+        if self.model_type == "bamba" and self.mamba is None:
+            raise InvalidArgumentError("bamba needs mamba (its mixers' MambaConfig)")
+        if self.model_type != "bamba" and self.mamba is not None:
+            raise InvalidArgumentError(f"mamba applies to bamba, not to {self.model_type}")
+        if self.mamba is not None:
+            self.mamba.check(self.hidden_size, self.num_hidden_layers)
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -259,6 +272,15 @@ class ModelConfig:
     def has_attention_sinks(self) -> bool:
         """Whether every layer has a learned per-head sink logit (gpt-oss)."""
         return self.model_type == "gpt_oss"
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that are recurrent mixers (Bamba's Mamba 2 layers); empty for the
+        attention-only families."""
+        if self.mamba is None:
+            return ()
+        attention = set(self.mamba.attention_layers)
+        return tuple(i for i in range(self.num_hidden_layers) if i not in attention)
 
     def layer_types_resolved(self) -> list[str]:
         """Each layer's kind, ``"sliding_attention"`` or ``"full_attention"``.

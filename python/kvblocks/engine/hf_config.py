@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvblocks.engine.mamba_config import bamba_rope_parameters, mamba_from_hf, mamba_to_hf
 from kvblocks.engine.rope_config import RopeScaling, rope_from_hf
 from kvblocks.errors import InvalidArgumentError
 
@@ -120,6 +121,8 @@ def config_from_hf(cls: type[ModelConfig], raw: dict[str, Any]) -> ModelConfig:
         )
     try:
         _refuse_switches(model_type, raw)
+        if model_type == "bamba":
+            raw = bamba_rope_parameters(raw)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim")
@@ -154,6 +157,8 @@ def config_from_hf(cls: type[ModelConfig], raw: dict[str, Any]) -> ModelConfig:
             default_scaling=_GPT_OSS_DEFAULT_ROPE if model_type == "gpt_oss" else None,
         )
         experts: dict[str, Any] = {}
+        if model_type == "bamba":
+            experts["mamba"] = mamba_from_hf(raw, hidden, num_layers)
         if model_type == "gpt_oss":
             experts = {
                 "num_local_experts": int(raw.get("num_local_experts", 128)),
@@ -267,6 +272,15 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         )
         raw["attn_logit_softcapping"] = c.attn_logit_softcapping
         raw["final_logit_softcapping"] = c.final_logit_softcapping
+    if c.mamba is not None:
+        raw.update(mamba_to_hf(c.mamba))
+        raw["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": c.rope_theta,
+            "partial_rotary_factor": 0.5,
+        }
+        raw.pop("rope_theta", None)
+        raw.pop("rope_scaling", None)
     if c.model_type == "gpt_oss":
         raw["num_local_experts"] = c.num_local_experts
         raw["num_experts_per_tok"] = c.num_experts_per_tok

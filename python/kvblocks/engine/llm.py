@@ -100,6 +100,11 @@ class LLM:
         event_publisher: a KV-event publisher (e.g.
             :class:`kvblocks.events.ZmqEventPublisher`); the manager then records events
             and each step's are published. The caller closes it.
+        state_checkpoint_blocks: a hybrid recurrent model (Bamba) only: blocks between
+            the cached states of its mixers (a prefix hit ends on such a boundary);
+            default 512 tokens' worth. Its manager has one attention group and
+            recurrent-state groups (:mod:`~kvblocks.engine.layer_groups`); host and
+            remote tiers are not supported for it.
 
     Raises:
         InvalidArgumentError: a bad argument, or a device torch cannot use (unknown, no
@@ -129,6 +134,7 @@ class LLM:
         event_publisher: EventPublisher | None = None,
         remote_tier: RemoteTier | None = None,
         remote_tier_options: RemoteTierOptions | None = None,
+        state_checkpoint_blocks: int | None = None,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -158,18 +164,23 @@ class LLM:
         self.max_model_len = build.check_max_model_len(
             max_model_len, config.max_position_embeddings
         )
+        layout = build.recurrent_layout(
+            self.model, block_size, state_checkpoint_blocks, host_cache_blocks, remote_tier
+        )
         num_blocks, num_cpu_blocks = build.cache_sizes(
             num_blocks,
             num_cpu_blocks,
             self.device,
-            kv_block_bytes(self.model, block_size, self.dtype),
+            kv_block_bytes(self.model, block_size, self.dtype)
+            + build.state_bytes(self.model, layout),
         )
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            sliding_window=config.uniform_sliding_window(),
+            sliding_window=None if layout is not None else config.uniform_sliding_window(),
+            groups=None if layout is None else layout.groups(),
             # Without a publisher nothing drains them: they would pile up.
             record_events=event_publisher is not None,
             host_cache_blocks=host_cache_blocks,
@@ -183,6 +194,7 @@ class LLM:
             num_cpu_blocks=num_cpu_blocks,
             host_cache_blocks=self.manager.host_cache_blocks,
             seed=seed,
+            layout=layout,
         )
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:

@@ -20,8 +20,10 @@ from torch import Tensor
 
 from kvblocks import ops
 from kvblocks.engine.config import AttentionSpec
+from kvblocks.engine.layer_groups import HybridLayout
 from kvblocks.engine.models import CausalLM
 from kvblocks.engine.sampler import Sampler
+from kvblocks.engine.state_cache import StateCache
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.cpu_attention import CpuAttentionPlan
 from kvblocks.ops.cpu_cache import CpuCacheSlots
@@ -37,10 +39,10 @@ KVCaches = list[tuple[Tensor, Tensor]]
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across the layers that keep KV, K and V."""
     c = model.config
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
+    return 2 * model.num_kv_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
 
 class PagedAttention:
@@ -169,6 +171,10 @@ class ModelRunner:
             V for every layer (:class:`~kvblocks.tiers.layout.KVLayout`), pinned when the
             model is on CUDA; ``"offload"`` and ``"load"`` ops move blocks in and out.
         seed: seed of the sampler's shared generator.
+        layout: a hybrid recurrent model's KV cache groups
+            (:func:`~kvblocks.engine.layer_groups.hybrid_layout`): its mixers' states are
+            kept in a :class:`~kvblocks.engine.state_cache.StateCache` and each step reads
+            and saves them where ``SchedulerOutput.state_mappings`` says. No host tier then.
     """
 
     def __init__(
@@ -180,6 +186,7 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         host_cache_blocks: int = 0,
         seed: int = 0,
+        layout: HybridLayout | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -189,7 +196,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
-        layers, heads, dim = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+        layers, heads, dim = model.num_kv_layers, c.num_key_value_heads, c.head_dim
         # ops.allocate_kv_cache validates the block size and the other shapes.
         self.kv_caches: KVCaches = ops.allocate_kv_cache(
             layers, num_blocks, block_size, heads, dim, self.dtype, self.device
@@ -202,6 +209,21 @@ class ModelRunner:
                 pin_memory=self.device.type != "cpu",
             )  # fmt: skip
         self.host_cache_blocks = check_int(host_cache_blocks, "host_cache_blocks", minimum=0)
+        self.states: StateCache | None = None
+        if layout is not None:
+            if host_cache_blocks > 0:
+                raise InvalidArgumentError(
+                    "a host tier is not supported with a recurrent model (its tier rows "
+                    "hold KV, not states); use host_cache_blocks=0"
+                )
+            self.states = StateCache(
+                getattr(model, "mixers", []),
+                layout,
+                num_blocks=num_blocks,
+                num_cpu_blocks=num_cpu_blocks,
+                device=self.device,
+                pin_memory=self.device.type != "cpu" and num_cpu_blocks > 0,
+            )
         self.host_layout = KVLayout.from_caches(self.kv_caches)
         self.host_pool: Tensor | None = None
         if host_cache_blocks > 0:
@@ -239,8 +261,12 @@ class ModelRunner:
             if kind == "copy":
                 for batch in _conflict_free_batches(pairs):
                     ops.copy_blocks(self.kv_caches, batch)
+                    if self.states is not None:
+                        self.states.copy(batch)
             elif kind in ("swap_out", "swap_in"):
                 self._swap(kind, pairs)
+                if self.states is not None:
+                    self.states.swap(kind, pairs)
             elif kind in ("offload", "load"):
                 self._tier_copy(kind, pairs)
             else:
@@ -341,7 +367,10 @@ class ModelRunner:
             max_seq_len=int(np.max(out.seq_lens)),
             max_query_len=int(np.max(out.num_scheduled_tokens)),
         )
-        hidden = self.model(input_ids, positions, attention)
+        if self.states is None:
+            hidden = self.model(input_ids, positions, attention)
+        else:
+            hidden = self.model(input_ids, positions, attention, states=self.states.step(out))
         if out.num_sample_rows == 0:
             return None
         rows = hidden[self._to_device(out.logits_indices, torch.long)]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.mamba_config import MambaConfig
 from kvblocks.engine.models import CausalLM, build_model
 from kvblocks.engine.rope_config import RopeScaling
 
@@ -59,6 +60,17 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
         "rope_scaling": RopeScaling("linear", 4.0),
         "sliding_rope_theta": 10_000.0,
         "tie_word_embeddings": True,
+    },
+    # Bamba: three Mamba 2 mixers (two head groups) around two attention layers of
+    # 64-dim heads (hidden / heads, as transformers builds them).
+    "bamba": {
+        "hidden_size": 128,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "mamba": MambaConfig(
+            attention_layers=(1, 3), n_heads=4, d_head=64, n_groups=2, d_state=16, d_conv=4
+        ),
     },
     "gpt_oss": {
         "sliding_window": 8,
@@ -128,15 +140,21 @@ def build_tiny_model(
             param.copy_(norm_center + 0.1 * torch.randn(param.shape, generator=gen))
         elif name.endswith((".bias", "_bias")):
             param.copy_(0.1 * torch.randn(param.shape, generator=gen))
-        elif name.endswith(".sinks"):
-            # Sink logits of the order of the scores, so that they visibly matter.
+        elif name.endswith((".sinks", ".D")):
+            # Sink logits of the order of the scores, so that they visibly matter; the
+            # same for a mixer's skip.
             param.copy_(torch.randn(param.shape, generator=gen))
+        elif name.endswith(".A_log"):
+            # Decay rates in [0.5, 4.5) per unit time step: the state remembers a few
+            # tokens back, not just the last one.
+            param.copy_(torch.log(0.5 + 4 * torch.rand(param.shape, generator=gen)))
         elif name == "model.embed_tokens.weight":
             param.copy_(torch.randn(param.shape, generator=gen))
         elif name == "lm_head.weight":
             # Logit standard deviation ~3: decisive greedy choices.
             param.copy_(3.0 / math.sqrt(param.shape[1]) * torch.randn(param.shape, generator=gen))
         else:
-            std = 1.0 / math.sqrt(param.shape[1])
+            # Fan-in: the last dimension (a convolution's kernel; a linear's inputs).
+            std = 1.0 / math.sqrt(param.shape[-1])
             param.copy_(std * torch.randn(param.shape, generator=gen))
     return model.to(device=device, dtype=dtype).eval()

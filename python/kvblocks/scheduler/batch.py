@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -101,6 +101,7 @@ def build_step(
     batch: StepBatch,
     beam_width_of: Callable[[int], int],
     block_table: PersistentBlockTable | None = None,
+    state_groups: Sequence[int] = (),
 ) -> tuple[SchedulerOutput, StepPlan]:
     """Assemble the step's :class:`SchedulerOutput` from its decode rows and prefill chunks.
 
@@ -109,7 +110,8 @@ def build_step(
     persistent table) one sync writes only the entries that changed and
     ``SchedulerOutput.block_tables`` is gathered only if read (and a decode-only step's
     slots are read from the synced rows), else one ``block_tables`` call builds the
-    ``[S, B]`` tables.
+    ``[S, B]`` tables. Each recurrent-state group in ``state_groups`` adds its
+    ``state_mapping`` of the batch.
     """
     mgr = manager
     dec = batch.decodes
@@ -255,6 +257,8 @@ def build_step(
         memory_ops=batch.memory_ops,
         group_slot_mappings=group_slots,
     )
+    if state_groups and len(seq_ids):
+        output.state_mappings = [mgr.state_mapping(seq_ids, group=g) for g in state_groups]
     if block_table is not None:
         assert table_deltas is not None
         output.block_table = block_table.table

@@ -156,7 +156,8 @@ def check_scheduler_args(
 
     Raises:
         InvalidArgumentError: ``config`` is not a :class:`SchedulerConfig` or leaves no
-            room for a decode step in the pool; ``clock`` is not callable;
+            room for a decode step in the pool, or asks for lookahead slots with a
+            recurrent-state group; ``clock`` is not callable;
             ``event_publisher`` has no ``publish()`` or the manager records no events.
     """
     if not callable(clock):
@@ -174,4 +175,15 @@ def check_scheduler_args(
     if not isinstance(config, SchedulerConfig):
         raise InvalidArgumentError(f"config must be a SchedulerConfig, got {type(config).__name__}")
     config.check_pool(int(manager.num_blocks), int(manager.block_size))
+    if config.num_lookahead_tokens and state_groups(manager):
+        raise InvalidArgumentError(
+            "num_lookahead_tokens must be 0 with a recurrent-state group (its state is "
+            "saved after the known tokens only)"
+        )
     return config
+
+
+def state_groups(manager: Any) -> list[int]:
+    """The manager's recurrent-state groups (``GroupSpec.recurrent``), in group order:
+    each step carries where their states are read and saved."""
+    return [g for g, spec in enumerate(getattr(manager, "groups", ())) if spec.kind == "mamba"]

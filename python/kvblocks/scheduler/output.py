@@ -152,6 +152,10 @@ class SchedulerOutput:
             ``r`` bans ``suppressed_token_ids[suppressed_indptr[r]:suppressed_indptr[r+1]]``.
             ``None`` (both) when no row bans anything, the usual case.
         suppressed_indptr: int64 [R+1] offsets into ``suppressed_token_ids``, or ``None``.
+        state_mappings: with a manager that has recurrent-state groups, one
+            ``kvblocks.StateMapping`` per such group in group order: where each sequence's
+            state is read and where the states of this step (each checkpoint it crosses,
+            then its end) are saved (``KVCacheManager.state_mapping``); empty otherwise.
         group_slot_mappings: int64 [G, T] per KV cache group ``g`` (``G =
             manager.num_groups``, 1 without groups), the cache slot where each token's K/V
             is written by the layers of group ``g``: each group has its own blocks. Row 0
@@ -200,6 +204,7 @@ class SchedulerOutput:
     block_table_reallocated: bool = False
     suppressed_token_ids: npt.NDArray[np.int64] | None = None
     suppressed_indptr: npt.NDArray[np.int64] | None = None
+    state_mappings: list[Any] = field(default_factory=list)
     group_slot_mappings: npt.NDArray[np.int64] | None = None
     group_block_table: npt.NDArray[np.int32] | None = None
     group_block_table_deltas: list[TableDelta] | None = None

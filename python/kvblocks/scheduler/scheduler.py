@@ -37,7 +37,7 @@ from kvblocks.scheduler.apply import ResultApplier, check_result
 from kvblocks.scheduler.batch import DecodeRows, StepBatch, StepPlan, build_step
 from kvblocks.scheduler.beam_search import BeamSearch
 from kvblocks.scheduler.block_table import PersistentBlockTable
-from kvblocks.scheduler.config import SchedulerConfig, check_scheduler_args
+from kvblocks.scheduler.config import SchedulerConfig, check_scheduler_args, state_groups
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.placement import Placement
 from kvblocks.scheduler.preemption import Preemption
@@ -118,6 +118,7 @@ class Scheduler:
         # What the content oracles inspect: each sequence's request, the table's rows.
         self._owner = self._registry.owner
         self._block_table = block_table
+        self._state_groups = state_groups(manager)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -238,7 +239,9 @@ class Scheduler:
 
         moves = self.manager.take_memory_ops()  # every block move, in issue order
         batch = StepBatch(decodes, step.chunks, moves, self._registry.take_finished_ids())
-        output, plan = build_step(self.manager, batch, self._beam_width, self._block_table)
+        output, plan = build_step(
+            self.manager, batch, self._beam_width, self._block_table, self._state_groups
+        )
         plan.now = step.now
         plan.ended = step.ended
         if self._registry.num_min_tokens:

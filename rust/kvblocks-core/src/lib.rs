@@ -46,6 +46,13 @@
 //!   (found as a fixed point, see the `manager::hit` module). Memory ops name pool block
 //!   ids and move a block in every group's layers. Without groups a manager is one
 //!   full-attention group (or one window group with `sliding_window`).
+//! * **Recurrent-state groups.** `GroupSpec::Recurrent` keeps one state per sequence
+//!   (Mamba's conv and SSM state) in one block of its table, updated in place by each
+//!   step (copied first when a fork shares it); every `checkpoint_every_blocks`-th block
+//!   boundary's state is cached, and a prefix hit ends on a cached boundary.
+//!   [`KVCacheManager::state_mapping`] tells the engine where each step reads the state
+//!   and where it saves the states it crosses (see the `manager::state` module). Such a
+//!   manager refuses lookahead slots and commits of part of a reservation.
 //! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
 //!   `i32`/`i64` in the step inputs.
 //!
@@ -88,6 +95,7 @@ mod priority_lru;
 mod retention;
 mod row_prefixes;
 mod sequence;
+mod state_mapping;
 mod stats;
 
 pub use alloc_status::AllocStatus;
@@ -106,6 +114,7 @@ pub use paged_attention::{
 };
 pub use retention::RetentionPriority;
 pub use row_prefixes::gather_row_prefixes;
+pub use state_mapping::StateMapping;
 pub use stats::Stats;
 
 /// The reserved GPU block id used for padding and released sliding-window blocks.

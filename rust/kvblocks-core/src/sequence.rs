@@ -12,7 +12,9 @@ use crate::retention::RetentionPriority;
 ///
 /// Every group's table of a sequence has the same length (one entry per block of
 /// reserved slots, positions never shift); a window or chunked group's leading entries
-/// are the null block once no future query sees their tokens.
+/// are the null block once no future query sees their tokens. A recurrent-state group's
+/// entries are null except the one holding the state after the computed tokens (and,
+/// while a step is reserved, the states that step writes; see `GroupSpec::state_writes`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GroupTable {
     /// Block ids, in the GPU pool, or in the CPU pool while swapped; 0 = null block.
@@ -25,6 +27,24 @@ pub struct GroupTable {
     pub dirty_from: usize,
     /// Row of the caller's table of this group the sequence was last synced to.
     pub synced_row: Option<u32>,
+}
+
+impl GroupTable {
+    /// The entries holding blocks when the sequence has no pending reservation (as
+    /// every swapped sequence): every entry from `num_released` on for attention; for a
+    /// recurrent group the one holding the state after `num_computed` tokens (none
+    /// before any token is computed). What a swapped table's CPU ids are read by: CPU
+    /// block 0 is a real block, so its other entries are skipped by position.
+    #[inline]
+    pub fn held_range(&self, spec: GroupSpec, num_computed: usize) -> std::ops::Range<usize> {
+        if !spec.is_recurrent() {
+            return self.num_released..self.blocks.len();
+        }
+        if num_computed == 0 {
+            return 0..0;
+        }
+        self.num_released..(self.num_released + 1).min(self.blocks.len())
+    }
 }
 
 /// One sequence: its tokens, computed count, block tables and prefix-cache bookkeeping.

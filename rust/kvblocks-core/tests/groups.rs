@@ -1,5 +1,7 @@
 //! KV cache groups: per-group tables over one pool, the footprint of window and chunked
 //! groups, the hit rule (a fixed point over the groups), and every feature per group.
+//! (Recurrent-state groups have their own file, `recurrent.rs`; the random operations
+//! here mix them in.)
 
 mod common;
 
@@ -410,6 +412,7 @@ fn tier_loads_are_limited_over_every_group() {
     // The whole hit (4 blocks) loads 4 full-attention blocks and the window's block 3.
     assert_eq!(m.num_computed_tokens(3).unwrap(), 8);
     assert_eq!(m.num_tier_tokens(3).unwrap(), 8);
+    assert_eq!(m.num_tier_loads(3).unwrap(), 5);
     // At most 2 loads: a hit of 1 block (1 + 1 loads); 2 blocks would load 2 + 1.
     assert_eq!(m.limit_tier_loads(3, 2).unwrap(), 2);
     m.allocate_slots(3, 2, 0).unwrap().unwrap();
@@ -459,10 +462,14 @@ impl CacheModel {
             .rev()
             .find(|&n| {
                 groups.iter().enumerate().all(|(g, spec)| {
+                    // A recurrent group needs the state after n blocks: cached only on
+                    // its checkpoint boundaries.
+                    let boundary = spec.checkpoint_every_blocks().is_none_or(|k| n % k == 0);
                     let start = spec.released_blocks(n * bs, bs).min(n);
-                    hashes[start..n]
-                        .iter()
-                        .all(|h| self.blocks.contains(&(g as u32, *h)))
+                    boundary
+                        && hashes[start..n]
+                            .iter()
+                            .all(|h| self.blocks.contains(&(g as u32, *h)))
                 })
             })
             .unwrap_or(0)
@@ -474,6 +481,9 @@ fn arb_group() -> impl Strategy<Value = GroupSpec> {
         Just(FULL),
         (1usize..10).prop_map(window),
         (1usize..10).prop_map(chunked),
+        (1usize..4).prop_map(|k| GroupSpec::Recurrent {
+            checkpoint_every_blocks: k
+        }),
     ]
 }
 
@@ -573,6 +583,10 @@ proptest! {
                     let gone = spec.released_blocks(c, bs);
                     prop_assert!(t[..gone].iter().all(|&b| b == 0));
                     prop_assert!(t[gone..c.div_ceil(bs)].iter().all(|&b| b != 0));
+                    if spec.is_recurrent() {
+                        // One state, after the computed tokens, and nothing past it.
+                        prop_assert!(t[c.div_ceil(bs)..].iter().all(|&b| b == 0));
+                    }
                 }
             }
         }

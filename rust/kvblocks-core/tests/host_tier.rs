@@ -52,6 +52,7 @@ fn evicted_blocks_are_offloaded_then_loaded_on_a_hit() {
     // Two blocks hit (never the whole prompt): both from the tier.
     assert_eq!(m.add_sequence(4, &prompt, None, None).unwrap(), 8);
     assert_eq!(m.num_tier_tokens(4).unwrap(), 8);
+    assert_eq!(m.num_tier_loads(4).unwrap(), 2);
     let got = m.allocate_slots(4, 4, 0).unwrap().unwrap();
     assert_eq!(
         got.len(),

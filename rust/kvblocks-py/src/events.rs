@@ -100,7 +100,8 @@ impl BlockStored {
         self.inner.group_idx
     }
 
-    /// What the group's layers attend to: its ``GroupSpec.kind`` (vLLM's ``kv_cache_spec_kind``).
+    /// What the group's layers attend to: ``"full_attention"``, ``"sliding_window"``,
+    /// ``"chunked_local_attention"`` or ``"mamba"`` (a recurrent-state group).
     #[getter]
     fn kv_cache_spec_kind(&self) -> &'static str {
         self.inner.kv_cache_spec.kind()

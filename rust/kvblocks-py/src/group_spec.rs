@@ -1,4 +1,5 @@
-//! `GroupSpec`: the attention of one KV cache group, as a frozen Python class.
+//! `GroupSpec`: the attention (or recurrent state) of one KV cache group, as a frozen
+//! Python class.
 
 use kvblocks_core as core;
 use pyo3::prelude::*;
@@ -7,7 +8,8 @@ use pyo3::types::{PyList, PyTuple};
 use crate::args::{names, Count};
 use crate::errors::{invalid_argument, IntoPyResult};
 
-/// The attention of one KV cache group's layers: which past tokens they see.
+/// The attention of one KV cache group's layers (which past tokens they see), or their
+/// recurrent state.
 #[pyclass(frozen, eq, hash, module = "kvblocks._core")]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct GroupSpec {
@@ -40,8 +42,20 @@ impl GroupSpec {
         Ok(GroupSpec { inner })
     }
 
-    /// vLLM's ``kv_cache_spec_kind``: ``"full_attention"``, ``"sliding_window"`` or
-    /// ``"chunked_local_attention"``.
+    /// Recurrent layers (Mamba's conv and SSM state): one state per sequence, kept in one
+    /// block; the state after every ``checkpoint_every_blocks``-th block is cached, and a
+    /// prefix hit ends on such a boundary.
+    #[staticmethod]
+    fn recurrent(checkpoint_every_blocks: Count<names::CheckpointEveryBlocks>) -> PyResult<Self> {
+        let inner = core::GroupSpec::Recurrent {
+            checkpoint_every_blocks: checkpoint_every_blocks.0,
+        };
+        inner.validate().py_err()?;
+        Ok(GroupSpec { inner })
+    }
+
+    /// vLLM's ``kv_cache_spec_kind``: ``"full_attention"``, ``"sliding_window"``,
+    /// ``"chunked_local_attention"`` or ``"mamba"`` (a recurrent-state group).
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.kind()
@@ -59,7 +73,14 @@ impl GroupSpec {
         self.inner.chunk_size()
     }
 
-    /// The first position a query at ``position`` (or later) attends to.
+    /// Blocks between cached states of a recurrent-state group, else ``None``.
+    #[getter]
+    fn checkpoint_every_blocks(&self) -> Option<usize> {
+        self.inner.checkpoint_every_blocks()
+    }
+
+    /// The first position a query at ``position`` (or later) attends to (``position``
+    /// itself for a recurrent-state group: its state summarises every earlier token).
     fn first_visible(&self, position: Count<names::Position>) -> usize {
         self.inner.first_visible(position.0)
     }
@@ -73,6 +94,9 @@ impl GroupSpec {
             core::GroupSpec::ChunkedLocalAttention { chunk } => {
                 format!("GroupSpec.chunked_local_attention({chunk})")
             }
+            core::GroupSpec::Recurrent {
+                checkpoint_every_blocks,
+            } => format!("GroupSpec.recurrent({checkpoint_every_blocks})"),
         }
     }
 }

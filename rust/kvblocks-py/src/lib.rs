@@ -18,6 +18,7 @@ mod hashing;
 mod manager;
 mod paged_attention;
 mod row_prefixes;
+mod state_mapping;
 
 use pyo3::prelude::*;
 
@@ -36,6 +37,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::BlockHasher>()?;
     m.add_class::<group_spec::GroupSpec>()?;
     m.add_class::<manager::KVCacheManager>()?;
+    m.add_class::<state_mapping::StateMapping>()?;
     m.add_function(wrap_pyfunction!(row_prefixes::gather_row_prefixes, m)?)?;
     m.add_function(wrap_pyfunction!(
         paged_attention::paged_decode_attention,

@@ -1062,6 +1062,26 @@ impl KVCacheManager {
         Ok(to_numpy(py, slots))
     }
 
+    /// Where the pending step of each sequence reads and writes the states of recurrent
+    /// group ``group``: the block holding its state after its computed tokens (``-1``:
+    /// none yet, start from zeros), and for its pending reservation every state to save
+    /// (each checkpoint boundary crossed, then the state after the reserved tokens).
+    #[pyo3(signature = (seq_ids, *, group))]
+    fn state_mapping(
+        &self,
+        py: Python<'_>,
+        seq_ids: SeqIds,
+        group: Count<names::Group>,
+    ) -> PyResult<crate::state_mapping::StateMapping> {
+        let ids = seq_ids.0;
+        let mapping = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.state_mapping(&ids, group.0)
+            })
+            .py_err()?;
+        Ok(crate::state_mapping::StateMapping::new(py, mapping))
+    }
+
     /// ``slot_mapping`` of every group, ``[num_groups, num_tokens]``.
     #[pyo3(signature = (seq_ids, num_tokens = None))]
     fn group_slot_mappings<'py>(

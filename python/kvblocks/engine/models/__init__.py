@@ -4,7 +4,8 @@
 :mod:`~kvblocks.engine.models.base` the attention-backend protocol and the causal-LM
 shell; :mod:`~kvblocks.engine.models.llama` (Llama, Mistral, Ministral, Qwen2, Qwen3,
 OLMo 3), :mod:`~kvblocks.engine.models.gemma` (Gemma 2, Gemma 3 text) and
-:mod:`~kvblocks.engine.models.gpt_oss` the families.
+:mod:`~kvblocks.engine.models.gpt_oss` and :mod:`~kvblocks.engine.models.bamba` (with the
+Mamba 2 mixer of :mod:`~kvblocks.engine.models.mamba2`) the families.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvblocks.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from kvblocks.engine.models.bamba import BambaForCausalLM
 from kvblocks.engine.models.base import AttentionBackend, CausalLM
 from kvblocks.engine.models.gemma import GemmaForCausalLM
 from kvblocks.engine.models.gpt_oss import GptOssForCausalLM
@@ -21,6 +23,7 @@ from kvblocks.errors import InvalidArgumentError
 __all__ = [
     "MODEL_CLASSES",
     "AttentionBackend",
+    "BambaForCausalLM",
     "CausalLM",
     "GemmaForCausalLM",
     "GptOssForCausalLM",
@@ -40,6 +43,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3_text": GemmaForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 """The implementation of each supported ``model_type``."""
 

@@ -123,6 +123,12 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the paged cache (every layer of an attention-only
+        model; a hybrid model's attention layers)."""
+        return self.config.num_hidden_layers
+
+    @property
     def rotary(self) -> RotaryEmbedding:
         """The rope of the full-attention layers (the only one in most families)."""
         return self.rotaries[0]

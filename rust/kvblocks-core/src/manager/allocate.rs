@@ -23,8 +23,11 @@ struct AllocPlan {
     tier_positions: usize,
     /// Bit `g`: the block of group `g` at the next write position must be copied first.
     cow: u64,
-    /// Blocks to append to every group's table.
+    /// Entries to append to every group's table (each with a fresh block in attention
+    /// groups; recurrent groups fill only the entries their states go to).
     append: usize,
+    /// Fresh blocks the recurrent groups' state writes take (over all of them).
+    fills: usize,
     /// Slots reserved once served.
     reserved: usize,
 }
@@ -42,6 +45,7 @@ impl KVCacheManager {
                  for sequences not yet allocated"
             )));
         }
+        self.check_lookahead(num_lookahead_tokens, "can_allocate")?;
         let bs = self.config.block_size;
         let total = seq
             .tokens
@@ -52,11 +56,16 @@ impl KVCacheManager {
             })?;
         let table_len = total.div_ceil(bs);
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-        // Each group holds a block per table entry but those its claim leaves null.
+        // Each attention group holds a block per table entry but those its claim leaves
+        // null; a recurrent group its claimed state and the states one step writes.
         let (mut required, mut claimed) = (0, 0);
-        for g in 0..self.pools.groups.len() {
+        for (g, spec) in self.pools.groups.iter().enumerate() {
             let range = self.pools.hit_range(g, hit);
-            required += table_len - range.start;
+            required += if spec.is_recurrent() {
+                range.len() + spec.state_writes(hit * bs, total, bs).count()
+            } else {
+                table_len - range.start
+            };
             claimed += range.len();
         }
         // Referenced GPU hits cost nothing; free GPU hits and host-tier hits take a block.
@@ -252,6 +261,19 @@ impl KVCacheManager {
                 "allocate_slots: num_lookahead_tokens {lookahead} is too large"
             )));
         }
+        self.check_lookahead(lookahead, "allocate_slots")
+    }
+
+    /// `InvalidArgument` for lookahead slots with a recurrent-state group: its state is
+    /// saved after the step's known tokens, and draft tokens have no state to roll back
+    /// to.
+    fn check_lookahead(&self, lookahead: usize, op: &str) -> Result<()> {
+        if lookahead > 0 && self.pools.recurrent {
+            return Err(KvError::InvalidArgument(format!(
+                "{op}: num_lookahead_tokens must be 0 with a recurrent-state group (a \
+                 state is saved after the known tokens only), got {lookahead}"
+            )));
+        }
         Ok(())
     }
 
@@ -265,16 +287,27 @@ impl KVCacheManager {
             let loads = pools.probe_tier(&seq.hashes, claim);
             let reserved = claim * bs + new + lookahead;
             let append = reserved.div_ceil(bs) - claim;
-            let plan = AllocPlan {
+            let mut plan = AllocPlan {
                 claim,
                 loads,
                 tier_positions: pools.tier_positions(&seq.hashes, claim),
                 cow: 0,
                 append,
+                fills: 0,
                 reserved,
             };
             let from_free = pools.probe_free(&seq.hashes, claim);
-            return (plan, from_free + loads + append * seq.tables.len());
+            let mut need = from_free + loads + append * seq.tables.len();
+            if pools.recurrent {
+                // Past the claim every entry is new: a recurrent group takes a block for
+                // each state the step writes, not for each entry.
+                for spec in pools.groups.iter().filter(|g| g.is_recurrent()) {
+                    plan.fills += spec.state_writes(claim * bs, reserved, bs).count();
+                    need -= append;
+                }
+                need += plan.fills;
+            }
+            return (plan, need);
         }
         let computed = seq.num_computed;
         let table_len = seq.table_len();
@@ -284,6 +317,8 @@ impl KVCacheManager {
         let mut cow = 0u64;
         let pos_block = computed / bs;
         if new + lookahead > 0 && pos_block < table_len {
+            // The block at the write position (a recurrent group's: its state after the
+            // computed tokens, updated in place) is copied first when shared.
             for (g, t) in seq.tables.iter().enumerate() {
                 let b = t.blocks[pos_block];
                 if b != NULL_BLOCK && pools.gpu.ref_count(b) > 1 {
@@ -292,12 +327,26 @@ impl KVCacheManager {
                 }
             }
         }
+        let mut fills = 0;
+        if pools.recurrent {
+            for (spec, t) in pools.groups.iter().zip(&seq.tables) {
+                if spec.is_recurrent() {
+                    need -= append;
+                    fills += spec
+                        .state_writes(computed, reserved, bs)
+                        .filter(|&(j, _)| t.blocks.get(j).is_none_or(|&b| b == NULL_BLOCK))
+                        .count();
+                }
+            }
+            need += fills;
+        }
         let plan = AllocPlan {
             claim: 0,
             loads: 0,
             tier_positions: 0,
             cow,
             append,
+            fills,
             reserved,
         };
         (plan, need)
@@ -324,10 +373,13 @@ impl KVCacheManager {
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
         // Most decode steps take no block: only the reservation changes.
-        let takes = plan.cow != 0 || plan.append != 0;
+        let takes = plan.cow != 0 || plan.append != 0 || plan.fills != 0;
         if takes {
-            taken.reserve(plan.append * seq.tables.len() + plan.cow.count_ones() as usize);
+            taken.reserve(
+                plan.append * seq.tables.len() + plan.fills + plan.cow.count_ones() as usize,
+            );
         }
+        let computed = seq.num_computed;
         for (g, t) in seq.tables.iter_mut().enumerate().filter(|_| takes) {
             if plan.cow & (1 << g) != 0 {
                 let i = seq.num_computed / bs;
@@ -344,6 +396,23 @@ impl KVCacheManager {
                 });
                 pools.counters.cow_copies += 1;
                 taken.push(dst as i32);
+            }
+            let spec = pools.groups[g];
+            if spec.is_recurrent() {
+                // Entries whose states the step writes get a block; the rest stay null.
+                let old_len = t.blocks.len();
+                t.blocks.resize(old_len + plan.append, NULL_BLOCK);
+                for (j, _) in spec.state_writes(computed, plan.reserved, bs) {
+                    if t.blocks[j] == NULL_BLOCK {
+                        let b = pools.pop_gpu()?;
+                        t.blocks[j] = b;
+                        if j < old_len {
+                            t.dirty_from = t.dirty_from.min(j);
+                        }
+                        taken.push(b as i32);
+                    }
+                }
+                continue;
             }
             for _ in 0..plan.append {
                 let b = pools.pop_gpu()?;

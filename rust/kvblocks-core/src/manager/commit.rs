@@ -1,4 +1,5 @@
-//! Committing computed tokens: prefix-cache registration and sliding-window release.
+//! Committing computed tokens: prefix-cache registration, sliding-window release and
+//! recurrent states kept.
 
 use super::pools::Pools;
 use super::KVCacheManager;
@@ -6,9 +7,10 @@ use crate::batch_arg::BatchArg;
 use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
 use crate::events::{BlockStored, KvCacheEvent};
+use crate::group::GroupSpec;
 use crate::host_tier::{Medium, OffloadPolicy};
 use crate::prefix_cache::CacheEntry;
-use crate::sequence::Sequence;
+use crate::sequence::{GroupTable, Sequence};
 use crate::NULL_BLOCK;
 
 impl KVCacheManager {
@@ -90,6 +92,24 @@ impl KVCacheManager {
                 }
             )));
         }
+        if self.pools.recurrent {
+            // The engine saved the state after the reserved tokens only: a commit of
+            // fewer would name a state that is nowhere.
+            if let Some(r) = seq
+                .reserved
+                .filter(|&r| n != 0 && seq.num_computed + n != r)
+            {
+                return Err(KvError::InvalidArgument(format!(
+                    "commit: sequence {} reserved {} tokens after its {} computed ones and the \
+                     manager has a recurrent-state group, so num_new_computed_tokens must be \
+                     {} (the step ran) or 0 (it did not), got {n}",
+                    seq.id,
+                    r - seq.num_computed,
+                    seq.num_computed,
+                    r - seq.num_computed
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -123,6 +143,10 @@ impl KVCacheManager {
             // last block first (the order `free` releases in).
             let pools = &mut self.pools;
             for (g, t) in seq.tables.iter_mut().enumerate().rev() {
+                if pools.groups[g].is_recurrent() {
+                    release_states(pools, t, seq.num_computed);
+                    continue;
+                }
                 let outside = pools.groups[g]
                     .released_blocks(seq.num_computed, bs)
                     .min(t.blocks.len());
@@ -139,8 +163,25 @@ impl KVCacheManager {
     }
 }
 
+/// A recurrent group's table after a commit keeps only the state after the computed
+/// tokens: every other entry (older states, checkpoints just cached, states of a step
+/// that did not run) goes back to the pool, last entry first.
+fn release_states(pools: &mut Pools, t: &mut GroupTable, computed: usize) {
+    let bs = pools.block_size;
+    let keep = GroupSpec::state_entry(computed, bs);
+    for i in (t.num_released..t.blocks.len()).rev() {
+        if Some(i) != keep && t.blocks[i] != NULL_BLOCK {
+            let b = std::mem::replace(&mut t.blocks[i], NULL_BLOCK);
+            pools.release_gpu(b);
+            t.dirty_from = t.dirty_from.min(i);
+        }
+    }
+    t.num_released = keep.unwrap_or(0);
+}
+
 /// Offer the sequence's newly full blocks of group `g` (`[num_registered_blocks, full)`)
-/// to the prefix cache, with their events and write-through offloads.
+/// to the prefix cache, with their events and write-through offloads. A recurrent group
+/// offers its checkpoint entries only (each holds the state at its block's end).
 fn register_blocks(pools: &mut Pools, seq: &Sequence, g: usize, full: usize) {
     let bs = pools.block_size;
     let t = &seq.tables[g];
@@ -152,7 +193,15 @@ fn register_blocks(pools: &mut Pools, seq: &Sequence, g: usize, full: usize) {
         .unwrap_or(NULL_BLOCK);
     pools.cache.reserve(g, full - first, max_block);
     let mut run: Option<BlockStored> = None;
+    let spec = pools.groups[g];
     for i in first..full {
+        if spec.is_recurrent() && !spec.is_checkpoint(i) {
+            // No state of this boundary is kept: a gap in the group's chain.
+            if let Some(ev) = run.take() {
+                pools.events.push(KvCacheEvent::BlockStored(ev));
+            }
+            continue;
+        }
         let hash = seq.hashes[i];
         let block = t.blocks[i];
         let fresh = block != NULL_BLOCK

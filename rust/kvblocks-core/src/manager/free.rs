@@ -22,13 +22,17 @@ impl KVCacheManager {
         if let Some(moved) = self.slots.get(slot) {
             self.index.insert(moved.id, slot as u32);
         }
-        // Released window entries (a leading run) are null in both pools' tables; CPU
-        // id 0 is a real block, so they are skipped by position, not by value.
-        for t in seq.tables.iter().rev() {
-            for &b in t.blocks[t.num_released..].iter().rev() {
-                if seq.swapped {
+        // Released window entries (a leading run) and a recurrent group's entries
+        // without a state are null in both pools' tables; CPU id 0 is a real block, so a
+        // swapped table is read by position (`held_range`), not by value.
+        for (g, t) in seq.tables.iter().enumerate().rev() {
+            if seq.swapped {
+                let held = t.held_range(self.pools.groups[g], seq.num_computed);
+                for &b in t.blocks[held].iter().rev() {
                     self.pools.release_cpu(b);
-                } else {
+                }
+            } else {
+                for &b in t.blocks[t.num_released..].iter().rev() {
                     self.pools.release_gpu(b);
                 }
             }

@@ -5,7 +5,10 @@
 //! tier) every block that query sees: blocks `[released_blocks(k * bs), k)` of its spec
 //! (all `k` blocks for full attention; those covering the last `W - 1` tokens for a
 //! window of `W`; the current chunk's for chunked local attention). Blocks before are
-//! not needed: the claim puts the null block there.
+//! not needed: the claim puts the null block there. A recurrent-state group needs the
+//! state after the `k * bs` tokens: its block `k - 1`, cached only when `k` is a multiple
+//! of its `checkpoint_every_blocks` (the candidate shortens to the last cached
+//! checkpoint boundary at or below it).
 //!
 //! Full attention is downward closed (if `k` works, every smaller `k` does), so its
 //! longest hit is one left-to-right scan. The other kinds are not (a window group may
@@ -58,6 +61,15 @@ impl Pools {
 
     /// The longest hit `<= k` blocks that `group` serves on its own.
     fn longest_served(&self, group: usize, hashes: &[BlockHash], mut k: usize) -> usize {
+        if let Some(every) = self.groups[group].checkpoint_every_blocks() {
+            // A recurrent group serves a hit only on a checkpoint boundary whose state
+            // it cached (or no hit): the last such boundary at or below k.
+            k -= k % every;
+            while k > 0 && !self.is_hit(group, &hashes[k - 1]) {
+                k -= every;
+            }
+            return k;
+        }
         'candidate: loop {
             let range = self.hit_range(group, k);
             for i in range.rev() {

@@ -108,7 +108,8 @@ impl KVCacheManager {
     /// other sequences are computing now: `block_size` times the number of consecutive
     /// blocks after the hit `num_computed_tokens` reports whose content (same chain of
     /// hashes, same cache salt and LoRA id) a pending reservation fills completely, never
-    /// counting the prompt's last token (like the hit). These blocks enter the prefix
+    /// counting the prompt's last token (like the hit), and ending on a checkpoint boundary
+    /// of every recurrent-state group (a hit must). These blocks enter the prefix
     /// cache if their writers commit them; a scheduler may hold the sequence back a step
     /// to claim them instead of computing them again. 0 with prefix caching off.
     ///
@@ -136,9 +137,33 @@ impl KVCacheManager {
                 .iter()
                 .take_while(|h| self.in_flight.contains(h))
                 .count();
-            out.push((more * bs) as i64);
+            out.push((self.state_boundary(hit, more) * bs) as i64);
         }
         Ok(out)
+    }
+
+    /// Of `more` blocks in flight past a hit of `hit` blocks, those a hit can take once
+    /// they are committed: with recurrent-state groups the hit must end on a checkpoint
+    /// boundary of each (the longest such end at or below `hit + more`, if past `hit`).
+    fn state_boundary(&self, hit: usize, more: usize) -> usize {
+        if !self.pools.recurrent || more == 0 {
+            return more;
+        }
+        let mut end = hit + more;
+        loop {
+            let before = end;
+            for every in self
+                .pools
+                .groups
+                .iter()
+                .filter_map(|g| g.checkpoint_every_blocks())
+            {
+                end -= end % every;
+            }
+            if end == before {
+                return end.saturating_sub(hit);
+            }
+        }
     }
 
     /// The in-flight counts match the sequences' recorded ranges, and each range is what

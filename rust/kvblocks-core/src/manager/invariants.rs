@@ -111,7 +111,10 @@ impl KVCacheManager {
                 if seq.swapped {
                     continue;
                 }
-                for &b in &t.blocks[t.num_released..] {
+                for &b in t.blocks[t.num_released..]
+                    .iter()
+                    .filter(|&&b| b != NULL_BLOCK)
+                {
                     let owner = &mut gpu_group[b as usize];
                     if *owner == u8::MAX {
                         *owner = g as u8;
@@ -175,8 +178,46 @@ impl KVCacheManager {
         } else {
             (gpu_refs, &self.pools.gpu)
         };
+        let spec = self.pools.groups[g];
+        let states = spec.is_recurrent().then(|| self.state_entries(seq, spec));
+        if let Some(j) = states
+            .as_ref()
+            .and_then(|(must, _)| must.iter().find(|&&j| j >= t.blocks.len()))
+        {
+            return Err(violation(format!(
+                "sequence {id} group {g}: entry {j} must hold a state but the table has {} \
+                 entries",
+                t.blocks.len()
+            )));
+        }
         for (i, &b) in t.blocks.iter().enumerate() {
-            if i < t.num_released {
+            if let Some((must, may_from)) = &states {
+                // A recurrent group holds the state after its computed tokens and the
+                // states a pending step writes; nothing else but spares a re-allocation
+                // left past them.
+                let holds = if seq.swapped {
+                    t.held_range(spec, seq.num_computed).contains(&i)
+                } else {
+                    b != NULL_BLOCK
+                };
+                if !holds && must.contains(&i) {
+                    return Err(violation(format!(
+                        "sequence {id} group {g}: entry {i} is the null block, but it must \
+                         hold a state ({} computed tokens, reservation {:?})",
+                        seq.num_computed, seq.reserved
+                    )));
+                }
+                if holds && !must.contains(&i) && !may_from.is_some_and(|f| i >= f) {
+                    return Err(violation(format!(
+                        "sequence {id} group {g}: entry {i} holds block {b}, but no state is \
+                         kept there ({} computed tokens, reservation {:?})",
+                        seq.num_computed, seq.reserved
+                    )));
+                }
+                if !holds {
+                    continue;
+                }
+            } else if i < t.num_released {
                 if b != NULL_BLOCK {
                     return Err(violation(format!(
                         "sequence {id} group {g}: released entry {i} holds block {b}, not the \
@@ -193,6 +234,25 @@ impl KVCacheManager {
             refs[b as usize] += 1;
         }
         Ok(())
+    }
+
+    /// A recurrent group's entries of a sequence that must hold a state (the one after
+    /// its computed tokens, and those its pending step writes), and the first entry from
+    /// which a pending reservation may also hold spare blocks (`None` at rest).
+    fn state_entries(
+        &self,
+        seq: &crate::sequence::Sequence,
+        spec: crate::group::GroupSpec,
+    ) -> (Vec<usize>, Option<usize>) {
+        let bs = self.config.block_size;
+        let current = crate::group::GroupSpec::state_entry(seq.num_computed, bs);
+        let mut must: Vec<usize> = current.into_iter().collect();
+        let mut may_from = None;
+        if let Some(r) = seq.reserved {
+            must.extend(spec.state_writes(seq.num_computed, r, bs).map(|(j, _)| j));
+            may_from = Some(current.map_or(0, |e| e + 1));
+        }
+        (must, may_from)
     }
 
     /// Blocks a sequence may write next are its own: every block past its computed
@@ -212,8 +272,19 @@ impl KVCacheManager {
                 &self.pools.gpu
             };
             for (g, t) in seq.tables.iter().enumerate() {
+                let spec = self.pools.groups[g];
+                let held = t.held_range(spec, seq.num_computed);
                 for (i, &b) in t.blocks.iter().enumerate().skip(first) {
                     if i < t.num_released {
+                        continue;
+                    }
+                    // A recurrent group's entries without a state hold no block.
+                    let stateless = if seq.swapped {
+                        !held.contains(&i)
+                    } else {
+                        b == NULL_BLOCK
+                    };
+                    if spec.is_recurrent() && stateless {
                         continue;
                     }
                     let rc = pool.ref_count(b);

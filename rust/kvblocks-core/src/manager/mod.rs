@@ -85,6 +85,7 @@ impl KVCacheManager {
                     Vec::new()
                 },
                 all_full: groups.iter().all(|g| g.is_full()),
+                recurrent: groups.iter().any(|g| g.is_recurrent()),
                 groups,
                 block_size: config.block_size,
             },
@@ -245,6 +246,7 @@ mod lora_keys;
 mod pools;
 mod queries;
 mod sequences;
+mod state;
 mod step_inputs;
 mod swap;
 mod table_sync;

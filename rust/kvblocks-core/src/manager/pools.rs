@@ -46,6 +46,9 @@ pub(super) struct Pools {
     pub groups: Vec<GroupSpec>,
     /// Whether every group is full attention (the prefix hit is one left-to-right scan).
     pub all_full: bool,
+    /// Whether some group is a recurrent-state group (lookahead and partial commits are
+    /// refused: a state is saved at the step's end only).
+    pub recurrent: bool,
     /// Tokens per block.
     pub block_size: usize,
 }

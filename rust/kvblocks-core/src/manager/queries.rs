@@ -62,7 +62,9 @@ impl KVCacheManager {
         let mut used = vec![0; self.pools.groups.len()];
         for seq in self.slots.iter().filter(|s| !s.swapped) {
             for (g, t) in seq.tables.iter().enumerate() {
-                for &b in &t.blocks[t.num_released..] {
+                // Null entries past the released ones: a recurrent group's entries
+                // without a state.
+                for &b in t.blocks[t.num_released..].iter().filter(|&&b| b != 0) {
                     if !std::mem::replace(&mut seen[b as usize], true) {
                         used[g] += 1;
                     }

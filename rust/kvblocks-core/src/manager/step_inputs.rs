@@ -15,7 +15,7 @@ impl KVCacheManager {
     }
 
     /// Resident sequences of a batch, resolved once (duplicates allowed: read only).
-    fn resident_batch(&self, seq_ids: &[u64], op: &str) -> Result<Vec<&Sequence>> {
+    pub(super) fn resident_batch(&self, seq_ids: &[u64], op: &str) -> Result<Vec<&Sequence>> {
         if let Some(slots) = self.scratch.recall(seq_ids) {
             return slots
                 .iter()
@@ -132,6 +132,9 @@ impl KVCacheManager {
     /// after the other, each of the same length), concatenated; `n` defaults to every
     /// known but uncomputed token.
     ///
+    /// A recurrent-state group has no per-token slots: its mapping is all `-1` (the
+    /// padding slot kernels skip); its states go where `state_mapping` says.
+    ///
     /// Only slots reserved by the pending `allocate_slots` (computed + new + lookahead)
     /// can be mapped: those are the slots no other sequence can read or write. Mapping
     /// past them (or with no pending reservation) is `SequenceState`; a group out of
@@ -180,6 +183,11 @@ impl KVCacheManager {
         }
         let mut out = Vec::with_capacity(total * groups.len());
         for g in groups {
+            if self.pools.groups[g].is_recurrent() {
+                // A recurrent group keeps no per-token KV (see `state_mapping`).
+                out.resize(out.len() + total, -1);
+                continue;
+            }
             for (i, seq) in seqs.iter().enumerate() {
                 let n = match &num_tokens {
                     Some(arg) => arg.get(i) as usize,

@@ -110,8 +110,8 @@ impl KVCacheManager {
         }
         for &slot in &slots {
             let seq = &mut self.slots[slot as usize];
-            for t in seq.tables.iter_mut().rev() {
-                for i in (t.num_released..t.blocks.len()).rev() {
+            for (g, t) in seq.tables.iter_mut().enumerate().rev() {
+                for i in t.held_range(self.pools.groups[g], seq.num_computed).rev() {
                     let c = t.blocks[i];
                     let g = map[&c];
                     self.pools.gpu.incref(g);
@@ -168,11 +168,12 @@ impl KVCacheManager {
         let mut blocks = Vec::new();
         for &slot in &slots {
             let seq = &self.slots[slot as usize];
-            for t in seq.tables.iter() {
+            for (g, t) in seq.tables.iter().enumerate() {
+                let held = t.held_range(self.pools.groups[g], seq.num_computed);
                 for (i, &b) in t.blocks.iter().enumerate() {
                     let is_null = match dir {
                         Direction::Out => b == NULL_BLOCK,
-                        Direction::In => i < t.num_released,
+                        Direction::In => !held.contains(&i),
                     };
                     if !is_null && seen.insert(b) {
                         blocks.push(b);

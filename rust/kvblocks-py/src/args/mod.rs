@@ -33,6 +33,7 @@ pub(crate) mod names {
 
     arg_names! {
         BlockSize = "block_size",
+        CheckpointEveryBlocks = "checkpoint_every_blocks",
         Counts = "counts",
         ChildId = "child_id",
         Chunk = "chunk",
