@@ -58,10 +58,19 @@ struct Entry {
   KVB_DECODE_G(T, D, 8), KVB_DECODE_G(T, D, 16), KVB_DECODE_G(T, D, 32),                   \
       KVB_DECODE(T, D, 8, 16), KVB_DECODE(T, D, 16, 16), KVB_DECODE(T, D, 32, 16),         \
       KVB_ENTRY(0, merge_partials_kernel<T, D>)
+// One K/V buffer per warp (STAGES 1): where two exceed the smallest per-CTA opt-in limit
+// (kvblocks.ops.cuda_sources.decode_stages_instantiated: head 256).
+#define KVB_DECODE1(T, D, B, G)                             \
+  KVB_ENTRY((kvb::DecodeShape<T, D, B, G, 1>::kSmemBytes), \
+            decode_attention_kernel<T, D, B, G, 1>)
+#define KVB_DECODE1_G(T, D, B)                                                     \
+  KVB_DECODE1(T, D, B, 1), KVB_DECODE1(T, D, B, 2), KVB_DECODE1(T, D, B, 4), \
+      KVB_DECODE1(T, D, B, 8)
 #define KVB_DECODE_ALL(T)                                                                   \
   KVB_DECODE_D(T, 64), KVB_DECODE_D(T, 80), KVB_DECODE_D(T, 96), KVB_DECODE_D(T, 112),      \
       KVB_DECODE_D(T, 128), KVB_DECODE_G(T, 256, 8), KVB_DECODE_G(T, 256, 16),              \
-      KVB_DECODE_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
+      KVB_DECODE_G(T, 256, 32), KVB_DECODE1_G(T, 256, 8), KVB_DECODE1_G(T, 256, 16),        \
+      KVB_DECODE1_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
 
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),

@@ -31,6 +31,7 @@ __all__ = [
     "paged_attention",
     "paged_prefill_attention",
     "reshape_and_cache",
+    "smem_optin",
 ]
 
 
@@ -93,6 +94,18 @@ def _target_ctas(device: int) -> int:
 
 
 @functools.cache
+def smem_optin(device: int) -> int:
+    """Dynamic shared memory one CTA may use on ``device`` after opting in
+    (``sharedMemPerBlockOptin``: 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89),
+    from torch's device properties, else CuPy's."""
+    props = torch.cuda.get_device_properties(device)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if not optin:
+        optin = _cupy().cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"]
+    return int(optin)
+
+
+@functools.cache
 def decode_target_ctas(device: int, smem_bytes: int) -> int:
     """CTAs of ``decode_attention_kernel`` that fill ``device`` once: SMs x the CTAs whose
     ``smem_bytes`` of shared memory fit an SM (1 KiB reserved per CTA), at most
@@ -145,7 +158,13 @@ def decode_launcher(index: int) -> kernel_driver.Launcher:
         function = _function(index, item.name)
         with device:
             if item.smem_bytes > opted_in.get(item.name, _STATIC_SMEM_LIMIT):
-                # Above 48 KiB of dynamic shared memory a kernel must opt in, once.
+                # Above 48 KiB of dynamic shared memory a kernel must opt in, once, and
+                # never past the device's limit (the planner picks a variant that fits).
+                if item.smem_bytes > smem_optin(index):
+                    raise KVBlocksError(
+                        f"{item.name} needs {item.smem_bytes} bytes of shared memory per "
+                        f"CTA; device {index} allows {smem_optin(index)}"
+                    )
                 function.max_dynamic_shared_size_bytes = item.smem_bytes
                 opted_in[item.name] = item.smem_bytes
             function(item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream)
@@ -188,7 +207,8 @@ def paged_attention(
     device = key_cache.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     _, _, block_size, head_size = key_cache.shape
-    if decode_kernel_supported(query.dtype, head_size, block_size) and (
+    optin = smem_optin(index)
+    if decode_kernel_supported(query.dtype, head_size, block_size, optin) and (
         seq_lens_host is not None or max_seq_len is None
     ):
         if seq_lens_host is None:
@@ -196,7 +216,7 @@ def paged_attention(
         return kernel_driver.run_decode(
             decode_launcher(index), query, key_cache, value_cache, block_tables,
             seq_lens_host, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            target_ctas=None,
+            target_ctas=None, smem_limit=optin,
         )  # fmt: skip
     return kernel_driver.run_attention(
         _launcher(device), query, key_cache, value_cache, block_tables, seq_lens, None,

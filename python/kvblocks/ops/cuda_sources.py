@@ -25,7 +25,9 @@ __all__ = [
     "DECODE_GROUPS",
     "DECODE_ROWS",
     "DECODE_SOURCE",
+    "DECODE_STAGES",
     "DECODE_THREADS",
+    "MIN_SMEM_OPTIN",
     "PREFILL_ROWS",
     "PREFILL_SOURCE",
     "attention_kernel_name",
@@ -34,6 +36,7 @@ __all__ = [
     "decode_instantiated",
     "decode_kernel_name",
     "decode_smem_bytes",
+    "decode_stages_instantiated",
     "kernel_names",
     "merge_kernel_name",
     "merge_partials_name",
@@ -56,6 +59,14 @@ DECODE_GROUPS: tuple[int, ...] = (1, 2, 4, 8, 16)
 instantiated at head size 256 (see :func:`decode_instantiated`)."""
 DECODE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """``BLOCK`` values of ``decode_attention_kernel`` (cache block sizes)."""
+DECODE_STAGES: tuple[int, ...] = (2, 1)
+"""``STAGES`` values of ``decode_attention_kernel`` in order of preference: 2 K/V buffers
+per warp (keys and values in flight together), 1 (one shared buffer, for GPUs whose per-CTA
+shared-memory limit is below the 2-buffer need)."""
+MIN_SMEM_OPTIN = 101376
+"""The smallest per-CTA dynamic shared-memory opt-in limit (``sharedMemPerBlockOptin``) of
+the architectures the kernels target: 99 KiB on sm_86/sm_89 (A10, L4, L40S, RTX 3090/4090);
+sm_80 allows 163 KiB, sm_90 227 KiB."""
 DECODE_ROWS = 8
 """Query rows per CTA of the decode instantiation (heads of one KV group)."""
 PREFILL_ROWS = 16
@@ -143,10 +154,16 @@ def prefill_kernel_name(dtype: torch.dtype, head_size: int) -> str:
     return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
 
 
-def decode_kernel_name(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> str:
-    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP>`` (``group_t`` is
-    the template's GROUP, one of :data:`DECODE_GROUPS`)."""
-    return f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, {group_t}>"
+def decode_kernel_name(
+    dtype: torch.dtype, head_size: int, block_size: int, group_t: int, stages: int = 2
+) -> str:
+    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP[, STAGES]>``
+    (``group_t`` is the template's GROUP, one of :data:`DECODE_GROUPS`; ``stages`` one of
+    :data:`DECODE_STAGES`, written only when it is not the default 2)."""
+    tail = "" if stages == 2 else f", {stages}"
+    return (
+        f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, {group_t}{tail}>"
+    )
 
 
 def merge_partials_name(dtype: torch.dtype, head_size: int) -> str:
@@ -160,15 +177,26 @@ def decode_instantiated(head_size: int, group_t: int) -> bool:
     return group_t in DECODE_GROUPS and not (head_size > 128 and group_t > 8)
 
 
-def decode_smem_bytes(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> int:
+def decode_smem_bytes(
+    dtype: torch.dtype, head_size: int, block_size: int, group_t: int, stages: int = 2
+) -> int:
     """Dynamic shared memory of a ``decode_attention_kernel`` launch (mirrors
     ``kvb::DecodeShape::kSmemBytes``; above 48 KiB the launch must opt in)."""
     del dtype, block_size  # 2-byte elements only; the block size only sets the chunk length
     warps, tokens, table_slots = DECODE_THREADS // 32, 32, 256
     heads = 8 * ((group_t + 7) // 8)
     ld = (head_size + 31) // 32 * 32 + 8
-    warp_bytes = 2 * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
+    warp_bytes = stages * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
     return warps * warp_bytes + heads * ld * 2 + table_slots * 4 + warps * heads * 2 * 4
+
+
+def decode_stages_instantiated(head_size: int, group_t: int) -> tuple[int, ...]:
+    """The ``STAGES`` variants compiled for this head size and GROUP, in order of
+    preference: 2 always, 1 where 2 exceeds :data:`MIN_SMEM_OPTIN` (head 256)."""
+    if not decode_instantiated(head_size, group_t):
+        return ()
+    two = decode_smem_bytes(torch.float16, head_size, 16, group_t, 2)
+    return DECODE_STAGES if two > MIN_SMEM_OPTIN else DECODE_STAGES[:1]
 
 
 def kernel_names(source: str) -> list[str]:
@@ -194,10 +222,10 @@ def kernel_names(source: str) -> list[str]:
         for dtype in (torch.float16, torch.bfloat16):
             for head_size in SUPPORTED_HEAD_SIZES:
                 names += [
-                    decode_kernel_name(dtype, head_size, block, group_t)
+                    decode_kernel_name(dtype, head_size, block, group_t, stages)
                     for block in DECODE_BLOCK_SIZES
                     for group_t in DECODE_GROUPS
-                    if decode_instantiated(head_size, group_t)
+                    for stages in decode_stages_instantiated(head_size, group_t)
                 ]
                 names.append(merge_partials_name(dtype, head_size))
         return names

@@ -170,6 +170,7 @@ def decode_attention_for(
     sliding_window: int | None,
     soft_cap: float | None,
     target_ctas: int | None,
+    smem_limit: int | None = None,
 ) -> DecodeAttention:
     """The cached :class:`DecodeAttention` serving the functional decode path.
 
@@ -178,14 +179,14 @@ def decode_attention_for(
     """
     capacity = max(64, 1 << max(0, num_seqs - 1).bit_length())
     key = (launch, device, dtype, num_heads, num_kv_heads, head_size, block_size, capacity,
-           scale, sliding_window, soft_cap, target_ctas)  # fmt: skip
+           scale, sliding_window, soft_cap, target_ctas, smem_limit)  # fmt: skip
     decoder = _DECODERS.get(key)
     if decoder is None:
         decoder = DecodeAttention(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             block_size=block_size, dtype=dtype, device=device, max_seqs=capacity,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            target_ctas=target_ctas, launcher=launch,
+            target_ctas=target_ctas, smem_limit=smem_limit, launcher=launch,
         )  # fmt: skip
         _DECODERS[key] = decoder
         if len(_DECODERS) > _MAX_DECODERS:
@@ -205,16 +206,18 @@ def run_decode(
     sliding_window: int | None,
     soft_cap: float | None,
     target_ctas: int | None,
+    smem_limit: int | None = None,
 ) -> torch.Tensor:
     """fp16/bf16 decode through ``decode_attention_kernel`` and the length-aware plan
     (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``;
-    ``target_ctas`` None: from the device, see :class:`DecodeAttention`)."""
+    ``target_ctas`` and ``smem_limit`` None: from the device, see
+    :class:`DecodeAttention`)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
     decoder = decode_attention_for(
         launch, device=key_cache.device, dtype=query.dtype, num_heads=query.shape[1],
         num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
         num_seqs=query.shape[0], scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, target_ctas=target_ctas,
+        soft_cap=soft_cap, target_ctas=target_ctas, smem_limit=smem_limit,
     )  # fmt: skip
     decoder.plan(seq_lens_host, block_tables)
     return decoder.run(query, key_cache, value_cache)
