@@ -323,8 +323,11 @@ def simulate(
                         start = global_free
                     done_at = start + op.latency
                     if op.kind == "ldgsts":
-                        if not m.unlimited:  # the copy's write into shared memory
-                            smem_free = max(smem_free, start) + op.smem_bytes / smem_rate
+                        # The copy's write into shared memory takes its bandwidth; charged
+                        # at issue (in arrival order it would hold back every shared access
+                        # issued before the data comes).
+                        if not m.unlimited:
+                            smem_free = max(smem_free, t) + op.smem_bytes / smem_rate
                         w.open_group = max(w.open_group, done_at)
                 for r in op.dests:
                     w.ready[r] = done_at
