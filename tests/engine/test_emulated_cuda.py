@@ -119,11 +119,9 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     )
     # A one-SM "device" for the launch planners, as in the ops backend test: 4 decode CTAs
     # at 2 KV heads plan 2 items + one per sequence, so a context past 128 keys is split.
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda index: types.SimpleNamespace(multi_processor_count=1),
-    )
+    # H100's shared-memory limits (the backend reads the per-CTA opt-in limit).
+    props = emu_runtime.DEVICES["9.0"].properties(sms=1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
     # The front-end's CPU dispatch passes neither max_seq_len / max_query_len nor
