@@ -131,6 +131,56 @@ struct DecodeShape {
                 "fragment pointers are 32-byte aligned");
 };
 
+namespace wmma = nvcuda::wmma;
+
+// WMMA fragment loads from shared memory. NVVM gives the fp16 loads the .shared state space
+// (ldmatrix) but leaves the bf16 ones generic (an LD per element pair plus MOVM transposes,
+// about 30% more instructions per tile); the bf16 overloads state .shared in PTX. The
+// emulator has the plain API.
+template <typename Frag, typename T>
+__device__ __forceinline__ void load_shared(Frag& f, const T* p, unsigned ldm) {
+  wmma::load_matrix_sync(f, p, ldm);
+}
+
+#ifndef KVB_EMULATION
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_a, 32, 8, 16, __nv_bfloat16, wmma::row_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile(
+      "wmma.load.a.sync.aligned.row.m32n8k16.shared.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]),
+        "=r"(r[7])
+      : "r"(addr), "r"(ldm)
+      : "memory");
+}
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_a, 32, 8, 16, __nv_bfloat16, wmma::col_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile(
+      "wmma.load.a.sync.aligned.col.m32n8k16.shared.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]),
+        "=r"(r[7])
+      : "r"(addr), "r"(ldm)
+      : "memory");
+}
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_b, 32, 8, 16, __nv_bfloat16, wmma::col_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("wmma.load.b.sync.aligned.col.m32n8k16.shared.bf16 {%0, %1}, [%2], %3;\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr), "r"(ldm)
+               : "memory");
+}
+#endif
+
 // Barrier and memory fence among the 32 threads of warp `warp`: a named barrier (ids 1..4;
 // 0 is __syncthreads) rather than __syncwarp, which compiles to a divergence check and a
 // slow path calling an ABI function inside the tile loop.
@@ -323,11 +373,11 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
 #pragma unroll
       for (int kk = 0; kk < S::kKSteps; ++kk) {
         wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::row_major> ka;
-        wmma::load_matrix_sync(ka, k_s + kk * 16, kLd);
+        kvb::load_shared(ka, k_s + kk * 16, kLd);
 #pragma unroll
         for (int n = 0; n < kHT; ++n) {
           wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> qb;
-          wmma::load_matrix_sync(qb, q_s + n * 8 * kLd + kk * 16, kLd);
+          kvb::load_shared(qb, q_s + n * 8 * kLd + kk * 16, kLd);
           wmma::mma_sync(sacc[n], ka, qb, sacc[n]);
         }
       }
@@ -410,12 +460,12 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
         wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> pb[kHT];
 #pragma unroll
         for (int n = 0; n < kHT; ++n) {
-          wmma::load_matrix_sync(pb[n], p_s + n * 8 * S::kPLd + kk * 16, S::kPLd);
+          kvb::load_shared(pb[n], p_s + n * 8 * S::kPLd + kk * 16, S::kPLd);
         }
 #pragma unroll
         for (int m = 0; m < S::kMTiles; ++m) {
           wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::col_major> va;
-          wmma::load_matrix_sync(va, v_s + kk * 16 * kLd + m * 32, kLd);
+          kvb::load_shared(va, v_s + kk * 16 * kLd + m * 32, kLd);
 #pragma unroll
           for (int n = 0; n < kHT; ++n) wmma::mma_sync(o[m][n], va, pb[n], o[m][n]);
         }

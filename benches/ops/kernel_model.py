@@ -195,6 +195,8 @@ class Shape:
     rows: int
     nslice: int
     items: int
+    warps: int = WARPS
+    """Warps per CTA."""
 
     @classmethod
     def of(cls, inst: Instantiation) -> Shape:
@@ -240,11 +242,11 @@ def _decode_tc_shape(inst: Instantiation, esize: int) -> Shape:
 def _prefill_shape(inst: Instantiation, esize: int) -> Shape:
     """``kvb::PrefillShape`` of the tensor-core prefill kernel (long chunks: one head's
     queries fill the CTA's rows); ``nslice``/``items`` have no meaning there."""
-    from kvblocks.ops.prefill_launch import prefill_rows, prefill_tile
+    from kvblocks.ops.prefill_launch import prefill_rows, prefill_threads, prefill_tile
 
     rows, tile = prefill_rows(inst.head), prefill_tile(inst.head)
     vpr = inst.head * esize // 16
-    return Shape(esize, inst.head, tile, vpr, rows, 1, rows * vpr)
+    return Shape(esize, inst.head, tile, vpr, rows, 1, rows * vpr, prefill_threads(inst.head) // 32)
 
 
 def _warp_fraction(threads: int) -> float:
@@ -275,14 +277,17 @@ falls through, i.e. the default of :func:`sass.count_loop`)."""
 
 
 PREFILL_ATTENTION_RULES: dict[str, dict[str, object]] = {
-    # Steady state: no soft cap (the tanh branch is skipped) and a stable running max (the
-    # lazy rescale through shared memory does not run).
-    "if (soft_cap > 0.f)": {"fallthrough": lambda s, k: 0.0},
-    "if (rescale)": {"fallthrough": lambda s, k: 0.0},
-    # A tile below the causal diagonal, inside the window and the keys: no per-score mask.
+    # Steady state: no soft cap and a positive scale (the score transform is skipped), a
+    # stable running max (no row rescales), a tile below the causal diagonal, inside the
+    # window and the keys (no per-score mask), past the first tile (Q's fragments loaded).
+    "if (transform)": {"fallthrough": lambda s, k: 0.0},
     "if (mask_tile)": {"fallthrough": lambda s, k: 0.0},
-    "if (!(mul > 0.f))": {"fallthrough": lambda s, k: 0.0},  # a positive scale
-    "for (int e = lane; e < 256; e += 32)": {"trips": lambda s, k: 8},  # inside the rescale
+    "mx > m_run[mt][h] + kvb::kRescaleLog2": {"fallthrough": lambda s, k: 0.0},
+    "if (first)": {"fallthrough": lambda s, k: 0.0},
+    # The block ids of the next tile: one per key row, threads below the tile's keys.
+    "if (tid < TILE)": {"fallthrough": lambda s, k: min(1.0, s.tile / THREADS)},
+    # The Q K^T loop over 16-column steps, rolled where Q is read from shared memory.
+    "for (int kk = 0; kk < S::kKSteps; ++kk)": {"trips": lambda s, k: s.head // 16},
 }
 """Branch rules of ``prefill_attention_kernel`` (as :data:`PAGED_ATTENTION_RULES`). Every
 other branch of the tile loop falls through: full tiles, every key loaded."""
@@ -569,6 +574,7 @@ def count_tile(
         _main_loop(listing, rules_source),
         _rule("fallthrough", rules_source)(shape, source),
         _rule("trips", rules_source)(shape, source),
+        shape.warps,
     )
 
 
@@ -576,11 +582,11 @@ _NoRule = Callable[[sass.Instruction, int], float | None]
 
 
 def count_loop_tile(
-    listing: sass.Listing, loop: sass.Loop, fall: _NoRule, trip: _NoRule
+    listing: sass.Listing, loop: sass.Loop, fall: _NoRule, trip: _NoRule, warps: int = WARPS
 ) -> TileCount:
-    """Count one iteration of ``loop`` (4 warps entering) with the branch rules ``fall``
-    and ``trip`` (see :func:`sass.count_loop`), and trace warp 0 through it."""
-    counts, notes = sass.count_loop(listing, loop, float(WARPS), fallthrough=fall, trips=trip)
+    """Count one iteration of ``loop`` (``warps`` warps entering) with the branch rules
+    ``fall`` and ``trip`` (see :func:`sass.count_loop`), and trace warp 0 through it."""
+    counts, notes = sass.count_loop(listing, loop, float(warps), fallthrough=fall, trips=trip)
     by_class = dict.fromkeys(sass.CLASSES, 0.0)
     moved = {"global_load": 0.0, "global_store": 0.0, "shared_load": 0.0, "shared_store": 0.0}
     for ins, n in zip(listing.instructions, counts, strict=True):
@@ -657,7 +663,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
         smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
             res["static_smem_bytes"]
         )
-    occ = occupancy(int(res["registers"]), smem, gpu)
+    occ = occupancy(int(res["registers"]), smem, gpu, 32 * shape.warps)
     kv_bytes = 2 * shape.tile * inst.head * shape.esize
     cycles = total / ISSUE_PER_CYCLE
     # Bytes a resident CTA keeps in flight: the old kernel prefetches one tile; each warp of
@@ -671,7 +677,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
         work = 4 * shape.rows * shape.tile * inst.head
     ceil = ceilings.compute(
         listing, tile.counts, by_class, tile.trace, rates=gpu.rates, ctas=occ.ctas, work=work,
-        peak=peak, decode=decode, flight_bytes=flight,
+        peak=peak, decode=decode, flight_bytes=flight, warps=shape.warps,
     )  # fmt: skip
     formula = (
         f"{work} {unit}/tile x {occ.ctas} CTAs; {ceil.describe()}; simulated "

@@ -208,7 +208,22 @@ inline int timeout_ms() {
   return env ? std::atoi(env) : 600000;
 }
 
-enum BarrierKind { kSyncThreads = 1, kBlockExit, kBlockPoisoned, kWarpSync, kShflWrite, kShflRead };
+enum BarrierKind {
+  kSyncThreads = 1,
+  kBlockExit,
+  kBlockPoisoned,
+  kWarpSync,
+  kShflWrite,
+  kShflRead,
+  kLdmatrix,  // warp collectives (ptx_emu.h): every lane's operands, then every lane's result
+  kMma,
+};
+
+// A callback the last thread to arrive at a barrier runs before any is released.
+struct OnComplete {
+  void (*fn)(void*) = nullptr;
+  void* ctx = nullptr;
+};
 
 inline const char* kind_name(int kind) {
   switch (kind) {
@@ -218,6 +233,8 @@ inline const char* kind_name(int kind) {
     case kWarpSync: return "__syncwarp";
     case kShflWrite: return "warp shuffle (write)";
     case kShflRead: return "warp shuffle (read)";
+    case kLdmatrix: return "ldmatrix";
+    case kMma: return "mma.sync";
     default: return "?";
   }
 }
@@ -239,7 +256,7 @@ class Barrier {
  public:
   explicit Barrier(int expected, const char* scope) : expected_(expected), scope_(scope) {}
 
-  void wait(int kind) {
+  void wait(int kind, OnComplete done = {}) {
     std::unique_lock<std::mutex> lock(mu_);
     if (arrived_ == 0) {
       kind_ = kind;
@@ -248,6 +265,7 @@ class Barrier {
     }
     const unsigned long gen = generation_;
     if (++arrived_ == expected_) {
+      if (done.fn) done.fn(done.ctx);
       arrived_ = 0;
       ++generation_;
       cv_.notify_all();
@@ -256,9 +274,9 @@ class Barrier {
     // A block-wide barrier waits twice as long as a warp's: when a warp-level barrier
     // deadlocks, the threads of its block that already reached kernel exit (or a
     // __syncthreads) wait too, and the warp's own, more specific report must come first.
-    const int ms = kind == kWarpSync || kind == kShflWrite || kind == kShflRead
-                       ? timeout_ms()
-                       : 2 * timeout_ms();
+    const int ms = kind == kSyncThreads || kind == kBlockExit || kind == kBlockPoisoned
+                       ? 2 * timeout_ms()
+                       : timeout_ms();
     if (!cv_.wait_for(lock, std::chrono::milliseconds(ms),
                       [&] { return generation_ != gen; })) {
       char msg[256];
@@ -433,13 +451,14 @@ class Barrier {
   }
 
   // `finished`: the caller's kernel has returned; it is not resumed once released.
-  void wait(int kind, bool finished = false) {
+  void wait(int kind, bool finished = false, OnComplete done = {}) {
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (kind_ != kind) {
       fail_divergent(scope_, kind, arrived_, kind_);
     }
     if (++arrived_ == expected_) {
+      if (done.fn) done.fn(done.ctx);
       arrived_ = 0;
       for (int f : waiters_) tl_sched->wake(f);
       waiters_.clear();
@@ -471,11 +490,20 @@ class Barrier {
 };
 #endif
 
+// Bytes of one lane's operands or result in a warp collective.
+constexpr size_t kCollectiveBytes = 48;
+
 struct Warp {
   explicit Warp(int lanes) : lanes(lanes), barrier(lanes, "a warp") {}
   int lanes;
   Barrier barrier;
   unsigned long long exchange[32] = {};
+  // Warp collectives (warp_collective): two sets of per-lane operand and result slots,
+  // used alternately, so one barrier per operation keeps a lane that runs ahead from
+  // overwriting slots another lane has not read yet.
+  alignas(16) unsigned char coll_in[2][32 * kCollectiveBytes] = {};
+  alignas(16) unsigned char coll_out[2][32 * kCollectiveBytes] = {};
+  unsigned coll_seq[32] = {};  // per lane: collectives done
 };
 
 // One asynchronous global->shared copy (cp.async) of a CUDA thread, queued until a wait.
@@ -603,6 +631,48 @@ T exchange(T var, int src) {
   if (src >= 0 && src < w.lanes) std::memcpy(&out, &w.exchange[src], sizeof(T));
   w.barrier.wait(kShflRead);  // nobody overwrites the buffer before all have read
   return out;
+}
+
+// A warp-synchronous operation (ldmatrix, mma.sync): every lane passes `in`; once all 32
+// have arrived, the last arrival runs fn(ins, outs) for the whole warp (lane l's operands
+// at ins[l], its result to outs[l]) before any lane continues, so the operation sees
+// memory and operands as of one instant, as the hardware's single instruction does; each
+// lane then gets outs[its lane]. A lane that skips the call while others make it is a
+// deadlock (or, at another barrier, a divergence) report.
+template <typename In, typename Out>
+Out warp_collective(int kind, const In& in, void (*fn)(const In* ins, Out* outs)) {
+  static_assert(sizeof(In) <= kCollectiveBytes && sizeof(Out) <= kCollectiveBytes,
+                "collective operands too large");
+  Warp& w = my_warp();
+  if (w.lanes != 32) fail("warp collectives need a full warp of 32 lanes");
+  const int lane = my_lane();
+  const unsigned slot = w.coll_seq[lane]++ & 1u;
+  In* ins = reinterpret_cast<In*>(w.coll_in[slot]);
+  Out* outs = reinterpret_cast<Out*>(w.coll_out[slot]);
+  ins[lane] = in;
+  struct Ctx {
+    Warp* w;
+    In* ins;
+    Out* outs;
+    void (*fn)(const In*, Out*);
+  } ctx{&w, ins, outs, fn};
+  OnComplete done{[](void* p) {
+                    Ctx* c = static_cast<Ctx*>(p);
+                    for (int l = 1; l < 32; ++l) {
+                      if (c->w->coll_seq[l] != c->w->coll_seq[0]) {
+                        fail("the lanes of a warp met at different warp collectives (a "
+                             "divergent mma.sync/ldmatrix)");
+                      }
+                    }
+                    c->fn(c->ins, c->outs);
+                  },
+                  &ctx};
+#ifdef KVB_EMU_OS_THREADS
+  w.barrier.wait(kind, done);
+#else
+  w.barrier.wait(kind, false, done);
+#endif
+  return outs[lane];
 }
 
 // Launches run one after another, as kernels on one CUDA stream do, in both back-ends.

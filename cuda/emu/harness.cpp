@@ -10,6 +10,7 @@
 #include "../decode_attention.cu"
 #include "../paged_attention.cu"
 #include "../prefill_attention.cu"
+#include "mma_selftest.cuh"
 #include "selftest_kernels.cuh"
 #include "selftest_pipeline.h"
 #include "wmma_selftest.cuh"
@@ -86,6 +87,14 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_wmma_kernel<__nv_bfloat16, 8, 32, 16, nvcuda::wmma::col_major, nvcuda::wmma::col_major>),
     KVB_ENTRY(0, emu_wmma_sync_kernel),
     KVB_ENTRY(0, emu_pipeline_kernel),
+    KVB_ENTRY(0, emu_mma_raw_kernel<__half>),
+    KVB_ENTRY(0, emu_mma_raw_kernel<__nv_bfloat16>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<4, false>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<4, true>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<2, false>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<2, true>),
+    KVB_ENTRY(0, emu_mma_tile_kernel<__half>),
+    KVB_ENTRY(0, emu_mma_tile_kernel<__nv_bfloat16>),
     KVB_DECODE_ALL(__half),
     KVB_DECODE_ALL(__nv_bfloat16),
     KVB_ATTN_ALL_D(float),

@@ -27,13 +27,15 @@ FLOORS = {
     ("decode", "fp16", 128, 1, 16, "sm_90"): 0.62,  # 0.676
     ("decode", "bf16", 64, 4, 32, "sm_90"): 0.43,  # 0.485
     ("decode", "bf16", 128, 8, 16, "sm_80"): 0.37,  # 0.406
-    # prefill_attention_kernel (tensor cores): fraction of dense tensor-core peak.
-    ("prefill", "bf16", 128, 8, 16, "sm_90"): 0.23,  # 0.258
-    ("prefill", "fp16", 128, 8, 16, "sm_90"): 0.23,  # 0.258
-    ("prefill", "bf16", 64, 8, 16, "sm_90"): 0.17,  # 0.189
-    ("prefill", "bf16", 256, 8, 16, "sm_90"): 0.14,  # 0.156
-    ("prefill", "bf16", 128, 8, 16, "sm_80"): 0.43,  # 0.487
-    ("prefill", "fp16", 256, 8, 16, "sm_80"): 0.28,  # 0.312
+    # prefill_attention_kernel (mma.sync, FlashAttention-2 style): fraction of the dense
+    # tensor-core peak (wgmma's on H100). The floors are issue 19's targets: >= 35% of H100
+    # at head 128, >= 30% at 64 and 256, >= 60% of A100 at head 128.
+    ("prefill", "bf16", 128, 8, 16, "sm_90"): 0.35,  # 0.363
+    ("prefill", "fp16", 128, 8, 16, "sm_90"): 0.35,  # 0.363
+    ("prefill", "bf16", 64, 8, 16, "sm_90"): 0.30,  # 0.323
+    ("prefill", "bf16", 256, 8, 16, "sm_90"): 0.30,  # 0.306
+    ("prefill", "bf16", 128, 8, 16, "sm_80"): 0.60,  # 0.615
+    ("prefill", "fp16", 256, 8, 16, "sm_80"): 0.53,  # 0.595
     # decode_attention_kernel (tensor cores, cp.async): no ceiling below HBM's peak, and the
     # simulation reaches it (DRAM efficiency, not modeled, is what a GPU loses).
     ("decode_tc", "fp16", 128, 8, 16, "sm_90"): 0.80,  # 1.000
@@ -230,17 +232,23 @@ def test_modeled_figure_is_above_its_floor(modeled, key):
 
 
 def test_prefill_shared_memory_and_mma_match_a_hand_count(modeled):
-    """Issue 19's independent count of prefill_attention_kernel (fp16, head 128, 64 query
-    rows x 32 keys): per tile the K/V tile is staged through registers (16 KiB of STS),
-    every warp reads the whole K and V tile by ldmatrix (4 x 2 x 8 KiB), scores go out and
-    back as fp32 (2 x 8 KiB), P out and back as fp16 (2 x 4 KiB), plus the rescale flags
-    and factors: 108,032 bytes; 256 HMMA.16816 (64 x 32 x 128 x 2 multiply-adds / 2048)."""
+    """prefill_attention_kernel, fp16, head 128: 128 query rows (4 warps x 2 row blocks of
+    16) x 32 keys per tile. Shared memory per tile: each warp reads its 32 Q rows, the whole
+    K tile and the whole V tile once by ldmatrix (3 x 8 KiB; every fragment feeds both row
+    blocks), one 4-byte block id per thread for each of the K and V copies, and the 32 ids
+    of a later tile are stored by a predicated STS that all 4 warps issue (the model cannot
+    know the predicate: 4 x 128 B); cp.async writes the K and V tiles (16 KiB). Scores and P
+    never touch shared memory. 512 HMMA.16816 (128 x 32 x 128 x 2 multiply-adds / 2048)."""
     row = modeled[("prefill", "fp16", 128, 8, 16, "sm_90")]
-    assert row.shared_load_bytes + row.shared_store_bytes == 108_032
-    shuffles = row.by_class["shuffle"]
-    assert row.shared_bytes == 108_032 + 128 * shuffles  # one warp per cycle each
-    assert row.hmma == 64 * 32 * 128 * 2 / 2048
-    assert row.binding == "smem"
+    warps, rows_per_warp, tile, head = 4, 32, 32, 128
+    ldsm = warps * (rows_per_warp + 2 * tile) * head * 2
+    ids = 2 * 128 * 4 + warps * 128
+    assert row.shared_load_bytes + row.shared_store_bytes == ldsm + ids == 99_840
+    assert row.async_copy_bytes == 2 * tile * head * 2 == row.kv_bytes
+    shuffles = row.by_class["shuffle"]  # 2 per row pair: the row max over 4 lanes
+    assert shuffles == warps * 2 * 2 * 2
+    assert row.shared_bytes == ldsm + ids + row.async_copy_bytes + 128 * shuffles
+    assert row.hmma == 128 * 32 * 128 * 2 / 2048
 
 
 def test_compiled_kernels_count_every_multiply_add_and_kv_byte(modeled):
@@ -251,10 +259,10 @@ def test_compiled_kernels_count_every_multiply_add_and_kv_byte(modeled):
         lanes = row.by_class["fma"] * 32 + row.by_class["tensor"] * 2048  # m16n8k16
         assert lanes >= 2 * shape.rows * shape.tile * shape.head, row.inst.label
         assert lanes <= 1.2 * 2 * shape.rows * shape.tile * shape.head + 4096, row.inst.label
-        if row.inst.kind == "decode_tc":
-            # cp.async moves exactly the tile's K/V (bf16 WMMA fragment loads are generic
-            # LDs of shared memory, which the classifier counts as global loads).
+        if row.inst.kind in ("decode_tc", "prefill"):
+            # cp.async moves exactly the tile's K/V (the rest of the global loads: block ids).
             assert row.async_copy_bytes == row.kv_bytes, row.inst.label
+            assert row.global_load_bytes <= 1.25 * row.kv_bytes, row.inst.label
             continue
         assert row.global_load_bytes >= row.kv_bytes, row.inst.label
         assert row.global_load_bytes <= 1.25 * row.kv_bytes, row.inst.label

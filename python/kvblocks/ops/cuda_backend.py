@@ -141,8 +141,10 @@ def _current_stream(index: int) -> int:
 @functools.cache
 def decode_launcher(index: int) -> kernel_driver.Launcher:
     """A launcher for device ``index`` that stays valid across calls (the decode path
-    keeps it): the stream is torch's current one at each launch (so CUDA-graph capture
-    on a side stream works), its CuPy wrapper is made once per stream."""
+    keeps it; prefill uses it too): the stream is torch's current one at each launch (so
+    CUDA-graph capture on a side stream works), its CuPy wrapper is made once per stream,
+    and a kernel is opted into more than 48 KiB of dynamic shared memory once, never past
+    the device's limit."""
     cupy = _cupy()
     device = cupy.cuda.Device(index)
     streams: dict[int, Any] = {}
@@ -239,11 +241,12 @@ def paged_prefill_attention(
     max_query_len: int,
 ) -> torch.Tensor:
     """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the
-    tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the CUDA-core
-    one for fp32."""
+    tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`; its shared memory
+    is above 48 KiB from head 96: the launcher opts in), the CUDA-core one for fp32."""
     device = key_cache.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return run_prefill(
-        _launcher(device), query, key_cache, value_cache, block_tables, query_start_loc,
+        decode_launcher(index), query, key_cache, value_cache, block_tables, query_start_loc,
         seq_lens, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
         max_query_len=max_query_len, target_ctas=_target_ctas(device.index or 0),
     )  # fmt: skip

@@ -35,6 +35,7 @@ __all__ = [
     "prefill_launch",
     "prefill_rows",
     "prefill_smem_bytes",
+    "prefill_threads",
     "prefill_tile",
     "run_prefill",
 ]
@@ -43,25 +44,33 @@ MAX_GRID_YZ = 65535
 """CUDA's limit on grid.y and grid.z."""
 
 
+def prefill_threads(head_size: int) -> int:
+    """Threads per CTA of ``prefill_attention_kernel<T, head_size>`` (4 warps)."""
+    del head_size
+    return THREADS
+
+
 def prefill_rows(head_size: int) -> int:
-    """Query rows per CTA (``kvb::PrefillShape::kRows``): 4 warps x 16, or 2 x 16 at head
-    256 where two warps share a row block's head columns."""
-    return 32 if head_size > 128 else 64
+    """Query rows per CTA (``kvb::PrefillShape::kRows``): 4 warps x 2 row blocks of 16,
+    one row block per warp at head 256 and 112."""
+    return 64 if head_size > 128 or head_size == 112 else 128
 
 
 def prefill_tile(head_size: int) -> int:
-    """K/V tokens per tile (``kTile``): 64 while K, V and the scores fit 48 KiB."""
-    return 64 if head_size <= 96 else 32
+    """K/V tokens per tile (``kTile``): 64 at head 64, 32 above."""
+    return 32 if head_size > 64 else 64
 
 
 def prefill_smem_bytes(head_size: int) -> int:
-    """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes)."""
+    """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes): the
+    Q tile (later the output tile), 2 K and 2 V tiles (1 each at head 256, where 2 would
+    not leave an A100 room for 2 CTAs) and the block ids of the tiles in flight; rows
+    padded by 16 bytes. 55-69 KiB: the launch opts in above 48 KiB, and every size fits the
+    99 KiB a CTA may use on sm_86/sm_89."""
     rows, tile = prefill_rows(head_size), prefill_tile(head_size)
-    d_split = 2 if head_size > 128 else 1
-    kv = 2 * tile * (head_size + 8) * 2
-    scores = d_split * rows * (tile + 4) * 4
-    warps = THREADS // 32
-    return kv + scores + warps * 256 * 4 + 2 * rows * 4 + warps * 4
+    q_bytes, tile_bytes = rows * (head_size + 8) * 2, tile * (head_size + 8) * 2
+    stages = 2 if q_bytes + 4 * tile_bytes + 3 * tile * 4 <= 80 * 1024 else 1
+    return q_bytes + 2 * stages * tile_bytes + (stages + 1) * tile * 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,8 @@ class PrefillPlan:
     q_tiles: int
     smem_bytes: int
     grid: tuple[int, int, int]
+    threads: int = THREADS
+    """Threads per CTA (the block)."""
 
 
 def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
@@ -130,6 +141,7 @@ def plan_prefill(
         smem_bytes=prefill_smem_bytes(head_size),
         # z (query tiles, issued slowest and reversed in the kernel: longest first).
         grid=(num_kv_heads * head_chunks, num_seqs, q_tiles),
+        threads=prefill_threads(head_size),
     )
 
 
@@ -185,7 +197,7 @@ def prefill_launch(
         np.int32(plan.heads_per_cta), np.float32(scale), np.float32(soft_cap or 0.0),
         np.int32(sliding_window or 0),
     )  # fmt: skip
-    return KernelLaunch(plan.kernel, plan.grid, (THREADS, 1, 1), plan.smem_bytes, args)
+    return KernelLaunch(plan.kernel, plan.grid, (plan.threads, 1, 1), plan.smem_bytes, args)
 
 
 def run_prefill(
