@@ -9,7 +9,8 @@
 // GQA (a CTA serves query heads of one KV head), K/V paged in HND via block tables. A row
 // without a visible key outputs zeros.
 //
-// Work split. A CTA (4 warps) owns kRows = 64 x kMTiles query rows of one KV head; row r
+// Work split. A CTA (4 warps) owns kRows = 64 x kMTiles query rows of one KV head (128;
+// 64 at heads 112 and 256, where two row blocks' registers spill); row r
 // is query q0 + r / heads_per_cta, head chunk * heads_per_cta + r % heads_per_cta (the host
 // packs the heads of a GQA group into a CTA when chunks are short, so K/V are read once for
 // them). Warp w owns the kMTiles row blocks of 16 rows [16 kMTiles w, 16 kMTiles (w + 1)):
@@ -17,7 +18,7 @@
 // 128: half the shared-memory reads per FLOP of one block per warp). Per K/V tile of kTile
 // keys:
 //   1. S = Q K^T into fp32 registers (C fragments): Q's A fragments by ldmatrix from the Q
-//      tile (or, at head 64, kept in registers for the whole query tile), K's B fragments
+//      tile (or, at head 112, kept in registers for the whole query tile), K's B fragments
 //      by ldmatrix from the K rows (K^T needs no transpose: a K row is a B column).
 //   2. Online softmax in registers: a lane holds rows g and g + 8 of each row block (the C
 //      layout), two columns per 8-key block; the row max is reduced over the 4 lanes of a
@@ -30,12 +31,13 @@
 //      is a per-lane partial, reduced once at the end.
 //   3. O += P V: P's A fragments are S's C fragments packed to 16 bits (two 8-key blocks
 //      make one 16-key k-step), V's B fragments by ldmatrix.trans from the V rows.
-// Loads (cp.async, 16 bytes a piece, into one K and one V buffer shared by the warps): the
-// values of tile j load while S(j) and the softmax run, the keys of tile j + 1 while P V(j)
-// runs, so each step waits (cp.async.wait_group 0 and one CTA barrier) only for the tile it
-// consumes: two barriers per tile. Block ids of a tile are read into registers a tile ahead.
-// At the end the output is normalized in registers, staged as T over the Q tile and written
-// with 16-byte stores.
+// Loads (cp.async, 16 bytes a piece, into K and V buffers shared by the warps: two each,
+// one at head 256): the values of tile j + 1 load while tile j's S and softmax run, the keys
+// of tile j + 2 while its P V runs (with one buffer each: the values of j, the keys of
+// j + 1), so each step waits (cp.async.wait_group, one CTA barrier) only for the tile it
+// consumes: two barriers per tile. A tile's block ids are read a tile ahead, one per key
+// row, into a small shared ring. At the end the output is normalized in registers, staged as
+// T over the Q tile and written with 16-byte stores.
 //
 // Grid: x = num_kv_heads x head_chunks, y = sequence, z = query tile in reverse order: the
 // block scheduler issues z slowest, so the last (longest, causal) query tiles of every
@@ -51,8 +53,6 @@
 #include "cp_async.cuh"
 #include "kv_common.cuh"
 #include "warp_mma.cuh"
-
-
 
 namespace kvb {
 
@@ -183,7 +183,6 @@ __global__ void __launch_bounds__((kvb::PrefillShape<T, D>::kThreads),
   const int block_stride = num_kv_heads * block_size * D;
   const T* k_head = key_cache + static_cast<long long>(kv_head) * block_size * D;
   const T* v_head = value_cache + static_cast<long long>(kv_head) * block_size * D;
-
 
   // Base-2 logits: s * scale * log2(e), or cap * log2(e) * tanh(s * scale / cap). The
   // plain scale is folded into the exponent's FFMA: positive, so the max commutes with it.

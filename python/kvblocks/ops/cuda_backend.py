@@ -242,7 +242,8 @@ def paged_prefill_attention(
 ) -> torch.Tensor:
     """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the
     tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`; its shared memory
-    is above 48 KiB from head 96: the launcher opts in), the CUDA-core one for fp32."""
+    is above 48 KiB at head 64, 96, 128 and 256: the launcher opts in), the CUDA-core one
+    for fp32."""
     device = key_cache.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     return run_prefill(

@@ -65,7 +65,7 @@ def prefill_smem_bytes(head_size: int) -> int:
     """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes): the
     Q tile (later the output tile), 2 K and 2 V tiles (1 each at head 256, where 2 would
     not leave an A100 room for 2 CTAs) and the block ids of the tiles in flight; rows
-    padded by 16 bytes. 55-69 KiB: the launch opts in above 48 KiB, and every size fits the
+    padded by 16 bytes. 44-68 KiB: the launch opts in above 48 KiB, and every size fits the
     99 KiB a CTA may use on sm_86/sm_89."""
     rows, tile = prefill_rows(head_size), prefill_tile(head_size)
     q_bytes, tile_bytes = rows * (head_size + 8) * 2, tile * (head_size + 8) * 2
