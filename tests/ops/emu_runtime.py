@@ -145,14 +145,14 @@ def clear_backend_caches() -> None:
     """Forget the CUDA backend's per-device state (compiled launchers, device properties,
     cached decode plans): around a test that fakes a device, so no other test's fake
     device (or none) leaks into it."""
-    from kvblocks.ops import cuda_backend, kernel_driver
+    from kvblocks.ops import cuda_device, kernel_driver
 
-    cuda_backend._function.cache_clear()
-    cuda_backend._arch.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
-    cuda_backend.smem_optin.cache_clear()
-    cuda_backend.decode_launcher.cache_clear()
-    cuda_backend.decode_target_ctas.cache_clear()
+    cuda_device._function.cache_clear()
+    cuda_device._arch.cache_clear()
+    cuda_device.split_k_target_ctas.cache_clear()
+    cuda_device.smem_optin.cache_clear()
+    cuda_device.decode_launcher.cache_clear()
+    cuda_device.decode_target_ctas.cache_clear()
     kernel_driver._DECODERS.clear()
 
 

@@ -17,7 +17,7 @@ import torch
 from emu_runtime import emu_launch, recording
 from ops_cases import make_case, ref_decode, ref_prefill, tolerance
 
-from kvblocks.ops import kernel_driver, prefill_launch
+from kvblocks.ops import kernel_driver
 
 
 def mixed_lengths(seed: int, n: int, longest: int) -> list[int]:
@@ -83,7 +83,7 @@ def test_prefill_long_chunk_gqa8_bf16():
     case = make_case(3, seq_lens, q_lens, num_kv_heads=1, group=8, head_size=128,
                      dtype=torch.bfloat16)  # fmt: skip
     launches = []
-    got = prefill_launch.run_prefill(
+    got = kernel_driver.run_prefill(
         recording(launches), case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=None, soft_cap=None,
         max_query_len=512, target_ctas=528,
@@ -137,7 +137,7 @@ def test_prefill_batch_64_mixed_chunks(dtype, head_size):
     q_lens = [int(torch.randint(0, min(n, 200) + 1, (1,), generator=gen)) for n in seq_lens]
     case = make_case(6, seq_lens, q_lens, num_kv_heads=2, group=4, head_size=head_size,
                      dtype=dtype)  # fmt: skip
-    got = prefill_launch.run_prefill(
+    got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=256, soft_cap=None,
         max_query_len=max(q_lens), target_ctas=528,
@@ -149,7 +149,7 @@ def test_prefill_batch_64_mixed_chunks(dtype, head_size):
 def test_prefill_whole_prompts_of_2048_tokens_bf16():
     case = make_case(8, [2048, 1500], [2048, 1500], num_kv_heads=1, group=8, head_size=128,
                      dtype=torch.bfloat16)  # fmt: skip
-    got = prefill_launch.run_prefill(
+    got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=None, soft_cap=None,
         max_query_len=2048, target_ctas=528,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_cases import make_case, ref_prefill, tolerance
 
-from kvblocks.ops import prefill_launch
+from kvblocks.ops import kernel_driver, prefill_launch
 from kvblocks.ops.cuda_sources import MIN_SMEM_OPTIN, PREFILL_SOURCE, kernel_names
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -23,7 +23,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 def emu_prefill(case, launch=emu_launch, max_query_len=None, **kw):
     q_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
-    return prefill_launch.run_prefill(
+    return kernel_driver.run_prefill(
         launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=kw.get("scale"),
         sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap"),
@@ -139,7 +139,7 @@ def test_query_start_loc_past_the_tokens_is_clamped():
                      dtype=torch.float16)  # fmt: skip
     bad = case.query_start_loc.clone()
     bad[-1] = 1000
-    got = prefill_launch.run_prefill(
+    got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables, bad,
         case.seq_lens, scale=None, sliding_window=None, soft_cap=None, max_query_len=16,
         target_ctas=528,

@@ -46,6 +46,8 @@ __all__ = [
 ]
 
 ATTENTION_SOURCE = "paged_attention.cu"
+"""The split-K kernel (CUDA cores, every dtype): fp32 attention, and fp16/bf16 decode where
+the tensor-core decode cannot be planned (lengths not on the host)."""
 CACHE_OPS_SOURCE = "cache_ops.cu"
 PREFILL_SOURCE = "prefill_attention.cu"
 """The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses ATTENTION_SOURCE)."""
@@ -140,7 +142,8 @@ def nvrtc_options(arch: str | None = None, cuda_major: int | None = None) -> lis
 
 
 def attention_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
-    """Name expression of the attention kernel instantiation."""
+    """Name expression of the split-K attention kernel instantiation (``rows``:
+    :data:`DECODE_ROWS` or :data:`PREFILL_ROWS`)."""
     return f"paged_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
 
 
@@ -204,11 +207,14 @@ def kernel_names(source: str) -> list[str]:
     if source == CACHE_OPS_SOURCE:
         return ["reshape_and_cache_kernel", "copy_blocks_kernel"]
     if source == ATTENTION_SOURCE:
+        # The split-K kernel: fp32 decode and prefill, and fp16/bf16 decode where the
+        # tensor-core decode cannot be planned; fp16/bf16 prefill always runs PREFILL_SOURCE.
         names = []
         for dtype in CTYPE_NAMES:
             for head_size in SUPPORTED_HEAD_SIZES:
                 names.append(attention_kernel_name(dtype, head_size, DECODE_ROWS))
-                names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
+                if dtype == torch.float32:
+                    names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
                 names.append(merge_kernel_name(dtype, head_size))
         return names
     if source == PREFILL_SOURCE:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops import cuda_device
 from kvblocks.ops.checks import (
     INT32_MAX,
     SUPPORTED_HEAD_SIZES,
@@ -58,7 +58,7 @@ from kvblocks.ops.decode_plan import (
     DecodeItems,
     plan_decode,
 )
-from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
+from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch, Launcher
 
 __all__ = [
     "DECODE_DTYPES",
@@ -147,7 +147,8 @@ class DecodeAttention:
         cuda_graph: launch the fixed grid (``max_items``) and always the merge kernel,
             so a captured graph replays correctly after :meth:`plan` with other lengths.
         launcher: runs one :class:`~kvblocks.ops.launch_plan.KernelLaunch`; default the
-            CUDA backend's launcher for ``device``.
+            CUDA device layer's launcher for ``device``
+            (:func:`kvblocks.ops.cuda_device.decode_launcher`).
 
     ``plan`` and ``run`` must be issued on the same stream. In graph mode the kernel
     arguments are captured, so each ``run`` replayed must use the same ``query``,
@@ -172,7 +173,7 @@ class DecodeAttention:
         smem_limit: int | None = None,
         max_items: int | None = None,
         cuda_graph: bool = False,
-        launcher: Callable[[KernelLaunch], None] | None = None,
+        launcher: Launcher | None = None,
         granularity: int = DEFAULT_GRANULARITY,
         min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS,
     ) -> None:
@@ -221,11 +222,8 @@ class DecodeAttention:
             raise InvalidArgumentError(f"smem_limit must be a positive int, got {smem_limit!r}")
         group = num_heads // num_kv_heads
         group_t = decode_kernel_group(head_size, group)
-        if self.device.type == "cuda":
-            from kvblocks.ops import cuda_backend
-
-            if smem_limit is None:
-                smem_limit = cuda_backend.smem_optin(self.device.index or 0)
+        if self.device.type == "cuda" and smem_limit is None:
+            smem_limit = cuda_device.smem_optin(self.device.index or 0)
         stages = decode_kernel_stages(head_size, group_t, smem_limit)
         if stages is None:
             need = decode_smem_bytes(dtype, head_size, block_size, group_t, DECODE_STAGES[-1])
@@ -237,12 +235,10 @@ class DecodeAttention:
         self.stages = stages
         self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t, stages)
         if self.device.type == "cuda":
-            from kvblocks.ops import cuda_backend
-
             if launcher is None:
-                launcher = cuda_backend.decode_launcher(self.device.index or 0)
+                launcher = cuda_device.decode_launcher(self.device.index or 0)
             if target_ctas is None:
-                target_ctas = cuda_backend.decode_target_ctas(
+                target_ctas = cuda_device.decode_target_ctas(
                     self.device.index or 0, self.smem_bytes
                 )
         elif launcher is None:

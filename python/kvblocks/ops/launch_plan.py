@@ -9,6 +9,7 @@ mirrors ``kvb::AttentionShape`` in ``cuda/paged_attention.cu`` (a test compares 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ __all__ = [
     "THREADS",
     "AttentionPlan",
     "KernelLaunch",
+    "Launcher",
     "attention_launches",
     "attention_smem_bytes",
     "copy_blocks_launch",
@@ -54,6 +56,11 @@ class KernelLaunch:
     block: tuple[int, int, int]
     smem_bytes: int
     args: tuple[np.generic, ...]
+
+
+Launcher = Callable[[KernelLaunch], None]
+"""Runs one :class:`KernelLaunch` (on the current stream, for CuPy; at once, for the CPU
+emulation in the tests). Passed down from the CUDA backend through the driver."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Plan and launch the tensor-core prefill kernel (``cuda/prefill_attention.cu``).
 
-fp16/bf16 prefill/extend goes to ``prefill_attention_kernel<T, HEAD>``; fp32 keeps the
-CUDA-core kernel of :mod:`kvblocks.ops.kernel_driver`. Like that driver, everything here
-works on host-side sizes and raw addresses, so the CUDA backend (CuPy launcher) and the CPU
-emulation in the tests run the same plan. The shared-memory formula mirrors
+fp16/bf16 prefill/extend goes to ``prefill_attention_kernel<T, HEAD>`` (the choice is
+:func:`kvblocks.ops.kernel_driver.run_prefill`'s; fp32 keeps the split-K kernel).
+Everything here works on host-side sizes and raw addresses, so the CUDA backend (CuPy
+launcher) and the CPU emulation in the tests run the same plan. The shared-memory formula mirrors
 ``kvb::PrefillShape`` (a test compares them).
 """
 
@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops import kernel_driver
 from kvblocks.ops.checks import (
     check_block_size,
     check_head_size,
@@ -37,7 +36,6 @@ __all__ = [
     "prefill_smem_bytes",
     "prefill_threads",
     "prefill_tile",
-    "run_prefill",
 ]
 
 MAX_GRID_YZ = 65535
@@ -198,66 +196,3 @@ def prefill_launch(
         np.int32(sliding_window or 0),
     )  # fmt: skip
     return KernelLaunch(plan.kernel, plan.grid, (plan.threads, 1, 1), plan.smem_bytes, args)
-
-
-def run_prefill(
-    launch: kernel_driver.Launcher,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    max_query_len: int,
-    target_ctas: int,
-) -> torch.Tensor:
-    """Prefill/extend attention (validated arguments): the tensor-core kernel for
-    fp16/bf16, :func:`kernel_driver.run_attention` for fp32 (``target_ctas`` is its)."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return kernel_driver.run_attention(
-            launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
-        )  # fmt: skip
-    kernel_driver._check_caches(key_cache, value_cache)
-    num_tokens, num_heads, head_size = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
-    query = kernel_driver._aligned(query)
-    out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    plan = plan_prefill(
-        dtype=query.dtype,
-        head_size=head_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        num_seqs=num_seqs,
-        max_query_len=max_query_len,
-    )
-    launch(
-        prefill_launch(
-            plan,
-            out=out.data_ptr(),
-            query=query.data_ptr(),
-            key_cache=key_cache.data_ptr(),
-            value_cache=value_cache.data_ptr(),
-            block_tables=block_tables.data_ptr(),
-            seq_lens=seq_lens.data_ptr(),
-            query_start_loc=query_start_loc.data_ptr(),
-            num_tokens=num_tokens,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            max_blocks=block_tables.shape[1],
-            num_blocks=num_blocks,
-            scale=1.0 / math.sqrt(head_size) if scale is None else scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-        )
-    )
-    return out
