@@ -28,7 +28,7 @@
 //       int num_seqs, int num_heads)
 //   grid = (num_seqs, num_heads), block = kvb::kDecodeThreads, no shared memory.
 //
-// T is __half or __nv_bfloat16 (fp32 caches keep paged_attention_kernel); D a multiple of 16
+// T is __half or __nv_bfloat16 (fp32 caches keep split_k_attention_kernel); D a multiple of 16
 // (64..256); BLOCK 8, 16 or 32; GROUP 1..16 (GROUP > 8 doubles the accumulators: not
 // instantiated at head 256). Keys kv_begin <= j < kv_end of an item are attended to (the
 // planner applies the window and the causal end). The kernel clamps every item field (seq to

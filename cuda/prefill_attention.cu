@@ -2,7 +2,7 @@
 // mma.sync m16n8k16 and ldmatrix (cuda/warp_mma.cuh, the PTX ISA's fragment layouts), S and
 // P in registers, K/V tiles loaded once per CTA with cp.async and shared by all its warps.
 //
-// Semantics are those of paged_attention_kernel's prefill path (kvblocks.ops.reference):
+// Semantics are those of split_k_attention_kernel's prefill path (kvblocks.ops.reference):
 // sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]; query i of a
 // chunk of q_len sits at position seq_len - q_len + i and sees keys j with
 // pos - window < j <= pos (causal offset), soft cap cap * tanh(s / cap) after scaling,
@@ -46,7 +46,7 @@
 // host's max_query_len is only a hint and a grid capped at 65535 tiles still writes every row.
 // Causal: keys past the CTA's last query are never loaded (the tile loop stops there).
 //
-// Bounds safety as in paged_attention.cu: block ids outside [0, num_blocks) read block 0,
+// Bounds safety as in split_k_attention.cu: block ids outside [0, num_blocks) read block 0,
 // no position past max_blocks * block_size is read, query_start_loc is clamped to
 // [0, num_tokens]. block_size must be a power of two (the front-ends allow 8/16/32); the
 // kernel turns the token-to-block division into a shift and mask.

@@ -173,7 +173,7 @@ class Instantiation:
                 f"{self.block_size}, {decode_group_t(self.group)}>"
             )
         return (
-            f"paged_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, {self.template_rows}>"
+            f"split_k_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, {self.template_rows}>"
         )
 
     @property
@@ -186,7 +186,7 @@ class Instantiation:
 
 @dataclass(frozen=True)
 class Shape:
-    """The kernel's compile-time and runtime shape (mirrors ``AttentionShape`` and the plan)."""
+    """The kernel's compile-time and runtime shape (mirrors ``SplitKShape`` and the plan)."""
 
     esize: int
     head: int
@@ -217,7 +217,7 @@ class Shape:
         return cls(esize, inst.head, tile, vpr, rows, nslice, rows * vpr * nslice)
 
 
-_RULES_SOURCE = "paged_attention.cu"
+_RULES_SOURCE = "split_k_attention.cu"
 _PREFILL_SOURCE = "prefill_attention.cu"
 _DECODE_SOURCE = "decode_attention.cu"
 DECODE_TC_WARP_TOKENS = 32
@@ -269,7 +269,7 @@ PAGED_ATTENTION_RULES: dict[str, dict[str, object]] = {
         "trips": lambda s, k: sass.ceil_div(s.tile, s.nslice)
     },
 }
-"""Branch rules of ``paged_attention_kernel``: source-line text -> fall-through fraction
+"""Branch rules of ``split_k_attention_kernel``: source-line text -> fall-through fraction
 (share of the flow that runs the guarded code) and trip count per entry, as functions of
 the :class:`Shape` and the occurrence number of that line's branch. A steady-state tile:
 full, every key visible, next tile prefetched, no soft cap or window (every other branch
@@ -356,9 +356,9 @@ def compile_and_disassemble(
     NVRTC version and names, so a second run (or the CI test) does not compile again.
     """
     from kvblocks.ops import kernel_cache, nvrtc_build
-    from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, cuda_dir
+    from kvblocks.ops.cuda_sources import SPLIT_K_SOURCE, cuda_dir
 
-    source = source or ATTENTION_SOURCE
+    source = source or SPLIT_K_SOURCE
 
     options = [*kernel_cache._options(arch), *(["-ftz=true"] if ftz else [])]
     tool = find_nvdisasm()
@@ -642,7 +642,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     import torch
 
     from kvblocks.ops.cuda_sources import decode_smem_bytes, read_source
-    from kvblocks.ops.launch_plan import attention_smem_bytes
+    from kvblocks.ops.launch_plan import split_k_smem_bytes
     from kvblocks.ops.prefill_launch import prefill_smem_bytes
 
     shape = Shape.of(inst)
@@ -660,7 +660,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     elif inst.kind == "decode_tc":
         smem = decode_smem_bytes(dtype, inst.head, inst.block_size, decode_group_t(inst.group))
     else:
-        smem = attention_smem_bytes(dtype, inst.head, inst.template_rows) + int(
+        smem = split_k_smem_bytes(dtype, inst.head, inst.template_rows) + int(
             res["static_smem_bytes"]
         )
     occ = occupancy(int(res["registers"]), smem, gpu, 32 * shape.warps)

@@ -8,7 +8,7 @@
 
 #include "../cache_ops.cu"
 #include "../decode_attention.cu"
-#include "../paged_attention.cu"
+#include "../split_k_attention.cu"
 #include "../prefill_attention.cu"
 #include "mma_selftest.cuh"
 #include "selftest_kernels.cuh"
@@ -33,10 +33,10 @@ struct Entry {
         SMEM                                                                        \
   }
 
-#define KVB_ATTN(T, D)                                                                     \
-  KVB_ENTRY((kvb::AttentionShape<T, D, 8>::kSmemBytes), paged_attention_kernel<T, D, 8>),  \
-      KVB_ENTRY((kvb::AttentionShape<T, D, 16>::kSmemBytes),                               \
-                paged_attention_kernel<T, D, 16>),                                         \
+#define KVB_ATTN(T, D)                                                                   \
+  KVB_ENTRY((kvb::SplitKShape<T, D, 8>::kSmemBytes), split_k_attention_kernel<T, D, 8>), \
+      KVB_ENTRY((kvb::SplitKShape<T, D, 16>::kSmemBytes),                                \
+                split_k_attention_kernel<T, D, 16>),                                     \
       KVB_ENTRY(0, merge_splits_kernel<T, D>)
 
 #define KVB_ATTN_ALL_D(T) \
@@ -124,7 +124,7 @@ const Entry* find(const char* name) {
 
 extern "C" {
 
-// Launch `name` (a name expression such as "paged_attention_kernel<__half, 128, 8>").
+// Launch `name` (a name expression such as "split_k_attention_kernel<__half, 128, 8>").
 // Returns 0, -1 if the kernel is unknown, or -2 if smem_bytes is below the kernel's own
 // shared-memory need (the GPU would refuse that launch; here it would overrun the buffer).
 int kvb_emu_launch(const char* name, const unsigned int* grid, const unsigned int* block,

@@ -173,7 +173,7 @@ def test_greedy_on_emulated_kernels_equals_dense(emulated_kernels: list[str], fa
     outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     assert [o.token_ids for o in outputs] == expected
     assert "reshape_and_cache_kernel" in emulated_kernels
-    assert any(name.startswith("paged_attention_kernel") for name in emulated_kernels)
+    assert any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
 
 def test_beams_with_copies_on_emulated_kernels(
@@ -234,7 +234,7 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("decode_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
-    assert not any(name.startswith("paged_attention_kernel") for name in emulated_kernels)
+    assert not any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
     # Teacher forcing on the reference ops: each prefix of the emulated run's tokens is
     # one prompt, whose first generated step gives the reference's log-probs there, so a

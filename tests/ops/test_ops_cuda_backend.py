@@ -135,7 +135,7 @@ def test_decode_through_the_backend(fake_cupy):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     # 2 CTAs < 4 per SM on the fake 1-SM device: split-K, then the merge kernel.
     assert fake_cupy.launches == [
-        "paged_attention_kernel<__half, 128, 8>",
+        "split_k_attention_kernel<__half, 128, 8>",
         "merge_splits_kernel<__half, 128>",
     ]
     # Each instantiation is a cubin for the device's architecture from the kernel cache.

@@ -121,7 +121,7 @@ def test_decode_16k_contexts_batch_8_fp32():
     # fp32 engines launch the CUDA-core split-K kernel (planned from max_seq_len).
     lens = [16384, 12000, 9000, 8192, 8191, 4097, 1, 0]
     case = decode_case(lens, dtype=torch.float32, group=8, head_size=256, block_size=32)
-    got = kernel_driver.run_attention(
+    got = kernel_driver.run_split_k_attention(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, None, max_query_len=1, max_seq_len=None, target_ctas=4096,
         scale=None, sliding_window=None, soft_cap=None,

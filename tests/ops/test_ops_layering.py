@@ -98,19 +98,19 @@ def test_precompile_covers_exactly_the_split_k_kernels_the_driver_launches():
 
     from kvblocks.ops import kernel_driver
     from kvblocks.ops.cuda_sources import (
-        ATTENTION_SOURCE,
         DECODE_SOURCE,
         PREFILL_ROWS,
         PREFILL_SOURCE,
-        attention_kernel_name,
+        SPLIT_K_SOURCE,
         kernel_names,
+        split_k_kernel_name,
     )
 
-    compiled = set(kernel_names(ATTENTION_SOURCE))
+    compiled = set(kernel_names(SPLIT_K_SOURCE))
     everything = compiled | set(kernel_names(PREFILL_SOURCE)) | set(kernel_names(DECODE_SOURCE))
     for dtype in (torch.float16, torch.bfloat16):
-        assert attention_kernel_name(dtype, 128, PREFILL_ROWS) not in compiled
-    assert attention_kernel_name(torch.float32, 128, PREFILL_ROWS) in compiled
+        assert split_k_kernel_name(dtype, 128, PREFILL_ROWS) not in compiled
+    assert split_k_kernel_name(torch.float32, 128, PREFILL_ROWS) in compiled
 
     launched: list[str] = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -132,6 +132,6 @@ def test_precompile_covers_exactly_the_split_k_kernels_the_driver_launches():
             )  # fmt: skip
     kernel_driver._DECODERS.clear()  # the decoders hold this test's launchers
     assert set(launched) <= everything, set(launched) - everything
-    assert any(n.startswith("paged_attention_kernel<__half") for n in launched)
+    assert any(n.startswith("split_k_attention_kernel<__half") for n in launched)
     assert any(n.startswith("decode_attention_kernel<__half") for n in launched)
     assert any(n.startswith("prefill_attention_kernel<__nv_bfloat16") for n in launched)

@@ -173,7 +173,7 @@ def test_fp32_keeps_the_cuda_core_kernel():
     case = make_case(8, [40, 9], [40, 3], num_kv_heads=1, group=2, head_size=64)
     launches = []
     got = emu_prefill(case, recording(launches))
-    assert [item.name.split("<")[0] for item in launches] == ["paged_attention_kernel"]
+    assert [item.name.split("<")[0] for item in launches] == ["split_k_attention_kernel"]
     torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float32))
 
 

@@ -18,7 +18,6 @@ import torch
 from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
 
 __all__ = [
-    "ATTENTION_SOURCE",
     "CACHE_OPS_SOURCE",
     "CTYPE_NAMES",
     "DECODE_BLOCK_SIZES",
@@ -30,7 +29,7 @@ __all__ = [
     "MIN_SMEM_OPTIN",
     "PREFILL_ROWS",
     "PREFILL_SOURCE",
-    "attention_kernel_name",
+    "SPLIT_K_SOURCE",
     "cuda_dir",
     "cuda_include_dirs",
     "decode_instantiated",
@@ -43,16 +42,17 @@ __all__ = [
     "nvrtc_options",
     "prefill_kernel_name",
     "read_source",
+    "split_k_kernel_name",
 ]
 
-ATTENTION_SOURCE = "paged_attention.cu"
+SPLIT_K_SOURCE = "split_k_attention.cu"
 """The split-K kernel (CUDA cores, every dtype): fp32 attention, and fp16/bf16 decode where
 the tensor-core decode cannot be planned (lengths not on the host)."""
 CACHE_OPS_SOURCE = "cache_ops.cu"
 PREFILL_SOURCE = "prefill_attention.cu"
-"""The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses ATTENTION_SOURCE)."""
+"""The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses SPLIT_K_SOURCE)."""
 DECODE_SOURCE = "decode_attention.cu"
-"""The tensor-core decode kernel and its partial merge (fp16/bf16; fp32 uses ATTENTION_SOURCE)."""
+"""The tensor-core decode kernel and its partial merge (fp16/bf16; fp32 uses SPLIT_K_SOURCE)."""
 DECODE_THREADS = 128
 """Threads per CTA of ``decode_attention_kernel`` and ``merge_partials_kernel``
 (``kvb::kDecodeThreads``)."""
@@ -87,7 +87,7 @@ def cuda_dir() -> Path:
     """The directory holding the ``.cu`` sources (checkout first, then the wheel copy)."""
     here = Path(__file__).resolve().parent
     for candidate in (here.parents[2] / "cuda", here / "_cuda"):
-        if (candidate / ATTENTION_SOURCE).is_file():
+        if (candidate / SPLIT_K_SOURCE).is_file():
             return candidate
     raise FileNotFoundError(
         f"kvblocks CUDA sources not found in {here.parents[2] / 'cuda'} or "
@@ -141,10 +141,10 @@ def nvrtc_options(arch: str | None = None, cuda_major: int | None = None) -> lis
     return opts
 
 
-def attention_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
+def split_k_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
     """Name expression of the split-K attention kernel instantiation (``rows``:
     :data:`DECODE_ROWS` or :data:`PREFILL_ROWS`)."""
-    return f"paged_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
+    return f"split_k_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
 
 
 def merge_kernel_name(dtype: torch.dtype, head_size: int) -> str:
@@ -206,15 +206,15 @@ def kernel_names(source: str) -> list[str]:
     """Every kernel (name expression) the front-ends can launch from ``source``."""
     if source == CACHE_OPS_SOURCE:
         return ["reshape_and_cache_kernel", "copy_blocks_kernel"]
-    if source == ATTENTION_SOURCE:
+    if source == SPLIT_K_SOURCE:
         # The split-K kernel: fp32 decode and prefill, and fp16/bf16 decode where the
         # tensor-core decode cannot be planned; fp16/bf16 prefill always runs PREFILL_SOURCE.
         names = []
         for dtype in CTYPE_NAMES:
             for head_size in SUPPORTED_HEAD_SIZES:
-                names.append(attention_kernel_name(dtype, head_size, DECODE_ROWS))
+                names.append(split_k_kernel_name(dtype, head_size, DECODE_ROWS))
                 if dtype == torch.float32:
-                    names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
+                    names.append(split_k_kernel_name(dtype, head_size, PREFILL_ROWS))
                 names.append(merge_kernel_name(dtype, head_size))
         return names
     if source == PREFILL_SOURCE:

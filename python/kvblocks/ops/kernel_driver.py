@@ -23,22 +23,22 @@ from kvblocks.ops.decode_attention import DecodeAttention, decode_kernel_support
 from kvblocks.ops.launch_plan import (
     PARTITION_TOKENS,
     Launcher,
-    attention_launches,
     copy_blocks_launch,
-    plan_attention,
+    plan_split_k,
     reshape_and_cache_launch,
+    split_k_launches,
 )
 from kvblocks.ops.prefill_launch import plan_prefill, prefill_launch
 
 __all__ = [
     "Launcher",
     "decode_attention_for",
-    "run_attention",
     "run_copy_blocks",
     "run_decode",
     "run_paged_attention",
     "run_prefill",
     "run_reshape_and_cache",
+    "run_split_k_attention",
 ]
 
 
@@ -79,7 +79,7 @@ def run_reshape_and_cache(
     launch(reshape_and_cache_launch(fixed[0], fixed[1], key_cache, value_cache, slot_mapping))
 
 
-def run_attention(
+def run_split_k_attention(
     launch: Launcher,
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -97,7 +97,7 @@ def run_attention(
     partition_tokens: int = PARTITION_TOKENS,
 ) -> torch.Tensor:
     """Decode (``query_start_loc is None``) or prefill attention through the split-K
-    kernel (``paged_attention_kernel`` of ``cuda/paged_attention.cu``): fp32, and fp16/bf16
+    kernel (``split_k_attention_kernel`` of ``cuda/split_k_attention.cu``): fp32, and fp16/bf16
     decode where :func:`run_paged_attention` cannot plan the tensor-core kernel.
 
     ``max_query_len`` and ``max_seq_len`` only shape the launch (query tiles, split-K):
@@ -115,7 +115,7 @@ def run_attention(
     decode = query_start_loc is None
     if decode and max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    plan = plan_attention(
+    plan = plan_split_k(
         dtype=query.dtype,
         head_size=head_size,
         num_heads=num_heads,
@@ -132,7 +132,7 @@ def run_attention(
         rows = num_tokens * num_heads * plan.num_splits
         part_out = torch.empty(rows * head_size, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(rows * 2, dtype=torch.float32, device=query.device)
-    launches = attention_launches(
+    launches = split_k_launches(
         plan,
         out=out.data_ptr(),
         part_out=0 if part_out is None else part_out.data_ptr(),
@@ -249,7 +249,7 @@ def run_paged_attention(
     ``decode_attention_kernel`` through the length-aware planner when a variant fits
     ``smem_limit`` and the lengths are known on the host (``seq_lens_host``, or read from
     the device when no ``max_seq_len`` hint says to avoid that sync); otherwise the
-    split-K kernel on ``split_k_ctas`` CTAs (:func:`run_attention`)."""
+    split-K kernel on ``split_k_ctas`` CTAs (:func:`run_split_k_attention`)."""
     _, _, block_size, head_size = key_cache.shape
     if decode_kernel_supported(query.dtype, head_size, block_size, smem_limit) and (
         seq_lens_host is not None or max_seq_len is None
@@ -261,7 +261,7 @@ def run_paged_attention(
             sliding_window=sliding_window, soft_cap=soft_cap, target_ctas=None,
             smem_limit=smem_limit,
         )  # fmt: skip
-    return run_attention(
+    return run_split_k_attention(
         launch, query, key_cache, value_cache, block_tables, seq_lens, None, scale=scale,
         sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,
         max_seq_len=max_seq_len, target_ctas=split_k_ctas,
@@ -285,9 +285,9 @@ def run_prefill(
 ) -> torch.Tensor:
     """Prefill/extend attention (validated arguments), the kernel chosen here: the
     tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the split-K
-    kernel for fp32 (:func:`run_attention`; ``target_ctas`` is its)."""
+    kernel for fp32 (:func:`run_split_k_attention`; ``target_ctas`` is its)."""
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return run_attention(
+        return run_split_k_attention(
             launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
             max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
