@@ -1,7 +1,5 @@
-// The split-K kernel: paged attention over the HND block cache on CUDA cores, decode (one
-// query per sequence, optional split-K) and varlen prefill/extend, one kernel template for
-// both. It serves fp32, and fp16/bf16 decode where the tensor-core decode cannot be
-// planned (kvblocks.ops.kernel_driver chooses); fp16/bf16 prefill is prefill_attention.cu's.
+// The split-K kernel (CUDA cores: fp32, and fp16/bf16 decode without host-side lengths):
+// paged attention over the HND block cache, decode (optional split-K) and varlen prefill.
 //
 // A CTA serves `rows` = queries_per_cta x heads_per_cta query rows that share one KV
 // head (GQA: K/V are read once for the whole group). Grid: x = query tile x split (the
