@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,20 @@ def _cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _weights_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Checkpoint digests (``kvblocks.tiers.weights``) are cached in a directory of this
+    session, never in the user's ~/.cache; subprocesses inherit it."""
+    name = "KVBLOCKS_WEIGHTS_CACHE"
+    old = os.environ.get(name)
+    os.environ[name] = str(tmp_path_factory.mktemp("weights-cache"))
+    yield
+    if old is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = old
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

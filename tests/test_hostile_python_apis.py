@@ -18,7 +18,6 @@ import zmq
 
 from kvblocks import SamplingParams
 from kvblocks.engine import LLM
-from kvblocks.engine.remote_tier import RemoteTierOptions
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.events.publisher import ZmqEventPublisher
@@ -30,6 +29,7 @@ from kvblocks.router import (
     make_router,
 )
 from kvblocks.scheduler import Request, SchedulerConfig
+from kvblocks.tiers import RemoteTierOptions
 from kvblocks.tiers.disk import DiskTier
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.valkey_tier import ValkeyTier
@@ -37,7 +37,7 @@ from kvblocks.tiers.valkey_tier import ValkeyTier
 BIG = 2**70
 NAN = float("nan")
 INF = float("inf")
-LAYOUT = KVLayout(2, 2, 16, 64, torch.float16)
+LAYOUT = KVLayout(2, 2, 16, 64, torch.float16, "hostile", trust_model_id=True)
 ANY_PORT = "tcp://127.0.0.1:*"
 
 
@@ -82,6 +82,21 @@ ROWS = [
     ),
     ("KVLayout num_layers True", lambda: KVLayout(True, 2, 16, 64, torch.float16), "num_layers"),
     # ValkeyTier: the client connects lazily, so these would only read as an outage
+    (
+        "KVLayout weights_digest short",
+        lambda: KVLayout(2, 2, 16, 64, torch.float16, weights_digest="ab"),
+        "weights_digest",
+    ),
+    (
+        "KVLayout trust without an id",
+        lambda: KVLayout(2, 2, 16, 64, torch.float16, trust_model_id=True),
+        "model_id",
+    ),
+    (
+        "valkey layout names no weights",
+        lambda: ValkeyTier(KVLayout(2, 2, 16, 64, torch.float16, "only-an-id")),
+        "weights",
+    ),
     ("valkey port -1", lambda: ValkeyTier(LAYOUT, port=-1), "port"),
     ("valkey port 70000", lambda: ValkeyTier(LAYOUT, port=70000), "port"),
     ("valkey port str", lambda: ValkeyTier(LAYOUT, port="6379"), "port"),
@@ -134,16 +149,6 @@ ROWS = [
         "zmq data_parallel_rank str",
         lambda: ZmqEventPublisher(ANY_PORT, data_parallel_rank="0"),
         "data_parallel_rank",
-    ),
-    (
-        "zmq sliding_window True",
-        lambda: ZmqEventPublisher(ANY_PORT, sliding_window=True),
-        "sliding_window",
-    ),
-    (
-        "zmq sliding_window -3",
-        lambda: ZmqEventPublisher(ANY_PORT, sliding_window=-3),
-        "sliding_window",
     ),
     ("zmq context int", lambda: ZmqEventPublisher(ANY_PORT, context=5), "context"),
     ("zmq bind str", lambda: ZmqEventPublisher(ANY_PORT, bind="yes"), "bind"),

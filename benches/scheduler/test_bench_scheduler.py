@@ -9,6 +9,7 @@ the ratio within one run. Mixes:
   short outputs, so every step has prefill chunks, admissions and finishes.
 
 Target (issue 4): <= 1 ms per step at 1,024 running decode requests on the Rust core.
+``test_scheduler_step_groups`` compares one KV cache group with two (issue 18).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvblocks import KVCacheManager
+from kvblocks import GroupSpec, KVCacheManager
 from kvblocks.scheduler import ModelStepResult, Request, SamplingParams, Scheduler, SchedulerConfig
 from oracle.reference_manager import ReferenceKVCacheManager
 
@@ -41,13 +42,19 @@ def _step(sched: Scheduler, rng: np.random.Generator) -> None:
 
 
 def _build(kind: str, n: int, mix: str) -> tuple[Scheduler, np.random.Generator]:
-    cls = KVCacheManager if kind == "rust" else ReferenceKVCacheManager
+    cls = ReferenceKVCacheManager if kind == "reference" else KVCacheManager
     # decode: the whole batch prefills in one step; mixed: n decodes + 2,048 prefill tokens.
     budget = 64 * n if mix == "decode" else n + 2048
     warmup_steps = 64 * n // (budget - n) + 1 if mix == "mixed" else 1
     max_len = 64 + warmup_steps + ROUNDS + 32
     blocks = n * (max_len // 16 + 2) + 4096
-    mgr = cls(blocks, 16)
+    if kind == "rust_groups":
+        # Two groups over one pool (full + a 128-token window: gpt-oss-shaped), twice the
+        # blocks so the same requests run.
+        groups = [GroupSpec.full_attention(), GroupSpec.sliding_window(128)]
+        mgr = KVCacheManager(2 * blocks, 16, groups=groups)
+    else:
+        mgr = cls(blocks, 16)
     sched = Scheduler(mgr, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=n + 64))
     rng = np.random.default_rng(0)
     for _ in range(n):
@@ -92,3 +99,15 @@ def test_scheduler_step(benchmark: Any, kind: str, n: int, mix: str) -> None:
     )
     stats = sched.stats()
     assert stats["num_running_seqs"] >= n  # the batch really stayed this large
+
+
+@pytest.mark.parametrize("kind", ["rust", "rust_groups"])
+def test_scheduler_step_groups(benchmark: Any, kind: str) -> None:
+    """One schedule()+update() with 1,024 running decodes, one KV cache group against
+    two (per-group tables, slot mappings and deltas; issue 18's bookkeeping target is
+    at most 1.6x), side by side in one run."""
+    sched, rng = _build(kind, 1024, "decode")
+    benchmark.group = "scheduler step, decode, 1024 running, groups"
+    benchmark.extra_info.update(kind=kind, running=1024)
+    benchmark.pedantic(_step, args=(sched, rng), rounds=ROUNDS, iterations=1, warmup_rounds=2)
+    assert sched.stats()["num_running_seqs"] >= 1024

@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblocks.engine import LLM
-from kvblocks.engine.remote_tier import RemoteTierOptions
+from kvblocks.engine import LLM, weights_digest
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.tiers import KVLayout
+from kvblocks.tiers import KVLayout, RemoteTierOptions
 from tiers.valkey_server import ServerProcess
 
 BLOCK = 16
@@ -43,7 +42,7 @@ CONFIG: dict[str, Any] = {
 def _engine(model: Any, port: int, options: RemoteTierOptions) -> LLM:
     from kvblocks.tiers.valkey_tier import ValkeyTier
 
-    layout = KVLayout(4, 8, BLOCK, 128, torch.float32, model_id="bench-async-writeback")
+    layout = KVLayout(4, 8, BLOCK, 128, torch.float32, weights_digest=weights_digest(model))
     return LLM(
         model,
         num_blocks=128,

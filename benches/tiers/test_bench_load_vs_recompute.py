@@ -29,7 +29,9 @@ from kvblocks.tiers import KVLayout, allocate_host_pool, load_blocks
 
 BLOCK = 16
 LAYERS = 2
-LAYOUT = KVLayout(LAYERS, 8, BLOCK, 128, torch.float16, model_id="bench-8b-shaped")
+LAYOUT = KVLayout(
+    LAYERS, 8, BLOCK, 128, torch.float16, model_id="bench-8b-shaped", trust_model_id=True
+)
 MEDIANS: dict[str, float] = {}
 
 

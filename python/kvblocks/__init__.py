@@ -13,6 +13,7 @@ from kvblocks._core import (
     BatchAllocation,
     BlockRemoved,
     BlockStored,
+    GroupSpec,
     KVCacheManager,
     __version__,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "DuplicateSequenceError",
     "FlashAttentionPageTable",
     "FlashInferPageTable",
+    "GroupSpec",
     "InvalidArgumentError",
     "InvariantViolationError",
     "KVBlocksError",

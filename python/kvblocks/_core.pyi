@@ -34,11 +34,15 @@ __all__ = [
     "AllBlocksCleared",
     "AllocStatus",
     "BatchAllocation",
+    "Blake3",
+    "BlockHasher",
     "BlockRemoved",
     "BlockStored",
     "BlockTableDelta",
+    "GroupSpec",
     "KVCacheManager",
     "__version__",
+    "blake3_derive_key",
     "gather_row_prefixes",
 ]
 
@@ -134,16 +138,29 @@ class BlockStored:
     def lora_name(self) -> str | None:
         """Name of the sequence's LoRA when its id was registered (``register_lora``)."""
     @property
-    def extra_keys(self) -> list[tuple[tuple[str, ...], ...] | None] | None:
-        """vLLM's ``extra_keys``: one entry per block, the keys hashed into it
-        (``("lora", lora_name, lora_path)`` on every block of a LoRA sequence,
-        ``("cache_salt", salt)`` on the chain's first block) or ``None``. ``None`` as a
-        whole unless ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks
-        offloaded at eviction (hashes only)."""
+    def extra_keys(self) -> list[tuple[str, ...] | None] | None:
+        """vLLM's ``extra_keys`` as vLLM 0.33 publishes them (``to_event_extra_keys``):
+        one entry per block, the untagged keys hashed into it (the LoRA's ``lora_name`` on
+        every block of a LoRA sequence, then the cache salt on the chain's first block),
+        or ``None`` for a block with neither. ``None`` as a whole unless
+        ``hash_algo="sha256_cbor"`` (the keys are vLLM's), and for blocks offloaded at
+        eviction (hashes only). The hash itself keys ``("lora", lora_name, lora_path)``
+        and ``("cache_salt", salt)``."""
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
         eviction carry hashes only: no parent, no tokens, no LoRA)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group of the blocks (vLLM's ``group_idx``; 0 with one group)."""
+    @property
+    def kv_cache_spec_kind(
+        self,
+    ) -> Literal["full_attention", "sliding_window", "chunked_local_attention"]:
+        """What the group's layers attend to (the group's ``GroupSpec.kind``)."""
+    @property
+    def kv_cache_spec_sliding_window(self) -> int | None:
+        """The group's sliding window in tokens; ``None`` for other groups."""
 
 @final
 class BlockRemoved:
@@ -154,10 +171,103 @@ class BlockRemoved:
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
         """``"GPU"`` or ``"CPU"`` (the host tier)."""
+    @property
+    def group_idx(self) -> int:
+        """The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one
+        group)."""
 
 @final
 class AllBlocksCleared:
-    """KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``."""
+    """KV cache event: ``reset_prefix_cache`` dropped every cached block, on every medium
+    (GPU and the host tier): no ``BlockRemoved`` follows for what it dropped."""
+
+@final
+class BlockHasher:
+    """Block hashes of prompts, computed by the Rust core exactly as a ``KVCacheManager``
+    computes them (the hashes its ``BlockStored`` events carry), without a manager.
+
+    ``KVCacheManager.block_hasher()`` gives one with a manager's settings and registered
+    LoRAs. Thread-safe; prompts of 2,048 tokens or more hash with the GIL released.
+
+    Args:
+        block_size: tokens per block (``>= 1``).
+        hash_algo: ``"blake3"``, ``"xxh3_128"`` or ``"sha256_cbor"`` (see
+            ``KVCacheManager``).
+        hash_seed: ``sha256_cbor`` only: the seed of vLLM's ``NONE_HASH``; ``None`` reads
+            ``PYTHONHASHSEED`` when set, else vLLM's ``"vllm-none-hash"`` (as the manager).
+
+    Raises:
+        InvalidArgumentError: a bad block size, algorithm or seed.
+    """
+
+    def __new__(
+        cls,
+        block_size: int,
+        *,
+        hash_algo: Literal["blake3", "xxh3_128", "sha256_cbor"] = "blake3",
+        hash_seed: str | None = None,
+    ) -> BlockHasher: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def hash_algo(self) -> str: ...
+    @property
+    def none_hash(self) -> bytes | None:
+        """vLLM's ``NONE_HASH`` (the parent hash of first blocks) with ``sha256_cbor``."""
+    def register_lora(self, lora_id: int, lora_name: str, lora_path: str | None = None) -> None:
+        """Map ``lora_id`` to vLLM's LoRA hash key ``("lora", lora_name, lora_path)``, as
+        ``KVCacheManager.register_lora`` does (``sha256_cbor`` needs it before hashing
+        with that id; the other algorithms key a LoRA by its id)."""
+    def block_hashes(
+        self,
+        token_ids: _TokenIds,
+        *,
+        cache_salt: str | bytes | None = None,
+        lora_id: int | None = None,
+    ) -> list[bytes]:
+        """Hashes of the prompt's full blocks, in chain order (a partial last block has
+        none): what ``add_sequence(seq_id, token_ids, cache_salt=, lora_id=)`` on a manager
+        with these settings hashes. One call for the whole prompt.
+
+        Raises:
+            InvalidArgumentError: token ids out of ``[0, 2^32)`` or not 1-D; with
+                ``sha256_cbor``, a salt that is not UTF-8 or an unregistered ``lora_id``.
+        """
+
+@final
+class GroupSpec:
+    """The attention of one KV cache group's layers: which past tokens a query sees.
+
+    A hybrid model's layers are put in groups of equal size, one attention kind per
+    group, so that one block id names the same bytes in every group and all groups share
+    one pool (``docs/hybrid-groups.md``). Each sequence keeps one block table per group;
+    a group holds only the blocks its future queries can see.
+    """
+
+    @staticmethod
+    def full_attention() -> GroupSpec:
+        """Full attention: a query sees every earlier token."""
+    @staticmethod
+    def sliding_window(window: int) -> GroupSpec:
+        """A window of ``window >= 1`` tokens: a query at ``p`` sees ``[p - window + 1, p]``."""
+    @staticmethod
+    def chunked_local_attention(chunk: int) -> GroupSpec:
+        """Chunked local attention (Llama 4): a query at ``p`` sees its own chunk of
+        ``chunk >= 1`` tokens, ``[p // chunk * chunk, p]``."""
+    @property
+    def kind(self) -> Literal["full_attention", "sliding_window", "chunked_local_attention"]:
+        """vLLM's ``kv_cache_spec_kind`` name."""
+    @property
+    def window(self) -> int | None:
+        """The window of a sliding-window group, else ``None``."""
+    @property
+    def chunk(self) -> int | None:
+        """The chunk of a chunked local group, else ``None``."""
+    def first_visible(self, position: int) -> int:
+        """The first position a query at ``position`` (or any later one) attends to."""
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class KVCacheManager:
@@ -194,6 +304,21 @@ class KVCacheManager:
         host_offload: ``"evict"`` (copy a cached GPU block to the tier when it is
             evicted for reuse) or ``"commit"`` (write-through: copy every block when it
             enters the prefix cache).
+        groups: the KV cache groups of a hybrid model (:class:`GroupSpec`, one per group
+            of equally many layers), all drawing from the one pool; ``None``: one group,
+            full attention or ``sliding_window`` (which is short for
+            ``[GroupSpec.sliding_window(w)]`` and may not be given with ``groups``).
+            Every sequence has one block table per group, all of the same length;
+            ``allocate_slots`` reserves in every group, ``commit`` releases the blocks no
+            future query of a window or chunked group sees (the null block takes their
+            place), and a prefix hit is the longest prefix every group can serve (full
+            attention: every block cached; a window of ``W``: the blocks of the last
+            ``W - 1`` tokens before the hit; chunked: the current chunk's). Per-group
+            accessors take ``group=`` (default 0); ``group_block_tables``,
+            ``group_slot_mappings``, ``update_group_block_tables`` and
+            ``group_block_table_deltas`` give every group in one call. Memory ops name
+            block ids of the one pool: a copy, swap, offload or load moves a block's
+            bytes in every group's layers.
     """
 
     def __new__(
@@ -210,6 +335,7 @@ class KVCacheManager:
         record_events: bool = True,
         host_cache_blocks: int = 0,
         host_offload: Literal["evict", "commit"] = "evict",
+        groups: Sequence[GroupSpec] | None = None,
     ) -> KVCacheManager: ...
 
     # -- configuration ---------------------------------------------------------------
@@ -235,10 +361,19 @@ class KVCacheManager:
         sequences added afterwards. The other algorithms key a LoRA by its id and ignore
         this.
         """
+    def block_hasher(self) -> BlockHasher:
+        """A ``BlockHasher`` with this manager's block size, algorithm, seed and registered
+        LoRAs: hashes prompts as ``add_sequence`` does, without the manager's lock. A copy:
+        LoRAs registered afterwards are not in it."""
     @property
     def watermark(self) -> float: ...
     @property
     def sliding_window(self) -> int | None: ...
+    @property
+    def groups(self) -> list[GroupSpec]:
+        """The KV cache groups, in order (one unless built with several)."""
+    @property
+    def num_groups(self) -> int: ...
     @property
     def record_events(self) -> bool: ...
     @property
@@ -316,6 +451,10 @@ class KVCacheManager:
     def num_tier_tokens(self, seq_id: int) -> int:
         """Of ``num_cached_tokens``, the tokens loaded from the host tier: what a scheduler
         charges as loads instead of recompute (0 without a tier)."""
+    def num_tier_loads(self, seq_id: int) -> int:
+        """The host-tier blocks a waiting sequence's claim would load, over all groups
+        (each group loads the hit's blocks its queries see; ``num_tier_tokens`` counts
+        positions). ``SequenceStateError`` once allocated."""
     def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
         """Cap a waiting sequence's claim so that it loads at most ``max_loads`` blocks
         from the host tier; return the cached tokens it would claim now.
@@ -381,12 +520,23 @@ class KVCacheManager:
         Returns the in-flight token count of each listed sequence, in order (int64).
         """
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
         """Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
 
         Blocks of its cached prefix that other sequences already use cost nothing; cached
         blocks sitting in the free queue count as taken. ``NEVER`` when the sequence needs
         more blocks than ``num_blocks - 1 - watermark_blocks``.
+
+        With ``num_new_tokens``: can the next step, that many tokens past the cached
+        prefix, get the blocks its ``allocate_slots`` takes in every group? This is the
+        real need of a step (a sliding-window or chunked group holds only the blocks from
+        its claim on; earlier steps' blocks it released are not counted). ``NEVER`` when
+        the pool minus the watermark holds less than this step keeps, or than the least
+        any schedule of the known tokens needs (computed one a step: every block of a
+        full-attention group, a window group's worst window). ``InvalidArgumentError``
+        as :meth:`allocate_slots` (more tokens than known past the cached prefix).
         """
 
     def allocate_slots(
@@ -400,8 +550,10 @@ class KVCacheManager:
         copied first and the ``(src, dst)`` pair queued for ``take_copy_on_writes``.
 
         Returns the block ids this call took from the free pool (CoW replacements, then
-        appended blocks, in table order), possibly empty; or ``None`` with the state
-        unchanged when the pool is short. The watermark does not apply here.
+        appended blocks, in table order; with several groups, group after group),
+        possibly empty; or ``None`` with the state unchanged when the pool is short. The
+        watermark does not apply here. With several groups every group gets its blocks
+        (a claim takes, in each group, only the cached blocks its next query sees).
         """
     def allocate_slots_batch(
         self, seq_ids: _SeqIds, num_new_tokens: _IntOrArray, *, num_lookahead_tokens: int = 0
@@ -422,7 +574,8 @@ class KVCacheManager:
 
         ``num_new_computed_tokens`` is a delta; the computed count may not exceed the
         reserved slots nor the tokens known before this call. Blocks that became full enter
-        the prefix cache; with a sliding window, blocks now wholly outside it are released.
+        the prefix cache (in every group); blocks no future query of a sliding-window or
+        chunked group sees are released (their entries become the null block).
         Ends the allocate/commit round (uncommitted lookahead reservations are dropped).
         """
     def commit_batch(
@@ -448,13 +601,16 @@ class KVCacheManager:
         :class:`SequenceStateError`.
         """
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
+        """Drain the memory-op journal as copy-on-write ``(src, dst)`` block pairs, shape
+        ``[n, 2]``: a view of ``take_memory_ops`` for a caller that applies swaps from the
+        rows ``swap_out``/``swap_in`` return (their journal entries are dropped).
 
-        With a host tier, raises :class:`SequenceStateError` while ops are queued (copies
-        are ordered with offloads and loads): use ``take_memory_ops``.
+        Raises :class:`SequenceStateError`, changing nothing, while host-tier offloads or
+        loads are queued (they are ordered with the copies): use ``take_memory_ops``.
         """
     def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
-        """Drain every queued block move in issue order, as runs of one kind.
+        """Drain every queued block move in issue order, as runs of one kind: the one
+        memory-op protocol, with or without a host tier.
 
         Kinds: ``"swap_out"`` (gpu, cpu), ``"swap_in"`` (cpu, gpu), ``"copy"`` (src,
         dst GPU blocks), ``"offload"`` (gpu block, tier slot), ``"load"`` (tier slot, gpu
@@ -468,18 +624,29 @@ class KVCacheManager:
     def tier_slot_hashes(self, slots: Sequence[int] | npt.ArrayLike) -> list[bytes | None]:
         """The block hash each host-tier slot holds or is being written with (None: an
         empty slot, an id out of range, or no tier). Read it before confirming an offload
-        (its slot cannot be reused until then) to key the slot's row in a shared store."""
+        (its slot cannot be reused until then) to key the slot's row in a shared store
+        (with several groups, keyed by :meth:`tier_slot_groups` too)."""
+    def tier_slot_groups(self, slots: Sequence[int] | npt.ArrayLike) -> list[int | None]:
+        """The KV cache group of the block each host-tier slot holds (as
+        :meth:`tier_slot_hashes`): each group's block of the same tokens is that group's
+        KV."""
     def num_cached_prefix_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of the hash chain a prompt would hit now (GPU prefix cache or
-        written host-tier slots), without side effects; hashes of another length never hit.
+        written host-tier slots; with several groups, what every group serves by the hit
+        rule), without side effects; hashes of another length never hit.
 
         Raises:
             InvalidArgumentError: an item that is not bytes.
         """
     def import_tier_blocks(
-        self, block_hashes: Sequence[bytes], *, retention_priority: int | None = None
+        self,
+        block_hashes: Sequence[bytes],
+        *,
+        retention_priority: int | None = None,
+        group: int = 0,
     ) -> npt.NDArray[np.int64]:
-        """Reserve host-tier slots for blocks fetched from a shared remote store.
+        """Reserve host-tier slots for blocks of ``group`` fetched from a shared remote
+        store.
 
         One int64 per hash: the slot whose host-pool row the engine writes the block's KV
         into, or -1 when there is nothing to write (already in the GPU prefix cache or the
@@ -492,11 +659,12 @@ class KVCacheManager:
 
         Raises:
             InvalidArgumentError: no host tier or no prefix caching, a hash that is not
-                bytes of the hash algorithm's digest length, or a priority outside
-                ``[0, 100]`` (nothing is reserved).
+                bytes of the hash algorithm's digest length, a priority outside
+                ``[0, 100]`` or a group out of range (nothing is reserved).
         """
     def free(self, seq_id: int) -> None:
-        """Release the sequence's blocks (last block first) and forget it.
+        """Release the sequence's blocks (groups last to first, each last block first) and
+        forget it.
 
         Unhashed blocks go to the front of the free queue (reused first); cached blocks to
         the back (of their retention priority's level, see ``set_retention_priority``), so
@@ -517,16 +685,24 @@ class KVCacheManager:
         """Move swapped sequences back; return ``(cpu, gpu)`` rows ``[n, 2]``, sharing kept."""
 
     # -- step inputs -------------------------------------------------------------------
-    def block_table(self, seq_id: int) -> npt.NDArray[np.int32]: ...
+    def block_table(self, seq_id: int, *, group: int = 0) -> npt.NDArray[np.int32]:
+        """The sequence's block table of ``group`` (null entries: blocks no future query
+        of a window or chunked group sees)."""
     def block_tables(
-        self, seq_ids: _SeqIds, *, max_blocks: int | None = None
+        self, seq_ids: _SeqIds, *, max_blocks: int | None = None, group: int = 0
     ) -> npt.NDArray[np.int32]:
-        """2-D block tables, padded with the null block to the longest (or ``max_blocks``).
+        """2-D block tables of ``group``, padded with the null block to the longest (or
+        ``max_blocks``).
 
         ``max_blocks`` must be at least the longest table and at most ``num_blocks`` (or
         the longest table, when released window entries make it longer); else
-        :class:`InvalidArgumentError`.
+        :class:`InvalidArgumentError`, as for a group out of range.
         """
+    def group_block_tables(
+        self, seq_ids: _SeqIds, *, max_blocks: int | None = None
+    ) -> npt.NDArray[np.int32]:
+        """:meth:`block_tables` of every group in one call, ``[num_groups, len(seq_ids),
+        max_blocks]`` (a sequence's tables have the same length in every group)."""
     def update_block_table(
         self,
         block_table: npt.NDArray[np.int32],
@@ -534,9 +710,11 @@ class KVCacheManager:
         rows: _SeqIds,
         *,
         full: bool | None = None,
+        group: int = 0,
     ) -> BlockTableDelta:
-        """Bring row ``rows[i]`` of a persistent ``[max_rows, max_blocks]`` table up to
-        date with the block table of ``seq_ids[i]``, in place, writing only what changed.
+        """Bring row ``rows[i]`` of a persistent ``[max_rows, max_blocks]`` table of
+        ``group`` up to date with the block table of ``seq_ids[i]`` in that group, in
+        place, writing only what changed (each group's table is tracked on its own).
 
         Each sequence remembers the first entry changed since its last sync (appends,
         copy-on-write replacements, sliding-window releases, a swap-in's new ids) and the
@@ -554,6 +732,18 @@ class KVCacheManager:
         :class:`InvalidArgumentError` / :class:`UnknownSequenceError` /
         :class:`SequenceStateError`, with nothing written and nothing consumed.
         """
+    def update_group_block_tables(
+        self,
+        block_tables: npt.NDArray[np.int32],
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        *,
+        full: bool | None = None,
+    ) -> list[BlockTableDelta]:
+        """:meth:`update_block_table` of every group in one call: ``block_tables`` is a
+        C-contiguous, writeable int32 ``[num_groups, max_rows, max_blocks]`` array (one
+        persistent table per group, each sequence in the same row of each); returns one
+        delta per group. All or nothing, as the one-group form."""
     def block_table_delta(
         self,
         seq_ids: _SeqIds,
@@ -562,14 +752,26 @@ class KVCacheManager:
         max_rows: int,
         max_blocks: int,
         full: bool | None = None,
+        group: int = 0,
     ) -> BlockTableDelta:
-        """:meth:`update_block_table` for a ``[max_rows, max_blocks]`` table kept elsewhere
-        (e.g. only on a device): returns the writes without a host buffer and consumes the
-        changes the same way."""
+        """:meth:`update_block_table` for a ``[max_rows, max_blocks]`` table of ``group``
+        kept elsewhere (e.g. only on a device): returns the writes without a host buffer
+        and consumes the changes the same way."""
+    def group_block_table_deltas(
+        self,
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        *,
+        max_rows: int,
+        max_blocks: int,
+        full: bool | None = None,
+    ) -> list[BlockTableDelta]:
+        """:meth:`block_table_delta` of every group in one call; one delta per group."""
     def slot_mapping(
-        self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
+        self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None, *, group: int = 0
     ) -> npt.NDArray[np.int64]:
-        """Cache slots (``block * block_size + offset``) of the tokens computed this step.
+        """Cache slots (``block * block_size + offset``) of the tokens computed this step,
+        in the tables of ``group`` (each group writes its layers' KV into its own blocks).
 
         For each sequence the tokens ``[computed, computed + n)`` where ``n`` is its entry of
         ``num_tokens`` (default: every known but uncomputed token), concatenated. Only the
@@ -578,10 +780,21 @@ class KVCacheManager:
         or writes. Mapping more, or with no reservation pending (e.g. after ``commit``),
         raises :class:`SequenceStateError`.
         """
+    def group_slot_mappings(
+        self, seq_ids: _SeqIds, num_tokens: _IntOrArray | None = None
+    ) -> npt.NDArray[np.int64]:
+        """:meth:`slot_mapping` of every group in one call, ``[num_groups, num_tokens]``."""
 
     # -- prefix cache, events, stats -------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only when no block is in use. Returns success."""
+        """Forget every cached hash; only when no block is in use. Returns success.
+
+        The host tier drops its blocks too, except those pinned by unconfirmed memory ops.
+        Events: one ``AllBlocksCleared`` for every medium, then, if the tier kept blocks,
+        one ``BlockStored`` with ``medium="CPU"`` announcing them again (hashes only), so
+        a consumer that clears all tiers on ``AllBlocksCleared`` holds exactly what the
+        manager holds.
+        """
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Drain the KV cache events recorded since the last call.
 
@@ -596,6 +809,9 @@ class KVCacheManager:
         ``host_offloads``, ``host_offloads_skipped`` (every slot pinned) and
         ``host_evictions``, ``host_imports`` (blocks). ``prefix_cache_hits`` counts GPU hits only.
         """
+    def group_stats(self) -> dict[str, list[int]]:
+        """Per KV cache group, one int each: ``num_used_blocks`` (GPU blocks its tables
+        reference) and ``num_cached_blocks`` (its prefix-cache entries)."""
     def check_invariants(self) -> None:
         """Verify every structural invariant; raise :class:`InvariantViolationError` on failure."""
 
@@ -607,3 +823,25 @@ def gather_row_prefixes(
     row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
     2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
     raise :class:`InvalidArgumentError` before anything is copied."""
+
+@final
+class Blake3:
+    """An incremental BLAKE3 hash (the core's SIMD implementation; the GIL is released
+    while data is hashed); a keyed hash (a MAC) when built with a 32-byte ``key``.
+
+    Raises :class:`InvalidArgumentError` for a key of another length.
+    """
+
+    def __new__(cls, key: bytes | None = None) -> Blake3: ...
+    def update(self, data: bytes | npt.NDArray[np.uint8]) -> None:
+        """Hash more bytes: a ``bytes`` object or a C-contiguous 1-D uint8 array (read in
+        place: a view of a memory map or a CPU tensor's ``.numpy()``)."""
+    def digest(self, length: int = 32) -> bytes:
+        """The first ``length`` (1..1024) bytes of the output; the hasher may keep being
+        updated."""
+    def copy(self) -> Blake3:
+        """An independent hasher in the same state."""
+
+def blake3_derive_key(context: str, material: bytes) -> bytes:
+    """A 32-byte key derived from ``material`` for ``context`` (BLAKE3's key derivation
+    mode: one secret gives unrelated keys to unrelated contexts)."""

@@ -18,6 +18,15 @@ input already has the output's layout they return it, or a view of it, instead o
 copying (documented per field). The table may be a per-step ``[S, B]`` table (row ``i`` =
 sequence ``i``) or a persistent ``[max_seqs, max_blocks]`` table with ``rows`` giving each
 sequence's row.
+
+A manager with several KV cache groups (``KVCacheManager(groups=...)``) has one table per
+group: pass them stacked, ``[G, S, B]`` (``KVCacheManager.group_block_tables``) or
+``[G, max_seqs, max_blocks]`` (``update_group_block_tables``). A sequence's tables have
+the same length in every group, so the lengths, ``kv_indptr`` and ``kv_last_page_len``
+are shared and only the page ids are per group: ``kv_indices`` is ``[G, nnz]`` and
+FlashAttention's ``block_table`` ``[G, S, B]``, row ``g`` for the layers of group ``g``
+(a window or chunked group's released entries are the null block, which its kernels,
+run with the group's window, never read).
 """
 
 from __future__ import annotations
@@ -53,9 +62,10 @@ class FlashInferPageTable:
 
     Attributes:
         kv_indptr: int32 [S+1] prefix sums of the page counts; ``kv_indptr[0] == 0``.
-        kv_indices: int32 [nnz] page (block) ids, sequence after sequence. When every
-            sequence uses every column of a per-step table this is a flat view of that
-            table (no copy): do not write to it.
+        kv_indices: int32 [nnz] page (block) ids, sequence after sequence (``[G, nnz]``,
+            one row per KV cache group, for stacked group tables). When every sequence
+            uses every column of a per-step table this is a flat view of that table (no
+            copy): do not write to it.
         kv_last_page_len: int32 [S] tokens in each sequence's last page, in
             ``[1, page_size]`` (``page_size`` for a length that is a multiple of it);
             ``0`` for a sequence of length 0, which has no pages (FlashInfer reads the
@@ -96,9 +106,10 @@ class FlashAttentionPageTable:
     (``key_cache.permute(0, 2, 1, 3)`` of a kvblocks cache).
 
     Attributes:
-        block_table: int32 [S, max_blocks]. For a per-step table it is that table
-            itself (no copy: do not write to it); for a persistent table with ``rows``,
-            a gathered copy of the rows, cut to the columns the batch uses.
+        block_table: int32 [S, max_blocks] (``[G, S, max_blocks]`` for stacked group
+            tables). For a per-step table it is that table itself (no copy: do not write
+            to it); for a persistent table with ``rows``, a gathered copy of the rows,
+            cut to the columns the batch uses.
         cache_seqlens: int32 [S] context length of each sequence (``seq_lens``; the
             given array itself when it is already C-contiguous int32).
         cu_seqlens_q: int32 [S+1] query prefix sums (``query_start_loc``), ``None`` when
@@ -163,14 +174,14 @@ def _check(
         raise InvalidArgumentError(
             f"block_tables must be a NumPy int32 array, got {type(block_tables)}"
         )
-    if block_tables.ndim != 2 or block_tables.dtype != np.int32:
+    if block_tables.ndim not in (2, 3) or block_tables.dtype != np.int32:
         raise InvalidArgumentError(
-            "block_tables must be a 2-D int32 array, got shape "
-            f"{block_tables.shape} dtype {block_tables.dtype}"
+            "block_tables must be a 2-D (or, one per KV cache group, 3-D) int32 array, got "
+            f"shape {block_tables.shape} dtype {block_tables.dtype}"
         )
     lens = _int_vector("seq_lens", seq_lens, None)
     num_seqs = lens.shape[0]
-    table_rows, width = block_tables.shape
+    table_rows, width = block_tables.shape[-2:]
     checked_rows: npt.NDArray[np.intp] | None = None
     if rows is None:
         if table_rows != num_seqs:
@@ -229,7 +240,8 @@ def flashinfer_page_table(
 
     Args:
         block_tables: int32 ``[S, B]`` per-step table, or ``[max_seqs, max_blocks]``
-            persistent table with ``rows``. Entries past each sequence's
+            persistent table with ``rows``; stacked ``[G, ...]`` for ``G`` KV cache
+            groups (then ``kv_indices`` is ``[G, nnz]``). Entries past each sequence's
             ``ceil(seq_len / block_size)`` blocks are ignored; block ids are exported as
             given (not range-checked: the table comes from the manager).
         seq_lens: integer ``[S]`` context length of each sequence (including this step's
@@ -254,14 +266,24 @@ def flashinfer_page_table(
     last = (c.seq_lens - 1) % np.int32(block_size) + 1
     last[c.seq_lens == 0] = 0
     used = int(c.num_blocks.max()) if num_seqs else 0
+    grouped = c.table.ndim == 3
     if c.rows is None and (num_seqs == 0 or int(c.num_blocks.min()) == used):
         # Every sequence uses the same columns: the rows cut to them are the CSR list
         # already (no copy when they are the whole of a C-contiguous per-step table).
-        kv_indices = np.ascontiguousarray(c.table[:, :used]).reshape(-1)
-    else:
+        cut = np.ascontiguousarray(c.table[..., :used])
+        kv_indices = cut.reshape(cut.shape[0], -1) if grouped else cut.reshape(-1)
+    elif not grouped:
         # One memcpy per row prefix in Rust: NumPy has no ragged copy, and a boolean mask
         # moves one element at a time (slower than a Python loop over long rows).
         kv_indices = gather_row_prefixes(np.ascontiguousarray(c.table), c.num_blocks, c.rows)
+    else:
+        # Every group's rows in one gather over the stacked tables.
+        groups, table_rows, width = c.table.shape
+        rows = np.arange(num_seqs, dtype=np.intp) if c.rows is None else c.rows
+        all_rows = (np.arange(groups, dtype=np.intp)[:, None] * table_rows + rows).reshape(-1)
+        flat = np.ascontiguousarray(c.table).reshape(groups * table_rows, width)
+        gathered = gather_row_prefixes(flat, np.tile(c.num_blocks, groups), all_rows)
+        kv_indices = gathered.reshape(groups, nnz)
     return FlashInferPageTable(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
@@ -291,8 +313,8 @@ def flash_attention_page_table(
         table = c.table if c.table.flags.c_contiguous else np.ascontiguousarray(c.table)
     else:
         # Keep at least one column: kernels index block_table[:, 0] for any batch shape.
-        used = max(int(c.num_blocks.max()) if num_seqs else 0, min(1, c.table.shape[1]))
-        table = c.table[c.rows, :used]
+        used = max(int(c.num_blocks.max()) if num_seqs else 0, min(1, c.table.shape[-1]))
+        table = np.ascontiguousarray(c.table[..., c.rows, :used])
     total_k = int(c.seq_lens.sum(dtype=np.int64))
     if total_k > _INT32_MAX:
         raise InvalidArgumentError(f"{total_k} context tokens do not fit int32 cu_seqlens_k")

@@ -4,7 +4,10 @@ tier, shared across processes; real restarts (one subprocess per run) and a real
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,8 @@ import pytest
 from cli_run import run_cli
 
 pytest.importorskip("torch")
+
+from kvblocks.tiers.weights import RACY_WINDOW_NS
 
 PROMPT = ",".join(str(t) for t in range(1, 65))  # four 16-token blocks of the tiny model
 BASE = ["generate", "--device", "cpu", "--prompt-ids", PROMPT, "--max-tokens", "4", "--json"]
@@ -79,6 +84,65 @@ def test_a_valkey_server_shares_a_prefix_and_a_dead_one_reads_as_misses(referenc
     assert _tokens(dead) == reference
     assert dead["stats"]["remote"]["imported_blocks"] == 0
     assert dead["stats"]["engine"]["computed_tokens"] == 64 + 3
+
+
+# A time well in the past: a file last changed then is not "racy" for the digest cache.
+OLD_NS = 1_600_000_000 * 10**9
+
+
+def _save_tiny(directory: Path, seed: int) -> Path:
+    """The tiny Llama with weights of ``seed`` as a checkpoint, its files dated in the past
+    (so that the digest of the first version is cached)."""
+    from kvblocks.engine.loader import save_checkpoint
+    from kvblocks.engine.tiny import build_tiny_model
+
+    save_checkpoint(build_tiny_model(seed=seed), directory)
+    for f in directory.iterdir():
+        os.utime(f, ns=(OLD_NS, OLD_NS))
+    return directory
+
+
+@pytest.fixture(params=["disk", "valkey"])
+def tier_args(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[str]]:
+    """``--disk-tier DIR`` or ``--valkey-url`` of a real server, for one test."""
+    if request.param == "disk":
+        yield ["--disk-tier", str(tmp_path / "kv")]
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the server helper
+    from tiers.valkey_server import running_server
+
+    with running_server() as server:
+        yield ["--valkey-url", f"valkey://127.0.0.1:{server.port}/0"]
+
+
+def test_a_checkpoint_overwritten_in_place_never_reads_the_old_blocks(
+    tmp_path: Path, tier_args: list[str]
+) -> None:
+    """Issue 16: W1 saved to DIR and run, then W2 saved to DIR (same names, sizes and
+    modification times) and run: no block of W1 is imported, W2's own tokens are printed."""
+    model = tmp_path / "model"
+    _save_tiny(model, seed=0)
+    # Past the racy window (its files' change time is now): the run caches W1's digest.
+    time.sleep(RACY_WINDOW_NS / 1e9)
+    first = _run(*TIER, "--model", str(model), *tier_args)
+    assert first["stats"]["remote"]["published_blocks"] >= 3
+    _save_tiny(model, seed=1)
+    alone = _tokens(_run(*BASE, "--model", str(model)))
+    second = _run(*TIER, "--model", str(model), *tier_args)
+    assert second["stats"]["remote"]["imported_blocks"] == 0
+    assert _tokens(second) == alone != _tokens(first)
+    # W2 is now in the tier: a third run of it loads its blocks.
+    third = _run(*TIER, "--model", str(model), *tier_args)
+    assert third["stats"]["remote"]["imported_blocks"] == 3 and _tokens(third) == alone
+
+
+def test_two_copies_of_a_checkpoint_share(tmp_path: Path) -> None:
+    """The weights name the blocks, not the directory (tests/engine checks Valkey too)."""
+    tier_args = ["--disk-tier", str(tmp_path / "kv")]
+    first = _run(*TIER, "--model", str(_save_tiny(tmp_path / "a", seed=0)), *tier_args)
+    second = _run(*TIER, "--model", str(_save_tiny(tmp_path / "b", seed=0)), *tier_args)
+    assert second["stats"]["remote"]["imported_blocks"] == 3
+    assert _tokens(second) == _tokens(first)
 
 
 @pytest.mark.parametrize(

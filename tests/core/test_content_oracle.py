@@ -52,7 +52,7 @@ from hypothesis.stateful import (
 import kvblocks
 from kvblocks import KVCacheManager
 from kvblocks.router import PromptHasher
-from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
+from oracle.kv_memory import GARBAGE, Attention, ContentError, KVMemory, PrefixIds
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
 MIN_OPERATIONS = 10_000 * SCALE
@@ -110,12 +110,15 @@ class ContentOracle(RuleBasedStateMachine):
         # Token lists seen so far: new prompts often repeat one, for prefix-cache hits.
         self.history: list[tuple[list[int], tuple[str | None, int | None]]] = []
         self.ops = 0
-        # The persistent block table (see the module docstring) and its delta mirror.
-        self.table = np.zeros((4, TABLE_WIDTH), dtype=np.int32)
+        # The persistent block tables, one per KV cache group (see the module
+        # docstring), and their delta mirror.
+        self.table = np.zeros((1, 4, TABLE_WIDTH), dtype=np.int32)
         self.mirror = self.table.copy()
+        #: The attention rule of each KV cache group (set by ``setup``).
+        self.attention: list[Attention] = [Attention()]
         self.row_of: dict[int, int] = {}
         self.row_last_owner: dict[int, int] = {}
-        self.row_len: dict[int, int] = {}  # entries last written into each row
+        self.row_len: dict[tuple[int, int], int] = {}  # entries last written per (group, row)
         self.free_rows = list(range(3, -1, -1))
         self.lagging: dict[int, int] = {}  # sid -> invariants it skips
 
@@ -129,7 +132,7 @@ class ContentOracle(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, block_size, num_cpu_blocks, caching, hash_algo, window):
         self.bs = block_size
-        self.window = window
+        self.attention = [Attention(window=window)]
         self.m = KVCacheManager(
             num_blocks,
             block_size,
@@ -146,8 +149,42 @@ class ContentOracle(RuleBasedStateMachine):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _expected(self, sid: int) -> list[int]:
-        return self.ids.ids(self.tokens[sid], self.ns[sid])
+    @property
+    def num_groups(self) -> int:
+        return len(self.attention)
+
+    def _expected(self, sid: int, group: int = 0) -> list[int]:
+        """What group ``group`` of the sequence must read: its own KV, distinct from every
+        other group's (a one-group manager keeps the plain namespace)."""
+        ns = self.ns[sid] if self.num_groups == 1 else (self.ns[sid], group)
+        return self.ids.ids(self.tokens[sid], ns)
+
+    def _tables(self, sid: int) -> list[np.ndarray]:
+        """The sequence's block table of every group (a one-group manager through the
+        one-group API)."""
+        if self.num_groups == 1:
+            return [self.m.block_table(sid)]
+        return list(self.m.group_block_tables([sid])[:, 0])
+
+    def _slot_mappings(self, sids: list[int], counts: list[int]) -> np.ndarray:
+        """``[groups, tokens]`` slots of the sequences' next ``counts`` tokens."""
+        if self.num_groups == 1:
+            return self.m.slot_mapping(sids, counts)[None, :]
+        return self.m.group_slot_mappings(sids, counts)
+
+    def _check_reads(self, sid: int, computed: int, tables: list[np.ndarray] | None = None):
+        """Every group of the sequence reads its own KV through its table, and holds no
+        block a future query cannot see."""
+        tables = self._tables(sid) if tables is None else tables
+        for g, table in enumerate(tables):
+            self.mem.check(
+                (sid, g),
+                table,
+                self._expected(sid, g),
+                computed,
+                attention=self.attention[g],
+                released_exactly=True,
+            )
 
     def _resident(self) -> list[int]:
         return sorted(self.allocated - self.swapped)
@@ -160,27 +197,32 @@ class ContentOracle(RuleBasedStateMachine):
         """The model step: write ``new`` tokens' KV and ``lookahead`` garbage slots of every
         served sequence through ``slot_mapping``, all in one step."""
         writes = []
-        for sid, (new, lookahead) in served.items():
-            n = new + lookahead
-            slots = self.m.slot_mapping([sid], [n])
-            assert len(slots) == n
+        sids = list(served)
+        counts = [new + lookahead for new, lookahead in served.values()]
+        slots = self._slot_mappings(sids, counts)
+        assert slots.shape == (self.num_groups, sum(counts)), slots.shape
+        starts = np.cumsum([0, *counts])
+        for i, (sid, (new, lookahead)) in enumerate(served.items()):
             c = self.computed[sid]
-            values = self._expected(sid)[c : c + new] + [GARBAGE] * lookahead
-            writes.append((sid, slots, values))
-        # A write must not land in a block any other live sequence holds.
-        held: dict[int, int] = {}
+            for g in range(self.num_groups):
+                values = self._expected(sid, g)[c : c + new] + [GARBAGE] * lookahead
+                writes.append(((sid, g), slots[g, starts[i] : starts[i + 1]], values))
+        # A write must not land in a block any other live sequence (or another group of
+        # the same one) holds.
+        held: dict[int, tuple[int, int]] = {}
         for other in self._resident():
-            for b in self.m.block_table(other).tolist():
-                if b != 0:
-                    held.setdefault(b, other)
-                    if held[b] != other:
-                        held[b] = -1  # shared
-        for sid, slots, _ in writes:
-            for b in np.unique(np.asarray(slots) // self.bs).tolist():
-                if held.get(b) != sid:
+            for g, table in enumerate(self._tables(other)):
+                for b in table.tolist():
+                    if b != 0:
+                        held.setdefault(b, (other, g))
+                        if held[b] != (other, g):
+                            held[b] = (-1, -1)  # shared
+        for owner, owner_slots, _ in writes:
+            for b in np.unique(np.asarray(owner_slots) // self.bs).tolist():
+                if held.get(b) != owner:
                     raise ContentError(
-                        f"sequence {sid} writes block {b}, which sequence "
-                        f"{held.get(b)} (-1: several) also holds"
+                        f"sequence {owner[0]} group {owner[1]} writes block {b}, which "
+                        f"(sequence, group) {held.get(b)} ((-1, -1): several) also holds"
                     )
         self.mem.write_step(writes)
 
@@ -263,9 +305,9 @@ class ContentOracle(RuleBasedStateMachine):
             self._after_allocate(s, news[i], lookahead)
             claimed = int(result.num_cached_tokens[i])
             assert claimed == (self.computed[s] if first else 0), (s, claimed)
-            table = self.m.block_table(s).tolist()
+            table = {b for t in self._tables(s) for b in t.tolist()}
             new_blocks = result.block_ids[result.block_indptr[i] : result.block_indptr[i + 1]]
-            assert set(new_blocks.tolist()) <= set(table)
+            assert set(new_blocks.tolist()) <= table
         self._write_reserved({s: (news[i], lookahead) for i, s in enumerate(sids[:served])})
 
     @precondition(lambda self: self.pending)
@@ -427,7 +469,8 @@ class ContentOracle(RuleBasedStateMachine):
         first would evict ``A`` (freed before ``B``); by priority ``B`` goes first, and
         ``A`` extended by a token then claims its whole prefix, whose KV the read
         check judges."""
-        free = self.m.num_free_blocks()
+        # Sized for the prompts' blocks in every group.
+        free = self.m.num_free_blocks() // self.num_groups
         if free == 0:
             return
         # One operation of the budget, not one per prompt: the budget is for random ones.
@@ -555,7 +598,7 @@ class ContentOracle(RuleBasedStateMachine):
                     for p, new in self.pending.items()
                     if p not in self.swapped
                     and self.computed[p] < (j + 1) * bs <= self.computed[p] + new
-                    and self.mem.read(self.m.block_table(p), (j + 1) * bs)[j * bs :].tolist()
+                    and self.mem.read(self._tables(p)[0], (j + 1) * bs)[j * bs :].tolist()
                     == block_ids
                 ]
                 if not writers:
@@ -581,8 +624,8 @@ class ContentOracle(RuleBasedStateMachine):
                 continue
             if not self.free_rows:
                 # A bigger buffer: the manager wrote none of it, so sync it whole.
-                old = self.table.shape[0]
-                self.table = np.zeros((2 * old, TABLE_WIDTH), dtype=np.int32)
+                old = self.table.shape[1]
+                self.table = np.zeros((self.num_groups, 2 * old, TABLE_WIDTH), dtype=np.int32)
                 self.mirror = self.table.copy()
                 self.free_rows = list(range(2 * old - 1, old - 1, -1))
                 self.lagging.clear()
@@ -594,23 +637,29 @@ class ContentOracle(RuleBasedStateMachine):
             if self.lagging[sid] <= 0:
                 del self.lagging[sid]
         rows = [self.row_of[s] for s in synced]
-        delta = self.m.update_block_table(self.table, np.array(synced, np.int64), rows, full=full)
-        # The engine side: patch the mirror from the delta alone.
-        assert len(delta.indptr) == len(delta) + 1
-        for k in range(len(delta)):
-            row = int(delta.rows[k])
-            ids = delta.block_ids[delta.indptr[k] : delta.indptr[k + 1]]
-            start = int(delta.start_cols[k])
-            if delta.reset[k]:
-                self.mirror[row] = 0
-                if self.row_last_owner.get(row, -1) not in (-1, synced[rows.index(row)]):
-                    COVERAGE["table_row_reused"] += 1
-            else:
-                COVERAGE["table_incremental"] += 1
-                # Copy-on-write, window releases and swap-ins rewrite entries in place.
-                COVERAGE["table_rewrite"] += start < self.row_len.get(row, 0)
-            self.mirror[row, start : start + len(ids)] = ids
-            self.row_len[row] = start + len(ids)
+        ids = np.array(synced, np.int64)
+        if self.num_groups == 1:
+            deltas = [self.m.update_block_table(self.table[0], ids, rows, full=full)]
+        else:
+            deltas = self.m.update_group_block_tables(self.table, ids, rows, full=full)
+        assert len(deltas) == self.num_groups
+        # The engine side: patch the mirror from the deltas alone.
+        for g, delta in enumerate(deltas):
+            assert len(delta.indptr) == len(delta) + 1
+            for k in range(len(delta)):
+                row = int(delta.rows[k])
+                blocks = delta.block_ids[delta.indptr[k] : delta.indptr[k + 1]]
+                start = int(delta.start_cols[k])
+                if delta.reset[k]:
+                    self.mirror[g, row] = 0
+                    if self.row_last_owner.get(row, -1) not in (-1, synced[rows.index(row)]):
+                        COVERAGE["table_row_reused"] += 1
+                else:
+                    COVERAGE["table_incremental"] += 1
+                    # Copy-on-write, window releases and swap-ins rewrite entries in place.
+                    COVERAGE["table_rewrite"] += start < self.row_len.get((g, row), 0)
+                self.mirror[g, row, start : start + len(blocks)] = blocks
+                self.row_len[(g, row)] = start + len(blocks)
         for s, r in zip(synced, rows, strict=True):
             self.row_last_owner[r] = s
         np.testing.assert_array_equal(self.mirror, self.table)
@@ -625,14 +674,15 @@ class ContentOracle(RuleBasedStateMachine):
         for sid in self._resident():
             computed = self.m.num_computed_tokens(sid)
             assert computed == self.computed[sid], (sid, computed, self.computed[sid])
-            table = self.m.block_table(sid)
-            self.mem.check(sid, table, self._expected(sid), computed, self.window)
+            tables = self._tables(sid)
+            self._check_reads(sid, computed, tables)
             if sid in synced:
-                # What the engine reads: the persistent row, equal to the table padded.
-                row = self.table[self.row_of[sid]]
-                assert (row[: len(table)] == table).all() and not row[len(table) :].any(), sid
-                self.mem.check(sid, row, self._expected(sid), computed, self.window)
-            COVERAGE["window_release"] += self.window is not None and bool((table == 0).any())
+                # What the engine reads: the persistent rows, equal to the tables padded.
+                rows = [self.table[g, self.row_of[sid]] for g in range(self.num_groups)]
+                for row, table in zip(rows, tables, strict=True):
+                    assert (row[: len(table)] == table).all() and not row[len(table) :].any()
+                self._check_reads(sid, computed, rows)
+            COVERAGE["window_release"] += any(bool((t == 0).any()) for t in tables)
         for sid in self.tokens:
             assert self.m.num_tokens(sid) == len(self.tokens[sid])
             assert self.m.retention_priority(sid) == self.prio.get(sid, DEFAULT_PRIORITY), sid
@@ -780,7 +830,7 @@ class TieredContentOracle(ContentOracle):
         self, num_blocks, block_size, num_cpu_blocks, host_cache_blocks, host_offload, window
     ):
         self.bs = block_size
-        self.window = window
+        self.attention = [Attention(window=window)]
         self.m = KVCacheManager(
             num_blocks,
             block_size,
@@ -809,9 +859,7 @@ class TieredContentOracle(ContentOracle):
             assert tier % self.bs == 0 and tier <= self.computed[sid], (sid, tier)
             TIER_COVERAGE["tier_hit"] += tier > 0
             # The loaded blocks (already applied by the drain) hold the prefix's KV.
-            self.mem.check(
-                sid, self.m.block_table(sid), self._expected(sid), self.computed[sid], self.window
-            )
+            self._check_reads(sid, self.computed[sid])
 
     @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
     @rule(data=st.data())
@@ -847,7 +895,8 @@ class TieredContentOracle(ContentOracle):
     def flood(self, salt):
         """A long one-off prompt fills every free block, is computed and freed: the free
         cached blocks are evicted (offloaded) on the way, as under memory pressure."""
-        n = self.m.num_free_blocks() * self.bs
+        # Each group takes its blocks of the prompt (window groups fewer).
+        n = self.m.num_free_blocks() // self.num_groups * self.bs
         if n == 0:
             return
         sid = self.next_id
@@ -907,8 +956,15 @@ class TieredContentOracle(ContentOracle):
         hashes = PromptHasher(self.bs).block_hashes(tokens)
         start = self.m.num_cached_prefix_blocks(hashes)
         count = data.draw(st.integers(1, max(1, len(hashes) - start)))
-        slots = self.m.import_tier_blocks(hashes[start : start + count])
-        ids = np.asarray(self.ids.ids(tokens, (None, None)), dtype=np.int64)
+        if self.num_groups == 1:
+            group = 0
+            slots = self.m.import_tier_blocks(hashes[start : start + count])
+        else:
+            # A store keyed by group too: each group's blocks are that group's KV.
+            group = data.draw(st.integers(0, self.num_groups - 1))
+            slots = self.m.import_tier_blocks(hashes[start : start + count], group=group)
+        ns = (None, None) if self.num_groups == 1 else ((None, None), group)
+        ids = np.asarray(self.ids.ids(tokens, ns), dtype=np.int64)
         blocks = np.flatnonzero(slots >= 0)
         rows = [ids[(start + b) * self.bs : (start + b + 1) * self.bs] for b in blocks.tolist()]
         if rows:

@@ -114,14 +114,87 @@ def test_copy_drain_refuses_while_tier_ops_are_queued() -> None:
     assert m.take_copy_on_writes().shape == (0, 2)
 
 
+def test_one_journal_with_or_without_a_tier() -> None:
+    """Swaps and copies are journaled alike with and without a tier; the copy view works
+    on both while no offload or load is queued (it refused on any op with a tier)."""
+    for host in (0, 8):
+        m = KVCacheManager(16, 4, num_cpu_blocks=8, host_cache_blocks=host)
+        m.add_sequence(1, list(range(6)))
+        assert m.allocate_slots(1, 6) is not None
+        m.commit(1, 6)
+        m.take_memory_ops()  # write-through offloads, if any
+        m.fork(1, 2)
+        assert m.allocate_slots(2, 0, num_lookahead_tokens=1) is not None  # copy-on-write
+        rows = m.swap_out([1])
+        ops = m.take_memory_ops()
+        assert [kind for kind, _ in ops] == ["copy", "swap_out"], host
+        assert ops[1][1].tolist() == rows.tolist()
+        m.swap_in([1])
+        assert m.take_copy_on_writes().shape == (0, 2), host  # the swap-in row dropped
+        assert m.take_memory_ops() == []
+
+
 def test_reset_drops_unpinned_tier_blocks() -> None:
     m = tiered()
     evict_then_hit(m)
     m.take_events()
     assert m.reset_prefix_cache()
     assert m.stats()["num_host_cached_blocks"] == 0
-    removed = [e for e in m.take_events() if type(e).__name__ == "BlockRemoved"]
-    assert [(e.medium, len(e.block_hashes)) for e in removed] == [("CPU", 3)]
+    # AllBlocksCleared covers every medium: no BlockRemoved follows for the tier's blocks.
+    assert [type(e).__name__ for e in m.take_events()] == ["AllBlocksCleared"]
+
+
+class StrictConsumer:
+    """A router's view of one instance, per medium, that clears every medium on
+    AllBlocksCleared (what vLLM's consumers do: the event has no medium) and refuses to
+    remove a block it does not hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes]] = {"GPU": set(), "CPU": set()}
+
+    def apply(self, events: list[object]) -> None:
+        for e in events:
+            if isinstance(e, kvblocks.AllBlocksCleared):
+                for held in self.held.values():
+                    held.clear()
+            elif isinstance(e, kvblocks.BlockStored):
+                self.held[e.medium].update(e.block_hashes)
+            else:
+                assert isinstance(e, kvblocks.BlockRemoved)
+                gone = set(e.block_hashes)
+                assert gone <= self.held[e.medium], f"{e.medium} removal of blocks not held"
+                self.held[e.medium] -= gone
+
+
+def test_a_consumer_that_clears_every_medium_holds_what_the_reset_kept() -> None:
+    """Regression: the reset sent AllBlocksCleared, then a CPU BlockRemoved for blocks the
+    consumer had just dropped, and nothing for the pinned tier blocks it kept, so the
+    consumer forgot blocks the instance still serves as hits."""
+    m = tiered(num_blocks=8, policy="commit")
+    consumer = StrictConsumer()
+    a, b = list(range(9)), list(range(100, 109))
+    prefill(m, 1, a)
+    m.take_memory_ops()
+    m.confirm_memory_ops()  # a's two blocks are written: unpinned
+    prefill(m, 2, b)  # b's two offloads are queued: pinned until confirmed
+    m.free(1)
+    m.free(2)
+    consumer.apply(m.take_events())
+    assert len(consumer.held["CPU"]) == 4
+    assert m.reset_prefix_cache()
+    events = m.take_events()
+    assert [(type(e).__name__, getattr(e, "medium", None)) for e in events] == [
+        ("AllBlocksCleared", None),
+        ("BlockStored", "CPU"),
+    ]
+    consumer.apply(events)
+    assert m.stats()["num_host_cached_blocks"] == 2
+    assert consumer.held == {"GPU": set(), "CPU": set(events[1].block_hashes)}
+    # What the consumer holds is what the instance serves: b hits in the tier, a misses.
+    m.take_memory_ops()
+    m.confirm_memory_ops()
+    assert (m.add_sequence(3, b), m.num_tier_tokens(3)) == (8, 8)
+    assert m.add_sequence(4, a) == 0
 
 
 @pytest.mark.parametrize(

@@ -98,7 +98,10 @@ def test_hf_dict_round_trip(model_type: str, tmp_path) -> None:
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+            "rope_scaling type 'longrope'",
+        ),
         ({"num_key_value_heads": 5}, "multiple of num_key_value_heads"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer"),
         ({"hidden_size": "big"}, "malformed field"),
@@ -161,7 +164,10 @@ def test_rope_layout_precedence_and_defaults() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope_parameters type 'dynamic'",
+        ),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "type 'dynamic'"),
         ({"rope_parameters": {"rope_type": "longrope"}}, "type 'longrope'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling type 'dynamic'"),

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.dense import dense_greedy_generate
+from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.tiers import DiskTier, KVLayout
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
@@ -38,7 +39,8 @@ _CHILD = textwrap.dedent(
     import hashlib, json, sys, warnings
     import torch
     torch.set_num_threads(1)
-    from kvblocks.engine import LLM
+    from kvblocks.engine import LLM, weights_digest
+    from kvblocks.engine.tiny import build_tiny_model
     from kvblocks.sampling_params import SamplingParams
     from kvblocks.tiers import DiskTier, KVLayout
     from kvblocks.tiers.transfer import gather_blocks
@@ -47,7 +49,8 @@ _CHILD = textwrap.dedent(
     block, pool = int(sys.argv[4]), int(sys.argv[5])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        disk = DiskTier(directory, KVLayout(2, 2, block, 64, torch.float32, model_id), 64)
+        digest = weights_digest(build_tiny_model())
+        disk = DiskTier(directory, KVLayout(2, 2, block, 64, torch.float32, model_id, digest), 64)
         llm = LLM(num_blocks=pool, block_size=block, num_cpu_blocks=0, device="cpu",
                   host_cache_blocks=16, host_offload="commit", remote_tier=disk)
         out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
@@ -80,7 +83,8 @@ def expected(tiny_llama: LlamaForCausalLM) -> list[int]:
 
 
 def _layout(model_id: str = MODEL_ID) -> KVLayout:
-    return KVLayout(2, 2, BLOCK, 64, torch.float32, model_id=model_id)
+    """The tiny Llama's layout: its weights, plus ``model_id``."""
+    return KVLayout(2, 2, BLOCK, 64, torch.float32, model_id, weights_digest(build_tiny_model()))
 
 
 def _engine(model: LlamaForCausalLM, disk: DiskTier, **kwargs: object) -> LLM:
@@ -203,3 +207,28 @@ def test_a_full_disk_tier_evicts_and_never_fails_a_request(
     assert len(disk) == 2 and len(list(disk.root.glob("*.kvb"))) == 2
     assert stats.evictions >= 4 * len(prompts) - 2 and stats.dropped_puts == 0
     llm.manager.check_invariants()
+
+
+def test_the_remote_tier_asks_for_the_manager_s_own_hashes(tmp_path: Path) -> None:
+    """Regression: the remote tier hashed prompts with (block_size, hash_algo) only, so a
+    manager with its own ``hash_seed`` asked the store for keys no instance writes (every
+    read a miss). It now hashes with the manager's hasher: seed and LoRAs included."""
+    from kvblocks import KVCacheManager
+    from kvblocks.tiers import RemoteTierOptions
+    from kvblocks.tiers.remote_link import RemoteTierLink, TierRead
+
+    layout = KVLayout(1, 1, 4, 8, torch.float32, MODEL_ID, "ab" * 32)
+    manager = KVCacheManager(
+        16, 4, hash_algo="sha256_cbor", hash_seed="fleet-7", host_cache_blocks=8
+    )
+    pool = torch.zeros(8, layout.payload_nbytes, dtype=torch.uint8)
+    store = DiskTier(tmp_path, layout, 32)
+    link = RemoteTierLink(store, manager, pool, layout, RemoteTierOptions(async_io=False))
+    prompt = list(range(1, 17))  # four full blocks, the last one always computed
+    manager.add_sequence(0, prompt)
+    assert manager.allocate_slots(0, 16) is not None
+    manager.commit(0, 16)
+    stored = [h for e in manager.take_events() if e.medium == "GPU" for h in e.block_hashes]  # type: ignore[union-attr]
+    manager.free(0)
+    assert manager.reset_prefix_cache()
+    assert link.missing(TierRead(prompt)) == stored[:3]

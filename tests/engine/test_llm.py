@@ -316,13 +316,19 @@ def test_generate_recovers_from_an_exception_in_a_step(
     prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[2]]
     params = [GREEDY, SamplingParams(max_tokens=12, n=2, temperature=0.9, seed=4), GREEDY]
     llm = LLM(tiny_llama, num_blocks=64, device="cpu")
+    scheduler = llm.scheduler
     _fail_on_step(llm, step, exc)
+    generated = scheduler.counters.num_generated_tokens
     with pytest.raises(type(exc)):
         llm.generate(prompts, params)
-    # Nothing of the failed call is left behind.
+    # Nothing of the failed call is left behind, and the scheduler carried on (issue 17.2:
+    # it was replaced by a new one with the old counters copied in).
+    assert llm.scheduler is scheduler
     assert not llm.scheduler.has_unfinished_requests()
     assert len(llm.manager) == 0
     llm.manager.check_invariants()
+    if step == 1:  # the failed step drew nothing
+        assert scheduler.counters.num_generated_tokens == generated
     again = llm.generate(prompts, params)
     fresh = LLM(tiny_llama, num_blocks=64, device="cpu").generate(prompts, params)
     assert [[c.token_ids for c in o.outputs] for o in again] == [
@@ -330,6 +336,58 @@ def test_generate_recovers_from_an_exception_in_a_step(
     ]
     greedy = dense_greedy_generate(tiny_llama, [prompts[0], prompts[2]], GREEDY.max_tokens)
     assert _tokens([again[0], again[2]]) == greedy
+
+
+class _Events:
+    """An event publisher that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def publish(self, events: list[object]) -> None:
+        self.events.extend(events)
+
+
+@pytest.mark.parametrize("where", ["before update", "after update", "execute"])
+def test_a_failed_step_with_a_host_tier_leaves_the_engine_consistent(
+    tiny_llama: LlamaForCausalLM, where: str
+) -> None:
+    """A fault at each point of a step, with write-through to a host tier and events on:
+    the step is cancelled in the same scheduler, no host slot stays pinned, and the next
+    call gives a fresh engine's tokens."""
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    events = _Events()
+    options = {"num_blocks": 64, "device": "cpu", "host_cache_blocks": 32}
+    llm = LLM(tiny_llama, host_offload="commit", event_publisher=events, **options)  # type: ignore[arg-type]
+    scheduler = llm.scheduler
+    if where == "execute":
+        _fail_on_step(llm, 3, _StepFault("boom"))
+    else:
+        update = scheduler.update
+        calls = 0
+
+        def faulty(out, result):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            if calls == 3 and where == "before update":
+                raise _StepFault("boom")
+            step = update(out, result)
+            if calls == 3:
+                raise _StepFault("boom")
+            return step
+
+        scheduler.update = faulty  # type: ignore[method-assign]
+    with pytest.raises(_StepFault):
+        llm.generate(prompts, GREEDY)
+    assert llm.scheduler is scheduler and not scheduler.has_unfinished_requests()
+    assert len(llm.manager) == 0 and llm.manager.stats()["num_host_pinned_blocks"] == 0
+    llm.manager.check_invariants()
+    if where != "execute":
+        scheduler.update = update  # type: ignore[method-assign]
+    fresh = LLM(tiny_llama, **options).generate(prompts, GREEDY)  # type: ignore[arg-type]
+    again = llm.generate(prompts, GREEDY)
+    assert _tokens(again) == _tokens(fresh)
+    assert llm.manager.stats()["num_host_pinned_blocks"] == 0
 
 
 def test_max_model_len_rejects_long_prompts_and_stops_generation(

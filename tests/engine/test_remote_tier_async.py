@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
-from kvblocks.engine.remote_tier import RemoteTierOptions
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
+from kvblocks.engine.tiny import build_tiny_model
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.tiers import DiskTier, KVLayout
+from kvblocks.tiers import DiskTier, KVLayout, RemoteTierOptions
 from kvblocks.tiers.codec import Payload
+from kvblocks.tiers.remote_admission import RemoteAdmission
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
 from .test_llm import _prompt
@@ -35,7 +36,7 @@ from kvblocks.tiers.valkey_tier import ValkeyTier
 from tiers.valkey_server import ServerProcess, running_server
 
 SYNC = RemoteTierOptions(async_io=False)
-LAYOUT = KVLayout(2, 2, BLOCK, 64, torch.float32, model_id="tiny-llama-seed0")
+LAYOUT = KVLayout(2, 2, BLOCK, 64, torch.float32, weights_digest=weights_digest(build_tiny_model()))
 # Three requests whose decodes outgrow a 9-block pool: recompute preemption.
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 CROWD = [[(7 * i + j) % 250 + 1 for j in range(40)] for i in range(3)]
@@ -101,7 +102,7 @@ def test_a_readmitted_request_loads_its_blocks_from_the_store(
     pool: dict[str, Any] = {"num_blocks": 10, "preemption_mode": "recompute"}
     want = _plain(tiny_llama, CROWD, LONG, **pool)
     if not refetch:
-        monkeypatch.setattr(LLM, "_refetch_preempted", lambda self: None)
+        monkeypatch.setattr(RemoteAdmission, "refetch", lambda self, still_waiting: None)
     llm = _engine(tiny_llama, _valkey(server), SYNC, host_cache_blocks=6, **pool)
     got = _generate(llm, CROWD, LONG)
     stats = llm.stats()
@@ -300,6 +301,10 @@ def test_a_request_held_for_its_prefetch_can_be_aborted(
     assert final["1"].finish_reason == "abort" and final["1"].token_ids == []
     assert final["0"].token_ids == _plain(tiny_llama, [short], GREEDY, num_blocks=POOL)[0]
     assert llm.stats()["remote"]["imported_blocks"] == 0
+    # Issue 17.2: the held request never reaches the scheduler (it was added only to be
+    # aborted there).
+    scheduler = llm.stats()["scheduler"]
+    assert scheduler["num_requests_added"] == 1 and scheduler["num_requests_aborted"] == 0
     store.gate.set()
     assert llm.close(timeout=10.0)
     llm.manager.check_invariants()

@@ -17,14 +17,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvblocks.engine import LLM, LlamaForCausalLM
+from kvblocks.engine import LLM, LlamaForCausalLM, weights_digest
 from kvblocks.engine.dense import dense_greedy_generate
-from kvblocks.engine.remote_tier import PendingFetch, RemoteTierLink
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.tiers import KVLayout
+from kvblocks.tiers.codec import encode_block
+from kvblocks.tiers.remote_link import PendingFetch, RemoteTierLink
 
 from .test_host_tier_engine import BLOCK, GREEDY, POOL, TARGET, _prefix_payloads, _tokens
 
@@ -48,7 +49,7 @@ def expected(tiny_llama: LlamaForCausalLM) -> list[int]:
 
 
 def _layout(model: LlamaForCausalLM) -> KVLayout:
-    """The tiny Llama's block layout, named as both engines' weights."""
+    """The tiny Llama's block layout, naming its weights (both engines run copies)."""
     cfg = model.config
     return KVLayout(
         cfg.num_hidden_layers,
@@ -56,14 +57,18 @@ def _layout(model: LlamaForCausalLM) -> KVLayout:
         BLOCK,
         cfg.head_dim,
         torch.float32,
-        model_id="tiny-llama-seed0",
+        weights_digest=weights_digest(model),
     )
 
 
-def _engine(model: LlamaForCausalLM, server: ServerProcess) -> LLM:
+def _engine(model: LlamaForCausalLM, server: ServerProcess, mac_key: str | None = None) -> LLM:
     """An engine with a host tier and a remote tier on ``server``."""
     store = ValkeyTier(
-        _layout(model), port=server.port, socket_timeout_s=0.5, retry_interval_s=30.0
+        _layout(model),
+        port=server.port,
+        socket_timeout_s=0.5,
+        retry_interval_s=30.0,
+        mac_key=mac_key,
     )
     return LLM(
         model,
@@ -244,16 +249,48 @@ def test_a_corrupted_value_is_rejected_never_loaded(
     b.manager.check_invariants()
 
 
+@pytest.mark.parametrize("key", [None, "a-shared-secret"])
+def test_a_forged_record_with_a_valid_crc_is_loaded_only_without_a_key(
+    tiny_llama: LlamaForCausalLM, server: ServerProcess, expected: list[int], key: str | None
+) -> None:
+    """Issue 16.2: whoever can write to the server re-encodes block 1 with an all-zero
+    payload and a valid CRC. With a key, B rejects it (counted) and computes it; without
+    one, B loads it and its tokens change: the trust boundary the README states."""
+    a = _engine(tiny_llama, server, key)
+    assert _tokens(a, TARGET) == expected
+    assert a.remote is not None
+    store = a.remote.store
+    assert isinstance(store, ValkeyTier)
+    hashes = PromptHasher(BLOCK).block_hashes(TARGET)
+    zeros = torch.zeros(store.layout.payload_nbytes, dtype=torch.uint8)
+    forged = encode_block(store.layout, hashes[1], zeros)  # type: ignore[arg-type]
+    store.client.set(store.key_of(hashes[1]), forged)  # type: ignore[arg-type]
+    b = _engine(_fresh_model(), server, key)
+    tokens, prefill = _prefill(b, TARGET)
+    remote = b.stats()["remote"]
+    if key is None:
+        assert remote["imported_blocks"] == LOADABLE and remote["rejected"] == 0
+        assert tokens != expected  # the planted KV was attended to
+        return
+    assert tokens == expected
+    # Block 0 is loaded; block 1 is refused, so it and block 2 are computed.
+    assert prefill == len(TARGET) - BLOCK
+    assert remote["imported_blocks"] == 1
+    assert remote["rejected"] == 1 and remote["unauthenticated"] == 1
+    b.manager.check_invariants()
+
+
 def test_remote_tier_argument_is_checked(
     tiny_llama: LlamaForCausalLM, server: ServerProcess
 ) -> None:
-    plain = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0)
-    store = ValkeyTier(plain.runner.host_layout, port=server.port)
+    store = ValkeyTier(_layout(tiny_llama), port=server.port)
     with pytest.raises(InvalidArgumentError, match="host_cache_blocks"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, num_cpu_blocks=0, remote_tier=store)
     with pytest.raises(InvalidArgumentError, match="TierStore"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=1)
-    other = ValkeyTier(KVLayout(1, 1, BLOCK, 8, torch.float32), port=server.port)
+    other = ValkeyTier(
+        KVLayout(1, 1, BLOCK, 8, torch.float32, "x", trust_model_id=True), port=server.port
+    )
     with pytest.raises(InvalidArgumentError, match="layout"):
         LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=other)
     llm = LLM(tiny_llama, num_blocks=POOL, block_size=BLOCK, host_cache_blocks=4, remote_tier=store)

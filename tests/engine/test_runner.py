@@ -118,13 +118,13 @@ def test_swap_out_and_in_to_other_blocks(tiny_llama: LlamaForCausalLM) -> None:
     assert logits is not None
     a.tokens.append(int(logits[0].argmax()))
     out = SchedulerOutput.empty()
-    out.blocks_to_swap_out = np.array([[4, 2], [5, 0], [6, 7]], dtype=np.int64)
+    out.memory_ops = [("swap_out", np.array([[4, 2], [5, 0], [6, 7]], dtype=np.int64))]
     runner.apply_memory_ops(out)
     # Another sequence reuses the freed device blocks, overwriting a's K/V there.
     other = Seq(_prompt(24, 4), blocks=[6, 4, 5])
     assert runner.forward_logits(step([(other, 24)])) is not None
     out = SchedulerOutput.empty()
-    out.blocks_to_swap_in = np.array([[2, 10], [0, 11], [7, 12]], dtype=np.int64)
+    out.memory_ops = [("swap_in", np.array([[2, 10], [0, 11], [7, 12]], dtype=np.int64))]
     runner.apply_memory_ops(out)
     a.blocks = [10, 11, 12, 13]
     decode(runner, tiny_llama, [a], 6)
@@ -138,7 +138,7 @@ def test_copy_on_write_fork_diverges_correctly(tiny_llama: LlamaForCausalLM) -> 
     # Fork: the child shares the full block 3 and gets a copy of the partial block 8.
     child = Seq(list(parent.tokens), blocks=[3, 9, 11], computed=parent.computed)
     out = SchedulerOutput.empty()
-    out.blocks_to_copy = np.array([[8, 9]], dtype=np.int64)
+    out.memory_ops = [("copy", np.array([[8, 9]], dtype=np.int64))]
     runner.apply_memory_ops(out)
     top2 = logits[0].topk(2).indices.tolist()
     parent.tokens.append(top2[0])

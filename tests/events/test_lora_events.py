@@ -1,6 +1,8 @@
 """LoRA fields of ``BlockStored`` on the ZMQ wire: ``lora_id``, ``lora_name`` and vLLM's
-``extra_keys``, decoded by a real subscriber with vLLM's structs. A router that has the
-extra keys recomputes vLLM's block hash from the event alone."""
+``extra_keys`` (untagged, as vLLM 0.33's ``to_event_extra_keys`` publishes them), decoded
+by a real subscriber with vLLM's structs. A router that knows the adapters' paths
+recomputes vLLM's block hash from the event (vLLM hashes ``("lora", name, path)`` and
+``("cache_salt", salt)``, and publishes the bare name and salt)."""
 
 from __future__ import annotations
 
@@ -54,8 +56,23 @@ def vllm_hash(parent: bytes, tokens: list[int], extra: Any) -> bytes:
 
 
 def as_keys(entry: Any) -> Any:
-    """A decoded ``extra_keys`` entry with its inner arrays as tuples (CBOR-equal)."""
-    return None if entry is None else tuple(tuple(k) for k in entry)
+    """A decoded ``extra_keys`` entry as a tuple."""
+    return None if entry is None else tuple(entry)
+
+
+def hash_keys(entry: Any, first: bool, lora_paths: dict[str, str]) -> Any:
+    """The tagged keys vLLM hashed a block with, rebuilt from its untagged event entry:
+    the LoRA's name (its path known to the router), then the salt on the chain's first
+    block."""
+    if entry is None:
+        return None
+    name, *salt = entry
+    keys: list[tuple[str, ...]] = [("lora", name, lora_paths[name])]
+    if first:
+        keys += [("cache_salt", s) for s in salt]
+    else:
+        assert not salt, "the salt keys the chain's first block only"
+    return tuple(keys)
 
 
 def run_request(manager: KVCacheManager, pub: ZmqEventPublisher, request: Request) -> None:
@@ -103,9 +120,9 @@ def test_lora_name_and_extra_keys_reach_the_wire_and_rebuild_vllm_hashes() -> No
         if ev.parent_block_hash is not None:
             parent = ev.parent_block_hash  # type: ignore[assignment]
         for i, h in enumerate(ev.block_hashes):
-            keys = as_keys(ev.extra_keys[i])
             first = n_blocks == 0
-            assert keys == ((LORA, ("cache_salt", "t1")) if first else (LORA,))
+            assert as_keys(ev.extra_keys[i]) == ((LORA[1], "t1") if first else (LORA[1],))
+            keys = hash_keys(ev.extra_keys[i], first, {LORA[1]: LORA[2]})
             tokens = ev.token_ids[i * BLOCK : (i + 1) * BLOCK]
             assert vllm_hash(parent, tokens, keys) == h, f"block {n_blocks}"
             parent = h  # type: ignore[assignment]
@@ -129,9 +146,9 @@ def test_sequences_without_lora_send_none_and_arrays_carry_the_name() -> None:
     plain, lora = DECODE.decode(got[2]).events
     assert (plain.lora_id, plain.lora_name, plain.extra_keys) == (None, None, [None, None])
     assert (lora.lora_id, lora.lora_name) == (2, "chat")
-    assert [as_keys(k) for k in lora.extra_keys] == [(("lora", "chat", ""),)] * 2
+    assert [as_keys(k) for k in lora.extra_keys] == [("chat",)] * 2
     raw = msgspec.msgpack.decode(got[2])[1][1]
-    assert raw["lora_name"] == "chat" and raw["extra_keys"][0] == [["lora", "chat", ""]]
+    assert raw["lora_name"] == "chat" and raw["extra_keys"][0] == ["chat"]
 
     with ZmqEventPublisher(ANY_PORT, wire_format="array") as pub:
         got = publish_one(pub, events)

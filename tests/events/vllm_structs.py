@@ -1,5 +1,5 @@
-"""vLLM's KV-event structs, written here as ``vllm/distributed/kv_events.py`` defines them
-(v0.26+, after vLLM PR #42892: tagged-map events inside the positional batch).
+"""vLLM's KV-event structs, written here as ``vllm/distributed/kv_events.py`` of vLLM 0.33
+defines them (tagged-map events inside the positional batch, since vLLM PR #42892).
 
 A subscriber decoding with these is what vLLM's own classes would do; kvblocks' structs are
 deliberately not imported, so a drift in kvblocks' wire format fails the tests.
@@ -34,12 +34,18 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -16,9 +16,14 @@ from kvblocks.errors import InvalidArgumentError
 
 
 def dense_attention(
-    case, scale=None, sliding_window=None, soft_cap=None, use_sdpa=True
+    case, scale=None, sliding_window=None, soft_cap=None, use_sdpa=True, sinks=None
 ) -> torch.Tensor:
-    """Per-sequence dense attention (SDPA where it can express the op)."""
+    """Per-sequence dense attention (SDPA where it can express the op).
+
+    With ``sinks`` it is transformers' gpt-oss formulation: the sink logit of each head is
+    appended as one more score column, the softmax runs over all of them, and the sink's
+    column is dropped before the weighted sum.
+    """
     q_all = case.query.float()
     out = torch.zeros_like(q_all)
     starts = case.query_start_loc.tolist()
@@ -37,13 +42,19 @@ def dense_attention(
         mask = j <= pos
         if sliding_window is not None:
             mask &= j > pos - sliding_window
-        if use_sdpa and soft_cap is None:
+        if use_sdpa and soft_cap is None and sinks is None:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
             logits = (q @ k.transpose(1, 2)) * scale
             if soft_cap is not None:
                 logits = soft_cap * torch.tanh(logits / soft_cap)
-            o = torch.softmax(logits.masked_fill(~mask, float("-inf")), -1) @ v
+            logits = logits.masked_fill(~mask, float("-inf"))
+            if sinks is None:
+                o = torch.softmax(logits, -1) @ v
+            else:
+                sink_col = sinks.float()[:, None, None].expand(-1, logits.shape[1], 1)
+                probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), -1)
+                o = probs[..., :-1] @ v
         out[lo:hi] = o.transpose(0, 1)
     return out
 
@@ -79,6 +90,85 @@ def test_window_and_soft_cap_match_dense(sliding_window, soft_cap):
     got = prefill(case, scale=0.3, sliding_window=sliding_window, soft_cap=soft_cap)
     want = dense_attention(case, 0.3, sliding_window, soft_cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _sinks(num_heads: int, seed: int, spread: float = 3.0) -> torch.Tensor:
+    return spread * torch.randn(num_heads, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 7])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sinks_in_prefill_match_dense(sliding_window, soft_cap, group):
+    """gpt-oss sinks: a per-head logit in the denominator, with windows and soft caps."""
+    case = make_case(11, [1, 9, 48, 70], [1, 9, 20, 1], block_size=8, group=group)
+    sinks = _sinks(case.query.shape[1], 3)
+    got = prefill(case, scale=0.3, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
+    want = dense_attention(case, 0.3, sliding_window, soft_cap, sinks=sinks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The sinks matter here: without them the output is measurably different.
+    plain = prefill(case, scale=0.3, sliding_window=sliding_window, soft_cap=soft_cap)
+    assert (got - plain).abs().max() > 1e-2
+
+
+def test_sinks_in_decode_match_dense_and_pad_zero():
+    case = make_case(12, [1, 17, 0, 64], [1, 1, 0, 1], group=4)
+    query = torch.zeros((4, *case.query.shape[1:]))
+    query[[0, 1, 3]] = case.query
+    sinks = _sinks(query.shape[1], 4)
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    got = ops.paged_attention(*args, sliding_window=20, sinks=sinks)
+    want = dense_attention(case, sliding_window=20, sinks=sinks)
+    torch.testing.assert_close(got[[0, 1, 3]], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+    # A first token (seq_len 1) sees only itself, yet the sink still takes its share:
+    # the output is the value scaled by 1 / (1 + exp(sink - score)).
+    k0 = case.dense_keys[0][:, 0].repeat_interleave(4, 0)
+    v0 = case.dense_values[0][:, 0].repeat_interleave(4, 0)
+    score = (query[0] * k0).sum(-1) / 8.0
+    share = 1.0 / (1.0 + torch.exp(sinks - score))
+    torch.testing.assert_close(got[0], v0 * share[:, None], rtol=1e-5, atol=1e-5)
+
+
+def test_sink_extremes():
+    """A very negative sink is no sink; a dominant one drives the output to zero."""
+    case = make_case(13, [30, 5], [4, 5], group=2)
+    heads = case.query.shape[1]
+    none = prefill(case)
+    faint = prefill(case, sinks=torch.full((heads,), -1e4))
+    torch.testing.assert_close(faint, none, rtol=0, atol=1e-6)
+    loud = prefill(case, sinks=torch.full((heads,), 1e4))
+    assert loud.abs().max() < 1e-30
+    # Half-precision sinks are accepted and used as fp32.
+    sinks = _sinks(heads, 5)
+    torch.testing.assert_close(
+        prefill(case, sinks=sinks.half()), prefill(case, sinks=sinks.half().float())
+    )
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that claims to be on CUDA, to reach the CUDA dispatch without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_cuda_dispatch_refuses_sinks_by_name():
+    case = make_case(14, [20], [1], group=2)
+    key_cache = case.key_cache.as_subclass(_FakeCudaTensor)
+    value_cache = case.value_cache.as_subclass(_FakeCudaTensor)
+    assert key_cache.is_cuda
+    sinks = torch.zeros(case.query.shape[1])
+    with pytest.raises(InvalidArgumentError, match="sinks are not supported by the CUDA"):
+        ops.paged_attention(
+            case.query, key_cache, value_cache, case.block_tables, case.seq_lens, sinks=sinks
+        )
+    with pytest.raises(InvalidArgumentError, match="sinks are not supported by the CUDA"):
+        ops.paged_prefill_attention(
+            case.query, key_cache, value_cache, case.block_tables, case.query_start_loc,
+            case.seq_lens, sinks=sinks,
+        )  # fmt: skip
 
 
 def test_decode_is_prefill_with_one_query_and_pads_zero():

@@ -17,6 +17,14 @@ What a slot holds is an integer naming a token prefix: the KV of position ``p`` 
 sequence depends exactly on ``tokens[:p + 1]`` (and on the extra keys — cache salt, LoRA
 id — which change the model's K/V), so :class:`PrefixIds` interns ``(namespace,
 tokens[:p + 1])`` to one id. Two positions hold equal KV iff their ids are equal.
+
+A manager with several KV cache groups (layers of different attention kinds: full,
+sliding window, chunked local) keeps one block table per group over one pool, and a
+block id names the same bytes in every group (see ``docs/hybrid-groups.md``): a block
+belongs to one group at a time, and its slots hold that group's layers' KV. The tests
+intern ``(namespace, group)`` as the namespace, so a group reading another group's KV
+reads a wrong id. Which positions a group's query may attend to is :class:`Attention`'s
+rule, the oracle's own.
 """
 
 from __future__ import annotations
@@ -33,6 +41,32 @@ UNWRITTEN = -2
 GARBAGE = -1
 
 NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class Attention:
+    """Which past positions a query of a layer group attends to: the oracle's own rule.
+
+    Full attention (neither field): every position up to the query's. ``window=W``: the
+    last ``W`` positions, ``[p - W + 1, p]``. ``chunk=C``: the query's own chunk of ``C``
+    positions, ``[p // C * C, p]``.
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def first_visible(self, position: int) -> int:
+        """The first position a query at ``position`` (or later: it never decreases)
+        attends to."""
+        if self.window is not None:
+            return max(0, position - self.window + 1)
+        if self.chunk is not None:
+            return position // self.chunk * self.chunk
+        return 0
+
+
+#: Full attention: every earlier position is visible.
+FULL = Attention()
 
 
 @dataclass
@@ -256,30 +290,52 @@ class KVMemory:
         expected: Sequence[int],
         num_computed: int,
         window: int | None = None,
+        *,
+        attention: Attention | None = None,
+        released_exactly: bool = False,
     ) -> None:
         """Positions ``p < num_computed`` must hold ``expected[p]``.
 
-        With a sliding ``window``, positions no future query can see may have been
-        released: their table entry must be the null block, and they are not read.
+        Positions no future query can see (before ``attention.first_visible(
+        num_computed)``; ``window`` is short for ``Attention(window=window)``) may have
+        been released: their table entry must be the null block, and they are not read.
+        With ``released_exactly``, every block wholly before that position must be
+        released (the group holds nothing a query cannot see), and no other block may be
+        the null block.
         """
+        if attention is None:
+            attention = FULL if window is None else Attention(window=window)
         table = np.asarray(block_table, dtype=np.int64).reshape(-1)
         got = self.read(table, num_computed)
         want = np.asarray(expected[:num_computed], dtype=np.int64)
         ok = got == want
-        if window is not None:
-            released = table[np.arange(num_computed) // self.block_size] == NULL_BLOCK
-            if released.any():
-                last = int(np.flatnonzero(released).max())
-                # Released blocks are a leading run no future query (at num_computed or
-                # later) can attend to.
-                if last + 1 > num_computed - window + 1:
-                    raise ContentError(
-                        f"sequence {name}: position {last} released but still inside the "
-                        f"window of {window} at {num_computed} computed tokens"
-                    )
-                ok |= released
-        elif num_computed and (table[: (num_computed - 1) // self.block_size + 1] == 0).any():
-            raise ContentError(f"sequence {name}: the null block stands in its computed prefix")
+        visible = attention.first_visible(num_computed)
+        if released_exactly:
+            gone = visible // self.block_size
+            held = table[gone : -(-num_computed // self.block_size)]
+            if (table[:gone] != NULL_BLOCK).any():
+                b = int(np.flatnonzero(table[:gone] != NULL_BLOCK)[0])
+                raise ContentError(
+                    f"sequence {name}: block {b} (entry {b}) is held, but no query at "
+                    f"{num_computed} or later sees its positions (first visible: {visible})"
+                )
+            if (held == NULL_BLOCK).any():
+                b = gone + int(np.flatnonzero(held == NULL_BLOCK)[0])
+                raise ContentError(
+                    f"sequence {name}: entry {b} is the null block, but a future query "
+                    f"sees its positions (first visible: {visible} at {num_computed})"
+                )
+        released = table[np.arange(num_computed) // self.block_size] == NULL_BLOCK
+        if released.any():
+            last = int(np.flatnonzero(released).max())
+            # Released blocks are a leading run no future query (at num_computed or
+            # later) can attend to.
+            if last >= visible:
+                raise ContentError(
+                    f"sequence {name}: position {last} released but still visible "
+                    f"(first visible: {visible}) at {num_computed} computed tokens"
+                )
+            ok |= released
         if not ok.all():
             p = int(np.flatnonzero(~ok)[0])
             raise ContentError(

@@ -263,7 +263,8 @@ class ReferenceKVCacheManager:
         self._cpu_refcount = [0] * self._num_cpu_blocks
         self._cpu_free = _FreeQueue(range(self._num_cpu_blocks))
         self._seqs: dict[int, _Sequence] = {}
-        self._cow: list[tuple[int, int]] = []
+        # Every block move in issue order, as the core journals them: (kind, src, dst).
+        self._ops: list[tuple[str, int, int]] = []
         self._events: list[RefEvent] = []
         self._prefix_queries = 0
         self._prefix_hits = 0
@@ -387,15 +388,27 @@ class ReferenceKVCacheManager:
             out.append(seq)
         return out
 
+    def _claim_start(self, n: int) -> int:
+        """The first block a hit of ``n`` blocks claims: with a sliding window, the blocks
+        before the window of the query at ``n * block_size`` are not needed."""
+        if self._sliding_window is None:
+            return 0
+        visible = max(n * self._block_size + 1 - self._sliding_window, 0)
+        return min(visible // self._block_size, n)
+
     def _probe_blocks(self, seq: _Sequence) -> int:
-        """Leading blocks of the sequence's prompt found in the cache now (capped)."""
+        """Blocks of the sequence's prompt a claim serves now (capped): the longest hit
+        whose claimed blocks are all cached."""
         if not self._caching:
             return 0
-        n = 0
-        limit = min(seq.probe_cap, len(seq.hashes))
-        while n < limit and seq.hashes[n] in self._cache:
-            n += 1
-        return n
+        n = min(seq.probe_cap, len(seq.hashes))
+        while True:
+            missing = [
+                i for i in range(self._claim_start(n), n) if seq.hashes[i] not in self._cache
+            ]
+            if not missing:
+                return n
+            n = max(missing)
 
     def _pop_free(self) -> int:
         """Take the front block of the free queue, evicting its cache entry if it has one."""
@@ -572,8 +585,12 @@ class ReferenceKVCacheManager:
             out.append((n - hit) * bs)
         return np.array(out, dtype=np.int64)
 
-    def can_allocate(self, seq_id: int, *, num_lookahead_tokens: int = 0) -> AllocStatus:
-        """Can the whole known sequence get blocks, keeping the watermark free?"""
+    def can_allocate(
+        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
+    ) -> AllocStatus:
+        """Can the whole known sequence get blocks, keeping the watermark free? With
+        ``num_new_tokens``: can that step (past the cached prefix) get them, and can the
+        known tokens ever be computed (one a step: the window's worst count)?"""
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
         sid, seq = self._get_running(seq_id, "check admission of")
         if seq.allocated:
@@ -581,9 +598,24 @@ class ReferenceKVCacheManager:
                 f"can_allocate({sid}) is for sequences not yet allocated; it already holds blocks"
             )
         bs = self._block_size
-        required = -(-(len(seq.token_ids) + lookahead) // bs)
         hits = self._probe_blocks(seq)
-        shared = sum(1 for h in seq.hashes[:hits] if self._refcount[self._cache[h]] > 0)
+        start = self._claim_start(hits)
+        if num_new_tokens is not None:
+            new = _check_int(num_new_tokens, "num_new_tokens", 0, _MAX_COUNT)
+            _, computed, _, _, taken = self._plan_allocation(sid, seq, new, lookahead)
+            held = -(-(computed + new + lookahead) // bs) - start
+            for p in range(computed, len(seq.token_ids)):
+                first = start
+                if self._sliding_window is not None:
+                    first = max(first, max(p + 1 - self._sliding_window, 0) // bs)
+                held = max(held, -(-(p + 1 + lookahead) // bs) - first)
+            if held > self._num_blocks - 1 - self._watermark_blocks:
+                return AllocStatus.NEVER
+            if len(self._free) - taken < self._watermark_blocks:
+                return AllocStatus.LATER
+            return AllocStatus.OK
+        required = -(-(len(seq.token_ids) + lookahead) // bs) - start
+        shared = sum(1 for h in seq.hashes[start:hits] if self._refcount[self._cache[h]] > 0)
         needed = required - shared
         if required > self._num_blocks - 1 - self._watermark_blocks:
             return AllocStatus.NEVER
@@ -602,16 +634,17 @@ class ReferenceKVCacheManager:
         bs = self._block_size
         claim: list[int] = []
         computed = seq.num_computed
+        table_len = len(seq.block_table)
         if not seq.allocated:
             hits = self._probe_blocks(seq)
-            claim = [self._cache[h] for h in seq.hashes[:hits]]
+            claim = [self._cache[h] for h in seq.hashes[self._claim_start(hits) : hits]]
             computed = hits * bs
+            table_len = hits
         if computed + num_new > len(seq.token_ids):
             raise InvalidArgumentError(
                 f"sequence {sid}: computed ({computed}) + num_new_tokens ({num_new}) exceeds its "
                 f"{len(seq.token_ids)} known tokens; use num_lookahead_tokens for drafts"
             )
-        table_len = len(seq.block_table) + len(claim)
         total = computed + num_new + lookahead
         append = max(0, -(-total // bs) - table_len)
         write_index = computed // bs
@@ -634,6 +667,9 @@ class ReferenceKVCacheManager:
         claim, computed, append, cow, _ = plan
         bs = self._block_size
         if not seq.allocated:
+            # Blocks before the window of the next query are not claimed.
+            seq.num_released = computed // bs - len(claim)
+            seq.block_table = [_NULL_BLOCK] * seq.num_released
             for block in claim:
                 if self._refcount[block] == 0:
                     self._free.remove(block)
@@ -642,7 +678,7 @@ class ReferenceKVCacheManager:
             seq.allocated = True
             seq.num_computed = computed
             seq.num_cached_tokens = computed
-            seq.num_committed_blocks = len(claim)
+            seq.num_committed_blocks = computed // bs
             if self._caching:
                 self._prefix_queries += seq.prompt_len
                 self._prefix_hits += computed
@@ -654,7 +690,7 @@ class ReferenceKVCacheManager:
             self._refcount[dst] = 1
             self._refcount[src] -= 1
             seq.block_table[index] = dst
-            self._cow.append((src, dst))
+            self._ops.append(("copy", src, dst))
             self._cow_copies += 1
             taken.append(dst)
         for _ in range(append):
@@ -833,10 +869,24 @@ class ReferenceKVCacheManager:
         )
 
     def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the queued copy-on-write ``(src, dst)`` pairs, shape ``[n, 2]``."""
-        out = np.array(self._cow, dtype=np.int64).reshape(-1, 2)
-        self._cow.clear()
-        return out
+        """Drain the journal as copy-on-write ``(src, dst)`` pairs, shape ``[n, 2]`` (swap
+        rows dropped: ``swap_out``/``swap_in`` returned them)."""
+        out = np.array([(s, d) for k, s, d in self._ops if k == "copy"], dtype=np.int64)
+        self._ops.clear()
+        return out.reshape(-1, 2)
+
+    def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
+        """Drain every queued block move in issue order, as runs of one kind."""
+        runs: list[tuple[str, list[tuple[int, int]]]] = []
+        for kind, src, dst in self._ops:
+            if not runs or runs[-1][0] != kind:
+                runs.append((kind, []))
+            runs[-1][1].append((src, dst))
+        self._ops.clear()
+        return [(kind, np.array(pairs, dtype=np.int64).reshape(-1, 2)) for kind, pairs in runs]
+
+    def confirm_memory_ops(self) -> None:
+        """No host tier: nothing to confirm."""
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it."""
@@ -905,6 +955,7 @@ class ReferenceKVCacheManager:
             seq.block_table[seq.num_released :] = [mapping[gpu] for gpu in live]
             seq.swapped = True
         self._swapped_out += len(blocks)
+        self._ops.extend(("swap_out", gpu, cpu) for gpu, cpu in mapping.items())
         return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
 
     def swap_in(self, seq_ids: object) -> npt.NDArray[np.int64]:
@@ -925,6 +976,7 @@ class ReferenceKVCacheManager:
             seq.block_table[seq.num_released :] = [mapping[cpu] for cpu in live]
             seq.swapped = False
         self._swapped_in += len(blocks)
+        self._ops.extend(("swap_in", cpu, gpu) for cpu, gpu in mapping.items())
         return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
 
     # -- step inputs -------------------------------------------------------------------

@@ -10,8 +10,11 @@ from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import PromptHasher, records_from_manager
 
 
-def _instance_hashes(tokens: np.ndarray, bs: int, algo: str, **kw: object) -> list[bytes]:
-    m = KVCacheManager(len(tokens) // bs + 4, bs, hash_algo=algo)  # type: ignore[arg-type]
+def _instance_hashes(
+    tokens: np.ndarray, bs: int, algo: str, hash_seed: str | None = None, **kw: object
+) -> list[bytes]:
+    m = KVCacheManager(len(tokens) // bs + 4, bs, hash_algo=algo, hash_seed=hash_seed)  # type: ignore[arg-type]
+    m.register_lora(3, "sql-adapter", "/adapters/sql")
     m.add_sequence(1, tokens, **kw)  # type: ignore[arg-type]
     m.allocate_slots(1, len(tokens))
     m.commit(1, len(tokens))
@@ -21,11 +24,12 @@ def _instance_hashes(tokens: np.ndarray, bs: int, algo: str, **kw: object) -> li
     return out
 
 
-@pytest.mark.parametrize("algo", ["blake3", "xxh3_128"])
+@pytest.mark.parametrize("algo", ["blake3", "xxh3_128", "sha256_cbor"])
 @pytest.mark.parametrize("kw", [{}, {"cache_salt": "tenant-a"}, {"lora_id": 3}])
 def test_hashes_match_the_instances(algo: str, kw: dict[str, object]) -> None:
     rng = np.random.default_rng(5)
     hasher = PromptHasher(16, algo)
+    hasher.register_lora(3, "sql-adapter", "/adapters/sql")
     for n in (16, 47, 160, 333):
         tokens = rng.integers(0, 32000, size=n)
         got = hasher.block_hashes(tokens, **kw)  # type: ignore[arg-type]
@@ -53,8 +57,24 @@ def test_salt_and_lora_change_the_hashes() -> None:
     assert hasher.block_hashes(t, lora_id=1) != plain
 
 
+def test_a_fleet_s_seed_and_loras_are_the_instances() -> None:
+    """Regression: the hasher drove a scratch manager built from (block_size, hash_algo)
+    only, so a sha256_cbor fleet with its own seed got other hashes (every lookup missed)
+    and a LoRA prompt could not be hashed at all."""
+    tokens = np.arange(40)
+    want = _instance_hashes(tokens, 8, "sha256_cbor", hash_seed="fleet-7", lora_id=3)
+    hasher = PromptHasher(8, "sha256_cbor", hash_seed="fleet-7")
+    hasher.register_lora(3, "sql-adapter", "/adapters/sql")
+    assert hasher.block_hashes(tokens, lora_id=3) == want
+    m = KVCacheManager(8, 8, hash_algo="sha256_cbor", hash_seed="fleet-7")
+    m.register_lora(3, "sql-adapter", "/adapters/sql")
+    from_manager = PromptHasher.from_manager(m)
+    assert (from_manager.block_size, from_manager.hash_algo) == (8, "sha256_cbor")
+    assert from_manager.block_hashes(tokens, lora_id=3) == want
+
+
 def test_short_and_long_prompts() -> None:
-    hasher = PromptHasher(16, max_tokens=32)
+    hasher = PromptHasher(16)
     assert hasher.block_hashes(np.arange(15)) == []
     assert hasher.block_hashes(np.arange(0)) == []
     long = np.arange(5000) % 32000

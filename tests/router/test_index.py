@@ -72,6 +72,22 @@ def test_all_blocks_cleared_drops_one_instance_in_every_tier() -> None:
     assert len(idx) == 2
 
 
+def test_a_removal_from_one_group_keeps_another_group_s_copy() -> None:
+    """vLLM 0.33 events name their KV cache group: a sliding-window group dropping a block
+    the full-attention group still holds must not erase it from the index."""
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:3]), group_idx=0))
+    idx.apply(BlockStoredRecord(0, tuple(H[:3]), group_idx=1))
+    idx.apply(BlockRemovedRecord(0, (H[0], H[1]), group_idx=1))
+    assert idx.overlaps(H[:3]) == {0: 3}
+    assert idx.num_blocks(0) == 3
+    idx.apply(BlockRemovedRecord(0, (H[0],), group_idx=0))
+    assert idx.overlaps(H[:3]) == {}
+    assert idx.num_blocks(0) == 2
+    idx.apply(BlockRemovedRecord(0, (H[2],), group_idx=5))  # a group that never held it
+    assert idx.num_blocks(0) == 2
+
+
 def test_tiers_are_separate_and_any_tier_matches_by_default() -> None:
     idx = PrefixIndex()
     idx.apply(BlockStoredRecord(0, tuple(H[:2])))  # GPU

@@ -112,6 +112,45 @@ def test_decoded_forms_and_bad_events() -> None:
             records_from_wire(0, bad)
 
 
+def test_vllm_0_33_fields_are_accepted_and_the_group_kept() -> None:
+    """A vLLM 0.33 stream: stores and removals name their group, stores carry the group's
+    spec, untagged extra keys and the offloading/session fields."""
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "parent_block_hash": None,
+        "token_ids": [1] * 8,
+        "block_size": 4,
+        "lora_id": 1,
+        "medium": "GPU",
+        "lora_name": "my-lora",
+        "extra_keys": [["my-lora", "s"], ["my-lora"]],
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 8,
+        "locality": "LOCAL",
+        "ownership": None,
+        "session_id": "sess-1",
+        "lookahead_token_ids": [[5], [6]],
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 1,
+               "locality": "LOCAL", "ownership": "tier-a"}  # fmt: skip
+    assert records_from_wire(3, [stored, removed]) == [
+        BlockStoredRecord(3, (11, 12), None, "GPU", group_idx=1),
+        BlockRemovedRecord(3, (11,), "GPU", group_idx=1),
+    ]
+    # Decoded into structs (vLLM's own or kvblocks'): the group is kept too.
+    wire = events_mod.wire
+    as_structs = [
+        wire.BlockStored([11], None, [1] * 4, 4, None, "GPU", None, group_idx=2),
+        wire.BlockRemoved([11], "GPU", group_idx=2),
+    ]
+    assert [r.group_idx for r in records_from_wire(3, as_structs)] == [2, 2]  # type: ignore[union-attr]
+    for bad in (-1, True, "0", 1.0):
+        with pytest.raises(InvalidArgumentError, match="group_idx"):
+            records_from_wire(0, [{**removed, "group_idx": bad}])
+
+
 def test_hash_format_int_is_the_digests_low_64_bits() -> None:
     hasher = PromptHasher(8)
     digests = hasher.block_hashes(np.arange(16))

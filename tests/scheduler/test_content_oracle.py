@@ -1,7 +1,8 @@
 """KV-content oracle, level (b): the scheduler driven exactly like an engine.
 
 Random configurations (policies, both preemption modes and auto, chunked prefill on/off,
-lookahead slots, prefix caching, sliding windows, CPU pools, n > 1, beam search, stop
+lookahead slots, prefix caching, sliding windows, KV cache groups (mixes of full,
+sliding-window and chunked-local groups over one pool), CPU pools, n > 1, beam search, stop
 tokens, EOS, aborts before and during a step, single samples of ``n > 1`` requests ended
 early with ``finish_sequence``) run against an emulated KV memory
 (:mod:`oracle.kv_memory`). Every step the harness
@@ -15,7 +16,11 @@ early with ``finish_sequence``) run against an emulated KV memory
    only by applying ``block_table_delta`` each step (rebuilt whole only when
    ``block_table_reallocated``), and its ``seq_lens`` entry, and compares it with the KV
    ids of that sequence's own tokens; that copy must equal the scheduler's rows, and the
-   compatibility ``block_tables`` must equal them too;
+   compatibility ``block_tables`` must equal them too. With KV cache groups, every group
+   of every sequence is written through its row of ``group_slot_mappings`` and read
+   through its own table (``group_block_table``, kept by ``group_block_table_deltas``)
+   under the group's attention rule (the oracle's :class:`Attention`), each group's KV
+   distinct from every other's; group 0 must be the single-group fields exactly;
 4. samples with the deterministic fake model and calls ``update``, collecting every
    record it returns: each sequence's ``new_token_ids`` over the steps must add up to its
    final ``token_ids``.
@@ -38,7 +43,7 @@ import numpy as np
 import pytest
 from sched_fake_model import fake_step, next_tokens
 
-from kvblocks import InvalidArgumentError, KVCacheManager
+from kvblocks import GroupSpec, InvalidArgumentError, KVCacheManager
 from kvblocks.scheduler import (
     FinishReason,
     Request,
@@ -48,7 +53,7 @@ from kvblocks.scheduler import (
     SchedulerConfig,
 )
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
-from oracle.kv_memory import GARBAGE, ContentError, KVMemory, PrefixIds
+from oracle.kv_memory import GARBAGE, Attention, ContentError, KVMemory, PrefixIds
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
 NUM_BATCHES = 10
@@ -151,6 +156,27 @@ class Config:
                     for r in requests
                 ]
 
+        # KV cache groups (a hybrid model's layer kinds: full, sliding window, chunked
+        # local; sizes that are and are not multiples of the block size) in a third of
+        # the configurations without a single window (its own generator).
+        kinds = np.random.default_rng(seed + 4_000_003)
+        self.rules: list[Attention] = [Attention(window=self.window)]
+        self.groups: list[GroupSpec] | None = None
+        if self.window is None and kinds.random() < 0.35:
+            self.rules, self.groups = [], []
+            for _ in range(int(kinds.integers(1, 4))):
+                kind = int(kinds.integers(0, 3))
+                size = int(kinds.integers(2, 40))
+                if kind == 0:
+                    self.rules.append(Attention())
+                    self.groups.append(GroupSpec.full_attention())
+                elif kind == 1:
+                    self.rules.append(Attention(window=size))
+                    self.groups.append(GroupSpec.sliding_window(size))
+                else:
+                    self.rules.append(Attention(chunk=size))
+                    self.groups.append(GroupSpec.chunked_local_attention(size))
+
     def manager(self) -> KVCacheManager:
         """A fresh block manager for this configuration."""
         return KVCacheManager(
@@ -160,6 +186,7 @@ class Config:
             enable_prefix_caching=self.caching,
             watermark=self.watermark,
             sliding_window=self.window,
+            groups=self.groups,
             record_events=False,
             host_cache_blocks=self.host_cache_blocks,
             host_offload=self.host_offload,
@@ -182,6 +209,7 @@ class Harness:
             cfg.num_blocks, cfg.num_cpu_blocks, cfg.block_size, cfg.host_cache_blocks
         )
         self.tier_ops: Counter[str] = Counter()
+        self.group_reads: Counter[str] = Counter()
         self.prefix_ids = PrefixIds()
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
@@ -189,31 +217,47 @@ class Harness:
         self.aborted: set[str] = set()
         self.seq_finished: dict[tuple[str, int], list[int]] = {}  # by finish_sequence
         self.deltas: dict[tuple[str, int], list[int]] = {}
-        # The engine's (device) copy of the persistent block table, patched by deltas.
+        # The engine's (device) copy of every group's persistent block table, patched by
+        # the per-group deltas.
         self.table: np.ndarray | None = None
 
     def sync_table(self, out) -> np.ndarray:
-        """Bring the engine's copy up to date from the step's delta alone; return the
-        scheduled sequences' rows of it."""
+        """Bring the engine's copy of every group's table up to date from the step's
+        per-group deltas alone; return the scheduled sequences' rows of it, ``[G, S, B]``.
+
+        Group 0 is the single-group interface: ``block_table``, ``block_table_delta``,
+        ``block_tables`` and ``slot_mapping`` must be exactly it.
+        """
+        groups = len(self.cfg.rules)
+        assert out.num_groups == groups
+        assert out.group_block_table.shape[0] == groups
+        assert np.shares_memory(out.group_block_table[0], out.block_table)
+        assert out.group_block_table_deltas[0] is out.block_table_delta
+        assert len(out.group_block_table_deltas) == groups
         if out.block_table_reallocated or self.table is None:
             assert out.block_table_reallocated, "the first step must announce a new table"
-            self.table = np.array(out.block_table, copy=True)
+            self.table = np.array(out.group_block_table, copy=True)
         else:
-            assert self.table.shape == out.block_table.shape
-            d = out.block_table_delta
-            for k in range(len(d)):
-                row, start = int(d.rows[k]), int(d.start_cols[k])
-                ids = d.block_ids[d.indptr[k] : d.indptr[k + 1]]
-                if d.reset[k]:
-                    self.table[row] = 0
-                self.table[row, start : start + len(ids)] = ids
+            assert self.table.shape == out.group_block_table.shape
+            for g, d in enumerate(out.group_block_table_deltas):
+                for k in range(len(d)):
+                    row, start = int(d.rows[k]), int(d.start_cols[k])
+                    ids = d.block_ids[d.indptr[k] : d.indptr[k + 1]]
+                    if d.reset[k]:
+                        self.table[g, row] = 0
+                    self.table[g, row, start : start + len(ids)] = ids
         rows = out.block_table_rows
         assert len(rows) == out.num_seqs and len(set(rows.tolist())) == len(rows)
-        mine = self.table[rows]
-        np.testing.assert_array_equal(mine, out.block_table[rows])
+        mine = self.table[:, rows]
+        np.testing.assert_array_equal(mine, out.group_block_table[:, rows])
         legacy = out.block_tables
-        np.testing.assert_array_equal(legacy, mine[:, : legacy.shape[1]])
-        assert not mine[:, legacy.shape[1] :].any()
+        np.testing.assert_array_equal(legacy, mine[0, :, : legacy.shape[1]])
+        assert not mine[0, :, legacy.shape[1] :].any()
+        gathered = out.group_block_tables
+        np.testing.assert_array_equal(gathered, mine[:, :, : gathered.shape[2]])
+        assert not mine[:, :, gathered.shape[2] :].any()
+        np.testing.assert_array_equal(out.group_slot_mappings[0], out.slot_mapping)
+        assert out.group_slot_mappings.shape == (groups, out.num_tokens)
         return mine
 
     # -- one step -----------------------------------------------------------------------
@@ -246,26 +290,34 @@ class Harness:
             seq_len = int(out.seq_lens[i])
             n = int(out.num_scheduled_tokens[i])
             assert n >= 1 and seq_len <= len(tokens), (seq, seq_len, len(tokens))
-            ids = self.prefix_ids.ids(tokens[:seq_len], _namespace(request))
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             pos = out.positions[lo:hi]
             assert pos.tolist() == list(range(seq_len - n, seq_len)), (seq, pos, seq_len)
             assert out.input_token_ids[lo:hi].tolist() == tokens[seq_len - n : seq_len]
-            slots = out.slot_mapping[lo:hi]
-            values = [ids[p] for p in pos.tolist()]
-            table = tables[i]
-            if i < out.num_decode_seqs and cfg.sched.num_lookahead_tokens:
-                # Draft tokens of a speculative step: the engine writes their KV too.
-                look = np.arange(seq_len, seq_len + cfg.sched.num_lookahead_tokens)
-                if (look // bs).max() >= len(table) or (table[look // bs] == 0).any():
-                    raise ContentError(f"sequence {seq}: lookahead slots are not reserved")
-                slots = np.concatenate([slots, table[look // bs] * bs + look % bs])
-                values = values + [GARBAGE] * len(look)
-            writes.append((seq, slots, values))
-            contexts.append((seq, table, ids, seq_len))
+            # Each group's layers write their own KV (the group is part of the namespace)
+            # into the group's blocks, through the group's slot mapping.
+            for g, rule in enumerate(cfg.rules):
+                ids = self.prefix_ids.ids(tokens[:seq_len], (_namespace(request), g))
+                slots = out.group_slot_mappings[g, lo:hi]
+                values = [ids[p] for p in pos.tolist()]
+                table = tables[g, i]
+                if i < out.num_decode_seqs and cfg.sched.num_lookahead_tokens:
+                    # Draft tokens of a speculative step: the engine writes their KV too.
+                    look = np.arange(seq_len, seq_len + cfg.sched.num_lookahead_tokens)
+                    if (look // bs).max() >= len(table) or (table[look // bs] == 0).any():
+                        raise ContentError(f"sequence {seq}: lookahead slots are not reserved")
+                    slots = np.concatenate([slots, table[look // bs] * bs + look % bs])
+                    values = values + [GARBAGE] * len(look)
+                writes.append(((seq, g), slots, values))
+                contexts.append(((seq, g), table, ids, seq_len, rule))
         mem.write_step(writes)
-        for seq, table, ids, seq_len in contexts:
-            mem.check(seq, table, ids, seq_len, window=cfg.window)
+        for name, table, ids, seq_len, rule in contexts:
+            mem.check(name, table, ids, seq_len, attention=rule)
+            if cfg.groups is not None and len(cfg.groups) > 1:
+                # Reads through a group's table with blocks it released (null entries).
+                self.group_reads[
+                    "released" if (table[: -(-seq_len // bs)] == 0).any() else "whole"
+                ] += 1
         in_flight = [rid for rid, (at, fl) in self.cfg.abort_at.items() if at == step and fl]
         for rid in in_flight:
             self.abort(rid)
@@ -347,14 +399,28 @@ class Harness:
         prompt's full blocks shared: an upper bound of what they hold).
         """
         cfg = self.cfg
+        bs = cfg.block_size
         usable = cfg.num_blocks - 1 - int(np.floor(cfg.watermark * cfg.num_blocks))
         prompt = request.num_prompt_tokens
-        need = -(-(prompt + len(tokens) + cfg.sched.num_lookahead_tokens) // cfg.block_size)
+        # The step that could not be served computes at most the last token; a step of
+        # one token at position p holds, in each group, the blocks from the first one its
+        # query sees (a window group released the rest) to p + 1 + lookahead. A window
+        # group's count is not monotone in p: the sequence cannot pass any position
+        # whose step the pool cannot hold.
         params = request.sampling_params
-        if params.use_beam_search:
-            shared = prompt // cfg.block_size
-            need = shared + params.beam_width * (need - shared)
-        return need > usable
+        for p in range(prompt + len(tokens)):
+            table_len = -(-(p + 1 + cfg.sched.num_lookahead_tokens) // bs)
+            need = 0
+            for rule in cfg.rules:
+                gone = rule.first_visible(p) // bs
+                held = table_len - gone
+                if params.use_beam_search:
+                    shared = max(prompt // bs - gone, 0)
+                    held = shared + params.beam_width * (held - shared)
+                need += held
+            if need > usable:
+                return True
+        return False
 
     def check_outputs(self) -> None:
         mgr = self.mgr
@@ -462,3 +528,26 @@ def test_the_oracle_reaches_same_step_prefix_holds(monkeypatch: pytest.MonkeyPat
     for seed in range(CONFIGS_PER_BATCH):
         run_config(seed)
     assert holds[True] > 0, holds
+
+
+def test_the_oracle_reaches_overdue_requests() -> None:
+    """Requests that waited ``max_wait_steps`` and were admitted ahead of the policy's
+    order occur in the oracle's workloads, so the runs above judge them by content."""
+    overdue = sum(
+        run_config(seed).sched.counters.num_requests_overdue for seed in range(CONFIGS_PER_BATCH)
+    )
+    assert overdue > 0
+
+
+def test_the_oracle_reaches_groups() -> None:
+    """Configurations with several KV cache groups read through window or chunked
+    groups' tables with released blocks and are preempted, so the runs above judge the
+    per-group output by content."""
+    seen: Counter[str] = Counter()
+    for seed in range(2 * CONFIGS_PER_BATCH):
+        harness = run_config(seed)
+        seen.update(harness.group_reads)
+        if harness.group_reads:
+            seen["preempted"] += harness.sched.counters.num_preemptions_recompute
+            seen["swapped"] += harness.sched.counters.num_preemptions_swap
+    assert all(seen[k] > 0 for k in ("released", "whole", "preempted", "swapped")), seen

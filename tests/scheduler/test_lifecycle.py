@@ -94,6 +94,19 @@ def test_bad_requests_raise_and_leave_the_scheduler_unchanged(make_manager) -> N
         Scheduler(mgr, {"policy": "fcfs"})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("priority", [2**63, -(2**63) - 1, 2**70])
+def test_a_priority_outside_int64_is_refused(make_manager, priority: int) -> None:
+    """The decode table keeps priorities as int64: 2**70 was accepted and raised
+    OverflowError inside update(), losing the request mid-step."""
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        Request("a", PROMPT, priority=priority)
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig(policy="priority"))
+    for i, edge in enumerate((2**63 - 1, -(2**63))):
+        sched.add_request(Request(f"edge{i}", PROMPT, SamplingParams(max_tokens=2), priority=edge))
+    outputs, _ = run_to_completion(sched)
+    assert sorted(outputs) == ["edge0", "edge1"]
+
+
 def test_schedule_update_protocol_is_enforced(make_manager) -> None:
     sched = Scheduler(make_manager(64, 4), SchedulerConfig())
     sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=3)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from sched_fake_model import run_to_completion, tokens_of
 
 from kvblocks.scheduler import FinishReason, Request, SamplingParams, Scheduler, SchedulerConfig
@@ -195,3 +196,29 @@ def test_a_budget_cut_never_splits_a_forked_request(make_manager) -> None:
         for rid in set(decode_reqs):
             assert decode_reqs.count(rid) in (0, 3) or len(outputs[rid].outputs) < 3
     assert len(outputs["a"].outputs) == 3 and len(outputs["b"].outputs) == 1
+
+
+def test_memory_ops_is_the_one_protocol(make_manager) -> None:
+    """Swaps and copies of every step come through the manager's one journal, in issue
+    order, with or without a host tier and on the reference manager too; the per-kind
+    arrays are read-only views of it."""
+    rng = np.random.default_rng(3)
+    params = SamplingParams(max_tokens=12, n=2)  # forks: copy-on-writes
+    reqs = [Request(f"r{i}", rng.integers(1, 90, 5 + 3 * i), params) for i in range(4)]
+    sched, _, steps = _run(
+        make_manager(14, 4, num_cpu_blocks=64, watermark=0.0), reqs, preemption_mode="swap"
+    )
+    assert sched.stats()["num_preemptions_swap"] > 0
+    kinds = {kind for s in steps for kind, _ in s.memory_ops}
+    assert {"copy", "swap_out", "swap_in"} <= kinds
+    for s in steps:
+        for name, kind in (
+            ("blocks_to_swap_out", "swap_out"),
+            ("blocks_to_swap_in", "swap_in"),
+            ("blocks_to_copy", "copy"),
+        ):
+            runs = [np.asarray(p).reshape(-1, 2) for k, p in s.memory_ops if k == kind]
+            want = np.concatenate(runs) if runs else np.zeros((0, 2), np.int64)
+            np.testing.assert_array_equal(getattr(s, name), want)
+    with pytest.raises(AttributeError):
+        steps[0].blocks_to_copy = np.zeros((1, 2), np.int64)  # type: ignore[misc]

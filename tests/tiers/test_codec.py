@@ -10,7 +10,7 @@ import torch
 from kvblocks.errors import InvalidArgumentError, KVBlocksError
 from kvblocks.tiers import CorruptBlockError, KVLayout, decode_block, encode_block
 from kvblocks.tiers.codec import MAGIC, record_nbytes
-from tiers.helpers import block_hash, random_payload
+from tiers.helpers import block_hash, digest_of, random_payload
 
 
 def test_round_trip_is_bit_exact(layout: KVLayout) -> None:
@@ -30,17 +30,21 @@ def test_payload_may_be_bytes_or_typed_tiles(layout: KVLayout) -> None:
 
 
 def test_fingerprint_names_model_and_every_layout_field(layout: KVLayout) -> None:
+    w = layout.weights_digest
     others = [
-        KVLayout(3, 2, 16, 64, torch.float16, "test-model"),
-        KVLayout(2, 4, 16, 64, torch.float16, "test-model"),
-        KVLayout(2, 2, 32, 64, torch.float16, "test-model"),
-        KVLayout(2, 2, 16, 128, torch.float16, "test-model"),
-        KVLayout(2, 2, 16, 64, torch.bfloat16, "test-model"),
-        KVLayout(2, 2, 16, 64, torch.float16, "other-model"),
+        KVLayout(3, 2, 16, 64, torch.float16, "test-model", w),
+        KVLayout(2, 4, 16, 64, torch.float16, "test-model", w),
+        KVLayout(2, 2, 32, 64, torch.float16, "test-model", w),
+        KVLayout(2, 2, 16, 128, torch.float16, "test-model", w),
+        KVLayout(2, 2, 16, 64, torch.bfloat16, "test-model", w),
+        KVLayout(2, 2, 16, 64, torch.float16, "other-model", w),
+        KVLayout(2, 2, 16, 64, torch.float16, "test-model", digest_of("other weights")),
+        KVLayout(2, 2, 16, 64, torch.float16, "test-model"),
+        KVLayout(2, 2, 16, 64, torch.float16, "test-model", trust_model_id=True),
     ]
     prints = {layout.fingerprint} | {o.fingerprint for o in others}
     assert len(prints) == 1 + len(others)
-    assert KVLayout(2, 2, 16, 64, torch.float16, "test-model").fingerprint == layout.fingerprint
+    assert KVLayout(2, 2, 16, 64, torch.float16, "test-model", w).fingerprint == layout.fingerprint
 
 
 def _flip(record: bytes, index: int) -> bytes:

@@ -17,7 +17,7 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers import DiskTier, KVLayout, TierStore
-from tiers.helpers import block_hash, random_payload
+from tiers.helpers import block_hash, digest_of, random_payload
 
 
 def _stored(tier: DiskTier, layout: KVLayout, ids: range | list[int]) -> list[int]:
@@ -76,13 +76,17 @@ def test_reopen_with_smaller_capacity_evicts_oldest(tmp_path: Path, layout: KVLa
 
 def test_another_layout_never_sees_the_blocks(tmp_path: Path, layout: KVLayout) -> None:
     DiskTier(tmp_path, layout, 4).put(block_hash(0), random_payload(layout, 0))
-    other = DiskTier(tmp_path, KVLayout(2, 2, 16, 64, torch.float16, "another-model"), 4)
+    other = DiskTier(
+        tmp_path,
+        KVLayout(2, 2, 16, 64, torch.float16, "another-model", digest_of("another-model")),
+        4,
+    )
     assert len(other) == 0 and other.get_many([block_hash(0)]) == [None]
 
 
 def test_a_directory_of_other_layouts_only_warns(tmp_path: Path, layout: KVLayout) -> None:
     DiskTier(tmp_path, layout, 4).put(block_hash(0), random_payload(layout, 0))
-    other_layout = KVLayout(2, 2, 16, 64, torch.float32, "test-model")
+    other_layout = KVLayout(2, 2, 16, 64, torch.float32, "test-model", digest_of("test-model"))
     with pytest.warns(RuntimeWarning, match="other layouts.*'test-model'"):
         other = DiskTier(tmp_path, other_layout, 4)
     assert other.get_many([block_hash(0)]) == [None]
@@ -95,7 +99,7 @@ def test_a_directory_describing_another_layout_is_rejected(
     tmp_path: Path, layout: KVLayout
 ) -> None:
     """A fingerprint directory copied from another model: warned, its blocks removed."""
-    foreign = KVLayout(2, 2, 16, 64, torch.float16, "another-model")
+    foreign = KVLayout(2, 2, 16, 64, torch.float16, "another-model", digest_of("another-model"))
     source = DiskTier(tmp_path / "a", foreign, 4)
     source.put(block_hash(0), random_payload(foreign, 0))
     mine = tmp_path / "b" / layout.fingerprint.hex()
@@ -161,8 +165,8 @@ _WRITER = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     from kvblocks.tiers import DiskTier, KVLayout
-    from tiers.helpers import block_hash, random_payload
-    layout = KVLayout(2, 2, 16, 64, torch.float16, model_id="test-model")
+    from tiers.helpers import block_hash, digest_of, random_payload
+    layout = KVLayout(2, 2, 16, 64, torch.float16, "test-model", digest_of("test-model"))
     tier = DiskTier({root!r}, layout, 10_000)
     i = 0
     while True:
@@ -225,7 +229,9 @@ def test_full_disk_evicts_lru_never_fails(tiny_filesystem: Path, layout: KVLayou
 def test_block_larger_than_the_disk_is_dropped_with_a_warning(
     tiny_filesystem: Path,
 ) -> None:
-    huge = KVLayout(4, 8, 16, 128, torch.float16)  # 512 KiB blocks, 256 KiB disk
+    huge = KVLayout(
+        4, 8, 16, 128, torch.float16, weights_digest=digest_of("huge")
+    )  # 512 KiB blocks, 256 KiB disk
     tier = DiskTier(tiny_filesystem, huge, 4)
     with pytest.warns(RuntimeWarning, match="dropped"):
         assert not tier.put(block_hash(0), torch.zeros(huge.payload_nbytes, dtype=torch.uint8))

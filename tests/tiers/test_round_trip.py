@@ -17,7 +17,7 @@ from kvblocks.tiers import (
     gather_blocks,
     scatter_blocks,
 )
-from tiers.helpers import block_hash
+from tiers.helpers import block_hash, digest_of
 from tiers.valkey_server import ServerProcess
 
 
@@ -55,7 +55,7 @@ def test_cache_blocks_round_trip_through_the_tier(
     for key, value in src:
         key.copy_(torch.randn(key.shape, generator=gen).to(dtype))
         value.copy_(torch.randn(value.shape, generator=gen).to(dtype))
-    layout = KVLayout.from_caches(src, model_id="round-trip")
+    layout = KVLayout.from_caches(src, "round-trip", weights_digest=digest_of("round-trip"))
     tier = make_tier(layout)
     blocks = [7, 2, 5, 0]
     hashes = [block_hash(b, "rt") for b in blocks]

@@ -10,7 +10,7 @@ import torch
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers import KVLayout, TierStore, encode_block
-from tiers.helpers import block_hash, random_payload
+from tiers.helpers import block_hash, digest_of, random_payload
 from tiers.valkey_server import ServerProcess, running_server
 
 pytest.importorskip("valkey", reason="the valkey client is missing: pip install 'kvblocks[tiers]'")
@@ -57,7 +57,10 @@ def test_two_instances_share_blocks(valkey_server: ServerProcess, layout: KVLayo
     )
     assert b.stats().hits == 3 and b.stats().puts == 0
     # Another model on the same server has its own key space.
-    other = _tier(valkey_server, KVLayout(2, 2, 16, 64, torch.float16, "another-model"))
+    other = _tier(
+        valkey_server,
+        KVLayout(2, 2, 16, 64, torch.float16, "another-model", digest_of("another-model")),
+    )
     assert other.get_many([block_hash(0)]) == [None] and len(other) == 0
 
 
@@ -74,7 +77,7 @@ def test_bad_values_are_rejected_never_loaded(
         "empty": b"",
         "bit flip": good[:-1] + bytes([good[-1] ^ 1]),
         "wrong fingerprint": encode_block(
-            KVLayout(2, 2, 16, 64, torch.float16, "another-model"),
+            KVLayout(2, 2, 16, 64, torch.float16, "another-model", digest_of("another-model")),
             block_hash(0),
             random_payload(layout, 0),
         ),

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvblocks.simulate.layer_mix import LayerMix
 
 __all__ = [
     "fraction",
+    "layer_mix",
     "length_dist",
     "non_negative_float",
     "non_negative_int",
@@ -82,6 +86,17 @@ def length_dist(text: str) -> Any:
 
     try:
         return LengthDist.parse(text)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def layer_mix(text: str) -> LayerMix:
+    """A model's layer kinds such as ``sliding:1024x5,full:1`` (see ``LayerMix.parse``)."""
+    from kvblocks.errors import InvalidArgumentError
+    from kvblocks.simulate.layer_mix import LayerMix as Mix
+
+    try:
+        return Mix.parse(text)
     except InvalidArgumentError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -13,7 +13,6 @@ import json
 import sys
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from kvblocks.cli.arg_types import non_negative_int, positive_int, token_ids
@@ -128,7 +127,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     tier = p.add_argument_group(
         "remote tier",
         "A store below the host tier (needs --host-cache-blocks), shared by every engine "
-        "that uses it with the same model: each block offloaded to the host tier is also "
+        "that uses it with the same weights: each block offloaded to the host tier is also "
         "written there, and a prompt's blocks past this engine's own prefix hit are read "
         "from it and loaded instead of computed. An unreachable server reads as misses (one "
         "warning line on stderr) and a damaged value as a miss: the blocks are computed and "
@@ -159,8 +158,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--model-id",
         metavar="ID",
         default=None,
-        help="names the weights in the remote tier: engines share blocks only under one "
-        "id (default: the checkpoint's absolute path, or tiny-llama-seed<engine seed>)",
+        help="an addition to the weights' identity in the remote tier: engines share "
+        "blocks only when their weights (config and every tensor, hashed once per "
+        "checkpoint and cached in $KVBLOCKS_WEIGHTS_CACHE) and this id both agree "
+        "(default: none, the weights alone)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument(
@@ -193,15 +194,10 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
         raise InvalidArgumentError(
             f"{option} needs a host tier to load into (--host-cache-blocks N, N > 0)"
         )
-    model_id = args.model_id
-    if model_id is None:
-        model_id = (
-            f"tiny-llama-seed{args.engine_seed}"
-            if args.model is None
-            else str(Path(args.model).resolve())
-        )
+    model_id = args.model_id or ""
 
     def build(layout: Any) -> Any:
+        # The engine's layout carries its weights' digest; the id is added to it.
         layout = dataclasses.replace(layout, model_id=model_id)
         try:
             if args.valkey_url is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvblocks.cli.arg_types import (
     fraction,
+    layer_mix,
     length_dist,
     non_negative_float,
     non_negative_int,
@@ -132,6 +133,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     c.add_argument("--num-cpu-blocks", type=non_negative_int, default=1024, help="default: 1024")
     c.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    c.add_argument(
+        "--layers",
+        type=layer_mix,
+        default=None,
+        metavar="MIX",
+        help="the model's layer kinds, e.g. sliding:1024x5,full:1 (Gemma 3) or "
+        "sliding:128x1,full:1 (gpt-oss): also report the KV per sequence and the capacity "
+        "of one block table per layer kind against uniform allocation on the same trace "
+        "(an accounting model: a window-W layer holds min(len, W - 1 + step tokens) "
+        "rounded out to blocks, a full layer every token)",
+    )
     h = p.add_argument_group(
         "host tier",
         "A host-memory tier below each GPU pool: evicted prefix blocks are offloaded to it and "
@@ -280,6 +292,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.layers is not None and fleet:
+        print(
+            "kvblocks simulate: error: --layers applies to one instance, not to "
+            "--instances/--router (see kvblocks simulate --help)",
+            file=sys.stderr,
+        )
+        return 2
     tier_error = _check_tier_options(args)
     if tier_error:
         print(
@@ -330,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         host_offload=args.host_offload or "evict",
         cost_model=_cost_model(args),
         progress=not args.no_progress and not args.json,
+        layer_mix=args.layers,
     )
     plan = run_plan(config, args.capacity, args.saturation_requests)
     print(format_json(plan) if args.json else format_table(plan))

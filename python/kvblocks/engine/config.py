@@ -1,8 +1,26 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-Only the fields a Llama-family decoder needs are kept; the three supported families
-differ in a handful of switches (Qwen2: biases on q/k/v; Mistral: a sliding attention
-window; Llama 3: a frequency-dependent rope scaling), so one record covers them all.
+One record covers every supported family; they differ in a handful of switches:
+
+- Llama-family decoders: ``llama`` (frequency-dependent Llama 3 or YaRN rope),
+  ``mistral`` (one sliding window for every layer), ``ministral`` (``layer_types``
+  mixing sliding-window and full-attention layers), ``qwen2`` (q/k/v biases, windows
+  from ``max_window_layers`` on), ``qwen3`` (per-head QK RMSNorm), ``olmo3`` (norms
+  after attention and MLP, QK RMSNorm over the whole projection, 3 sliding layers per
+  full one, a rope per layer type);
+- ``gemma2`` and ``gemma3_text`` (Gemma 3's text-only ``Gemma3ForCausalLM``): Gemma's
+  ``(1 + weight)`` RMSNorm, norms before and after attention and MLP, embeddings scaled
+  by ``sqrt(hidden_size)``, ``gelu_pytorch_tanh``, the ``query_pre_attn_scalar``
+  attention scale, alternating window and full layers, logit soft-caps (Gemma 2), QK
+  norm and local/global rope bases (Gemma 3);
+- ``gpt_oss``: alternating 128-token windows and full attention, attention sinks,
+  biases on every attention projection, a top-k mixture of experts with a clamped
+  SwiGLU, YaRN rope.
+
+Anything else (another ``model_type``, a quantized checkpoint, a rope type or switch
+that is not implemented) raises :class:`~kvblocks.errors.InvalidArgumentError` naming
+it; nothing is silently run as something else. The ``config.json`` parsing and writing
+live in :mod:`kvblocks.engine.hf_config`.
 """
 
 from __future__ import annotations
@@ -13,108 +31,80 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "ModelConfig", "RopeScaling"]
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-"""The ``model_type`` values of ``config.json`` this engine can run."""
+__all__ = [
+    "LAYER_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionSpec",
+    "ModelConfig",
+    "RopeScaling",
+]
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
+"""The ``model_type`` values of ``config.json`` this engine can run."""
+
+_FULL, _SLIDE = "full_attention", "sliding_attention"
+LAYER_TYPES = (_FULL, _SLIDE)
+"""The ``layer_types`` entries this engine can run."""
+
+# Families whose layers alternate windows by a fixed pattern when layer_types is absent:
+# a layer is full attention iff (index + 1) % period == 0 (transformers' defaults).
+_DEFAULT_FULL_PERIOD = {"gemma2": 2, "gemma3_text": 6, "gpt_oss": 2, "olmo3": 4}
+_GEMMA = ("gemma2", "gemma3_text")
+# transformers ignores attention_bias for these (no biases) or always has q/k/v biases.
+_NO_ATTENTION_BIAS = ("mistral", "ministral")
+# The output projection carries a bias exactly when the q/k/v ones do.
+_OUT_PROJ_BIAS = ("llama", "qwen3", "olmo3", "gemma2", "gemma3_text", "gpt_oss")
+_ACTIVATIONS = {
+    "llama": ("silu",),
+    "gemma": ("gelu_pytorch_tanh", "gelu", "gelu_new", "silu"),
 }
 
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
 @dataclass(frozen=True)
-class RopeScaling:
-    """Rotary-embedding frequency scaling (``rope_scaling`` or ``rope_parameters``).
+class AttentionSpec:
+    """What one layer's attention computes beyond causal ``softmax(q k^T) v``.
 
-    ``rope_type`` is ``"linear"`` (positions divided by ``factor``) or ``"llama3"``
-    (Llama 3.1: long wavelengths divided by ``factor``, short ones kept, a smooth ramp
-    in between). Other types (YaRN, dynamic NTK, LongRoPE, ...) are rejected, never
-    silently run as unscaled rope.
+    ``sliding_window``: key ``j`` is visible from query ``p`` iff ``p - W < j <= p``
+    (``None``: every earlier key); ``scale`` multiplies ``q . k``; ``soft_cap`` applies
+    ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2); ``sinks`` says the layer
+    passes a learned per-head sink logit (gpt-oss). The exact formula is in
+    :mod:`kvblocks.ops.reference`.
     """
 
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    @classmethod
-    def from_dict(
-        cls,
-        raw: dict[str, Any] | None,
-        *,
-        default_original_max_position_embeddings: int = 8192,
-        key: str = "rope_scaling",
-    ) -> RopeScaling | None:
-        """Parse an HF rope dict; ``None`` or type ``"default"`` means no scaling.
-
-        Reads both layouts: transformers 4's ``rope_scaling`` and transformers 5's
-        ``rope_parameters`` (the same keys, plus ``rope_theta``, which
-        :meth:`ModelConfig.from_hf_dict` reads). ``key`` names the field in errors;
-        ``default_original_max_position_embeddings`` is used when a ``llama3`` dict
-        lacks that entry.
-        """
-        if raw is None:
-            return None
-        rope_type = raw.get("rope_type", raw.get("type", "default"))
-        if rope_type not in _SUPPORTED_ROPE_TYPES:
-            raise InvalidArgumentError(
-                f"{key} type {rope_type!r} is not supported; expected one of "
-                f"{', '.join(repr(t) for t in _SUPPORTED_ROPE_TYPES)}"
-            )
-        partial = raw.get("partial_rotary_factor", 1.0)
-        if partial is not None and float(partial) != 1.0:
-            raise InvalidArgumentError(
-                f"{key}: partial_rotary_factor={partial} is not supported; expected 1.0"
-            )
-        if rope_type == "default":
-            return None
-        factor = float(raw.get("factor", 1.0))
-        if factor <= 0:
-            raise InvalidArgumentError(f"rope_scaling factor must be > 0, got {factor}")
-        if rope_type == "linear":
-            return cls(rope_type="linear", factor=factor)
-        return cls(
-            rope_type="llama3",
-            factor=factor,
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                raw.get(
-                    "original_max_position_embeddings", default_original_max_position_embeddings
-                )
-            ),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """The HF ``rope_scaling`` dict for this scaling."""
-        if self.rope_type == "linear":
-            return {"rope_type": "linear", "factor": self.factor}
-        return {
-            "rope_type": "llama3",
-            "factor": self.factor,
-            "low_freq_factor": self.low_freq_factor,
-            "high_freq_factor": self.high_freq_factor,
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-        }
+    sliding_window: int | None
+    scale: float
+    soft_cap: float | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a supported decoder (see the module docstring).
 
-    Attributes mirror the HF names. ``sliding_window`` is the attention window (in
-    tokens, key ``j`` visible from query ``p`` iff ``p - W < j <= p``) of the layers
-    listed by :meth:`layer_sliding_windows`; ``attention_bias`` adds biases to the q, k
-    and v projections (Qwen2).
+    Attributes mirror the HF names. ``sliding_window`` is the attention window of the
+    layers :meth:`layer_types_resolved` marks ``"sliding_attention"``; ``layer_types``
+    lists them explicitly (``None``: the family's default pattern); ``attention_bias``
+    adds biases to the q, k and v projections (and to the output projection where the
+    family does). ``sliding_rope_theta``/``sliding_rope_scaling`` are the rope of the
+    sliding layers when it differs from the full layers' (``None``: the same).
+    ``query_pre_attn_scalar`` sets the attention scale to its inverse square root
+    (Gemma; ``None``: ``1/sqrt(head_dim)``). ``num_local_experts`` > 0 makes the MLP a
+    mixture of experts (gpt-oss) with ``num_experts_per_tok`` experts per token.
     """
 
     model_type: str = "llama"
@@ -136,6 +126,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: RopeScaling | None = None
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -153,7 +154,7 @@ class ModelConfig:
             "head_dim",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise InvalidArgumentError(
@@ -164,10 +165,82 @@ class ModelConfig:
             raise InvalidArgumentError(
                 f"head_dim must be even for rotary embeddings, got {self.head_dim}"
             )
-        if self.sliding_window is not None and self.sliding_window <= 0:
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool)
+            or not isinstance(self.sliding_window, int)
+            or self.sliding_window <= 0
+        ):
             raise InvalidArgumentError(
                 f"sliding_window must be a positive integer or None, got {self.sliding_window}"
             )
+        self._check_layer_types()
+        self._check_numerics()
+        self._check_experts()
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if self.model_type in ("llama", "mistral"):
+            # transformers ignores layer_types for these two; Ministral is Mistral with them.
+            raise InvalidArgumentError(
+                f"layer_types are not supported for {self.model_type} (transformers ignores "
+                "them); use model_type 'ministral' for per-layer sliding and full attention"
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise InvalidArgumentError(
+                f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise InvalidArgumentError(
+                f"layer_types {', '.join(repr(t) for t in unknown)} are not supported; "
+                f"expected {' or '.join(repr(t) for t in LAYER_TYPES)}"
+            )
+
+    def _check_numerics(self) -> None:
+        family = "gemma" if self.model_type in _GEMMA else "llama"
+        if self.model_type != "gpt_oss" and self.hidden_act not in _ACTIVATIONS[family]:
+            raise InvalidArgumentError(
+                f"hidden_act {self.hidden_act!r} is not supported for {self.model_type}; "
+                f"expected {' or '.join(repr(a) for a in _ACTIVATIONS[family])}"
+            )
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "sliding_rope_theta",
+        ):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value > 0
+            ):
+                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.sliding_rope_theta is None and self.sliding_rope_scaling is not None:
+            raise InvalidArgumentError("sliding_rope_scaling needs a sliding_rope_theta")
+
+    def _check_experts(self) -> None:
+        if self.model_type != "gpt_oss":
+            if self.num_local_experts:
+                raise InvalidArgumentError(
+                    f"num_local_experts applies to gpt_oss, not to {self.model_type}"
+                )
+            return
+        experts, top_k = self.num_local_experts, self.num_experts_per_tok
+        for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+        if top_k > experts:
+            raise InvalidArgumentError(
+                f"num_experts_per_tok ({top_k}) exceeds num_local_experts ({experts})"
+            )
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise InvalidArgumentError(f"{name} must be a finite number > 0, got {value!r}")
 
     @property
     def architecture(self) -> str:
@@ -175,22 +248,56 @@ class ModelConfig:
         return _ARCHITECTURES[self.model_type]
 
     @property
-    def default_scale(self) -> float:
-        """Attention softmax scale, ``1 / sqrt(head_dim)``."""
+    def attention_scale(self) -> float:
+        """Attention softmax scale: ``query_pre_attn_scalar ** -0.5``, else ``head_dim ** -0.5``."""
+        if self.query_pre_attn_scalar is not None:
+            return 1.0 / math.sqrt(self.query_pre_attn_scalar)
         return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def default_scale(self) -> float:
+        """The attention scale (:attr:`attention_scale`; the name predates Gemma)."""
+        return self.attention_scale
+
+    @property
+    def out_proj_bias(self) -> bool:
+        """Whether ``o_proj`` has a bias (with ``attention_bias``, except Qwen2's)."""
+        return self.attention_bias and self.model_type in _OUT_PROJ_BIAS
+
+    @property
+    def has_attention_sinks(self) -> bool:
+        """Whether every layer has a learned per-head sink logit (gpt-oss)."""
+        return self.model_type == "gpt_oss"
+
+    def layer_types_resolved(self) -> list[str]:
+        """Each layer's kind, ``"sliding_attention"`` or ``"full_attention"``.
+
+        ``layer_types`` when given; otherwise the family's default: Mistral and (with a
+        window) Ministral slide in every layer, Qwen2/Qwen3 from ``max_window_layers``
+        on, Gemma 2 and gpt-oss in every other layer, Gemma 3 in 5 of 6, OLMo 3 in 3 of 4
+        (as transformers fills in a missing ``layer_types``).
+        """
+        if self.layer_types is not None:
+            return list(self.layer_types)
+        n = self.num_hidden_layers
+        period = _DEFAULT_FULL_PERIOD.get(self.model_type)
+        if period is not None:
+            return [_FULL if (i + 1) % period == 0 else _SLIDE for i in range(n)]
+        if self.sliding_window is None:
+            return [_FULL] * n
+        if self.model_type in ("qwen2", "qwen3"):
+            return [_SLIDE if i >= self.max_window_layers else _FULL for i in range(n)]
+        return [_SLIDE] * n
 
     def layer_sliding_windows(self) -> list[int | None]:
         """The attention window of each layer (``None`` = full attention).
 
-        Mistral windows every layer; Qwen2 (with ``use_sliding_window``) windows the
-        layers from ``max_window_layers`` on, as Hugging Face does.
+        A layer slides when :meth:`layer_types_resolved` says so and the config has a
+        ``sliding_window`` (transformers runs a "sliding" layer without one as full).
         """
-        n = self.num_hidden_layers
-        if self.sliding_window is None:
-            return [None] * n
-        if self.model_type == "qwen2":
-            return [self.sliding_window if i >= self.max_window_layers else None for i in range(n)]
-        return [self.sliding_window] * n
+        return [
+            self.sliding_window if kind == _SLIDE else None for kind in self.layer_types_resolved()
+        ]
 
     def uniform_sliding_window(self) -> int | None:
         """The window shared by every layer, or ``None`` if any layer attends fully.
@@ -202,66 +309,31 @@ class ModelConfig:
             return next(iter(windows))
         return None
 
+    def layer_attention(self) -> list[AttentionSpec]:
+        """Each layer's :class:`AttentionSpec` (window, scale, soft-cap, sinks)."""
+        return [
+            AttentionSpec(
+                sliding_window=window,
+                scale=self.attention_scale,
+                soft_cap=self.attn_logit_softcapping,
+                sinks=self.has_attention_sinks,
+            )
+            for window in self.layer_sliding_windows()
+        ]
+
+    def layer_rope(self, layer_idx: int) -> tuple[float, RopeScaling | None]:
+        """``(theta, scaling)`` of a layer's rope: the sliding rope on sliding layers."""
+        kind = self.layer_types_resolved()[layer_idx]
+        if kind == _SLIDE and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """Build from the parsed contents of an HF ``config.json``."""
-        model_type = raw.get("model_type")
-        if model_type is None:
-            raise InvalidArgumentError("config.json has no 'model_type'")
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            head_dim = raw.get("head_dim")
-            eos = raw.get("eos_token_id")
-            if eos is None:
-                eos_ids: tuple[int, ...] = ()
-            elif isinstance(eos, list):
-                eos_ids = tuple(int(e) for e in eos)
-            else:
-                eos_ids = (int(eos),)
-            sliding_window = raw.get("sliding_window")
-            if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-                sliding_window = None
-            # Qwen2 always has q/k/v biases; Llama has an optional attention_bias flag.
-            attention_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
-            hidden_act = raw.get("hidden_act", "silu")
-            if hidden_act != "silu":
-                raise InvalidArgumentError(
-                    f"hidden_act {hidden_act!r} is not supported; expected 'silu'"
-                )
-            if raw.get("mlp_bias", False):
-                raise InvalidArgumentError("mlp_bias=true is not supported; expected false")
-            max_positions = int(raw.get("max_position_embeddings", 4096))
-            rope_theta, rope_scaling = _rope_from_hf(raw, max_positions)
-            return cls(
-                model_type=model_type,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_hidden_layers=int(raw["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim) if head_dim else hidden // heads,
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
-                max_position_embeddings=max_positions,
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                attention_bias=attention_bias,
-                sliding_window=int(sliding_window) if sliding_window else None,
-                max_window_layers=int(raw.get("max_window_layers", 0)),
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                torch_dtype=raw.get("torch_dtype"),
-            )
-        except KeyError as exc:
-            raise InvalidArgumentError(
-                f"config.json lacks the required field {exc.args[0]!r}"
-            ) from None
-        except (TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, InvalidArgumentError):
-                raise
-            raise InvalidArgumentError(f"config.json has a malformed field: {exc}") from None
+        from kvblocks.engine.hf_config import config_from_hf
+
+        return config_from_hf(cls, raw)
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -275,72 +347,12 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise InvalidArgumentError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise InvalidArgumentError(f"{path} does not hold a JSON object")
         return cls.from_hf_dict(raw)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The HF ``config.json`` contents describing this model."""
-        raw: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling.to_dict() if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else None,
-            "torch_dtype": self.torch_dtype or "float32",
-        }
-        if self.model_type == "mistral":
-            raw["sliding_window"] = self.sliding_window
-        elif self.model_type == "qwen2":
-            raw["use_sliding_window"] = self.sliding_window is not None
-            raw["sliding_window"] = self.sliding_window
-            raw["max_window_layers"] = self.max_window_layers
-        return raw
+        from kvblocks.engine.hf_config import config_to_hf
 
-
-def _rope_from_hf(raw: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
-    """``(rope_theta, rope_scaling)`` from either ``config.json`` layout.
-
-    transformers 4 writes ``rope_theta`` and ``rope_scaling`` at the top level;
-    transformers 5 writes one ``rope_parameters`` dict holding ``rope_type``,
-    ``rope_theta`` and the scaling fields. As transformers 5 does, a non-null
-    ``rope_scaling`` takes precedence over ``rope_parameters``, and a ``rope_theta``
-    inside the dict over the top-level one. Per-layer-type rope dicts are rejected.
-    """
-    key = "rope_scaling"
-    params = raw.get("rope_scaling")
-    if params is None:
-        key = "rope_parameters"
-        params = raw.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise InvalidArgumentError(f"{key} must be an object, got {params!r}")
-    if params is not None and any(isinstance(v, dict) for v in params.values()):
-        raise InvalidArgumentError(
-            f"{key} with one entry per layer type ({', '.join(sorted(params))}) is not "
-            "supported; expected a single rope configuration"
-        )
-    theta = raw.get("rope_theta")
-    if params is not None and params.get("rope_theta") is not None:
-        theta = params["rope_theta"]
-    if raw.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise InvalidArgumentError(
-            f"partial_rotary_factor={raw['partial_rotary_factor']} is not supported; expected 1.0"
-        )
-    rope_theta = float(theta) if theta is not None else 10000.0
-    if not rope_theta > 0:
-        raise InvalidArgumentError(f"rope_theta must be > 0, got {theta!r}")
-    scaling = RopeScaling.from_dict(
-        params, default_original_max_position_embeddings=max_positions, key=key
-    )
-    return rope_theta, scaling
+        return config_to_hf(self)

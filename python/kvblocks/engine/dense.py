@@ -14,26 +14,25 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.config import AttentionSpec
+from kvblocks.engine.models import CausalLM
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["DenseAttention", "dense_greedy_generate", "dense_logits"]
 
 
 class DenseAttention:
-    """Causal (optionally windowed) attention over ``batch`` sequences of equal length.
+    """Causal attention over ``batch`` sequences of equal length, per each layer's spec.
 
     The flattened tokens are ``batch`` consecutive runs of ``seq_len`` tokens, each run a
-    whole sequence from position 0.
+    whole sequence from position 0. Windows, soft-caps and sinks are applied as
+    transformers writes them: the sink logit is one more score column, dropped after
+    the softmax.
     """
 
-    def __init__(
-        self, batch: int, seq_len: int, sliding_windows: Sequence[int | None], scale: float
-    ) -> None:
+    def __init__(self, batch: int, seq_len: int) -> None:
         self.batch = batch
         self.seq_len = seq_len
-        self.sliding_windows = list(sliding_windows)
-        self.scale = scale
 
     def _mask(self, window: int | None, device: torch.device) -> Tensor:
         pos = torch.arange(self.seq_len, device=device)
@@ -43,42 +42,56 @@ class DenseAttention:
             visible &= pos[None, :] > pos[:, None] - window
         return visible
 
-    def __call__(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """Attention of one layer (see :class:`~kvblocks.engine.model.AttentionBackend`)."""
+    def __call__(
+        self,
+        layer_idx: int,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        spec: AttentionSpec,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        """Attention of one layer (see :class:`~kvblocks.engine.models.AttentionBackend`)."""
         b, n = self.batch, self.seq_len
         heads, dim = query.shape[1], query.shape[2]
         group = heads // key.shape[1]
         q = query.float().view(b, n, heads, dim).transpose(1, 2)
         k = key.float().view(b, n, -1, dim).transpose(1, 2).repeat_interleave(group, dim=1)
         v = value.float().view(b, n, -1, dim).transpose(1, 2).repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
-        mask = self._mask(self.sliding_windows[layer_idx], query.device)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+        if spec.soft_cap is not None:
+            scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
+        mask = self._mask(spec.sliding_window, query.device)
         scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), v)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            column = sinks.float().view(1, heads, 1, 1).expand(b, heads, n, 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+        out = torch.matmul(probs, v)
         return out.transpose(1, 2).reshape(b * n, heads, dim).to(query.dtype)
 
 
 @torch.inference_mode()
-def dense_logits(model: LlamaForCausalLM, token_ids: Tensor) -> Tensor:
+def dense_logits(model: CausalLM, token_ids: Tensor) -> Tensor:
     """Float32 logits ``[batch, seq_len, vocab]`` of equal-length sequences ``[batch, seq_len]``."""
     if token_ids.dim() != 2 or token_ids.shape[1] == 0:
         raise InvalidArgumentError(
             "token_ids must be a non-empty [batch, seq_len] tensor, "
             f"got shape {tuple(token_ids.shape)}"
         )
-    config = model.config
     b, n = token_ids.shape
     device = next(model.parameters()).device
     ids = token_ids.to(device=device, dtype=torch.long).reshape(-1)
     positions = torch.arange(n, device=device).repeat(b)
-    attention = DenseAttention(b, n, config.layer_sliding_windows(), config.default_scale)
+    attention = DenseAttention(b, n)
     hidden = model(ids, positions, attention)
     return model.compute_logits(hidden).view(b, n, -1)
 
 
 @torch.inference_mode()
 def dense_greedy_generate(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     *,

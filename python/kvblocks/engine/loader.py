@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvblocks.engine.config import ModelConfig
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM, build_model
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["load_checkpoint", "save_checkpoint", "weight_files"]
@@ -53,7 +53,7 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
-def _expected_parameters(model: LlamaForCausalLM) -> dict[str, torch.nn.Parameter]:
+def _expected_parameters(model: CausalLM) -> dict[str, torch.nn.Parameter]:
     params = dict(model.named_parameters(remove_duplicate=False))
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
@@ -72,8 +72,8 @@ def load_checkpoint(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
-) -> LlamaForCausalLM:
-    """Load a Llama, Mistral or Qwen2 checkpoint directory.
+) -> CausalLM:
+    """Load a checkpoint directory of any supported family (``config.json`` ``model_type``).
 
     Args:
         path: directory with ``config.json`` and safetensors weights.
@@ -95,7 +95,7 @@ def load_checkpoint(
     files = weight_files(path)
     device = torch.device(device)
     # Parameters are created uninitialised on the target device, then filled shard by shard.
-    model = LlamaForCausalLM(config, device=device, dtype=dtype)
+    model = build_model(config, device=device, dtype=dtype)
     expected = _expected_parameters(model)
     loaded: set[str] = set()
     unexpected: set[str] = set()
@@ -134,7 +134,7 @@ def load_checkpoint(
 
 @torch.no_grad()
 def save_checkpoint(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     path: str | Path,
     *,
     max_shard_bytes: int | None = None,
@@ -180,5 +180,5 @@ def save_checkpoint(
     return written
 
 
-def _dtype_name(model: LlamaForCausalLM) -> str:
+def _dtype_name(model: CausalLM) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from kvblocks import ops
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.config import AttentionSpec
+from kvblocks.engine.models import CausalLM
 from kvblocks.engine.sampler import Sampler
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.block_table import delta_indices
@@ -30,7 +31,7 @@ __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
 KVCaches = list[tuple[Tensor, Tensor]]
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V."""
     c = model.config
     elem = torch.empty(0, dtype=dtype).element_size()
@@ -43,7 +44,10 @@ class PagedAttention:
     Writes the new tokens' K/V into their slots, then attends each query to its
     sequence's cached context through the block tables. A batch of decodes only uses
     the decode kernel; anything with a prefill chunk uses the varlen prefill kernel,
-    which also serves the decodes in the same launch.
+    which also serves the decodes in the same launch. Each layer brings its own window,
+    scale, soft-cap and sinks (its :class:`~kvblocks.engine.config.AttentionSpec`); with
+    today's uniform allocation a windowed layer reads its window through the same full
+    block table as every other layer.
     """
 
     def __init__(
@@ -58,8 +62,6 @@ class PagedAttention:
         decode_only: bool,
         max_seq_len: int,
         max_query_len: int,
-        sliding_windows: Sequence[int | None],
-        scale: float,
     ) -> None:
         self.kv_caches = kv_caches
         self.slot_mapping = slot_mapping
@@ -72,14 +74,19 @@ class PagedAttention:
         # Host-side maxima spare the CUDA path a device sync per layer when planning launches.
         self.max_seq_len = max_seq_len
         self.max_query_len = max_query_len
-        self.sliding_windows = list(sliding_windows)
-        self.scale = scale
 
-    def __call__(self, layer_idx: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """Cache the new K/V and attend (see :class:`~kvblocks.engine.model.AttentionBackend`)."""
+    def __call__(
+        self,
+        layer_idx: int,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        spec: AttentionSpec,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        """Cache the new K/V and attend (see :class:`~kvblocks.engine.models.AttentionBackend`)."""
         key_cache, value_cache = self.kv_caches[layer_idx]
         ops.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
-        window = self.sliding_windows[layer_idx]
         if self.decode_only:
             return ops.paged_attention(
                 query,
@@ -87,8 +94,10 @@ class PagedAttention:
                 value_cache,
                 self.block_tables,
                 self.seq_lens,
-                scale=self.scale,
-                sliding_window=window,
+                scale=spec.scale,
+                sliding_window=spec.sliding_window,
+                soft_cap=spec.soft_cap,
+                sinks=sinks,
                 max_seq_len=self.max_seq_len,
                 seq_lens_host=self.seq_lens_host,
             )
@@ -99,8 +108,10 @@ class PagedAttention:
             self.block_tables,
             self.query_start_loc,
             self.seq_lens,
-            scale=self.scale,
-            sliding_window=window,
+            scale=spec.scale,
+            sliding_window=spec.sliding_window,
+            soft_cap=spec.soft_cap,
+            sinks=sinks,
             max_query_len=self.max_query_len,
         )
 
@@ -122,7 +133,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         *,
         num_blocks: int,
         block_size: int,
@@ -163,8 +174,6 @@ class ModelRunner:
             self.host_pool = allocate_host_pool(
                 self.host_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
             )
-        self.sliding_windows = c.layer_sliding_windows()
-        self.scale = c.default_scale
         self.sampler = Sampler(self.device, seed)
         # The device copy of the scheduler's persistent block table (None until the first
         # step that carries one); kept by applying each step's delta, so every output
@@ -176,20 +185,12 @@ class ModelRunner:
 
         In the order the block manager issued them (``out.memory_ops``: swaps, copies,
         host-tier ``"offload"`` (gpu block, tier slot) and ``"load"`` (tier slot, gpu
-        block)) when the scheduler reports it; otherwise swap out, swap in, then copies,
-        as the first interface version specified. Each run completes (in stream order on
+        block)). Each run completes (in stream order on
         CUDA; an offload returns once the pool holds its bytes) before the next one starts,
         so an offload reads its block before a later op or the forward pass overwrites it,
         and the engine may confirm the ops once this returns.
         """
-        ops_in_order = out.memory_ops
-        if not ops_in_order:
-            ops_in_order = [
-                ("swap_out", out.blocks_to_swap_out),
-                ("swap_in", out.blocks_to_swap_in),
-                ("copy", out.blocks_to_copy),
-            ]
-        self.apply_block_ops(ops_in_order)
+        self.apply_block_ops(out.memory_ops)
 
     def apply_block_ops(self, memory_ops: Sequence[tuple[str, object]]) -> None:
         """Apply runs ``[(kind, pairs [n, 2]), ...]`` in order (``take_memory_ops``' list).
@@ -305,8 +306,6 @@ class ModelRunner:
             decode_only=out.num_decode_seqs == out.num_seqs,
             max_seq_len=int(np.max(out.seq_lens)),
             max_query_len=int(np.max(out.num_scheduled_tokens)),
-            sliding_windows=self.sliding_windows,
-            scale=self.scale,
         )
         hidden = self.model(input_ids, positions, attention)
         if out.num_sample_rows == 0:

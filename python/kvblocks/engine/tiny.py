@@ -11,12 +11,13 @@ the paged-versus-dense equality tests rely on.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from typing import Any
 
 import torch
 
 from kvblocks.engine.config import ModelConfig
-from kvblocks.engine.model import LlamaForCausalLM
+from kvblocks.engine.models import CausalLM, build_model
+from kvblocks.engine.rope_config import RopeScaling
 
 __all__ = ["TINY_SEED", "build_tiny_model", "tiny_config"]
 
@@ -24,13 +25,65 @@ TINY_SEED = 0
 """Default seed of the tiny model's weights."""
 
 
-def tiny_config(model_type: str = "llama", **overrides: object) -> ModelConfig:
-    """The tiny model's config for a family (``"llama"``, ``"mistral"``, ``"qwen2"``).
+_SLIDE, _FULL = "sliding_attention", "full_attention"
 
-    Mistral gets a 24-token sliding window and Qwen2 its q/k/v biases, so each family's
-    difference is exercised; ``overrides`` replace any field.
+# What each newer family changes in the tiny config, so that every switch is exercised:
+# windows short enough (8 tokens) that prompts outgrow them, the soft-caps small enough
+# to bend the scores, a rope per layer kind, experts and sinks.
+_FAMILY_TINY: dict[str, dict[str, Any]] = {
+    "ministral": {"sliding_window": 8, "layer_types": (_SLIDE, _FULL)},
+    "qwen3": {"sliding_window": 8, "max_window_layers": 1},
+    # OLMo 3 has no head_dim field (hidden / heads): 4 heads of 64.
+    "olmo3": {
+        "sliding_window": 8,
+        "num_hidden_layers": 4,
+        "hidden_size": 256,
+        "rope_theta": 500000.0,
+    },
+    "gemma2": {
+        "sliding_window": 8,
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32.0,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma3_text": {
+        "sliding_window": 8,
+        "num_hidden_layers": 3,
+        "layer_types": (_SLIDE, _SLIDE, _FULL),
+        "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": RopeScaling("linear", 4.0),
+        "sliding_rope_theta": 10_000.0,
+        "tie_word_embeddings": True,
+    },
+    "gpt_oss": {
+        "sliding_window": 8,
+        "attention_bias": True,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_theta": 150000.0,
+        "max_position_embeddings": 256,
+        "rope_scaling": RopeScaling(
+            "yarn", 4.0, original_max_position_embeddings=64, truncate=False
+        ),
+    },
+}
+
+
+def tiny_config(model_type: str = "llama", **overrides: object) -> ModelConfig:
+    """The tiny model's config for a family (any of ``SUPPORTED_MODEL_TYPES``).
+
+    Mistral gets a 24-token sliding window and Qwen2 its q/k/v biases; the families with
+    per-layer windows get 8-token windows on some layers and full attention on others,
+    Gemma its soft-caps, scale and local/global ropes, gpt-oss four experts (two per
+    token), sinks and YaRN, so each family's difference is exercised. ``overrides``
+    replace any field.
     """
-    config = ModelConfig(
+    fields: dict[str, Any] = dict(
         model_type=model_type,
         vocab_size=256,
         hidden_size=64,
@@ -47,7 +100,7 @@ def tiny_config(model_type: str = "llama", **overrides: object) -> ModelConfig:
         sliding_window=24 if model_type == "mistral" else None,
         torch_dtype="float32",
     )
-    return replace(config, **overrides)  # type: ignore[arg-type]
+    return ModelConfig(**{**fields, **_FAMILY_TINY.get(model_type, {}), **overrides})
 
 
 @torch.no_grad()
@@ -57,7 +110,7 @@ def build_tiny_model(
     seed: int = TINY_SEED,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """A model with deterministic random weights (same seed, same weights, on any device).
 
     Weights are drawn on the CPU in float32 from ``torch.Generator().manual_seed(seed)``
@@ -65,14 +118,19 @@ def build_tiny_model(
     device's random number generator.
     """
     config = config or tiny_config()
-    model = LlamaForCausalLM(config, device="cpu", dtype=torch.float32)
+    model = build_model(config, device="cpu", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    # Gemma's norms scale by 1 + weight: their weights are drawn around 0, not 1.
+    norm_center = 0.0 if config.model_type in ("gemma2", "gemma3_text") else 1.0
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("norm.weight"):
             # Around 1 rather than exactly 1, so a loader that swaps norms is caught.
-            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-        elif name.endswith(".bias"):
+            param.copy_(norm_center + 0.1 * torch.randn(param.shape, generator=gen))
+        elif name.endswith((".bias", "_bias")):
             param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+        elif name.endswith(".sinks"):
+            # Sink logits of the order of the scores, so that they visibly matter.
+            param.copy_(torch.randn(param.shape, generator=gen))
         elif name == "model.embed_tokens.weight":
             param.copy_(torch.randn(param.shape, generator=gen))
         elif name == "lm_head.weight":

@@ -8,8 +8,9 @@ indexer and Dynamo's relay consume a kvblocks instance unchanged:
 * ROUTER replay (``replay_endpoint``): a request ``(b"", start_seq)`` (a REQ socket adds the
   empty delimiter; a DEALER sends it) is answered with every buffered batch whose
   ``seq >= start_seq``, ``(b"", topic, seq, payload)`` each, then the end marker
-  ``(b"", topic, -1 as 8 signed bytes, b"")``. ``replay_topic_frame=False`` leaves the
-  topic frame out, for subscribers older than vLLM's PR #45177.
+  ``(b"", b"", -1 as 8 signed bytes, b"")`` (an empty topic frame, as vLLM 0.33 sends it).
+  ``replay_topic_frame=False`` leaves the topic frame out, for subscribers older than
+  vLLM's PR #45177.
 
 Publishing never blocks a step: :meth:`ZmqEventPublisher.publish` numbers the batch and
 appends it to a bounded queue that a background thread converts, encodes and sends. When
@@ -110,8 +111,6 @@ class ZmqEventPublisher:
             events, older vLLM); see :mod:`kvblocks.events.wire`.
         hash_format: ``"int"`` (the low 64 bits, vLLM's default) or ``"bytes"``.
         replay_topic_frame: put the topic frame in replay replies (vLLM after PR #45177).
-        sliding_window: the manager's uniform sliding window, published as the group's
-            ``kv_cache_spec_kind``.
         bind: force binding (``True``) or connecting (``False``) the PUB socket instead of
             guessing from ``endpoint``.
         context: a ``zmq.Context``; default the process-wide one (never terminated here).
@@ -134,7 +133,6 @@ class ZmqEventPublisher:
         wire_format: WireFormat = "map",
         hash_format: HashFormat = "int",
         replay_topic_frame: bool = True,
-        sliding_window: int | None = None,
         bind: bool | None = None,
         context: zmq.Context | None = None,
     ) -> None:
@@ -156,17 +154,16 @@ class ZmqEventPublisher:
             raise InvalidArgumentError(
                 f"replay_endpoint must be a str or None, got {type(replay_endpoint).__name__}"
             )
-        for name, wire_int, low in (("data_parallel_rank", data_parallel_rank, 0),
-                                    ("sliding_window", sliding_window, 1)):  # fmt: skip
-            # Both go on the wire as integers: anything else fails every batch's encoding.
-            if wire_int is not None and (
-                isinstance(wire_int, bool)
-                or not isinstance(wire_int, int)
-                or not low <= wire_int < 2**63
-            ):
-                raise InvalidArgumentError(
-                    f"{name} must be None or an int in [{low}, 2^63), got {wire_int!r}"
-                )
+        # It goes on the wire as an integer: anything else fails every batch's encoding.
+        if data_parallel_rank is not None and (
+            isinstance(data_parallel_rank, bool)
+            or not isinstance(data_parallel_rank, int)
+            or not 0 <= data_parallel_rank < 2**63
+        ):
+            raise InvalidArgumentError(
+                f"data_parallel_rank must be None or an int in [0, 2^63), "
+                f"got {data_parallel_rank!r}"
+            )
         if bind is not None and not isinstance(bind, bool):
             raise InvalidArgumentError(f"bind must be a bool or None, got {bind!r}")
         if context is not None and not isinstance(context, zmq.Context):
@@ -175,7 +172,6 @@ class ZmqEventPublisher:
             )
         self._wire_format: WireFormat = wire_format
         self._hash_format: HashFormat = hash_format
-        self._sliding_window = sliding_window
         self._rank = data_parallel_rank
         self._topic = topic.encode("utf-8")
         self._replay_topic_frame = bool(replay_topic_frame)
@@ -193,6 +189,10 @@ class ZmqEventPublisher:
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                # A ROUTER drops what is over its high-water mark (1,000 by default) without
+                # a word: leave room for a whole replay and its end marker, twice (ZeroMQ
+                # acknowledges reads only every HWM/2 messages), as vLLM 0.33 does.
+                self._replay.setsockopt(zmq.SNDHWM, min(2 * (buffer_steps + 1), 2**31 - 1))
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as e:
@@ -308,7 +308,6 @@ class ZmqEventPublisher:
                 events,
                 wire_format=self._wire_format,
                 hash_format=self._hash_format,
-                sliding_window=self._sliding_window,
             )
             payload = encoder.encode(KVEventBatch(ts, wire, self._rank))
             seq_bytes = seq.to_bytes(8, "big")
@@ -348,7 +347,9 @@ class ZmqEventPublisher:
                         replay.send_multipart([*head, *topic, seq.to_bytes(8, "big"), payload])
             else:
                 logger.warning("KV event replay request with a %d-byte seq", len(start))
-            replay.send_multipart([*head, *topic, END_SEQ, b""])
+            # vLLM 0.33's end marker has an empty topic frame (the batches carry the topic).
+            end_topic = [b""] if self._replay_topic_frame else []
+            replay.send_multipart([*head, *end_topic, END_SEQ, b""])
 
     def _close_sockets(self, linger: int) -> None:
         for sock in (self._pub, self._replay):

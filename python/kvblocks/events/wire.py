@@ -1,7 +1,9 @@
 """vLLM's KV-event wire format: the msgspec structs and the conversion from kvblocks' events.
 
-The structs mirror ``vllm/distributed/kv_events.py`` field for field, so a subscriber built
-from vLLM's own classes decodes what :class:`~kvblocks.events.ZmqEventPublisher` sends:
+The structs mirror ``vllm/distributed/kv_events.py`` of vLLM 0.33 field for field, so a
+subscriber built from vLLM's own classes decodes what
+:class:`~kvblocks.events.ZmqEventPublisher` sends, and the bytes are the ones vLLM 0.33
+sends for the same blocks (``tests/events/data`` holds vLLM's own encoding to compare):
 
 * the batch, ``KVEventBatch(ts, events, data_parallel_rank)``, is a positional msgpack
   array (``array_like``), as in every vLLM release;
@@ -27,6 +29,7 @@ from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
 from kvblocks._core import BlockRemoved as CoreBlockRemoved
 from kvblocks._core import BlockStored as CoreBlockStored
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import low64
 
 WireFormat = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
@@ -73,6 +76,12 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # vLLM 0.33's fields for offloading tiers, sessions and lookahead hashing: kvblocks
+    # sends none of them (left at None, they are not encoded), a subscriber may.
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -81,6 +90,8 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -136,7 +147,7 @@ def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:
     """A kvblocks block hash as vLLM publishes it: the low 64 bits (the digest's last 8
     bytes, big-endian, unsigned) or the digest itself."""
     if hash_format == "int":
-        return int.from_bytes(digest[-8:], "big")
+        return low64(digest)
     return bytes(digest)
 
 
@@ -153,31 +164,26 @@ def to_wire_events(
     *,
     wire_format: WireFormat = "map",
     hash_format: HashFormat = "int",
-    sliding_window: int | None = None,
 ) -> list[WireEvent]:
     """Convert :meth:`KVCacheManager.take_events` output to vLLM's event structs.
 
-    Events that already are wire structs pass through unchanged. ``medium`` is the event's
-    own when it has one (lower tiers), else ``"GPU"``. ``lora_name`` and ``extra_keys``
-    (vLLM's per-block keys, ``hash_algo="sha256_cbor"`` only) come from the event; the
-    array form carries ``lora_name`` but no ``extra_keys``. kvblocks runs one KV-cache group
-    (``group_idx=0``), full attention or a uniform ``sliding_window``.
+    Events that already are wire structs pass through unchanged. Every field comes from
+    the event: ``medium`` (``"GPU"`` or the host tier's ``"CPU"``), ``lora_name``,
+    ``extra_keys`` (vLLM's untagged per-block keys, ``hash_algo="sha256_cbor"`` only),
+    ``group_idx`` and the group's ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``.
+    The array form stops at ``lora_name``, as the subscribers of older vLLM expect.
 
     Raises:
         TypeError: an event that is neither a kvblocks nor a wire event.
     """
     array = wire_format == "array"
-    if sliding_window is None:
-        kind, window = "full_attention", None
-    else:
-        kind, window = "sliding_window", int(sliding_window)
     out: list[WireEvent] = []
     for ev in events:
         if isinstance(ev, CoreBlockStored):
             hashes = [convert_hash(h, hash_format) for h in ev.block_hashes]
             parent = ev.parent_block_hash
             parent_w = None if parent is None else convert_hash(parent, hash_format)
-            medium = getattr(ev, "medium", None) or MEDIUM_GPU
+            medium = ev.medium
             tokens = list(ev.token_ids)
             lora_name = ev.lora_name
             if array:
@@ -197,18 +203,18 @@ def to_wire_events(
                         medium=medium,
                         lora_name=lora_name,
                         extra_keys=ev.extra_keys,
-                        group_idx=0,
-                        kv_cache_spec_kind=kind,
-                        kv_cache_spec_sliding_window=window,
+                        group_idx=ev.group_idx,
+                        kv_cache_spec_kind=ev.kv_cache_spec_kind,
+                        kv_cache_spec_sliding_window=ev.kv_cache_spec_sliding_window,
                     )
                 )
         elif isinstance(ev, CoreBlockRemoved):
             hashes = [convert_hash(h, hash_format) for h in ev.block_hashes]
-            medium = getattr(ev, "medium", None) or MEDIUM_GPU
+            medium = ev.medium
             if array:
                 out.append(ArrayBlockRemoved(hashes, medium))
             else:
-                out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
+                out.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=ev.group_idx))
         elif isinstance(ev, CoreAllBlocksCleared):
             out.append(ArrayAllBlocksCleared() if array else AllBlocksCleared())
         elif isinstance(ev, (KVCacheEvent, ArrayKVCacheEvent)):

@@ -41,6 +41,7 @@ from kvblocks.ops.checks import (
     check_index_tensor,
     check_optional_positive,
     check_scale,
+    check_sinks,
     check_sliding_window,
     check_tokens_like_cache,
 )
@@ -176,6 +177,7 @@ def _check_attention_args(
     scale: float | None,
     sliding_window: int | None,
     soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     _, num_kv_heads, _, head_size = check_cache_pair(key_cache, value_cache)
     check_tokens_like_cache(query, "query", key_cache)
@@ -197,6 +199,14 @@ def _check_attention_args(
     check_scale(scale)
     check_sliding_window(sliding_window)
     check_optional_positive(soft_cap, "soft_cap")
+    check_sinks(sinks, query.shape[1], key_cache.device)
+    if sinks is not None and key_cache.is_cuda:
+        # The kernels do not take the extra denominator term yet; refusing beats
+        # silently attending without it.
+        raise InvalidArgumentError(
+            "attention sinks are not supported by the CUDA kernels yet; only the torch "
+            "reference (CPU tensors) implements them"
+        )
 
 
 def _check_hint(value: int | None, name: str) -> None:
@@ -214,6 +224,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     seq_lens_host: np.ndarray | None = None,
 ) -> torch.Tensor:
@@ -224,7 +235,10 @@ def paged_attention(
     ``[num_seqs, max_blocks]`` (padding = null block 0); ``seq_lens``: int32 ``[num_seqs]``.
     ``scale`` defaults to ``1/sqrt(head_size)``; key ``j`` is visible to position ``p``
     iff ``p - sliding_window < j <= p``; ``soft_cap`` applies ``cap * tanh(s / cap)``
-    after scaling. A sequence with ``seq_len == 0`` (batch padding) yields zeros.
+    after scaling; ``sinks`` (``[num_heads]`` float, torch reference only for now) adds
+    one learned logit per query head to the softmax denominator, gpt-oss's attention
+    sinks (the exact formula is in :mod:`kvblocks.ops.reference`). A sequence with
+    ``seq_len == 0`` (batch padding) yields zeros.
     ``max_seq_len`` (optional, CUDA only) is ``max(seq_lens)`` known on the host; giving
     it saves a device sync when planning the split-K launch. It is a planning hint: a
     value below the real maximum (a CUDA graph captured for shorter contexts) is still
@@ -257,6 +271,7 @@ def paged_attention(
         scale,
         sliding_window,
         soft_cap,
+        sinks,
     )
     if key_cache.is_cuda:
         return _cuda_backend().paged_attention(
@@ -280,6 +295,7 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
     )
 
 
@@ -294,6 +310,7 @@ def paged_prefill_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Varlen causal prefill/extend attention; returns ``[num_tokens, num_heads, head_size]``.
@@ -301,7 +318,8 @@ def paged_prefill_attention(
     ``query`` concatenates every sequence's chunk; ``query_start_loc`` (int32
     ``[num_seqs+1]``) delimits them and ``seq_lens`` (int32) is each sequence's context
     length after the chunk. Query ``i`` of a chunk of length ``q_len`` sits at position
-    ``seq_len - q_len + i`` and attends causally (and within ``sliding_window``).
+    ``seq_len - q_len + i`` and attends causally (and within ``sliding_window``);
+    ``scale``, ``soft_cap`` and ``sinks`` as in :func:`paged_attention`.
     Chunks of length 1 (decode) and 0 (idle sequence) are allowed. ``max_query_len``
     (optional, CUDA only) saves a device sync when planning the launch; it is a planning
     hint (the kernel loops over query tiles, so a value below the longest chunk is still
@@ -325,6 +343,7 @@ def paged_prefill_attention(
         scale,
         sliding_window,
         soft_cap,
+        sinks,
     )
     check_index_tensor(
         query_start_loc, "query_start_loc", (torch.int32,), (num_seqs + 1,), key_cache.device
@@ -364,6 +383,7 @@ def paged_prefill_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        sinks=sinks,
     )
 
 

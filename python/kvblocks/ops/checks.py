@@ -30,6 +30,7 @@ __all__ = [
     "check_ints",
     "check_optional_positive",
     "check_scale",
+    "check_sinks",
     "check_sliding_window",
     "check_tokens_like_cache",
 ]
@@ -246,3 +247,27 @@ def check_block_ids(mapping: torch.Tensor, num_src: int, num_dst: int, name: str
             f"{name} destination block ids must be in [0, {num_dst}), got range "
             f"[{int(dst.min())}, {int(dst.max())}]"
         )
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """Raise unless ``sinks`` is None or a finite float tensor ``[num_heads]`` on ``device``.
+
+    One attention-sink logit per query head (see :mod:`kvblocks.ops.reference`).
+    """
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise InvalidArgumentError(
+            f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}"
+        )
+    if not sinks.is_floating_point() or sinks.dtype not in (*SUPPORTED_DTYPES, torch.float64):
+        raise InvalidArgumentError(f"sinks must be a float tensor, got dtype {sinks.dtype}")
+    if tuple(sinks.shape) != (num_heads,):
+        raise InvalidArgumentError(
+            f"sinks has shape {list(sinks.shape)}, expected [{num_heads}] (one logit per "
+            "query head)"
+        )
+    if sinks.device != device:
+        raise InvalidArgumentError(f"sinks is on {sinks.device}, expected {device}")
+    if not bool(torch.isfinite(sinks).all()):
+        raise InvalidArgumentError("sinks must be finite")

@@ -114,11 +114,18 @@ def cuda_include_dirs() -> list[Path]:
     roots = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     for root in roots:
         for sub in ("cu13/include", "cuda_runtime/include", "cuda_nvrtc/include", "cu12/include"):
-            if (root / sub / "cuda_fp16.h").is_file():
+            # A dir counts when it holds either header: nvidia-cuda-crt installed into another
+            # site dir than the runtime wheel (pip --target, a venv over a system install)
+            # gives a cu13/include with crt/ alone, which <mma.h> still needs.
+            if any((root / sub / header).is_file() for header in _HEADERS):
                 dirs.append(root / sub)
         if (root / "cuda_nvcc/include/crt/mma.h").is_file():
             dirs.append(root / "cuda_nvcc/include")
     return dirs
+
+
+#: The headers an include dir is searched for: the fp16/bf16 types and the WMMA internals.
+_HEADERS = ("cuda_fp16.h", "crt/mma.h")
 
 
 def nvrtc_options(arch: str | None = None, cuda_major: int | None = None) -> list[str]:

@@ -53,8 +53,23 @@ def _check(result: tuple, what: str, log: str = "") -> tuple:
 
     err = result[0]
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise NvrtcCompileError(f"{what} failed: {err}\n{log}")
+        raise NvrtcCompileError(f"{what} failed: {err}\n{log}{_missing_header_hint(log)}")
     return result[1:]
+
+
+def _missing_header_hint(log: str) -> str:
+    """What to install when NVRTC could not find a header the kernels include."""
+    if 'cannot open source file "crt/mma.h"' in log:
+        return (
+            "\n<mma.h> needs crt/mma.h, which CUDA 13 ships in the nvidia-cuda-crt wheel "
+            "(CUDA 12: nvidia-cuda-nvcc-cu12): pip install 'kvblocks[cuda13]' (or [cuda12])"
+        )
+    if "cannot open source file" in log and "cuda_" in log:
+        return (
+            "\nthe CUDA headers come from the nvidia-cuda-runtime wheel: "
+            "pip install 'kvblocks[cuda13]' (or [cuda12])"
+        )
+    return ""
 
 
 @dataclass

@@ -6,6 +6,25 @@ attention pads each group of similar chunks to one length and masks). The front-
 :mod:`kvblocks.ops` validate shapes and dtypes before calling in; the functions here
 additionally reject block ids and slots outside the cache, which the kernels can only
 clamp (see ``cuda/README.md``).
+
+Attention semantics (decode and prefill alike). For query ``i`` of head ``h`` at position
+``p`` and the keys ``j`` it may see (``j <= p``, and ``j > p - sliding_window`` when a window
+is given)::
+
+    s_j   = scale * <q, k_j>                        # fp32
+    s_j   = soft_cap * tanh(s_j / soft_cap)         # only when soft_cap is given
+    m     = max(max_j s_j, sinks[h])                # sinks[h] only when sinks are given
+    out   = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sinks[h] - m))
+
+``sinks`` (gpt-oss's attention sinks) is a learned fp32 logit per *query* head
+(``[num_heads]``, not per KV head) that joins the softmax denominator only: it has no
+value vector, so it takes probability mass away from the keys without adding anything
+to the output (a head may thus attend to "nothing"). The sink logit is used as stored:
+it is not multiplied by ``scale``, not soft-capped and not masked by the window (it is
+present at every position, including a sequence's first token). Without ``sinks`` the
+``exp(sinks[h] - m)`` term is absent and this is the ordinary softmax. This matches
+transformers' ``gpt_oss`` eager attention (``softmax(cat([scores, sink]))`` with the sink
+column dropped). A query that sees no key at all (only batch padding) yields zeros.
 """
 
 from __future__ import annotations
@@ -118,11 +137,13 @@ def _attend_group(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Causal attention of padded queries ``[n, q, H, D]`` over ``[n, Hkv, L, D]``.
 
     Query ``i`` of sequence ``s`` sits at position ``first_pos[s] + i``; returns fp32
     ``[n, q, H, D]`` (rows past a sequence's chunk are garbage for the caller to drop).
+    ``sinks`` (fp32 ``[H]``) joins each head's softmax denominator (see the module doc).
     """
     n, q_len, num_heads, head_size = query.shape
     num_kv_heads, ctx = keys.shape[1], keys.shape[2]
@@ -139,8 +160,14 @@ def _attend_group(
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     # A row with no visible key yields zeros, not NaN (a real query always sees itself).
     row_max = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
+    if sinks is not None:
+        # Query head h = kv_head * group + g, so the [H] sinks reshape to [Hkv, group].
+        sink = sinks.reshape(1, num_kv_heads, group, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
     out = torch.einsum("nkgql,nkld->nkgqd", weights, values) / denom.clamp_min(1e-30)
     return out.permute(0, 3, 1, 2, 4).reshape(n, q_len, num_heads, head_size)
 
@@ -156,12 +183,14 @@ def paged_prefill_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention of concatenated query chunks over the paged cache.
 
     Sequences are batched, not looped over: their K/V are gathered through the block
     tables into one zero-padded tensor per group of similar chunk lengths (see
-    :func:`_query_length_groups`), and masks drop the padding.
+    :func:`_query_length_groups`), and masks drop the padding. ``sinks`` is a per-head
+    logit in the softmax denominator (see the module docstring for the exact formula).
     """
     num_blocks, _, block_size, head_size = key_cache.shape
     _check_tables(block_tables, seq_lens, num_blocks, block_size)
@@ -179,6 +208,7 @@ def paged_prefill_attention(
         )
     out = torch.zeros_like(query)
     tables = block_tables.to(device)
+    sinks_f32 = None if sinks is None else sinks.to(device=device, dtype=torch.float32)
     for seqs in _query_length_groups(q_lens):
         g_lens, g_q = lens[seqs], q_lens[seqs]
         q_max, ctx = int(g_q.max()), int(g_lens.max())
@@ -196,6 +226,7 @@ def paged_prefill_attention(
             scale,
             sliding_window,
             soft_cap,
+            sinks_f32,
         )
         out[tokens[in_chunk].to(query.device)] = attended[in_chunk.to(device)].to(query.dtype)
     return out
@@ -211,6 +242,7 @@ def paged_attention(
     scale: float | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query per sequence at position ``seq_len - 1``.
 
@@ -233,6 +265,7 @@ def paged_attention(
             scale=scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            sinks=sinks,
         )
     return out
 

@@ -6,6 +6,10 @@ the binding's event objects, so any source can feed it: an in-process
 decoding vLLM's ZMQ wire format (``BlockStored`` / ``BlockRemoved`` /
 ``AllBlocksCleared``, each with an optional ``medium``), which only has to build the same
 three records.
+
+A record keeps the event's KV cache group (``group_idx``, vLLM 0.33): a block leaving one
+group (a sliding-window group drops blocks a full-attention group keeps) must not erase
+another group's copy from the index.
 """
 
 from __future__ import annotations
@@ -42,21 +46,24 @@ class BlockStoredRecord:
         block_hashes: the blocks' hashes, prefix order (each chains its parent's).
         parent_block_hash: hash of the block before the first one, ``None`` at the start.
         medium: the tier (``"GPU"``, ``"CPU"``, ``"DISK"``, ...).
+        group_idx: the KV cache group (0 for a single-group model, vLLM's ``None``).
     """
 
     instance: int
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None = None
     medium: str = DEFAULT_MEDIUM
+    group_idx: int = 0
 
 
 @dataclass(frozen=True)
 class BlockRemovedRecord:
-    """Blocks left ``instance``'s cache in tier ``medium``."""
+    """Blocks left ``instance``'s cache in tier ``medium``, KV cache group ``group_idx``."""
 
     instance: int
     block_hashes: tuple[BlockHash, ...]
     medium: str = DEFAULT_MEDIUM
+    group_idx: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,12 +100,16 @@ def records_from_manager(
                     tuple(ev.block_hashes),
                     ev.parent_block_hash,
                     ev.medium if medium is None else medium,
+                    ev.group_idx,
                 )
             )
         elif isinstance(ev, BlockRemoved):
             out.append(
                 BlockRemovedRecord(
-                    instance, tuple(ev.block_hashes), ev.medium if medium is None else medium
+                    instance,
+                    tuple(ev.block_hashes),
+                    ev.medium if medium is None else medium,
+                    ev.group_idx,
                 )
             )
         elif isinstance(ev, AllBlocksCleared):

@@ -1,13 +1,9 @@
 """A prompt's block hashes, computed exactly as an instance computes them.
 
-The binding exposes no hash function, only the hashes of blocks that enter a prefix
-cache (``BlockStored`` events). :class:`PromptHasher` keeps a private scratch
-:class:`KVCacheManager` with the instances' ``block_size`` and ``hash_algo``: it adds the
-prompt, "computes" its full blocks (``allocate_slots`` + ``commit``; no KV exists, only
-the bookkeeping), reads the ``BlockStored`` hashes, and then frees the sequence and clears
-its cache so the next prompt is hashed from scratch. The hashes are the core's own, so
-they match the instances' bit for bit, for every hash algorithm, ``cache_salt`` and
-``lora_id``. Cost: one hashing pass over the prompt plus a few binding calls.
+:class:`PromptHasher` is the router's view of :class:`kvblocks.hashing.BlockHasher`: the
+core's own hash function (so the hashes match the instances' ``BlockStored`` events bit
+for bit, for every hash algorithm, ``hash_seed``, ``cache_salt`` and LoRA), plus the int
+form of vLLM's default event streams. One Rust call per prompt; no manager involved.
 """
 
 from __future__ import annotations
@@ -15,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks._core import BlockStored, KVCacheManager
+from kvblocks._core import BlockHasher, KVCacheManager
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.hashing import low64
 
 __all__ = ["PromptHasher"]
 
@@ -27,26 +24,43 @@ class PromptHasher:
     Args:
         block_size: tokens per block of the instances.
         hash_algo: the instances' hash algorithm.
-        max_tokens: prompt length the scratch pool is first sized for (it grows on demand).
+        hash_seed: the instances' ``hash_seed`` (``sha256_cbor`` only; ``None`` as the
+            manager: ``PYTHONHASHSEED`` when set, else vLLM's default).
+
+    Instances that name LoRAs (``register_lora``) need the same mapping here, or use
+    :meth:`from_manager` on a manager configured like them.
+
+    Raises:
+        InvalidArgumentError: a bad block size, algorithm or seed.
     """
 
-    def __init__(self, block_size: int, hash_algo: str = "blake3", max_tokens: int = 4096) -> None:
-        if block_size < 1:
-            raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.hash_algo = hash_algo
-        self._manager = self._scratch(max(max_tokens, block_size))
+    def __init__(
+        self, block_size: int, hash_algo: str = "blake3", *, hash_seed: str | None = None
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        self._hasher = BlockHasher(block_size, hash_algo=hash_algo, hash_seed=hash_seed)  # type: ignore[arg-type]
 
-    def _scratch(self, tokens: int) -> KVCacheManager:
-        blocks = -(-tokens // self.block_size) + 2  # + the null block + slack
-        return KVCacheManager(
-            blocks,
-            self.block_size,
-            enable_prefix_caching=True,
-            hash_algo=self.hash_algo,  # type: ignore[arg-type]
-            watermark=0.0,
-            record_events=True,
-        )
+    @classmethod
+    def from_manager(cls, manager: KVCacheManager) -> PromptHasher:
+        """A hasher with ``manager``'s block size, algorithm, seed and registered LoRAs."""
+        hasher = cls(manager.block_size, manager.hash_algo)
+        hasher._hasher = manager.block_hasher()
+        return hasher
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._hasher.block_size
+
+    @property
+    def hash_algo(self) -> str:
+        """The hash algorithm."""
+        return self._hasher.hash_algo
+
+    def register_lora(self, lora_id: int, lora_name: str, lora_path: str | None = None) -> None:
+        """Map ``lora_id`` as the instances do (``KVCacheManager.register_lora``)."""
+        self._hasher.register_lora(lora_id, lora_name, lora_path)
 
     def block_hashes(
         self,
@@ -63,31 +77,13 @@ class PromptHasher:
         last 8 bytes as a big-endian unsigned int.
 
         Raises:
-            InvalidArgumentError: token ids the core rejects (negative, too large, not 1-D).
+            InvalidArgumentError: token ids the core rejects (negative, too large, not 1-D),
+                a bad ``hash_format``, or a salt / LoRA the algorithm cannot key.
         """
         if hash_format not in ("bytes", "int"):
             raise InvalidArgumentError(f"hash_format must be 'bytes' or 'int', got {hash_format!r}")
-        tokens = np.asarray(token_ids)
-        if tokens.ndim != 1:
-            raise InvalidArgumentError(f"token_ids must be 1-D, got shape {tokens.shape}")
-        full = (len(tokens) // self.block_size) * self.block_size
-        if full == 0:
-            return []
-        if full > (self._manager.num_blocks - 2) * self.block_size:
-            self._manager = self._scratch(2 * full)
-        m = self._manager
-        m.add_sequence(0, tokens[:full], cache_salt=cache_salt, lora_id=lora_id)
-        try:
-            if m.allocate_slots(0, full) is None:  # pragma: no cover - sized above
-                raise InvalidArgumentError("scratch pool too small for the prompt")
-            m.commit(0, full)
-        finally:
-            m.free(0)
-            m.reset_prefix_cache()
-        hashes: list[bytes] = []
-        for ev in m.take_events():
-            if isinstance(ev, BlockStored):
-                hashes.extend(ev.block_hashes)
+        tokens = token_ids if isinstance(token_ids, (list, np.ndarray)) else np.asarray(token_ids)
+        hashes = self._hasher.block_hashes(tokens, cache_salt=cache_salt, lora_id=lora_id)
         if hash_format == "int":
-            return [int.from_bytes(h[-8:], "big") for h in hashes]
+            return [low64(h) for h in hashes]
         return hashes

@@ -18,17 +18,20 @@ __all__ = ["PrefixIndex"]
 class PrefixIndex:
     """Block hash -> instances holding it, per tier (``medium``), fed by KV event records.
 
-    An instance's blocks are kept as a set per tier, so ``AllBlocksCleared`` drops one
-    instance's entries only. A ``BlockRemoved`` for a hash the instance never reported
-    is ignored (streams may start mid-way, or replay what was seen). Memory is one dict
-    entry per distinct (hash, tier) plus one set entry per (hash, tier, instance).
+    An instance's blocks are kept per tier, so ``AllBlocksCleared`` drops one instance's
+    entries only. A block is held while any of the instance's KV cache groups
+    (``group_idx``) holds it in that tier: a removal from one group keeps another group's
+    copy. A ``BlockRemoved`` for a hash the instance never reported is ignored (streams
+    may start mid-way, or replay what was seen). Memory is one dict entry per distinct
+    (hash, tier) plus one entry per (hash, tier, instance).
     """
 
     def __init__(self) -> None:
         # medium -> hash -> instances
         self._owners: dict[str, dict[BlockHash, set[Hashable]]] = {}
-        # instance -> medium -> hashes (for AllBlocksCleared and stats)
-        self._held: dict[Hashable, dict[str, set[BlockHash]]] = {}
+        # instance -> medium -> hash -> the groups holding it (for removals per group,
+        # AllBlocksCleared and stats)
+        self._held: dict[Hashable, dict[str, dict[BlockHash, set[int]]]] = {}
 
     def apply(self, record: EventRecord) -> None:
         """Apply one event record.
@@ -37,9 +40,9 @@ class PrefixIndex:
             TypeError: not a record, or a block hash that is not ``bytes`` or ``int``.
         """
         if isinstance(record, BlockStoredRecord):
-            self._store(record.instance, record.medium, record.block_hashes)
+            self._store(record.instance, record.medium, record.group_idx, record.block_hashes)
         elif isinstance(record, BlockRemovedRecord):
-            self._remove(record.instance, record.medium, record.block_hashes)
+            self._remove(record.instance, record.medium, record.group_idx, record.block_hashes)
         elif isinstance(record, AllBlocksClearedRecord):
             self.clear_instance(record.instance)
         else:
@@ -50,24 +53,32 @@ class PrefixIndex:
         for r in records:
             self.apply(r)
 
-    def _store(self, instance: Hashable, medium: str, hashes: Sequence[BlockHash]) -> None:
+    def _store(
+        self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
+    ) -> None:
         for h in hashes:
             if isinstance(h, bool) or not isinstance(h, (bytes, int)):
                 raise TypeError(f"block hashes must be bytes or int, got {type(h).__name__}")
         owners = self._owners.setdefault(medium, {})
-        held = self._held.setdefault(instance, {}).setdefault(medium, set())
+        held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:
             owners.setdefault(h, set()).add(instance)
-            held.add(h)
+            held.setdefault(h, set()).add(group)
 
-    def _remove(self, instance: Hashable, medium: str, hashes: Sequence[BlockHash]) -> None:
+    def _remove(
+        self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
+    ) -> None:
         held = self._held.get(instance, {}).get(medium)
         owners = self._owners.get(medium)
         if not held or owners is None:
             return
         for h in hashes:
-            if h in held:
-                held.discard(h)
+            groups = held.get(h)
+            if groups is not None and group in groups:
+                groups.discard(group)
+                if groups:
+                    continue  # another group still holds the block
+                del held[h]
                 who = owners[h]
                 who.discard(instance)
                 if not who:

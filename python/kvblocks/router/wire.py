@@ -9,6 +9,10 @@ of one batch in any of the forms a subscriber holds them: decoded with plain
 :mod:`kvblocks.events.wire`'s). Block hashes stay as sent: ``bytes`` (whole digests), or
 ``int`` (vLLM's default, the low 64 bits) — hash prompts with
 ``PromptHasher.block_hashes(..., hash_format="int")`` to match the latter.
+
+vLLM 0.33's fields are read where the index needs them (``group_idx``, ``None`` meaning
+group 0) and type-checked where a record keeps them; the others (``extra_keys``,
+``kv_cache_spec_kind``, ``locality``, ``session_id``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ def _fields(event: Any) -> tuple[str, dict[str, Any]]:
     kind = type(event).__name__.removeprefix("Array")
     if kind not in _ARRAY_FIELDS:
         raise InvalidArgumentError(f"not a KV cache event: {type(event).__name__}")
-    return kind, {n: getattr(event, n, None) for n in _ARRAY_FIELDS[kind]}
+    return kind, {n: getattr(event, n, None) for n in (*_ARRAY_FIELDS[kind], "group_idx")}
+
+
+def _group_idx(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"group_idx must be None or an int >= 0, got {value!r}")
+    return value
 
 
 def _hashes(values: Any) -> tuple[bytes | int, ...]:
@@ -76,11 +88,13 @@ def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]
             parent = f.get("parent_block_hash")
             if parent is not None:
                 _hashes([parent])
-            out.append(
-                BlockStoredRecord(instance, _hashes(f.get("block_hashes")), parent, medium)  # type: ignore[arg-type]
-            )
+            hashes = _hashes(f.get("block_hashes"))
+            group = _group_idx(f.get("group_idx"))
+            out.append(BlockStoredRecord(instance, hashes, parent, medium, group))
         elif kind == "BlockRemoved":
-            out.append(BlockRemovedRecord(instance, _hashes(f.get("block_hashes")), medium))  # type: ignore[arg-type]
+            hashes = _hashes(f.get("block_hashes"))
+            group = _group_idx(f.get("group_idx"))
+            out.append(BlockRemovedRecord(instance, hashes, medium, group))
         elif kind == "AllBlocksCleared":
             out.append(AllBlocksClearedRecord(instance))
         else:

@@ -4,56 +4,118 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.scheduler.block_table import PersistentBlockTable, TableWrites
+from kvblocks.scheduler.block_table import PersistentBlockTable, TableDelta, TableWrites
+from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
+from kvblocks.scheduler.request import RequestOutput
 from kvblocks.scheduler.request_state import RequestState
+from kvblocks.scheduler.seq_table import Rows
+from kvblocks.scheduler.step import Chunk
 
-__all__ = ["StepPlan", "build_step", "stack_pairs"]
+__all__ = ["DecodeRows", "StepBatch", "StepPlan", "build_step"]
 
 
+@dataclass
 class StepPlan:
-    """What ``schedule`` decided, kept until the matching ``update``."""
+    """What ``schedule`` decided, kept until the matching ``update``.
 
-    def __init__(self, output: SchedulerOutput) -> None:
-        self.output = output
-        self.chunks: list[tuple[RequestState, int, int]] = []  # (state, start, length)
-        self.row_seq_pos: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
-        self.row_chunk: list[int] = []  # chunk index of each prefill sampling row
-        self.special = False  # some row has sample_count != 1
+    Attributes:
+        output: the step's output (``update`` must be given this very object).
+        now: the step's time (events while the step is in flight share it).
+        chunks: the prefill chunks.
+        row_seq_pos: the position in ``output.seq_ids`` of each sampling row.
+        row_chunk: the chunk index of each prefill sampling row.
+        special: some row has ``sample_count != 1``.
+        ended: final records of requests ended for lack of room while scheduling.
+        aborted: requests aborted while the step was in flight (released at ``update``).
+    """
+
+    output: SchedulerOutput
+    now: float = 0.0
+    chunks: list[Chunk] = field(default_factory=list)
+    row_seq_pos: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    row_chunk: list[int] = field(default_factory=list)
+    special: bool = False
+    ended: list[RequestOutput] = field(default_factory=list)
+    aborted: list[RequestState] = field(default_factory=list)
+
+
+@dataclass
+class DecodeRows:
+    """A step's decode rows: the first ``len(seq_ids)`` rows of the decode table, batch
+    order (``lens`` and ``is_beam`` are views, read before the table changes)."""
+
+    seq_ids: npt.NDArray[np.int64]
+    tokens: npt.NDArray[np.int64]
+    lens: npt.NDArray[np.int64]
+    is_beam: npt.NDArray[np.bool_]
+    temperature: npt.NDArray[np.float32]
+    top_p: npt.NDArray[np.float32]
+    top_k: npt.NDArray[np.int32]
+    seeds: npt.NDArray[np.int64]
+    seq_index: npt.NDArray[np.int32]
+    request_ids: list[str]
+
+    @classmethod
+    def from_table(cls, cols: Rows, end: int) -> DecodeRows:
+        """The first ``end`` rows of the table's columns."""
+        return cls(
+            seq_ids=cols["seq_id"][:end].copy(),
+            tokens=cols["last_token"][:end].copy(),
+            lens=cols["num_tokens"][:end],
+            is_beam=cols["is_beam"][:end],
+            temperature=cols["temperature"][:end].copy(),
+            top_p=cols["top_p"][:end].copy(),
+            top_k=cols["top_k"][:end].copy(),
+            seeds=cols["seed"][:end].copy(),
+            seq_index=cols["seq_index"][:end].copy(),
+            request_ids=cols["request_id"][:end].tolist(),
+        )
+
+
+@dataclass
+class StepBatch:
+    """Everything a step computes and moves: the input of :func:`build_step`."""
+
+    decodes: DecodeRows
+    chunks: list[Chunk]
+    memory_ops: MemoryOps
+    finished_request_ids: list[str]
 
 
 def build_step(
     manager: Any,
-    num_decode: int,
-    dec_ids: npt.NDArray[np.int64],
-    dec_tokens: npt.NDArray[np.int64],
-    dec_lens: npt.NDArray[np.int64],
-    dec_beam: npt.NDArray[np.bool_],
-    dec_sampling: tuple[npt.NDArray[Any], ...],
-    dec_request_ids: list[str],
-    chunks: list[tuple[RequestState, int, int]],
-    swap_out_maps: list[npt.NDArray[np.int64]],
-    swap_in_maps: list[npt.NDArray[np.int64]],
-    finished_request_ids: list[str],
+    batch: StepBatch,
     beam_width_of: Callable[[int], int],
     block_table: PersistentBlockTable | None = None,
 ) -> tuple[SchedulerOutput, StepPlan]:
     """Assemble the step's :class:`SchedulerOutput` from its decode rows and prefill chunks.
 
-    ``dec_*`` are the decode rows (copied table columns, batch order), ``chunks`` the
-    prefill chunks ``(state, start, length)``; ``beam_width_of(seq_id)`` gives the beam
-    width of a decoding beam sequence. One ``slot_mapping`` call covers the whole batch;
-    with a ``block_table`` (the scheduler's persistent table) one sync writes only the
-    entries that changed and ``SchedulerOutput.block_tables`` is gathered only if read,
-    else one ``block_tables`` call builds the ``[S, B]`` tables.
+    ``beam_width_of(seq_id)`` gives the beam width of a decoding beam sequence. One
+    ``slot_mapping`` call covers the whole batch; with a ``block_table`` (the scheduler's
+    persistent table) one sync writes only the entries that changed and
+    ``SchedulerOutput.block_tables`` is gathered only if read, else one ``block_tables``
+    call builds the ``[S, B]`` tables.
     """
     mgr = manager
-    temperature, top_p, top_k, seeds, seq_index = dec_sampling
+    dec = batch.decodes
+    chunks = batch.chunks
+    num_decode = len(dec.seq_ids)
+    dec_ids, dec_tokens, dec_lens, dec_beam = dec.seq_ids, dec.tokens, dec.lens, dec.is_beam
+    temperature, top_p, top_k, seeds, seq_index = (
+        dec.temperature,
+        dec.top_p,
+        dec.top_k,
+        dec.seeds,
+        dec.seq_index,
+    )
+    dec_request_ids = dec.request_ids
     sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
     special = bool(dec_beam.any())
     beam_width = 0
@@ -123,20 +185,27 @@ def build_step(
     logits_indices = np.concatenate(logits) if len(logits) > 1 else logits[0]
     plan_row_pos = np.concatenate(row_seq_pos) if len(row_seq_pos) > 1 else row_seq_pos[0]
     block_tables: npt.NDArray[np.int32] | None = None
-    table_rows = table_delta = None
+    table_rows = None
+    table_deltas: list[TableDelta] | None = None
+    num_groups = int(getattr(mgr, "num_groups", 1))
     if len(seq_ids):
-        slot_mapping = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)
+        # One call for every group's slots (each group writes into its own blocks).
+        if num_groups == 1:
+            group_slots = np.asarray(mgr.slot_mapping(seq_ids, num_sched), dtype=np.int64)[None]
+        else:
+            group_slots = np.asarray(mgr.group_slot_mappings(seq_ids, num_sched), dtype=np.int64)
         if block_table is None:
             block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
         else:
             table_rows = block_table.assign(seq_ids)
-            table_delta = block_table.sync(seq_ids, table_rows, seq_lens)
+            table_deltas = block_table.sync_groups(seq_ids, table_rows, seq_lens)
     else:
-        slot_mapping = np.zeros(0, dtype=np.int64)
+        group_slots = np.zeros((num_groups, 0), dtype=np.int64)
         block_tables = np.zeros((0, 1), dtype=np.int32)
         if block_table is not None:
             table_rows = np.zeros(0, dtype=np.int32)
-            table_delta = TableWrites.empty()
+            table_deltas = [TableWrites.empty() for _ in range(num_groups)]
+    slot_mapping = group_slots[0]
     num_prefill_tokens = int(num_sched[num_decode:].sum())
     output = SchedulerOutput(
         seq_ids=seq_ids,
@@ -158,30 +227,23 @@ def build_step(
         top_k=top_k,
         seeds=seeds,
         beam_topk=2 * beam_width,
-        blocks_to_swap_out=stack_pairs(swap_out_maps),
-        blocks_to_swap_in=stack_pairs(swap_in_maps),
-        blocks_to_copy=np.asarray(mgr.take_copy_on_writes(), dtype=np.int64).reshape(-1, 2),
         num_prefill_tokens=num_prefill_tokens,
         num_decode_tokens=num_decode,
         num_decode_seqs=num_decode,
-        finished_request_ids=finished_request_ids,
+        finished_request_ids=batch.finished_request_ids,
+        memory_ops=batch.memory_ops,
+        group_slot_mappings=group_slots,
     )
     if block_table is not None:
+        assert table_deltas is not None
         output.block_table = block_table.table
+        output.group_block_table = block_table.group_tables
         output.block_table_rows = table_rows
-        output.block_table_delta = table_delta
+        output.block_table_delta = table_deltas[0]
+        output.group_block_table_deltas = table_deltas
         output.block_table_reallocated = block_table.reallocated
         block_table.step_done()
-    plan = StepPlan(output)
-    plan.chunks = chunks
-    plan.row_seq_pos = plan_row_pos
-    plan.row_chunk = row_chunk
-    plan.special = special
+    plan = StepPlan(
+        output, chunks=chunks, row_seq_pos=plan_row_pos, row_chunk=row_chunk, special=special
+    )
     return output, plan
-
-
-def stack_pairs(maps: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-    """Concatenate ``[n, 2]`` block mappings (an empty ``[0, 2]`` array for none)."""
-    if not maps:
-        return np.zeros((0, 2), dtype=np.int64)
-    return np.concatenate([np.asarray(m, dtype=np.int64).reshape(-1, 2) for m in maps])

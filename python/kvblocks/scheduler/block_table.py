@@ -99,6 +99,11 @@ class PersistentBlockTable:
         block_size: tokens per block.
         num_lookahead_tokens: extra slots each step reserves (they widen tables).
 
+    With a manager built with several KV cache groups the table is kept per group:
+    :attr:`group_tables` is ``[num_groups, max_rows, max_blocks]`` (each sequence in the
+    same row of every group) and :attr:`table` is its group 0, a view; one
+    ``update_group_block_tables`` call syncs every group.
+
     :attr:`table` is replaced by a bigger array (content kept) when it must grow;
     :attr:`reallocated` is then true until the next :meth:`sync`.
     """
@@ -109,7 +114,11 @@ class PersistentBlockTable:
         self.manager = manager
         self.block_size = block_size
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.table: npt.NDArray[np.int32] = np.zeros((num_rows, INITIAL_COLUMNS), np.int32)
+        self.num_groups = int(getattr(manager, "num_groups", 1))
+        self.group_tables: npt.NDArray[np.int32] = np.zeros(
+            (self.num_groups, num_rows, INITIAL_COLUMNS), np.int32
+        )
+        self.table: npt.NDArray[np.int32] = self.group_tables[0]
         self.reallocated = True
         self._row_of: npt.NDArray[np.int32] = np.full(1024, -1, dtype=np.int32)
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
@@ -158,22 +167,39 @@ class PersistentBlockTable:
         """Write the changed entries of the sequences' tables into their rows.
 
         ``seq_lens`` (context lengths after the step) bound the tables' lengths, so the
-        table is widened first when they would not fit.
+        table is widened first when they would not fit. Returns group 0's writes (every
+        group is synced; :meth:`sync_groups` returns each group's).
         """
+        return self.sync_groups(seq_ids, rows, seq_lens)[0]
+
+    def sync_groups(
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+    ) -> list[TableDelta]:
+        """:meth:`sync` of every group in one manager call; one delta per group."""
         if len(seq_lens):
             longest = int(seq_lens.max()) + self.num_lookahead_tokens
             need = -(-longest // self.block_size)
             if need > self.table.shape[1]:
                 self._grow(cols=max(need, 2 * self.table.shape[1]))
         if not self._incremental:
-            return self._write_whole(seq_ids, rows)
+            return [self._write_whole(seq_ids, rows)]
         try:
-            return self.manager.update_block_table(self.table, seq_ids, rows)  # type: ignore[no-any-return]
+            return self._update(seq_ids, rows)
         except InvalidArgumentError:
             # Spare blocks from an earlier, larger reservation can make a table longer
             # than its context: widen once and retry (nothing was written or consumed).
             self._grow(cols=2 * self.table.shape[1])
-            return self.manager.update_block_table(self.table, seq_ids, rows)  # type: ignore[no-any-return]
+            return self._update(seq_ids, rows)
+
+    def _update(
+        self, seq_ids: npt.NDArray[np.int64], rows: npt.NDArray[np.int32]
+    ) -> list[TableDelta]:
+        if self.num_groups == 1:
+            return [self.manager.update_block_table(self.table, seq_ids, rows)]
+        return list(self.manager.update_group_block_tables(self.group_tables, seq_ids, rows))
 
     def step_done(self) -> None:
         """The step's output carries the current table; later growth is news again."""
@@ -200,8 +226,9 @@ class PersistentBlockTable:
         old_rows, old_cols = self.table.shape
         new_rows = old_rows if rows is None else rows
         new_cols = old_cols if cols is None else cols
-        grown = np.zeros((new_rows, new_cols), dtype=np.int32)
-        grown[:old_rows, :old_cols] = self.table
-        self.table = grown
+        grown = np.zeros((self.num_groups, new_rows, new_cols), dtype=np.int32)
+        grown[:, :old_rows, :old_cols] = self.group_tables
+        self.group_tables = grown
+        self.table = grown[0]
         self._free = list(range(new_rows - 1, old_rows - 1, -1)) + self._free
         self.reallocated = True

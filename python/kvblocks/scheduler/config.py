@@ -1,12 +1,17 @@
-"""Scheduler limits and policies (:class:`SchedulerConfig`)."""
+"""Scheduler limits and policies (:class:`SchedulerConfig`), and the checks of the
+scheduler's other arguments."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["POLICIES", "PREEMPTION_MODES", "SchedulerConfig"]
+if TYPE_CHECKING:
+    from kvblocks.scheduler.request import Request
+
+__all__ = ["POLICIES", "PREEMPTION_MODES", "SchedulerConfig", "check_scheduler_args"]
 
 POLICIES = ("fcfs", "priority", "lpm")
 """Admission orders of the waiting queue."""
@@ -29,6 +34,13 @@ class SchedulerConfig:
             ``"fcfs"`` (arrival time), ``"priority"`` (``Request.priority``, smaller first,
             then arrival) or ``"lpm"`` (longest cached prefix first, then arrival; a
             cache-aware order as in SGLang).
+        max_wait_steps: the wait bound, in scheduler steps (``None``: no bound). A
+            waiting request that has waited this many steps (since ``add_request`` or a
+            recompute preemption) is overdue: it is admitted before every request that
+            is not, overdue requests in arrival order, so no later arrival passes it
+            whatever its priority or cached prefix; below the bound the policy's order
+            holds. Default 128 (2.6 s of 20 ms steps). ``0`` admits in arrival order
+            under every policy. See :mod:`kvblocks.scheduler.queues.wait_bound`.
         preemption_mode: ``None`` (auto: recompute single-sequence requests, swap
             multi-sequence ones), ``"recompute"`` or ``"swap"``. Multi-sequence requests
             swap when the CPU pool has room, else are recomputed (``n > 1``: each sequence
@@ -51,6 +63,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     policy: str = "fcfs"
+    max_wait_steps: int | None = 128
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = True
     num_lookahead_tokens: int = 0
@@ -80,6 +93,13 @@ class SchedulerConfig:
             raise InvalidArgumentError(
                 f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
             )
+        wait = self.max_wait_steps
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, int) or not 0 <= wait <= _INT32_MAX
+        ):
+            raise InvalidArgumentError(
+                f"max_wait_steps must be None or an int in [0, 2^31), got {wait!r}"
+            )
         bound = self.max_load_blocks_per_step
         if bound is not None and (
             isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= _INT32_MAX
@@ -91,3 +111,67 @@ class SchedulerConfig:
             raise InvalidArgumentError(
                 f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}"
             )
+
+    def check_pool(self, num_blocks: int, block_size: int) -> None:
+        """Raise unless a decode step fits in a pool of ``num_blocks`` blocks.
+
+        The first decode step holds the prompt's token, the decoded one and the
+        lookahead: past what the pool can ever give, every request would stop at its
+        first token (and the persistent table would be sized for slots that can never
+        exist).
+        """
+        usable = (num_blocks - 1) * block_size
+        if self.num_lookahead_tokens + 2 > usable:
+            raise InvalidArgumentError(
+                f"num_lookahead_tokens = {self.num_lookahead_tokens} leaves no room "
+                f"for a decode step: the pool holds {usable} tokens ({num_blocks - 1} "
+                f"usable blocks of {block_size})"
+            )
+
+    def check_request(self, request: Request) -> None:
+        """Raise unless ``request`` can ever run under these limits: it runs more
+        sequences (n, beam_width) than one step holds, or (chunked prefill off) its
+        prompt is longer than ``max_num_batched_tokens``."""
+        rid = request.request_id
+        width = request.sampling_params.num_sequences
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        if width > limit:
+            raise InvalidArgumentError(
+                f"request {rid!r} runs {width} sequences at once (n / beam_width) but a step "
+                f"holds at most {limit} (max_num_seqs, max_num_batched_tokens)"
+            )
+        num_prompt = request.num_prompt_tokens
+        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) and chunked prefill is off"
+            )
+
+
+def check_scheduler_args(
+    manager: Any, config: SchedulerConfig | None, clock: Any, event_publisher: Any
+) -> SchedulerConfig:
+    """The scheduler's config (the default for ``None``), checked with its other
+    arguments against ``manager``.
+
+    Raises:
+        InvalidArgumentError: ``config`` is not a :class:`SchedulerConfig` or leaves no
+            room for a decode step in the pool; ``clock`` is not callable;
+            ``event_publisher`` has no ``publish()`` or the manager records no events.
+    """
+    if not callable(clock):
+        raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
+    if event_publisher is not None:
+        if not callable(getattr(event_publisher, "publish", None)):
+            raise InvalidArgumentError(
+                f"event_publisher needs a publish() method, got {event_publisher!r}"
+            )
+        if not getattr(manager, "record_events", False):
+            raise InvalidArgumentError(
+                "event_publisher needs a manager built with record_events=True"
+            )
+    config = config if config is not None else SchedulerConfig()
+    if not isinstance(config, SchedulerConfig):
+        raise InvalidArgumentError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+    config.check_pool(int(manager.num_blocks), int(manager.block_size))
+    return config

@@ -11,6 +11,7 @@ produces logits this step).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,15 +24,12 @@ from kvblocks.page_tables import (
     flash_attention_page_table,
     flashinfer_page_table,
 )
+from kvblocks.scheduler.memory_ops import MemoryOps, pairs_of
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.block_table import TableDelta
 
 __all__ = ["ModelStepResult", "SchedulerOutput"]
-
-
-def _empty_pairs() -> npt.NDArray[np.int64]:
-    return np.zeros((0, 2), dtype=np.int64)
 
 
 class _GatheredBlockTables:
@@ -75,11 +73,9 @@ def _gather(
 class SchedulerOutput:
     """One step's batch.
 
-    The engine applies the block moves of ``memory_ops`` in the order given (or, for a
-    hand-built record with no ``memory_ops``, ``blocks_to_swap_out``, then
-    ``blocks_to_swap_in``, then ``blocks_to_copy``), then runs the forward pass over the
-    batch, then computes logits only at ``logits_indices`` and samples/ranks them row by
-    row.
+    The engine applies the block moves of ``memory_ops`` in the order given, then runs
+    the forward pass over the batch, then computes logits only at ``logits_indices`` and
+    samples/ranks them row by row.
 
     Attributes:
         seq_ids: int64 [S] sequence ids, batch order: decodes first, then prefill chunks.
@@ -116,9 +112,6 @@ class SchedulerOutput:
         beam_topk: 0, or ``K`` = 2 * the largest beam width among the rows: the engine
             then also returns the top-``K`` log-probs (log-softmax of the raw logits,
             temperature ignored) of every row.
-        blocks_to_swap_out: int64 [n, 2] ``(gpu_block, cpu_block)`` copies.
-        blocks_to_swap_in: int64 [n, 2] ``(cpu_block, gpu_block)`` copies.
-        blocks_to_copy: int64 [n, 2] ``(src_gpu_block, dst_gpu_block)`` copy-on-write copies.
         num_prefill_tokens: tokens of prefill chunks in this step.
         num_decode_tokens: tokens of decode sequences in this step.
         num_decode_seqs: the first ``num_decode_seqs`` entries of ``seq_ids`` are decodes
@@ -130,19 +123,17 @@ class SchedulerOutput:
             ``0..n-1``. With it, seeded sampling can key its noise by (seed, index,
             position) and so not depend on batching or preemption. The scheduler always
             sets it; ``None`` only in hand-built records (added after the first version).
-        memory_ops: the same swap/copy pairs as ``blocks_to_swap_out``,
-            ``blocks_to_swap_in`` and ``blocks_to_copy``, as ``(kind, pairs)`` groups in the
-            order the block manager issued them (kind ``"swap_out"``, ``"swap_in"`` or
-            ``"copy"``; the pairs of a copy group also mean "in this order"). A step that
-            preempts can free blocks, reuse them as copy-on-write destinations and swap
-            those out again, so only this order is always correct. The scheduler puts
-            every move of the step here (empty only when no block moves); when it is
-            non-empty the engine applies it instead of the three arrays (added after the
-            first version; empty in hand-built records). With a manager that has a host
-            tier it also holds ``"offload"`` ``(gpu block, tier slot)`` and ``"load"``
-            ``(tier slot, gpu block)`` groups, in the manager's order; their tier-side
-            copies must be complete when the step's ``update()`` is called (it confirms
-            them to the manager).
+        memory_ops: every block move of the step, as ``(kind, pairs int64 [n, 2])`` runs
+            in the order the block manager issued them (the manager's journal, see
+            :mod:`kvblocks.scheduler.memory_ops`): ``"swap_out"`` ``(gpu, cpu)``,
+            ``"swap_in"`` ``(cpu, gpu)``, ``"copy"`` ``(src, dst)`` GPU blocks (the pairs
+            of a run also mean "in this order"), and with a host tier ``"offload"``
+            ``(gpu block, tier slot)`` and ``"load"`` ``(tier slot, gpu block)``. A step
+            that preempts can free blocks, reuse them as copy-on-write destinations and
+            swap those out again, so only this order is always correct. Tier-side copies
+            must be complete when the step's ``update()`` is called (it confirms them to
+            the manager). ``blocks_to_swap_out``, ``blocks_to_swap_in`` and
+            ``blocks_to_copy`` are views of it.
         block_table: int32 [max_rows, max_blocks] the scheduler's persistent block table
             (the same array every step until it grows): row ``block_table_rows[i]`` holds
             the table of ``seq_ids[i]``, padded with the null block. Rows of sequences not
@@ -161,6 +152,19 @@ class SchedulerOutput:
             ``r`` bans ``suppressed_token_ids[suppressed_indptr[r]:suppressed_indptr[r+1]]``.
             ``None`` (both) when no row bans anything, the usual case.
         suppressed_indptr: int64 [R+1] offsets into ``suppressed_token_ids``, or ``None``.
+        group_slot_mappings: int64 [G, T] per KV cache group ``g`` (``G =
+            manager.num_groups``, 1 without groups), the cache slot where each token's K/V
+            is written by the layers of group ``g``: each group has its own blocks. Row 0
+            is ``slot_mapping``. One manager call per step. ``None`` in hand-built
+            records.
+        group_block_table: int32 [G, max_rows, max_blocks] the persistent block table of
+            every group (each sequence in the same row ``block_table_rows[i]`` of every
+            group; a window or chunked group's entries for blocks no future query sees
+            are the null block). Group 0 is ``block_table`` (the same memory). Updated in
+            place by the next ``schedule()``, reallocated with ``block_table``.
+        group_block_table_deltas: one delta per group (as ``block_table_delta``; entry 0
+            is ``block_table_delta``): the entries this step wrote into each group's
+            table.
     """
 
     seq_ids: npt.NDArray[np.int64]
@@ -184,21 +188,70 @@ class SchedulerOutput:
     top_k: npt.NDArray[np.int32]
     seeds: npt.NDArray[np.int64]
     beam_topk: int = 0
-    blocks_to_swap_out: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
-    blocks_to_swap_in: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
-    blocks_to_copy: npt.NDArray[np.int64] = field(default_factory=_empty_pairs)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_decode_seqs: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
     sample_seq_index: npt.NDArray[np.int32] | None = None
-    memory_ops: list[tuple[str, npt.NDArray[np.int64]]] = field(default_factory=list)
+    memory_ops: MemoryOps = field(default_factory=list)
     block_table: npt.NDArray[np.int32] | None = None
     block_table_rows: npt.NDArray[np.int32] | None = None
     block_table_delta: TableDelta | None = None
     block_table_reallocated: bool = False
     suppressed_token_ids: npt.NDArray[np.int64] | None = None
     suppressed_indptr: npt.NDArray[np.int64] | None = None
+    group_slot_mappings: npt.NDArray[np.int64] | None = None
+    group_block_table: npt.NDArray[np.int32] | None = None
+    group_block_table_deltas: list[TableDelta] | None = None
+
+    @property
+    def num_groups(self) -> int:
+        """``G``: the KV cache groups the step's per-group arrays cover (1 without
+        groups)."""
+        if self.group_block_table is not None:
+            return int(self.group_block_table.shape[0])
+        if self.group_slot_mappings is not None:
+            return int(self.group_slot_mappings.shape[0])
+        return 1
+
+    @functools.cached_property
+    def group_block_tables(self) -> npt.NDArray[np.int32]:
+        """int32 [G, S, B]: every group's block table of each scheduled sequence, padded
+        with the null block and trimmed to the longest (``block_tables`` is group 0).
+
+        Gathered from ``group_block_table`` on first read: read it before the next
+        ``schedule()``, which updates that table in place.
+        """
+        if self.group_block_table is None:
+            return np.ascontiguousarray(self.block_tables[None])
+        rows = self.block_table_rows
+        if rows is None:
+            raise ValueError("group_block_table has no block_table_rows to gather with")
+        width = int(self.block_tables.shape[1])
+        gathered = self.group_block_table[:, rows]
+        # The full-attention group (or the longest table) sets the width: a window group's
+        # table has the same length, its leading entries null.
+        used = np.flatnonzero(gathered.any(axis=(0, 1)))
+        width = max(width, int(used[-1]) + 1 if len(used) else 0)
+        return np.ascontiguousarray(gathered[:, :, :width])
+
+    @property
+    def blocks_to_swap_out(self) -> npt.NDArray[np.int64]:
+        """int64 [n, 2] ``(gpu_block, cpu_block)``: the ``"swap_out"`` pairs of
+        ``memory_ops`` (a view for statistics; apply ``memory_ops``)."""
+        return pairs_of(self.memory_ops, "swap_out")
+
+    @property
+    def blocks_to_swap_in(self) -> npt.NDArray[np.int64]:
+        """int64 [n, 2] ``(cpu_block, gpu_block)``: the ``"swap_in"`` pairs of
+        ``memory_ops``."""
+        return pairs_of(self.memory_ops, "swap_in")
+
+    @property
+    def blocks_to_copy(self) -> npt.NDArray[np.int64]:
+        """int64 [n, 2] ``(src_gpu_block, dst_gpu_block)``: the ``"copy"`` pairs of
+        ``memory_ops``."""
+        return pairs_of(self.memory_ops, "copy")
 
     @property
     def num_seqs(self) -> int:

@@ -34,6 +34,18 @@ class FinishReason(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def parse(cls, reason: FinishReason | str) -> FinishReason:
+        """``reason`` as a :class:`FinishReason`.
+
+        Raises:
+            InvalidArgumentError: a value outside the enum (a caller error).
+        """
+        try:
+            return cls(reason)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"unknown finish reason {reason!r}") from None
+
 
 @dataclass
 class Request:
@@ -46,7 +58,7 @@ class Request:
         arrival_time: seconds on the caller's clock (any monotonic clock); orders fcfs and
             breaks ties in the other policies. ``None``: the scheduler's step counter at
             admission is used, so requests keep the order they were added in.
-        priority: smaller is served first under the ``"priority"`` policy.
+        priority: smaller is served first under the ``"priority"`` policy (an int64).
         cache_salt: prefix-cache namespace (blocks are shared only within one salt).
         lora_id: LoRA adapter; also a prefix-cache namespace.
         eos_token_id: the model's end-of-sequence token; ``None`` disables EOS stops.
@@ -103,6 +115,11 @@ class Request:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InvalidArgumentError(
                 f"request {self.request_id!r}: priority must be an int, got {self.priority!r}"
+            )
+        if not -(2**63) <= self.priority < 2**63:
+            # Running requests keep it in an int64 column of the decode table.
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: priority must fit in int64, got {self.priority}"
             )
         p = self.retention_priority
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100):

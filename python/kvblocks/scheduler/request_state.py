@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler.beam import Hypothesis
-from kvblocks.scheduler.queues.policy import Key
+from kvblocks.scheduler.queues.policy import Key, QueueKey
 from kvblocks.scheduler.request import CompletionOutput, FinishReason, Request, RequestMetrics
 from kvblocks.scheduler.seq_table import Rows, empty_rows
 
@@ -72,6 +72,10 @@ class RequestState:
         # hit at registration, so the probe is refreshed before admission (see _register).
         self.registered_step = -1
         self.aborted = False
+        # Bounded waiting (queues/wait_bound.py): the step it last entered the waiting
+        # queue, and whether it waited past the bound (then for good).
+        self.wait_since = 0
+        self.overdue = False
         self.seq_index: dict[int, int] = {seq_id: 0}
         self.outputs: dict[int, CompletionOutput] = {}
         # Step (``counters.num_steps``) at which each finished sequence's record was made:
@@ -93,6 +97,18 @@ class RequestState:
         if self._prompt_list is None:
             self._prompt_list = np.asarray(self.request.prompt_token_ids).tolist()
         return self._prompt_list
+
+    @property
+    def queue_key(self) -> QueueKey:
+        """The waiting queue's order: overdue requests first by arrival, then by key."""
+        if self.overdue:
+            return (0, 0, self.key[1], self.key[2])
+        return (1, *self.key)
+
+    @property
+    def is_waiting(self) -> bool:
+        """In the waiting queue."""
+        return self.status is RequestStatus.WAITING
 
     @property
     def root(self) -> RequestState:
@@ -125,6 +141,7 @@ class RequestState:
         part.cum_logprob = cum_logprob
         part.seq_index = {seq_id: self.seq_index[seq_id]}
         part.admitted = True
+        part.overdue = self.overdue
         return part
 
     def finish_reason_for(self, token: int, num_generated: int) -> FinishReason | None:

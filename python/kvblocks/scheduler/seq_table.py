@@ -67,6 +67,14 @@ class SequenceTable:
         """Rows of the given sequences (all must be present)."""
         return self.row_of[seq_ids]
 
+    def request_boundary(self, end: int) -> int:
+        """The largest ``k <= end`` that does not split a multi-sequence request (rows
+        ``k - 1`` and ``k`` belong to different requests)."""
+        counter = self.cols["counter"]
+        while end > 0 and counter[end - 1] == counter[end]:
+            end -= 1
+        return end
+
     def take(self, rows: npt.NDArray[np.int64]) -> Rows:
         """Copies of the given rows."""
         return {name: col[rows] for name, col in self.cols.items()}

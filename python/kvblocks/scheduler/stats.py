@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
+    from kvblocks.scheduler.output import SchedulerOutput
+    from kvblocks.scheduler.placement import Placement
     from kvblocks.scheduler.request import RequestMetrics
 
-__all__ = ["LatencyStats", "SchedulerCounters", "StatsHistory"]
+__all__ = ["LatencyStats", "SchedulerCounters", "StatsHistory", "gauges", "history_row"]
 
 _PERCENTILES = (50, 90, 99)
 
@@ -26,6 +28,9 @@ class SchedulerCounters:
     because the step's bound was reached (counted at each step a request waits);
     ``num_loads_recomputed``, host-tier blocks computed instead of loaded because one
     request's loads exceeded the whole bound.
+
+    ``num_requests_overdue``: waiting requests that reached ``max_wait_steps`` and were
+    moved ahead of the policy's order (see :mod:`~kvblocks.scheduler.queues.wait_bound`).
     """
 
     num_steps: int = 0
@@ -44,6 +49,7 @@ class SchedulerCounters:
     num_load_blocks: int = 0
     num_loads_deferred: int = 0
     num_loads_recomputed: int = 0
+    num_requests_overdue: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -148,3 +154,44 @@ class LatencyStats:
             for p, v in zip(_PERCENTILES, pcts, strict=True):
                 out[f"{name}_p{p}_s"] = float(v)
         return out
+
+
+def gauges(
+    placement: Placement, num_requests: int, manager: Any, step: int
+) -> dict[str, int | float]:
+    """The scheduler's gauges at ``step``: requests running, waiting and swapped (a split
+    request counts as running until its last part finishes), sequences running, KV usage
+    and the longest current wait, in steps."""
+    waiting, swapped = len(placement.waiting), len(placement.swapped)
+    if placement.num_split:
+        # Parts of a split request are queued on their own; the request counts as
+        # running until its last part finishes.
+        waiting = sum(1 for s in placement.waiting if s.parent is None)
+        swapped = sum(1 for s in placement.swapped if s.parent is None)
+    return {
+        "num_running": num_requests - waiting - swapped,
+        "num_running_seqs": len(placement.table) + len(placement.prefilling),
+        "num_waiting": waiting,
+        "num_swapped": swapped,
+        "kv_usage": float(manager.usage()),
+        "num_free_blocks": int(manager.num_free_blocks()),
+        "longest_wait_steps": placement.wait_bound.longest_wait(step),
+    }
+
+
+def history_row(
+    step_gauges: dict[str, int | float],
+    counters: SchedulerCounters,
+    output: SchedulerOutput,
+    num_loads: int,
+) -> dict[str, float]:
+    """One :class:`StatsHistory` row (a float time series) for a scheduled step."""
+    row = {name: float(value) for name, value in step_gauges.items()}
+    row["step"] = float(counters.num_steps)
+    row["num_batched_tokens"] = float(output.num_tokens)
+    row["num_prefill_tokens"] = float(output.num_prefill_tokens)
+    row["num_decode_tokens"] = float(output.num_decode_tokens)
+    row["num_preemptions"] = float(counters.num_preemptions)
+    row["num_load_blocks"] = float(num_loads)
+    row["prefix_hit_rate"] = counters.prefix_hit_rate
+    return row

@@ -294,7 +294,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     started = time.perf_counter()
     n = config.num_instances
     router: Router = make_router(config.router, n)
-    hasher = PromptHasher(config.block_size, config.hash_algo, config.workload.max_context_len)
+    hasher = PromptHasher(config.block_size, config.hash_algo)
     bs = config.block_size
     usable = config.num_blocks - 1
     fleet = []

@@ -2,7 +2,7 @@
 
 The store holds block hashes only (the simulation moves no bytes), least recently used
 evicted first, like a Valkey server with ``maxmemory-policy allkeys-lru``. It is used the
-way ``LLM(remote_tier=...)`` uses a real store (:mod:`kvblocks.engine.remote_tier`):
+way ``LLM(remote_tier=...)`` uses a real store (:mod:`kvblocks.tiers.remote_link`):
 
 - **writes**: every block an instance offloads to its host tier is written to the store
   under its hash (``host_offload="commit"`` makes every computed block reach it), as the

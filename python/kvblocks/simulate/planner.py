@@ -6,6 +6,14 @@ baselines (:func:`~kvblocks.simulate.contiguous.run_contiguous`, reserving promp
 memory, step limits and cost model. Each is run at the configured rate (latency there)
 and, unless capacity is ``"off"``, saturated (the most it completes per second, and the
 batch size it reaches); ``"search"`` also bisects each server's stable rate.
+
+With a layer mix (``SimulationConfig.layer_mix``) the paged run also counts each step's
+batch under per-layer-kind allocation (:mod:`kvblocks.simulate.layer_mix`), and one more
+server, ``"paged, grouped KV"``, replays the trace on the pool that uniform allocation
+would need to hold as many sequences as the same memory holds grouped: ``1 + (num_blocks
+- 1) / ratio`` blocks, ``ratio`` being the trace's grouped-over-uniform KV. Its capacity
+is the grouped pool's capacity under that accounting model (exact once the core keeps
+one block table per layer kind).
 """
 
 from __future__ import annotations
@@ -26,7 +34,17 @@ from kvblocks.simulate.contiguous import CONTIGUOUS_RULES, run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics
 from kvblocks.simulate.runner import SimulationConfig, SimulationResult, run_simulation
 
-__all__ = ["DEFAULT_SATURATION_REQUESTS", "PlanResult", "ServerReport", "run_plan"]
+__all__ = [
+    "DEFAULT_SATURATION_REQUESTS",
+    "GROUPED_SERVER",
+    "PlanResult",
+    "ServerReport",
+    "grouped_equivalent_blocks",
+    "run_plan",
+]
+
+GROUPED_SERVER = "paged, grouped KV"
+"""The server row of the layer-mix accounting model."""
 
 DEFAULT_SATURATION_REQUESTS = 500
 """Requests in a saturated run: enough for the 10%-90% window to reach steady batching."""
@@ -94,6 +112,13 @@ def _probe(run: _Run) -> Probe:
     return probe
 
 
+def grouped_equivalent_blocks(num_blocks: int, ratio: float) -> int:
+    """The uniform pool holding as many sequences as ``num_blocks`` hold grouped."""
+    if not 0 < ratio <= 1:
+        return num_blocks
+    return 1 + int((num_blocks - 1) / ratio)
+
+
 def run_plan(
     config: SimulationConfig,
     capacity: str = "estimate",
@@ -126,6 +151,13 @@ def run_plan(
     if tiered_config is not None:
         plan.tiered = run_simulation(tiered_config)
         servers.append(("paged + host tier", _run_paged, replace(tiered_config, progress=False)))
+    if config.layer_mix is not None and paged.layer_mix is not None:
+        grouped = replace(
+            quiet,
+            num_blocks=grouped_equivalent_blocks(config.num_blocks, paged.layer_mix.ratio),
+            layer_mix=None,
+        )
+        servers.append((GROUPED_SERVER, _run_paged, grouped))
     servers += [
         (f"contiguous {rule}", _contiguous_runner(rule), quiet) for rule in CONTIGUOUS_RULES
     ]

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from kvblocks.simulate.metrics import PERCENTILES
-from kvblocks.simulate.planner import PlanResult, ServerReport
+from kvblocks.simulate.planner import GROUPED_SERVER, PlanResult, ServerReport
 
 __all__ = ["format_json", "format_table"]
 
@@ -121,9 +121,46 @@ def format_table(plan: PlanResult) -> str:
     lines = [header, ""]
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
     lines += ["", *_comparison(plan)]
+    if "layer_mix" in s:
+        lines += ["", *_layer_mix_lines(plan, s["layer_mix"])]
     if plan.tiered is not None:
         lines += ["", *_tier_comparison(plan)]
     return "\n".join(lines)
+
+
+def _layer_mix_lines(plan: PlanResult, mix: dict[str, Any]) -> list[str]:
+    """KV per sequence and capacity of per-layer-kind allocation against uniform."""
+    block_size = plan.paged.config.block_size
+    out = [
+        f"Layer mix {mix['layers']} ({mix['num_layers']} layers): one block table per layer "
+        "kind against uniform",
+        f"allocation; a window-W layer holds min(len, W - 1 + step tokens) rounded out to "
+        f"{block_size}-token",
+        "blocks, a full layer every token (an accounting model: kvblocks.simulate.layer_mix):",
+        "",
+    ]
+    for row in mix["per_sequence"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in row["blocks_per_layer"].items())
+        out.append(
+            f"  {row['context']} context, {row['seq_len']:,} tokens: "
+            f"{row['grouped_layer_blocks']:,} layer-blocks vs {row['uniform_layer_blocks']:,} "
+            f"uniform ({100 * row['grouped_over_uniform']:.1f}%; per layer: {kinds})"
+        )
+    out.append(
+        f"  this trace's batches: mean {mix['mean_grouped_layer_blocks']:,.0f} layer-blocks "
+        f"grouped vs {mix['mean_uniform_layer_blocks']:,.0f} uniform "
+        f"({100 * mix['grouped_over_uniform']:.1f}%): "
+        f"{mix['sequences_in_same_memory']:.2f}x the sequences in the same memory"
+    )
+    caps = {server.name: server.capacity for server in plan.servers}
+    paged, grouped = caps.get("paged"), caps.get(GROUPED_SERVER)
+    if paged is not None and grouped is not None and paged.requests_per_s > 0:
+        out.append(
+            f"  capacity: {grouped.requests_per_s:.2f} req/s grouped vs "
+            f"{paged.requests_per_s:.2f} uniform "
+            f"({grouped.requests_per_s / paged.requests_per_s:.2f}x, same trace and memory)"
+        )
+    return out
 
 
 def _tier_comparison(plan: PlanResult) -> list[str]:
@@ -304,6 +341,7 @@ def format_json(plan: PlanResult) -> str:
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "capacity": plan.capacity_mode,
+            "layers": None if cfg.layer_mix is None else str(cfg.layer_mix),
         },
     }
     return json.dumps(doc, indent=2)

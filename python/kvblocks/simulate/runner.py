@@ -23,6 +23,7 @@ from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.simulate.aggregates import Distribution, Timeline
 from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel, tier_ops
+from kvblocks.simulate.layer_mix import LayerMix, LayerMixTotals
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
 
@@ -80,6 +81,9 @@ class SimulationConfig:
             have not started (saturated runs: with every conversation queued at t=0, plain
             arrival order would serve all the short first turns before any long follow-up,
             so the measured mix would not be the trace's).
+        layer_mix: the model's sliding-window and full-attention layers; each step's
+            batch is then also counted under per-layer-kind allocation
+            (:mod:`kvblocks.simulate.layer_mix`, an accounting model).
     """
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -94,6 +98,7 @@ class SimulationConfig:
     progress: bool = True
     stop_at_window: bool = False
     follow_ups_first: bool = False
+    layer_mix: LayerMix | None = None
 
 
 _TIMELINE_COLUMNS = (
@@ -197,6 +202,7 @@ class SimulationResult:
     scheduler_stats: dict[str, int | float]
     timeline: Timeline
     tier: TierTotals = field(default_factory=TierTotals)
+    layer_mix: LayerMixTotals | None = None
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
@@ -249,6 +255,7 @@ class SimulationResult:
             "memory_saved_by_paging": 1.0 - mean_used / mean_contig if mean_contig else 0.0,
             "host_cache_blocks": cfg.host_cache_blocks,
             **tier,
+            **({"layer_mix": self.layer_mix.summary()} if self.layer_mix is not None else {}),
         }
 
 
@@ -337,6 +344,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     step_wall = Distribution()
     timeline = Timeline(_TIMELINE_COLUMNS)
     tier = TierTotals()
+    mix = None if config.layer_mix is None else LayerMixTotals(config.layer_mix, config.block_size)
     usable = config.num_blocks - 1
     bar = _progress_bar(num_requests, config.progress)
     try:
@@ -378,6 +386,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             step_start = clock
             dt = cost.step_time(output, config.block_size, config.host_offload == "commit")
             tier.add(output, cost, config.block_size, dt)
+            if mix is not None and not output.is_empty:
+                mix.add(output.seq_lens, output.num_scheduled_tokens)
             if dt == 0.0:
                 idle_steps += 1
                 upcoming = arrivals.next_time()
@@ -456,4 +466,5 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         scheduler_stats=scheduler.stats(),
         timeline=timeline,
         tier=tier,
+        layer_mix=mix,
     )

@@ -4,9 +4,11 @@ This package moves and stores the bytes of full KV blocks; deciding which block 
 is the core's job. One concept per module:
 
 - :mod:`~kvblocks.tiers.layout`: :class:`KVLayout`, a block payload's byte layout and the
-  model/layout fingerprint that keys stored blocks.
+  weights/layout fingerprint that keys stored blocks; :mod:`~kvblocks.tiers.weights` the
+  digest of the weights it names (cached per checkpoint).
 - :mod:`~kvblocks.tiers.codec`: the self-checking record (magic, version, fingerprint,
-  block hash, length, CRC-32) every persistent tier stores.
+  block hash, length, CRC-32, optional MAC) every persistent tier stores;
+  :mod:`~kvblocks.tiers.mac` the key (argument or ``$KVBLOCKS_TIER_KEY``) that signs it.
 - :mod:`~kvblocks.tiers.store`: the :class:`TierStore` protocol; :mod:`~kvblocks.tiers.stats`
   its counters; :mod:`~kvblocks.tiers.lru` LRU order with retention priorities.
 - :class:`HostTier` (a preallocated, pinned when CUDA is available, CPU pool),
@@ -15,6 +17,11 @@ is the core's job. One concept per module:
 - :mod:`~kvblocks.tiers.transfer`: :func:`gather_blocks` / :func:`scatter_blocks` between a
   paged cache and payloads; :func:`offload_blocks` / :func:`load_blocks` apply the core's
   slot-addressed ``"offload"`` / ``"load"`` op runs to an :func:`allocate_host_pool` pool.
+- A remote tier below an engine's host tier: :mod:`~kvblocks.tiers.remote_link`
+  (:class:`RemoteTierLink`, :class:`RemoteTierOptions`: writes offloaded blocks, reads and
+  imports a sequence's missing ones), :mod:`~kvblocks.tiers.remote_worker` (its background
+  thread) and :mod:`~kvblocks.tiers.remote_admission` (which requests wait for their reads,
+  which preempted sequences are read again).
 
 Needs torch (``pip install 'kvblocks[torch]'``).
 """
@@ -32,9 +39,11 @@ except ModuleNotFoundError as _exc:
 
 from kvblocks.tiers.codec import decode_block, encode_block
 from kvblocks.tiers.disk import DiskTier
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.host import HostTier
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.mac import RecordKey
+from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import TierStore
 from kvblocks.tiers.transfer import (
@@ -53,8 +62,12 @@ __all__ = [
     "DiskTier",
     "HostTier",
     "KVLayout",
+    "RecordKey",
+    "RemoteTierLink",
+    "RemoteTierOptions",
     "TierStats",
     "TierStore",
+    "UnauthenticatedBlockError",
     "ValkeyTier",
     "allocate_host_pool",
     "decode_block",

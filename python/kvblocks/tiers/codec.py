@@ -1,18 +1,24 @@
-"""The self-checking record a tier stores for one block: header + payload.
+"""The self-checking record a tier stores for one block: header + payload (+ MAC).
 
-Header (little-endian), then the block hash, then the payload::
+Header (little-endian), then the block hash, then the payload, then the MAC if any::
 
     magic      4 bytes  b"KVBT"
     version    u16      FORMAT_VERSION
     hash_len   u16      length of the block hash that follows the fixed header
+    mac_len    u16      length of the MAC after the payload: 0, or MAC_SIZE with a key
     fingerprint 16 bytes KVLayout.fingerprint
     length     u64      payload bytes
     checksum   u32      CRC-32 of the fixed header (checksum field zeroed), the hash and the payload
     block hash hash_len bytes
+    payload    length bytes
+    MAC        mac_len bytes: keyed BLAKE3 of everything before it (:mod:`kvblocks.tiers.mac`)
 
 :func:`decode_block` checks every field against what the reader expects (its layout's
 fingerprint and payload size, the hash it asked for) and the checksum over everything, so a
-short, torn, bit-flipped, misplaced or foreign value is rejected and never loaded.
+short, torn, bit-flipped, misplaced or foreign value is rejected and never loaded. The CRC
+catches damage, not a writer; a reader with a key also rejects every record without a valid
+MAC (:class:`~kvblocks.tiers.errors.UnauthenticatedBlockError`), so that only holders of the
+key can write what it loads.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import zlib
 import torch
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.mac import MAC_SIZE, RecordKey
 
 __all__ = [
     "FORMAT_VERSION",
@@ -36,12 +43,14 @@ __all__ = [
     "check_payload",
     "decode_block",
     "encode_block",
+    "payload_offset",
     "record_nbytes",
 ]
 
 MAGIC = b"KVBT"
-FORMAT_VERSION = 1
-_FIXED = struct.Struct("<4sHH16sQI")
+#: 2: a MAC length field and an optional MAC after the payload.
+FORMAT_VERSION = 2
+_FIXED = struct.Struct("<4sHHH16sQI")
 _CHECKSUM_OFFSET = _FIXED.size - 4
 
 #: What a tier accepts as a block's payload: raw bytes, or a tensor holding exactly the
@@ -101,9 +110,14 @@ def check_payload(layout: KVLayout, kv: Payload) -> None:
         as_payload_view(layout, kv)
 
 
-def record_nbytes(layout: KVLayout, block_hash: bytes) -> int:
-    """Bytes of the stored record of one block."""
-    return _FIXED.size + len(block_hash) + layout.payload_nbytes
+def record_nbytes(layout: KVLayout, block_hash: bytes, key: RecordKey | None = None) -> int:
+    """Bytes of the stored record of one block (written with ``key``, if any)."""
+    return payload_offset(block_hash) + layout.payload_nbytes + (MAC_SIZE if key else 0)
+
+
+def payload_offset(block_hash: bytes) -> int:
+    """Where the payload starts in a record of ``block_hash``."""
+    return _FIXED.size + len(block_hash)
 
 
 def _checksum(fixed: bytes, block_hash: bytes, payload: memoryview | bytes) -> int:
@@ -111,45 +125,63 @@ def _checksum(fixed: bytes, block_hash: bytes, payload: memoryview | bytes) -> i
     return zlib.crc32(payload, zlib.crc32(block_hash, zlib.crc32(zeroed)))
 
 
-def encode_block(layout: KVLayout, block_hash: bytes, kv: Payload) -> bytes:
-    """The record (header, hash, payload) of one block, as one bytes object."""
+def encode_block(
+    layout: KVLayout, block_hash: bytes, kv: Payload, key: RecordKey | None = None
+) -> bytes:
+    """The record (header, hash, payload, and a MAC when ``key`` is given) of one block,
+    as one bytes object."""
     block_hash = check_block_hash(block_hash)
     payload = as_payload_view(layout, kv)
+    mac_len = MAC_SIZE if key is not None else 0
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, len(block_hash), layout.fingerprint, payload.nbytes, 0
+        MAGIC, FORMAT_VERSION, len(block_hash), mac_len, layout.fingerprint, payload.nbytes, 0
     )
     crc = _checksum(fixed, block_hash, payload)
-    return b"".join((fixed[:_CHECKSUM_OFFSET], struct.pack("<I", crc), block_hash, payload))
+    fixed = fixed[:_CHECKSUM_OFFSET] + struct.pack("<I", crc)
+    parts: list[bytes | memoryview] = [fixed, block_hash, payload]
+    if key is not None:
+        parts.append(key.mac(fixed, block_hash, payload))
+    return b"".join(parts)
 
 
 def decode_block(
-    layout: KVLayout, block_hash: bytes, record: bytes | bytearray | memoryview
+    layout: KVLayout,
+    block_hash: bytes,
+    record: bytes | bytearray | memoryview,
+    key: RecordKey | None = None,
 ) -> memoryview:
-    """The payload of ``record`` after checking it is ``block_hash``'s block for ``layout``.
+    """The payload of ``record`` after checking it is ``block_hash``'s block for ``layout``
+    (and, with ``key``, that a holder of the key wrote it).
 
-    Raises CorruptBlockError naming the first check that failed.
+    Raises CorruptBlockError naming the first check that failed; its subclass
+    UnauthenticatedBlockError when ``key`` is given and the record carries no MAC or a
+    wrong one (checked before anything else the record claims).
     """
     view = memoryview(record).cast("B")
     if view.nbytes < _FIXED.size:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, shorter than its header")
     fixed = bytes(view[: _FIXED.size])
-    magic, version, hash_len, fingerprint, length, crc = _FIXED.unpack(fixed)
+    magic, version, hash_len, mac_len, fingerprint, length, crc = _FIXED.unpack(fixed)
     if magic != MAGIC:
         raise CorruptBlockError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
         raise CorruptBlockError(f"format version {version}, expected {FORMAT_VERSION}")
+    end = _FIXED.size + hash_len + length
+    if view.nbytes != end + mac_len:
+        raise CorruptBlockError(f"record is {view.nbytes} bytes, header says {end + mac_len}")
+    stored_hash = bytes(view[_FIXED.size : _FIXED.size + hash_len])
+    payload = view[_FIXED.size + hash_len : end]
+    if key is not None:
+        if mac_len != MAC_SIZE:
+            raise UnauthenticatedBlockError("record carries no MAC; this tier has a key")
+        if not key.verify(bytes(view[end:]), fixed, stored_hash, payload):
+            raise UnauthenticatedBlockError("MAC mismatch: not written with this tier's key")
     if fingerprint != layout.fingerprint:
         raise CorruptBlockError("record was made for another model or cache layout")
     if length != layout.payload_nbytes:
         raise CorruptBlockError(f"payload length {length}, expected {layout.payload_nbytes}")
-    if view.nbytes != _FIXED.size + hash_len + length:
-        raise CorruptBlockError(
-            f"record is {view.nbytes} bytes, header says {_FIXED.size + hash_len + length}"
-        )
-    stored_hash = bytes(view[_FIXED.size : _FIXED.size + hash_len])
     if stored_hash != block_hash:
         raise CorruptBlockError("record holds another block hash")
-    payload = view[_FIXED.size + hash_len :]
     if _checksum(fixed, stored_hash, payload) != crc:
         raise CorruptBlockError("checksum mismatch")
     return payload

@@ -20,11 +20,12 @@ from kvblocks.tiers.codec import (
     check_block_hash,
     decode_block,
     encode_block,
-    record_nbytes,
+    payload_offset,
 )
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
+from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
 
@@ -46,8 +47,8 @@ class DiskTier:
     block hash, so reopening it (same directory, same layout) finds the same blocks, in the
     LRU order of their modification times (a hit refreshes the file's time). A different
     model or layout gets a different subdirectory and never sees these blocks; opening a
-    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that a
-    changed model id or dtype does not miss silently, and a subdirectory whose
+    directory that holds only other layouts' blocks warns (``RuntimeWarning``) so that
+    changed weights, model id or dtype do not miss silently, and a subdirectory whose
     ``layout.json`` names another fingerprint (copied or renamed from another model) is
     rejected with a warning: its block files are removed (counted in ``rejected``), never
     loaded.
@@ -62,6 +63,11 @@ class DiskTier:
 
     Retention priorities order eviction within a process; after a reopen every block has
     the default priority. One process at a time may open a directory.
+
+    ``mac_key`` (else the secret in ``$KVBLOCKS_TIER_KEY``; see :mod:`kvblocks.tiers.mac`)
+    signs every record written and rejects every record read without a valid MAC
+    (``stats().unauthenticated``, and removed): whoever can write to the directory without
+    the key cannot plant blocks. Without a key, records are neither signed nor checked.
     """
 
     def __init__(
@@ -71,9 +77,12 @@ class DiskTier:
         capacity_blocks: int,
         *,
         fsync: bool = False,
+        mac_key: RecordKey | bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        # Another process (or a restart with other weights) opens the same directory.
+        layout.require_identity("a DiskTier")
         if not is_positive_int(capacity_blocks):
             raise InvalidArgumentError(
                 f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
@@ -81,6 +90,7 @@ class DiskTier:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path, got {type(directory).__name__}")
         self.layout = layout
+        self._key = resolve_key(mac_key)
         self._capacity = capacity_blocks
         self._fsync = bool(fsync)
         self._root = Path(directory) / layout.fingerprint.hex()
@@ -142,11 +152,12 @@ class DiskTier:
                 if entry.is_dir() and entry.name != self._root.name:
                     description = self._describe(Path(entry.path) / "layout.json")
                     if description is not None:
-                        others.append(repr(description.get("model_id")))
+                        digest = str(description.get("weights_digest") or "")[:16]
+                        others.append(f"{description.get('model_id')!r} weights {digest}")
         if others:
             warnings.warn(
                 f"disk tier {self._root.parent}: no blocks of this layout ({self.layout}); "
-                f"its blocks were stored by other layouts (model_id {', '.join(sorted(others))}) "
+                f"its blocks were stored by other layouts (model_id {'; '.join(sorted(others))}) "
                 "and are never loaded into this one",
                 RuntimeWarning,
                 stacklevel=3,
@@ -177,6 +188,8 @@ class DiskTier:
         description = {
             "fingerprint": self.layout.fingerprint.hex(),
             "model_id": self.layout.model_id,
+            "weights_digest": self.layout.weights_digest,
+            "trust_model_id": self.layout.trust_model_id,
             "num_layers": self.layout.num_layers,
             "num_kv_heads": self.layout.num_kv_heads,
             "block_size": self.layout.block_size,
@@ -259,7 +272,7 @@ class DiskTier:
         path = self.path_of(block_hash)
         block_hash = check_block_hash(block_hash)
         priority = int(priority)
-        record = encode_block(self.layout, block_hash, kv)
+        record = encode_block(self.layout, block_hash, kv, self._key)
         if block_hash not in self._index:
             while len(self._index) >= self._capacity:
                 self._evict_lru()
@@ -316,9 +329,11 @@ class DiskTier:
             self._stats.errors += 1
             return None
         try:
-            decode_block(self.layout, block_hash, data)
+            decode_block(self.layout, block_hash, data, self._key)
         except CorruptBlockError as exc:
             self._stats.rejected += 1
+            if isinstance(exc, UnauthenticatedBlockError):
+                self._stats.unauthenticated += 1
             if not self._warned_rejected:
                 self._warned_rejected = True
                 warnings.warn(
@@ -332,9 +347,11 @@ class DiskTier:
             return None
         with contextlib.suppress(OSError):  # recency across restarts is best effort
             os.utime(path)
-        offset = record_nbytes(self.layout, block_hash) - self.layout.payload_nbytes
         return torch.frombuffer(
-            data, dtype=torch.uint8, count=self.layout.payload_nbytes, offset=offset
+            data,
+            dtype=torch.uint8,
+            count=self.layout.payload_nbytes,
+            offset=payload_offset(block_hash),
         )
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from kvblocks.errors import KVBlocksError
 
-__all__ = ["CorruptBlockError"]
+__all__ = ["CorruptBlockError", "UnauthenticatedBlockError"]
 
 
 class CorruptBlockError(KVBlocksError):
     """A stored block value is short, corrupted, or made for another layout or block."""
+
+
+class UnauthenticatedBlockError(CorruptBlockError):
+    """A tier with a key read a record without a valid MAC: not written by a key holder
+    (counted in :attr:`~kvblocks.tiers.stats.TierStats.unauthenticated`)."""

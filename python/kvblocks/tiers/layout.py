@@ -6,32 +6,55 @@ layer 1 K, ...``; each piece is one ``[num_kv_heads, block_size, head_size]`` ti
 head_size]``, C-contiguous, in the cache's dtype. A payload is therefore exactly
 ``2 * num_layers`` contiguous tiles, and a tier stores it as ``payload_nbytes`` raw bytes.
 
-The fingerprint hashes the model identity and every layout field, so that a stored block is
-only ever loaded into a cache of the same model and shape: tiers key blocks by fingerprint
-plus block hash and reject a value whose header carries another fingerprint.
+The fingerprint hashes the weights' identity and every layout field, so that a stored block
+is only ever loaded into a cache of the same weights and shape: tiers key blocks by
+fingerprint plus block hash and reject a value whose header carries another fingerprint.
+The identity is the digest of the weights themselves (:mod:`kvblocks.tiers.weights`), plus
+an optional caller-given ``model_id``; a shared tier refuses a layout that names no
+weights (:meth:`KVLayout.require_identity`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+import json
+import re
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.tiers.weights import WEIGHTS_DIGEST_SIZE
 
 __all__ = ["FINGERPRINT_SIZE", "KVLayout"]
 
 #: Bytes of a layout fingerprint (a 128-bit BLAKE2b digest).
 FINGERPRINT_SIZE = 16
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * WEIGHTS_DIGEST_SIZE}}}")
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape, dtype and model identity of the blocks a tier holds.
+    """Shape, dtype and weights identity of the blocks a tier holds.
 
-    ``model_id`` is any string that names the weights (a checkpoint path, a name plus a
-    revision): two engines share blocks only when their ``model_id`` and shapes agree.
+    Two engines share blocks only when every field agrees (the fingerprint hashes them all):
+
+    - ``weights_digest``: the hex digest of the weights themselves (config and every
+      tensor's name, shape, dtype and bytes; :func:`kvblocks.engine.weights_digest`, or
+      the layout an ``LLM`` passes to a ``remote_tier`` factory, carries it). Two models
+      whose shapes match but whose weights differ never share.
+    - ``model_id``: any string the caller adds (a deployment, a tokenizer revision): an
+      addition to the digest, never a replacement for it.
+    - ``trust_model_id``: the opt-out, by name. True leaves the digest out of the
+      fingerprint and names the weights by ``model_id`` alone (which must then be
+      non-empty): for a user who knows that every engine sharing the tier under that id
+      runs identical weights, e.g. to share between copies of a checkpoint that were
+      converted or re-saved (another dtype on disk, another tensor order) and so hash
+      differently. A wrong ``model_id`` then gives wrong tokens, without an error.
+
+    A layout without a digest and without the opt-out describes bytes (a host pool, a
+    transfer) but names no weights: shared tiers (:class:`~kvblocks.tiers.disk.DiskTier`,
+    :class:`~kvblocks.tiers.valkey_tier.ValkeyTier`) refuse it.
     """
 
     num_layers: int
@@ -40,6 +63,8 @@ class KVLayout:
     head_size: int
     dtype: torch.dtype
     model_id: str = ""
+    weights_digest: str = ""
+    trust_model_id: bool = False
     fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,18 +76,69 @@ class KVLayout:
             raise InvalidArgumentError(f"dtype must be a torch.dtype, got {self.dtype!r}")
         if not isinstance(self.model_id, str):
             raise InvalidArgumentError(f"model_id must be a str, got {self.model_id!r}")
-        text = (
-            f"kvblocks-layout-v1|{self.model_id}|{self.num_layers}|{self.num_kv_heads}|"
-            f"{self.block_size}|{self.head_size}|{self.dtype}"
-        )
+        if not isinstance(self.weights_digest, str) or (
+            self.weights_digest and not _HEX_DIGEST.fullmatch(self.weights_digest)
+        ):
+            raise InvalidArgumentError(
+                f"weights_digest must be {2 * WEIGHTS_DIGEST_SIZE} lowercase hex digits or "
+                f"empty, got {self.weights_digest!r}"
+            )
+        if not isinstance(self.trust_model_id, bool):
+            raise InvalidArgumentError(
+                f"trust_model_id must be a bool, got {self.trust_model_id!r}"
+            )
+        if self.trust_model_id and not self.model_id:
+            raise InvalidArgumentError(
+                "trust_model_id=True names the weights by model_id alone: model_id must not "
+                "be empty"
+            )
+        weights = "" if self.trust_model_id else self.weights_digest
+        fields = [
+            "kvblocks-layout-v2",
+            weights,
+            self.model_id,
+            self.trust_model_id,
+            self.num_layers,
+            self.num_kv_heads,
+            self.block_size,
+            self.head_size,
+            str(self.dtype),
+        ]
+        text = json.dumps(fields, separators=(",", ":"))
         digest = hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_SIZE).digest()
         object.__setattr__(self, "fingerprint", digest)
 
+    @property
+    def has_identity(self) -> bool:
+        """Whether the layout names the weights (a digest, or ``trust_model_id``)."""
+        return bool(self.weights_digest) or self.trust_model_id
+
+    def require_identity(self, user: str) -> None:
+        """Raise InvalidArgumentError naming ``user`` unless :attr:`has_identity`: a tier
+        shared between engines never shares under an empty identity."""
+        if not self.has_identity:
+            raise InvalidArgumentError(
+                f"{user} is shared between engines, so its layout must name the weights: "
+                "give weights_digest (kvblocks.engine.weights_digest(model), or let LLM "
+                "build the store: remote_tier=lambda layout: ...(layout, ...)), or "
+                "model_id with trust_model_id=True (the opt-out: the id alone names them)"
+            )
+
+    def shape_only(self) -> KVLayout:
+        """This layout without any identity (the bytes it describes, nothing more)."""
+        return replace(self, model_id="", weights_digest="", trust_model_id=False)
+
     @classmethod
     def from_caches(
-        cls, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], model_id: str = ""
+        cls,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        model_id: str = "",
+        *,
+        weights_digest: str = "",
+        trust_model_id: bool = False,
     ) -> KVLayout:
-        """The layout of a per-layer ``[(key_cache, value_cache), ...]`` list."""
+        """The layout of a per-layer ``[(key_cache, value_cache), ...]`` list (identity
+        fields as in the constructor)."""
         if not isinstance(kv_caches, (list, tuple)) or not kv_caches:
             raise InvalidArgumentError("kv_caches must be a non-empty list of (key, value) pairs")
         for layer, pair in enumerate(kv_caches):
@@ -85,7 +161,16 @@ class KVLayout:
                         f"layer 0's {tuple(key.shape)} {key.dtype} in tile shape or dtype"
                     )
         _, heads, block_size, head_size = key.shape
-        return cls(len(kv_caches), int(heads), int(block_size), int(head_size), key.dtype, model_id)
+        return cls(
+            len(kv_caches),
+            int(heads),
+            int(block_size),
+            int(head_size),
+            key.dtype,
+            model_id,
+            weights_digest,
+            trust_model_id,
+        )
 
     @property
     def tile_shape(self) -> tuple[int, int, int]:

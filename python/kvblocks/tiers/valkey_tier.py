@@ -21,8 +21,9 @@ from kvblocks.tiers.codec import (
     decode_block,
     encode_block,
 )
-from kvblocks.tiers.errors import CorruptBlockError
+from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 
 try:
@@ -50,7 +51,8 @@ class ValkeyTier:
     or Redis server, shared by every instance that uses the same server and layout.
 
     The key of a block is ``key_prefix + fingerprint hex + ":" + block hash hex``, so
-    instances of the same model and layout share blocks and others never meet them. Reads
+    instances of the same weights and layout share blocks and others never meet them (the
+    layout must name its weights: :meth:`~kvblocks.tiers.layout.KVLayout.require_identity`). Reads
     are pipelined MGETs of ``batch_size`` keys; a value that is short, corrupted, or made
     for another layout or block is rejected (``stats().rejected``) and read as a miss.
 
@@ -63,6 +65,11 @@ class ValkeyTier:
     touching the network for ``retry_interval_s``, after which it reconnects by itself. A
     ``client`` passed in keeps its own timeouts and retries (set a socket timeout on it).
     Like the other tiers, one instance is for one thread.
+
+    Trust: without a key, anyone who can write to the server can change what every instance
+    reads (a record with a valid CRC is accepted). ``mac_key`` (else the secret in
+    ``$KVBLOCKS_TIER_KEY``; see :mod:`kvblocks.tiers.mac`) signs every record written and
+    rejects every record read without a valid MAC (``stats().unauthenticated``).
     """
 
     def __init__(
@@ -78,9 +85,11 @@ class ValkeyTier:
         retry_interval_s: float = 2.0,
         ttl_s: int | None = None,
         batch_size: int = 64,
+        mac_key: RecordKey | bytes | str | None = None,
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        layout.require_identity("a ValkeyTier")
         # A NaN or infinite time passes a comparison here and fails only the socket later.
         if not is_finite_nonnegative(socket_timeout_s) or socket_timeout_s == 0:
             raise InvalidArgumentError(
@@ -105,6 +114,7 @@ class ValkeyTier:
             if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
                 raise InvalidArgumentError(f"port must be an int in [1, 65535], got {port!r}")
         self.layout = layout
+        self._key = resolve_key(mac_key)
         self._prefix = f"{key_prefix}{layout.fingerprint.hex()}:".encode()
         self._ttl = ttl_s
         self._batch = batch_size
@@ -198,7 +208,7 @@ class ValkeyTier:
             self._stats.dropped_puts += len(block_hashes)
             return 0
         records = [
-            (self.key_of(h), encode_block(self.layout, h, kv))
+            (self.key_of(h), encode_block(self.layout, h, kv, self._key))
             for h, kv in zip(block_hashes, kvs, strict=True)
         ]
         try:
@@ -250,10 +260,12 @@ class ValkeyTier:
             self._stats.misses += 1
             return None
         try:
-            payload = decode_block(self.layout, block_hash, value)
+            payload = decode_block(self.layout, block_hash, value, self._key)
         except CorruptBlockError as exc:
             logger.warning("Valkey tier rejected block %s: %s", block_hash.hex(), exc)
             self._stats.rejected += 1
+            if isinstance(exc, UnauthenticatedBlockError):
+                self._stats.unauthenticated += 1
             self._stats.misses += 1
             return None
         self._stats.hits += 1

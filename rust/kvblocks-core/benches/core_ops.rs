@@ -12,6 +12,11 @@
 //!   all cached, so every new block evicts one: without a host tier (`off`), offloading
 //!   at eviction (`evict`) and write-through at commit (`commit`); the tier runs drain
 //!   the step's memory ops and confirm them (timed).
+//! * `decode_step_groups_1024`: the caching decode step over KV cache groups: one
+//!   full-attention group (`one_group`, today's manager) against full attention plus a
+//!   128-token sliding window (`two_groups`, gpt-oss-shaped), the block tables and slot
+//!   mappings of every group in one call each (`group_block_tables`,
+//!   `group_slot_mapping`), measured side by side.
 //! * `decode_step_table`: the same step with 1,024 sequences of 32k (and of 128) tokens,
 //!   the block tables either rebuilt (`block_tables`, the old way) or kept in a persistent
 //!   table (`sync_block_table`, only changed entries written), measured side by side.
@@ -21,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvblocks_core::{
-    BatchArg, BlockHasher, HashAlgo, KVCacheManager, ManagerConfig, OffloadPolicy,
+    BatchArg, BlockHasher, GroupSpec, HashAlgo, KVCacheManager, ManagerConfig, OffloadPolicy,
 };
 
 const BLOCK_SIZE: usize = 16;
@@ -123,7 +128,7 @@ fn bench_fork_cow(c: &mut Criterion) {
             m.commit(1, 0, &[42]).unwrap();
             let got = m.allocate_slots(1, 1, 0).unwrap();
             black_box(got);
-            black_box(m.take_copy_on_writes());
+            black_box(m.take_copy_on_writes().unwrap());
             m.commit(1, 1, &[]).unwrap();
             m.free(1).unwrap();
         })
@@ -174,6 +179,81 @@ fn bench_decode_step(c: &mut Criterion) {
                         .unwrap();
                     total += start.elapsed();
                     // A router drains events every step; without that they pile up.
+                    black_box(m.take_events());
+                    assert_eq!(served, ids.len());
+                    black_box((tables, slots));
+                    steps += 1;
+                }
+                total
+            })
+        });
+    }
+    g.finish();
+}
+
+/// 1,024 running sequences with 512-token prompts over `groups`, ready to decode.
+fn group_decode_state(groups: &[GroupSpec]) -> (KVCacheManager, Vec<u64>) {
+    let n = 1024;
+    let mut c = ManagerConfig::new(groups.len() * n * 128 + 1, BLOCK_SIZE);
+    c.groups = groups.to_vec();
+    let mut m = KVCacheManager::new(c).expect("valid config");
+    let ids: Vec<u64> = (0..n as u64).collect();
+    for &id in &ids {
+        let t = prompt(id as u32, 512);
+        m.add_sequence(id, &t, None, None).unwrap();
+        m.allocate_slots(id, t.len(), 0).unwrap().unwrap();
+        m.commit(id, t.len(), &[1]).unwrap();
+    }
+    (m, ids)
+}
+
+fn bench_decode_step_groups(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decode_step_groups_1024");
+    g.throughput(Throughput::Elements(1024));
+    let runs: [(&str, Vec<GroupSpec>); 2] = [
+        ("one_group", vec![GroupSpec::FullAttention]),
+        (
+            "two_groups",
+            vec![
+                GroupSpec::FullAttention,
+                GroupSpec::SlidingWindow { window: 128 },
+            ],
+        ),
+    ];
+    for (name, groups) in runs {
+        let one = groups.len() == 1;
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut state = group_decode_state(&groups);
+                let mut steps = 0;
+                let new_tokens = vec![7i64; 1024];
+                for _ in 0..iters {
+                    if steps == 1024 {
+                        state = group_decode_state(&groups);
+                        steps = 0;
+                    }
+                    let (m, ids) = &mut state;
+                    let start = Instant::now();
+                    let served = m
+                        .allocate_slots_batch(ids, BatchArg::Scalar(1), 0)
+                        .unwrap()
+                        .num_served;
+                    // One group through today's calls; several through the all-group ones.
+                    let (tables, slots) = if one {
+                        (
+                            m.block_tables(ids, None).unwrap(),
+                            m.slot_mapping(ids, None).unwrap(),
+                        )
+                    } else {
+                        (
+                            m.group_block_tables(ids, None, None).unwrap(),
+                            m.group_slot_mapping(ids, None, None).unwrap(),
+                        )
+                    };
+                    m.commit_batch(ids, BatchArg::Scalar(1), Some(BatchArg::Each(&new_tokens)))
+                        .unwrap();
+                    total += start.elapsed();
                     black_box(m.take_events());
                     assert_eq!(served, ids.len());
                     black_box((tables, slots));
@@ -383,6 +463,6 @@ criterion_group! {
     name = benches;
     config = config();
     targets = bench_alloc_free, bench_prefix_lookup, bench_hash, bench_fork_cow, bench_decode_step,
-        bench_decode_step_table, bench_host_tier
+        bench_decode_step_groups, bench_decode_step_table, bench_host_tier
 }
 criterion_main!(benches);

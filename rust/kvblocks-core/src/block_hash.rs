@@ -9,7 +9,7 @@ use rustc_hash::FxHashMap;
 use sha2::{Digest, Sha256};
 
 use crate::cbor;
-use crate::config::{HashAlgo, VLLM_DEFAULT_HASH_SEED};
+use crate::config::{check_hash_seed, HashAlgo, VLLM_DEFAULT_HASH_SEED};
 use crate::error::KvError;
 
 const BLOCK_TAG: &[u8] = b"kvblocks/block/v1";
@@ -187,6 +187,13 @@ impl BlockHasher {
         // No salt and no LoRA is a valid namespace for every algorithm.
         hasher.default_namespace = hasher.derive_namespace(None, None).unwrap_or_default();
         hasher
+    }
+
+    /// [`BlockHasher::with_seed`] that refuses a seed for an algorithm without one, as
+    /// the manager's configuration does.
+    pub fn checked(algo: HashAlgo, seed: Option<&str>) -> Result<Self, KvError> {
+        check_hash_seed(algo, seed)?;
+        Ok(Self::with_seed(algo, seed))
     }
 
     /// vLLM's `NONE_HASH` (`sha256_cbor` only): the parent hash of first blocks.
@@ -414,6 +421,28 @@ impl BlockHasher {
         BlockHash::from_slice(Sha256::digest(&self.buf).as_slice())
     }
 
+    /// The hashes of every full block of a prompt, as a sequence added with this
+    /// `cache_salt` and `lora_id` gets them (a partial last block has none).
+    ///
+    /// Errors: a `block_size` of 0, and those of [`BlockHasher::namespace`].
+    pub fn prompt_hashes(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        cache_salt: Option<&[u8]>,
+        lora_id: Option<u64>,
+    ) -> Result<Vec<BlockHash>, KvError> {
+        if block_size == 0 {
+            return Err(KvError::InvalidArgument(
+                "block_size must be >= 1, got 0".to_string(),
+            ));
+        }
+        let namespace = self.namespace(cache_salt, lora_id)?;
+        let mut hashes = Vec::new();
+        self.extend_chain(&mut hashes, &namespace, tokens, block_size);
+        Ok(hashes)
+    }
+
     /// Append the hashes of the full blocks of `tokens` past those already in `hashes`.
     pub fn extend_chain(
         &mut self,
@@ -543,6 +572,29 @@ mod tests {
             let second = h.block(Some(&first), &ns, &tokens[4..8]);
             assert_eq!(chain, vec![first, second]);
         }
+    }
+
+    #[test]
+    fn prompt_hashes_are_the_chain_of_the_prompt_s_namespace() {
+        for algo in [HashAlgo::Blake3, HashAlgo::Xxh3_128, HashAlgo::Sha256Cbor] {
+            let mut h = BlockHasher::new(algo);
+            h.register_lora(2, "a", "/p");
+            let tokens: Vec<u32> = (0..11).collect();
+            let ns = h.namespace(Some(b"s"), Some(2)).unwrap();
+            let mut chain = Vec::new();
+            h.extend_chain(&mut chain, &ns, &tokens, 4);
+            let got = h.prompt_hashes(&tokens, 4, Some(b"s"), Some(2)).unwrap();
+            assert_eq!(got, chain);
+            assert!(h.prompt_hashes(&tokens, 0, None, None).is_err());
+            assert!(h
+                .prompt_hashes(&tokens[..3], 4, None, None)
+                .unwrap()
+                .is_empty());
+        }
+        let mut vllm = BlockHasher::new(HashAlgo::Sha256Cbor);
+        assert!(vllm.prompt_hashes(&[1, 2], 1, None, Some(5)).is_err());
+        assert!(BlockHasher::checked(HashAlgo::Blake3, Some("0")).is_err());
+        assert!(BlockHasher::checked(HashAlgo::Sha256Cbor, Some("0")).is_ok());
     }
 
     #[test]

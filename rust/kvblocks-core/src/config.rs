@@ -4,6 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::error::KvError;
+use crate::group::{GroupSpec, MAX_GROUPS};
 
 /// Content hash used for the prefix cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -64,6 +65,17 @@ impl FromStr for HashAlgo {
     }
 }
 
+/// A seed is `sha256_cbor`'s only (the other algorithms have no `NONE_HASH`).
+pub(crate) fn check_hash_seed(algo: HashAlgo, seed: Option<&str>) -> Result<(), KvError> {
+    if seed.is_some() && algo != HashAlgo::Sha256Cbor {
+        return Err(KvError::InvalidArgument(format!(
+            "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
+            algo.as_str()
+        )));
+    }
+    Ok(())
+}
+
 /// Largest pool (GPU or CPU) a manager accepts: 2**26 blocks, far beyond any real KV
 /// cache, small enough that the per-block bookkeeping always fits in host memory.
 pub const MAX_BLOCKS: usize = 1 << 26;
@@ -87,8 +99,12 @@ pub struct ManagerConfig {
     pub hash_seed: Option<String>,
     /// Fraction of GPU blocks kept free at admission, in `[0, 1)`.
     pub watermark: f64,
-    /// Attention window in tokens (`>= 1`), if any.
+    /// Attention window in tokens (`>= 1`), if any: short for one sliding-window group
+    /// (only without `groups`).
     pub sliding_window: Option<usize>,
+    /// The KV cache groups, all drawing from the one pool (see [`crate::GroupSpec`]);
+    /// empty: one group, full attention or the `sliding_window`.
+    pub groups: Vec<GroupSpec>,
     /// Queue KV cache events for `take_events` (default true). Events accumulate until
     /// drained, so a deployment that never calls `take_events` should turn this off
     /// (as vLLM's `enable_kv_cache_events`); caching itself is unaffected.
@@ -111,10 +127,22 @@ impl ManagerConfig {
             hash_seed: None,
             watermark: 0.01,
             sliding_window: None,
+            groups: Vec::new(),
             record_events: true,
             host_cache_blocks: 0,
             host_offload: crate::host_tier::OffloadPolicy::OnEvict,
         }
+    }
+
+    /// The groups the manager keeps: `groups`, or the one group `sliding_window` names.
+    pub fn resolved_groups(&self) -> Vec<GroupSpec> {
+        if !self.groups.is_empty() {
+            return self.groups.clone();
+        }
+        vec![match self.sliding_window {
+            Some(window) => GroupSpec::SlidingWindow { window },
+            None => GroupSpec::FullAttention,
+        }]
     }
 
     /// Check every field; the manager is built only from a valid config.
@@ -150,12 +178,7 @@ impl ManagerConfig {
                 self.watermark
             )));
         }
-        if self.hash_seed.is_some() && self.hash_algo != HashAlgo::Sha256Cbor {
-            return Err(KvError::InvalidArgument(format!(
-                "hash_seed applies to hash_algo=\"sha256_cbor\" only, not {:?}",
-                self.hash_algo.as_str()
-            )));
-        }
+        check_hash_seed(self.hash_algo, self.hash_seed.as_deref())?;
         if self.host_cache_blocks > MAX_BLOCKS {
             return Err(KvError::InvalidArgument(format!(
                 "host_cache_blocks must be <= {MAX_BLOCKS}, got {}",
@@ -173,6 +196,24 @@ impl ManagerConfig {
             return Err(KvError::InvalidArgument(
                 "sliding_window must be >= 1 tokens or None, got 0".to_string(),
             ));
+        }
+        if !self.groups.is_empty() && self.sliding_window.is_some() {
+            return Err(KvError::InvalidArgument(
+                "sliding_window is short for groups=[a sliding-window group]; give the window \
+                 in groups instead of both"
+                    .to_string(),
+            ));
+        }
+        if self.groups.len() > MAX_GROUPS {
+            return Err(KvError::InvalidArgument(format!(
+                "at most {MAX_GROUPS} KV cache groups, got {}",
+                self.groups.len()
+            )));
+        }
+        for (i, g) in self.groups.iter().enumerate() {
+            if let Err(KvError::InvalidArgument(msg)) = g.validate() {
+                return Err(KvError::InvalidArgument(format!("groups[{i}]: {msg}")));
+            }
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
+use crate::group::GroupSpec;
 use crate::host_tier::Medium;
 
 /// vLLM's LoRA hash key, `("lora", name, path)` (the fields of its `LoRARequest`).
@@ -55,11 +56,20 @@ pub struct BlockStored {
     /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
     /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
     pub medium: Medium,
+    /// The KV cache group the blocks belong to (vLLM's `group_idx`).
+    pub group_idx: u32,
+    /// What that group's layers attend to (vLLM's `kv_cache_spec_kind` and
+    /// `kv_cache_spec_sliding_window`, from [`GroupSpec::kind`] and
+    /// [`GroupSpec::sliding_window`]): the pools record structure only, and
+    /// `KVCacheManager::take_events` stamps each event's spec from its group, as vLLM's
+    /// `KVCacheManager.take_events` does.
+    pub kv_cache_spec: GroupSpec,
 }
 
 impl BlockStored {
-    /// vLLM's `extra_keys` entry of the event's block `j`: the LoRA key and the cache salt
-    /// hashed into it, `None` when it has neither or the event carries no extra keys.
+    /// The LoRA key and the cache salt hashed into the event's block `j`, `None` when it
+    /// has neither or the event carries no extra keys. vLLM publishes them untagged
+    /// (`to_event_extra_keys`): the LoRA's bare name, then the bare salt.
     pub fn block_extra_keys(&self, j: usize) -> Option<(Option<&LoraKey>, Option<&str>)> {
         let keys = self.extra_keys.as_deref()?;
         let chain_start = j == 0 && self.parent_block_hash.is_none();
@@ -76,6 +86,8 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<BlockHash>,
     /// Where the blocks were removed from.
     pub medium: Medium,
+    /// The KV cache group whose blocks these are (vLLM's `group_idx`; 0 with one group).
+    pub group_idx: u32,
 }
 
 /// One KV cache event, drained by [`crate::KVCacheManager::take_events`].
@@ -85,6 +97,10 @@ pub enum KvCacheEvent {
     BlockStored(BlockStored),
     /// See [`BlockRemoved`].
     BlockRemoved(BlockRemoved),
-    /// The whole prefix cache was cleared by `reset_prefix_cache`.
+    /// `reset_prefix_cache` dropped every cached block, on every medium (vLLM's event has
+    /// no medium, and its consumers clear all tiers of the instance): no `BlockRemoved`
+    /// follows for the dropped blocks. Host-tier blocks the reset had to keep (pinned by
+    /// unconfirmed memory ops) are announced again right after it, by one `BlockStored`
+    /// with medium CPU (hashes only).
     AllBlocksCleared,
 }

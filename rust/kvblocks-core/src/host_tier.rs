@@ -158,6 +158,8 @@ enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Slot {
     hash: BlockHash,
+    /// The KV cache group whose block the slot holds (a block is one group's KV).
+    group: u8,
     phase: Phase,
     /// Loads from the slot that are queued or in flight.
     readers: u32,
@@ -183,10 +185,19 @@ enum Pin {
     Read(u32),
 }
 
+/// A tier slot's key: the group and the content hash of the block it holds.
+type Key = (u8, BlockHash);
+
+/// A group index as stored in a slot (groups are fewer than `MAX_GROUPS`, 64).
+#[inline]
+fn key(group: usize, hash: BlockHash) -> Key {
+    (group as u8, hash)
+}
+
 /// The host tier's slots, hash map and LRU order (see the module docs).
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTier {
-    map: FxHashMap<BlockHash, u32>,
+    map: FxHashMap<Key, u32>,
     slots: Vec<Slot>,
     /// Unpinned slots in reuse order: empty slots first, then written ones by retention
     /// priority, lowest first, and from least to most recently used among equals.
@@ -207,6 +218,7 @@ impl HostTier {
             slots: vec![
                 Slot {
                     hash: BlockHash::default(),
+                    group: 0,
                     phase: Phase::Empty,
                     readers: 0,
                     priority: RetentionPriority::DEFAULT,
@@ -224,24 +236,26 @@ impl HostTier {
         }
     }
 
-    /// The slot holding `hash`, if its KV is written (a prefix hit).
+    /// The slot holding `hash` of `group`, if its KV is written (a prefix hit).
     #[inline]
-    pub fn lookup_ready(&self, hash: &BlockHash) -> Option<u32> {
-        let s = *self.map.get(hash)?;
+    pub fn lookup_ready(&self, group: usize, hash: &BlockHash) -> Option<u32> {
+        let s = *self.map.get(&key(group, *hash))?;
         (self.slots[s as usize].phase == Phase::Ready).then_some(s)
     }
 
-    /// Copy GPU block `gpu` holding `hash` (of retention `priority`) into a slot: queues
-    /// the op and returns the evicted tier hash (if any) and whether the block was stored.
-    /// Already held: only refreshes its LRU position and raises its priority.
+    /// Copy GPU block `gpu` holding `hash` of `group` (of retention `priority`) into a
+    /// slot: queues the op and returns the evicted tier block's group and hash (if any)
+    /// and whether the block was stored. Already held: only refreshes its LRU position
+    /// and raises its priority.
     pub fn offload(
         &mut self,
+        group: usize,
         gpu: u32,
         hash: BlockHash,
         priority: RetentionPriority,
         ops: &mut Vec<MemoryOp>,
-    ) -> (Option<BlockHash>, bool) {
-        if let Some(&s) = self.map.get(&hash) {
+    ) -> (Option<(usize, BlockHash)>, bool) {
+        if let Some(&s) = self.map.get(&key(group, hash)) {
             self.retain(s, priority);
             if self.lru.contains(s) {
                 self.lru.remove(s);
@@ -249,7 +263,7 @@ impl HostTier {
             }
             return (None, false);
         }
-        let Some((s, evicted)) = self.claim_lru_slot(hash, priority) else {
+        let Some((s, evicted)) = self.claim_lru_slot(group, hash, priority) else {
             self.stats.offloads_skipped += 1;
             return (None, false);
         };
@@ -263,10 +277,10 @@ impl HostTier {
         (evicted, true)
     }
 
-    /// Raise the retention of the block `hash` if the tier holds it (a sequence of
-    /// higher priority shares it); its LRU position is unchanged.
-    pub fn raise_priority(&mut self, hash: &BlockHash, priority: RetentionPriority) {
-        if let Some(&s) = self.map.get(hash) {
+    /// Raise the retention of the block `hash` of `group` if the tier holds it (a
+    /// sequence of higher priority shares it); its LRU position is unchanged.
+    pub fn raise_priority(&mut self, group: usize, hash: &BlockHash, priority: RetentionPriority) {
+        if let Some(&s) = self.map.get(&key(group, *hash)) {
             if priority > self.slots[s as usize].priority {
                 self.retain(s, priority);
                 if self.lru.contains(s) {
@@ -294,9 +308,10 @@ impl HostTier {
     /// evicted hash; `None` when no slot qualifies. The caller records the write's pin.
     fn claim_lru_slot(
         &mut self,
+        group: usize,
         hash: BlockHash,
         priority: RetentionPriority,
-    ) -> Option<(u32, Option<BlockHash>)> {
+    ) -> Option<(u32, Option<(usize, BlockHash)>)> {
         let lowest = self.lru.lowest_level()?;
         if lowest != EMPTY_LEVEL && lowest > cached_level(priority) {
             // Everything evictable is worth more than the block offered.
@@ -305,26 +320,28 @@ impl HostTier {
         let s = self.lru.pop_front()?;
         let slot = &mut self.slots[s as usize];
         let evicted = if slot.phase == Phase::Ready {
-            self.map.remove(&slot.hash);
+            self.map.remove(&(slot.group, slot.hash));
             self.stats.evictions += 1;
-            Some(slot.hash)
+            Some((slot.group as usize, slot.hash))
         } else {
             None
         };
         *slot = Slot {
             hash,
+            group: group as u8,
             phase: Phase::Writing,
             readers: 0,
             priority,
         };
-        self.map.insert(hash, s);
+        self.map.insert(key(group, hash), s);
         Some((s, evicted))
     }
 
-    /// The hash slot `s` holds or is being written with (`None`: empty or out of range).
-    pub fn slot_hash(&self, s: usize) -> Option<BlockHash> {
+    /// The group and hash slot `s` holds or is being written with (`None`: empty or out
+    /// of range).
+    pub fn slot_key(&self, s: usize) -> Option<(usize, BlockHash)> {
         let slot = self.slots.get(s)?;
-        (slot.phase != Phase::Empty).then_some(slot.hash)
+        (slot.phase != Phase::Empty).then_some((slot.group as usize, slot.hash))
     }
 
     /// Reserve a slot for `hash`, whose KV the engine writes from outside (an import from
@@ -333,13 +350,14 @@ impl HostTier {
     /// qualifies (see `claim_lru_slot`); else the slot and the evicted tier hash, if any.
     pub fn reserve(
         &mut self,
+        group: usize,
         hash: BlockHash,
         priority: RetentionPriority,
-    ) -> Option<(u32, Option<BlockHash>)> {
-        if self.map.contains_key(&hash) {
+    ) -> Option<(u32, Option<(usize, BlockHash)>)> {
+        if self.map.contains_key(&key(group, hash)) {
             return None;
         }
-        let (s, evicted) = self.claim_lru_slot(hash, priority)?;
+        let (s, evicted) = self.claim_lru_slot(group, hash, priority)?;
         self.in_flight.push(Pin::Write(s));
         self.stats.imports += 1;
         Some((s, evicted))
@@ -395,15 +413,15 @@ impl HostTier {
         }
     }
 
-    /// Drop every written, unpinned block; returns their hashes.
-    pub fn clear_unpinned(&mut self) -> Vec<BlockHash> {
+    /// Drop every written, unpinned block; returns their groups and hashes.
+    pub fn clear_unpinned(&mut self) -> Vec<(usize, BlockHash)> {
         let mut removed = Vec::new();
         let queued: Vec<u32> = self.lru.iter().collect();
         for s in queued {
             let slot = &mut self.slots[s as usize];
             if slot.phase == Phase::Ready {
-                self.map.remove(&slot.hash);
-                removed.push(slot.hash);
+                self.map.remove(&(slot.group, slot.hash));
+                removed.push((slot.group as usize, slot.hash));
                 slot.phase = Phase::Empty;
                 // Empty slots are reused first.
                 self.lru.remove(s);
@@ -411,6 +429,15 @@ impl HostTier {
             }
         }
         removed
+    }
+
+    /// `(group, hash)` of the blocks held (written or being written), in slot order.
+    pub fn held_hashes(&self) -> Vec<(usize, BlockHash)> {
+        self.slots
+            .iter()
+            .filter(|slot| slot.phase != Phase::Empty)
+            .map(|slot| (slot.group as usize, slot.hash))
+            .collect()
     }
 
     /// Counters with the current occupancy.
@@ -457,7 +484,7 @@ impl HostTier {
                 }
             } else {
                 held += 1;
-                if self.map.get(&slot.hash) != Some(&id) {
+                if self.map.get(&(slot.group, slot.hash)) != Some(&id) {
                     return Err(format!("host tier slot {s} is not mapped by its hash"));
                 }
             }
@@ -505,28 +532,31 @@ mod tests {
     fn lru_eviction_and_pins() {
         let mut t = HostTier::new(2, OffloadPolicy::OnEvict);
         let mut ops = Vec::new();
-        assert_eq!(t.offload(5, hash(1), P, &mut ops), (None, true));
-        assert_eq!(t.offload(6, hash(2), P, &mut ops), (None, true));
+        assert_eq!(t.offload(0, 5, hash(1), P, &mut ops), (None, true));
+        assert_eq!(t.offload(0, 6, hash(2), P, &mut ops), (None, true));
         // Both slots are being written: pinned, no hit, no room.
-        assert!(t.lookup_ready(&hash(1)).is_none());
-        assert_eq!(t.offload(7, hash(3), P, &mut ops), (None, false));
+        assert!(t.lookup_ready(0, &hash(1)).is_none());
+        assert_eq!(t.offload(0, 7, hash(3), P, &mut ops), (None, false));
         assert_eq!(t.stats().offloads_skipped, 1);
         t.check().unwrap();
         // Confirm without taking: still pinned.
         t.confirm();
-        assert!(t.lookup_ready(&hash(1)).is_none());
+        assert!(t.lookup_ready(0, &hash(1)).is_none());
         t.mark_taken();
         t.confirm();
-        let s1 = t.lookup_ready(&hash(1)).unwrap();
-        assert!(t.lookup_ready(&hash(2)).is_some());
+        let s1 = t.lookup_ready(0, &hash(1)).unwrap();
+        assert!(t.lookup_ready(0, &hash(2)).is_some());
         // A load pins slot 1: the next offload evicts hash(2) instead.
         t.pin_read(s1);
-        assert_eq!(t.offload(8, hash(3), P, &mut ops), (Some(hash(2)), true));
-        assert_eq!(t.offload(9, hash(4), P, &mut ops), (None, false));
+        assert_eq!(
+            t.offload(0, 8, hash(3), P, &mut ops),
+            (Some((0, hash(2))), true)
+        );
+        assert_eq!(t.offload(0, 9, hash(4), P, &mut ops), (None, false));
         t.check().unwrap();
         t.mark_taken();
         t.confirm();
-        assert!(t.lookup_ready(&hash(1)).is_some() && t.lookup_ready(&hash(3)).is_some());
+        assert!(t.lookup_ready(0, &hash(1)).is_some() && t.lookup_ready(0, &hash(3)).is_some());
         assert_eq!(
             ops.iter().map(|o| (o.src, o.dst)).collect::<Vec<_>>(),
             vec![(5, 0), (6, 1), (8, 1)]
@@ -563,34 +593,37 @@ mod priority_tests {
     fn lowest_priority_is_evicted_first_and_low_offers_are_skipped() {
         let mut t = HostTier::new(3, OffloadPolicy::OnEvict);
         let mut ops = Vec::new();
-        t.offload(1, hash(1), prio(90), &mut ops);
-        t.offload(2, hash(2), prio(10), &mut ops);
-        t.offload(3, hash(3), prio(50), &mut ops);
+        t.offload(0, 1, hash(1), prio(90), &mut ops);
+        t.offload(0, 2, hash(2), prio(10), &mut ops);
+        t.offload(0, 3, hash(3), prio(50), &mut ops);
         settle(&mut t);
         // Full: a priority-50 offer evicts the priority-10 block, though hash(1) is older.
         assert_eq!(
-            t.offload(4, hash(4), prio(50), &mut ops),
-            (Some(hash(2)), true)
+            t.offload(0, 4, hash(4), prio(50), &mut ops),
+            (Some((0, hash(2))), true)
         );
         settle(&mut t);
         // Among equals (3 and 4 at 50) the least recently used goes.
         assert_eq!(
-            t.offload(5, hash(5), prio(60), &mut ops),
-            (Some(hash(3)), true)
+            t.offload(0, 5, hash(5), prio(60), &mut ops),
+            (Some((0, hash(3))), true)
         );
         settle(&mut t);
         // An offer below everything held is skipped, nothing evicted.
-        assert_eq!(t.offload(6, hash(6), prio(10), &mut ops), (None, false));
+        assert_eq!(t.offload(0, 6, hash(6), prio(10), &mut ops), (None, false));
         assert_eq!(t.stats().offloads_skipped, 1);
-        assert!(t.lookup_ready(&hash(1)).is_some());
+        assert!(t.lookup_ready(0, &hash(1)).is_some());
         // Re-offering a held block raises its priority: hash(4) now outranks hash(5).
-        t.raise_priority(&hash(4), prio(95));
+        t.raise_priority(0, &hash(4), prio(95));
         assert_eq!(
-            t.offload(7, hash(7), prio(60), &mut ops),
-            (Some(hash(5)), true)
+            t.offload(0, 7, hash(7), prio(60), &mut ops),
+            (Some((0, hash(5))), true)
         );
         settle(&mut t);
-        assert_eq!(t.slot_priority(t.lookup_ready(&hash(4)).unwrap()), prio(95));
+        assert_eq!(
+            t.slot_priority(t.lookup_ready(0, &hash(4)).unwrap()),
+            prio(95)
+        );
         t.check().unwrap();
     }
 }

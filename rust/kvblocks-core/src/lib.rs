@@ -37,6 +37,15 @@
 //!   fresh GPU block and queuing a load. Every block move (swaps, copies, offloads,
 //!   loads) goes into one ordered list, `take_memory_ops`; tier slots stay pinned until
 //!   `confirm_memory_ops` (see the `host_tier` module).
+//! * **KV cache groups.** A hybrid model's layers form groups of equally many layers,
+//!   one attention kind each ([`GroupSpec`]: full, sliding window, chunked local), so that
+//!   a block id names the same bytes in every group and all groups share one pool. Each
+//!   sequence has one table per group (all of one length); `commit` releases, in window
+//!   and chunked groups, the blocks no future query sees. The prefix cache and the host
+//!   tier are keyed by group and hash, and a hit is the longest prefix every group serves
+//!   (found as a fixed point, see the `manager::hit` module). Memory ops name pool block
+//!   ids and move a block in every group's layers. Without groups a manager is one
+//!   full-attention group (or one window group with `sliding_window`).
 //! * **Limits.** Pools hold at most [`MAX_BLOCKS`] blocks; ids are `u32` inside and
 //!   `i32`/`i64` in the step inputs.
 //!
@@ -66,6 +75,7 @@ pub mod cbor;
 mod config;
 mod error;
 mod events;
+mod group;
 mod host_tier;
 mod manager;
 mod prefix_cache;
@@ -83,6 +93,7 @@ pub use block_table_delta::BlockTableDelta;
 pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys};
+pub use group::{GroupSpec, MAX_GROUPS};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
 pub use manager::{BlockTables, KVCacheManager};
 pub use retention::RetentionPriority;

@@ -55,17 +55,22 @@ pub struct BlockOrigin {
     pub tokens: Box<[u32]>,
 }
 
-/// Map from content hash to GPU block, with the entry of every cached block.
+/// Maps from content hash to GPU block, one per KV cache group, with the entry of every
+/// cached block.
 ///
-/// Invariant: `map[h] == b` iff `entries[b].hash == h`. A freed cached block keeps its
-/// entry (it stays reusable by a later prompt) until it is popped from the free queue.
-/// The hash map is sparse; the entries are an arena indexed by block id that grows to
-/// the highest block ever cached (registering a long prompt writes each entry in place
-/// instead of hashing it into a second map), so memory follows the cached block ids.
+/// A block holds one group's KV, so the cache is keyed by group and hash: the same
+/// tokens have one block per group. Invariant: `maps[g][h] == b` iff `entries[b].hash ==
+/// h` and `group_of(b) == g`. A freed cached block keeps its entry (it stays reusable by
+/// a later prompt) until it is popped from the free queue. The hash maps are sparse; the
+/// entries are an arena indexed by block id that grows to the highest block ever cached
+/// (registering a long prompt writes each entry in place instead of hashing it into a
+/// second map), so memory follows the cached block ids. With one group no block's group
+/// is stored (it is 0); with several, one byte per block.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixCache {
-    map: FxHashMap<BlockHash, u32>,
+    maps: Vec<FxHashMap<BlockHash, u32>>,
     entries: Vec<Option<CacheEntry>>,
+    groups: Vec<u8>,
 }
 
 impl PrefixCache {
@@ -75,32 +80,49 @@ impl PrefixCache {
     /// only, pages are touched as blocks get cached, and a long prompt's registration
     /// never moves the arena. If the reservation is refused (a huge pool on a host that
     /// does not overcommit), the arena grows on demand instead.
-    pub fn with_blocks(num_blocks: usize) -> Self {
+    pub fn with_blocks(num_blocks: usize, num_groups: usize) -> Self {
         let mut entries = Vec::new();
         // A refused reservation only costs the growth copies later.
         let _ = entries.try_reserve_exact(num_blocks);
         PrefixCache {
-            map: FxHashMap::default(),
+            maps: vec![FxHashMap::default(); num_groups.max(1)],
             entries,
+            groups: if num_groups > 1 {
+                vec![0; num_blocks]
+            } else {
+                Vec::new()
+            },
         }
     }
 
-    /// Number of cached blocks.
+    /// Number of cached blocks (all groups).
     #[inline]
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.maps.iter().map(|m| m.len()).sum()
+    }
+
+    /// Number of cached blocks of `group`.
+    #[inline]
+    pub fn group_len(&self, group: usize) -> usize {
+        self.maps[group].len()
     }
 
     /// True when nothing is cached.
     #[inline]
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.maps.iter().all(|m| m.is_empty())
     }
 
-    /// The block holding content `hash`, if cached.
+    /// The block of `group` holding content `hash`, if cached.
     #[inline]
-    pub fn lookup(&self, hash: &BlockHash) -> Option<u32> {
-        self.map.get(hash).copied()
+    pub fn lookup(&self, group: usize, hash: &BlockHash) -> Option<u32> {
+        self.maps[group].get(hash).copied()
+    }
+
+    /// The group a cached block's KV belongs to (0 for an uncached block).
+    #[inline]
+    pub fn group_of(&self, block: u32) -> usize {
+        self.groups.get(block as usize).map_or(0, |&g| g as usize)
     }
 
     /// The entry of `block`, if it is cached.
@@ -115,12 +137,17 @@ impl PrefixCache {
         self.entry(block).is_some()
     }
 
-    /// Cache `block` under `entry.hash`; the hash must not be cached yet.
-    pub fn insert(&mut self, block: u32, entry: CacheEntry) {
-        debug_assert!(!self.map.contains_key(&entry.hash));
+    /// Cache `block` of `group` under `entry.hash`; the hash must not be cached in that
+    /// group yet.
+    pub fn insert(&mut self, group: usize, block: u32, entry: CacheEntry) {
+        debug_assert!(!self.maps[group].contains_key(&entry.hash));
         debug_assert!(!self.is_cached(block));
-        self.map.insert(entry.hash, block);
+        self.maps[group].insert(entry.hash, block);
         let i = block as usize;
+        if let Some(g) = self.groups.get_mut(i) {
+            // Fewer than MAX_GROUPS (64) groups: fits a byte.
+            *g = group as u8;
+        }
         if i >= self.entries.len() {
             self.entries.resize_with(i + 1, || None);
         }
@@ -130,33 +157,40 @@ impl PrefixCache {
     /// Make room for `additional` more hashes and for entries up to block `max_block`:
     /// one rehash and at most one arena growth while a long prompt's blocks are
     /// registered, instead of many.
-    pub fn reserve(&mut self, additional: usize, max_block: u32) {
-        self.map.reserve(additional);
+    pub fn reserve(&mut self, group: usize, additional: usize, max_block: u32) {
+        self.maps[group].reserve(additional);
         let needed = max_block as usize + 1;
         if needed > self.entries.len() {
             self.entries.resize_with(needed, || None);
         }
     }
 
-    /// Drop `block` from the cache; returns its hash if it was cached.
+    /// Drop `block` from the cache; returns its group and hash if it was cached.
     #[inline]
-    pub fn remove(&mut self, block: u32) -> Option<BlockHash> {
+    pub fn remove(&mut self, block: u32) -> Option<(usize, BlockHash)> {
         let entry = self.entries.get_mut(block as usize)?.take()?;
-        if self.map.get(&entry.hash) == Some(&block) {
-            self.map.remove(&entry.hash);
+        let group = self.group_of(block);
+        let map = &mut self.maps[group];
+        if map.get(&entry.hash) == Some(&block) {
+            map.remove(&entry.hash);
         }
-        Some(entry.hash)
+        Some((group, entry.hash))
     }
 
     /// Forget every entry.
     pub fn clear(&mut self) {
-        self.map.clear();
+        for m in &mut self.maps {
+            m.clear();
+        }
         self.entries.clear();
     }
 
-    /// Iterate `(hash, block)` pairs of the map.
-    pub fn iter(&self) -> impl Iterator<Item = (&BlockHash, u32)> + '_ {
-        self.map.iter().map(|(h, b)| (h, *b))
+    /// Iterate `(group, hash, block)` of every map.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &BlockHash, u32)> + '_ {
+        self.maps
+            .iter()
+            .enumerate()
+            .flat_map(|(g, m)| m.iter().map(move |(h, b)| (g, h, *b)))
     }
 
     /// Iterate `(block, entry)` for every block carrying a hash.
@@ -197,22 +231,48 @@ mod tests {
     fn arena_grows_past_its_reservation() {
         // No reservation at all: the path taken when the up-front one is refused.
         let mut h = BlockHasher::new(HashAlgo::Blake3);
-        let mut cache = PrefixCache::with_blocks(0);
+        let mut cache = PrefixCache::with_blocks(0, 1);
         assert!(!cache.is_cached(7) && cache.remove(7).is_none());
         let (a, b) = (entry(&mut h, 1), entry(&mut h, 2));
-        cache.insert(7, a.clone());
-        cache.reserve(1, 3);
-        cache.insert(3, b.clone());
+        cache.insert(0, 7, a.clone());
+        cache.reserve(0, 1, 3);
+        cache.insert(0, 3, b.clone());
         assert_eq!(
-            (cache.len(), cache.lookup(&a.hash), cache.lookup(&b.hash)),
+            (
+                cache.len(),
+                cache.lookup(0, &a.hash),
+                cache.lookup(0, &b.hash)
+            ),
             (2, Some(7), Some(3))
         );
         let blocks: Vec<u32> = cache.entries().map(|(blk, _)| blk).collect();
         assert_eq!(blocks, vec![3, 7]);
-        assert_eq!(cache.remove(7), Some(a.hash));
-        assert!(!cache.is_cached(7) && cache.lookup(&a.hash).is_none());
+        assert_eq!(cache.remove(7), Some((0, a.hash)));
+        assert!(!cache.is_cached(7) && cache.lookup(0, &a.hash).is_none());
         assert_eq!(cache.entry(3), Some(&b));
         cache.clear();
         assert!(cache.is_empty() && !cache.is_cached(3));
+    }
+
+    #[test]
+    fn groups_cache_the_same_content_in_different_blocks() {
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let mut cache = PrefixCache::with_blocks(8, 2);
+        let a = entry(&mut h, 1);
+        cache.insert(0, 2, a.clone());
+        cache.insert(1, 5, a.clone());
+        assert_eq!(
+            (cache.lookup(0, &a.hash), cache.lookup(1, &a.hash)),
+            (Some(2), Some(5))
+        );
+        assert_eq!(
+            (cache.group_of(2), cache.group_of(5), cache.group_len(1)),
+            (0, 1, 1)
+        );
+        assert_eq!(cache.remove(5), Some((1, a.hash)));
+        assert_eq!(
+            (cache.lookup(0, &a.hash), cache.lookup(1, &a.hash)),
+            (Some(2), None)
+        );
     }
 }

@@ -4,10 +4,30 @@ use std::sync::Arc;
 
 use crate::block_hash::BlockHash;
 use crate::events::{BlockStored, SeqExtraKeys};
+use crate::group::GroupSpec;
 use crate::host_tier::Medium;
 use crate::retention::RetentionPriority;
 
-/// One sequence: its tokens, computed count, block table and prefix-cache bookkeeping.
+/// One KV cache group's block table of a sequence.
+///
+/// Every group's table of a sequence has the same length (one entry per block of
+/// reserved slots, positions never shift); a window or chunked group's leading entries
+/// are the null block once no future query sees their tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct GroupTable {
+    /// Block ids, in the GPU pool, or in the CPU pool while swapped; 0 = null block.
+    pub blocks: Vec<u32>,
+    /// Leading entries released (all null): no future query of the group sees them.
+    pub num_released: usize,
+    /// Entries `[dirty_from, len)` changed since the last `sync_block_table` of this
+    /// group (appends fall in the range without touching it; in-place replacements
+    /// lower it).
+    pub dirty_from: usize,
+    /// Row of the caller's table of this group the sequence was last synced to.
+    pub synced_row: Option<u32>,
+}
+
+/// One sequence: its tokens, computed count, block tables and prefix-cache bookkeeping.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sequence {
     /// The sequence id.
@@ -18,8 +38,8 @@ pub struct Sequence {
     pub prompt_len: usize,
     /// Tokens whose KV is in the cache (valid once `allocated`).
     pub num_computed: usize,
-    /// Block ids, in the GPU pool, or in the CPU pool while `swapped`; 0 = null block.
-    pub table: Vec<u32>,
+    /// One block table per KV cache group, in group order.
+    pub tables: Vec<GroupTable>,
     /// Slots reserved by the last `allocate_slots` (computed + new + lookahead), until commit.
     pub reserved: Option<usize>,
     /// Whether the first `allocate_slots` (which claims the cached prefix) happened.
@@ -42,26 +62,28 @@ pub struct Sequence {
     pub num_cached_tokens: usize,
     /// Of `num_cached_tokens`, the tokens loaded from the host tier.
     pub num_tier_tokens: usize,
-    /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate).
+    /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate),
+    /// in every group (all groups register at the same commit).
     pub num_registered_blocks: usize,
-    /// Leading table entries released by the sliding window (all null).
-    pub num_released_blocks: usize,
     /// Whether the blocks live in the CPU pool.
     pub swapped: bool,
-    /// Table entries `[dirty_from, len)` changed since the last `sync_block_table`
-    /// (appends fall in the range without touching it; in-place replacements lower it).
-    pub dirty_from: usize,
-    /// Row of the caller's table this sequence was last synced to (`None`: never).
-    pub synced_row: Option<u32>,
     /// Table range the pending reservation fills with known-hash blocks (see
     /// `manager::in_flight`); empty without a reservation.
     pub in_flight: std::ops::Range<usize>,
 }
 
 impl Sequence {
-    /// An empty `BlockStored` run of this sequence's blocks, sized for `capacity` blocks.
+    /// Entries per table (the same in every group).
+    #[inline]
+    pub fn table_len(&self) -> usize {
+        self.tables[0].blocks.len()
+    }
+
+    /// An empty `BlockStored` run of this sequence's blocks of group `group`, sized for
+    /// `capacity` blocks.
     pub fn stored_event(
         &self,
+        group: u32,
         parent: Option<BlockHash>,
         capacity: usize,
         block_size: usize,
@@ -76,6 +98,8 @@ impl Sequence {
             lora_name: self.lora_name.clone(),
             extra_keys: self.extra_keys.clone(),
             medium,
+            group_idx: group,
+            kv_cache_spec: GroupSpec::default(),
         }
     }
 }

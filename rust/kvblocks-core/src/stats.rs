@@ -35,6 +35,10 @@ pub struct Stats {
     pub blocks_swapped_out: u64,
     /// CPU blocks copied back to the GPU pool.
     pub blocks_swapped_in: u64,
+    /// GPU blocks referenced by the tables of each KV cache group.
+    pub num_used_blocks_per_group: Vec<usize>,
+    /// Prefix-cache entries of each KV cache group.
+    pub num_cached_blocks_per_group: Vec<usize>,
     /// Host-tier counters, `None` without a host tier.
     pub host_tier: Option<crate::host_tier::TierStats>,
 }

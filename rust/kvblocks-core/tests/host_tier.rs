@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use kvblocks_core::{
-    KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp, MemoryOpKind,
-    OffloadPolicy, RetentionPriority,
+    BlockHash, KVCacheManager, KvCacheEvent, KvError, ManagerConfig, Medium, MemoryOp,
+    MemoryOpKind, OffloadPolicy, RetentionPriority,
 };
 
 fn tiered(num_blocks: usize, host: usize, policy: OffloadPolicy) -> KVCacheManager {
@@ -159,15 +159,28 @@ fn copies_and_swaps_share_the_ordered_list() {
         ops[1..].iter().map(|o| [o.src, o.dst]).collect::<Vec<_>>(),
         rows
     );
-    // Copies queued with a tier: the copy-only drain refuses.
+    // Copies and swaps only: the copy view works with a tier too (the swaps' rows were
+    // returned by swap_out/swap_in).
     m.commit(2, 0, &[]).unwrap();
     m.allocate_slots(2, 0, 4).unwrap().unwrap();
-    m.swap_in(&[1]).unwrap();
+    let back = m.swap_in(&[1]).unwrap();
+    let ops = m.take_memory_ops();
+    assert_eq!(ops.last().map(|o| [o.src, o.dst]), back.last().copied());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
+}
+
+#[test]
+fn the_copy_view_refuses_while_offloads_or_loads_are_queued() {
+    let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
+    prefill(&mut m, 1, &toks(0, 8));
     assert_fails_unchanged(
         &mut m,
-        |m| m.try_take_copy_on_writes(),
+        |m| m.take_copy_on_writes(),
         |e| matches!(e, KvError::SequenceState(_)),
     );
+    let kinds: Vec<_> = m.take_memory_ops().iter().map(|o| o.kind).collect();
+    assert!(kinds.contains(&MemoryOpKind::Offload));
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
 }
 
 #[test]
@@ -182,13 +195,32 @@ fn tier_needs_prefix_caching_and_reset_keeps_pinned_slots() {
     let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
     prefill(&mut m, 1, &toks(0, 8));
     m.free(1).unwrap();
-    // Offloads not confirmed: reset keeps them.
+    let stored: Vec<BlockHash> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(stored.len(), 2);
+    // Offloads not confirmed: reset keeps them, and announces them again after the
+    // clear (which covers every medium: no host-tier `BlockRemoved`).
     assert!(m.reset_prefix_cache());
     assert_eq!(m.stats().host_tier.unwrap().num_blocks, 2);
+    match &m.take_events()[..] {
+        [KvCacheEvent::AllBlocksCleared, KvCacheEvent::BlockStored(kept)] => {
+            assert_eq!((kept.medium, &kept.block_hashes), (Medium::Cpu, &stored));
+            assert!(kept.token_ids.is_empty() && kept.parent_block_hash.is_none());
+        }
+        other => panic!("unexpected reset events {other:?}"),
+    }
     m.take_memory_ops();
     m.confirm_memory_ops();
     assert!(m.reset_prefix_cache());
     assert_eq!(m.stats().host_tier.unwrap().num_blocks, 0);
+    assert_eq!(m.take_events(), vec![KvCacheEvent::AllBlocksCleared]);
     m.check_invariants().unwrap();
 }
 
@@ -200,7 +232,7 @@ fn without_a_tier_nothing_changes() {
     assert_eq!(m.num_tier_tokens(1).unwrap(), 0);
     assert!(m.stats().host_tier.is_none());
     m.confirm_memory_ops();
-    assert!(m.try_take_copy_on_writes().unwrap().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
 }
 
 /// Random operations in a debug build (debug assertions on): no panic, invariants after

@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use kvblocks_core::{
-    AllocStatus, BatchArg, HashAlgo, KVCacheManager, KvCacheEvent, KvError, ManagerConfig,
-    NULL_BLOCK,
+    AllocStatus, BatchArg, GroupSpec, HashAlgo, KVCacheManager, KvCacheEvent, KvError,
+    ManagerConfig, NULL_BLOCK,
 };
 
 fn is_invalid(e: &KvError) -> bool {
@@ -497,6 +497,69 @@ fn events_can_be_turned_off_without_changing_caching() {
 }
 
 #[test]
+fn events_carry_the_group_and_its_attention_kind() {
+    for (window, spec) in [
+        (None, GroupSpec::FullAttention),
+        (Some(8), GroupSpec::SlidingWindow { window: 8 }),
+    ] {
+        let mut m = manager_with(5, 4, |c| c.sliding_window = window);
+        prefill(&mut m, 1, &toks(0, 12));
+        m.free(1).unwrap();
+        prefill(&mut m, 2, &toks(100, 12)); // evicts
+        let events = m.take_events();
+        assert!(events
+            .iter()
+            .any(|e| matches!(e, KvCacheEvent::BlockRemoved(_))));
+        for e in events {
+            match e {
+                KvCacheEvent::BlockStored(s) => {
+                    assert_eq!((s.group_idx, s.kv_cache_spec), (0, spec));
+                }
+                KvCacheEvent::BlockRemoved(r) => assert_eq!(r.group_idx, 0),
+                KvCacheEvent::AllBlocksCleared => unreachable!(),
+            }
+        }
+    }
+    let sw = GroupSpec::SlidingWindow { window: 8 };
+    assert_eq!(
+        (sw.kind(), sw.sliding_window()),
+        ("sliding_window", Some(8))
+    );
+    let full = GroupSpec::FullAttention;
+    assert_eq!(
+        (full.kind(), full.sliding_window()),
+        ("full_attention", None)
+    );
+}
+
+#[test]
+fn the_manager_s_hasher_gives_its_own_hashes() {
+    let mut m = manager_with(16, 4, |c| {
+        c.hash_algo = HashAlgo::Sha256Cbor;
+        c.hash_seed = Some("12345".to_string());
+    });
+    m.register_lora(9, "my-lora", "/p");
+    let tokens = toks(0, 14);
+    m.add_sequence(1, &tokens, Some(b"s"), Some(9)).unwrap();
+    m.allocate_slots(1, 14, 0).unwrap().unwrap();
+    m.commit(1, 14, &[]).unwrap();
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvCacheEvent::BlockStored(s) => Some(s.block_hashes),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    let mut hasher = m.block_hasher();
+    let got = hasher
+        .prompt_hashes(&tokens, 4, Some(b"s"), Some(9))
+        .unwrap();
+    assert_eq!((got.len(), &got), (3, &stored));
+}
+
+#[test]
 fn caching_disabled_means_no_hits_no_events() {
     let mut m = manager_with(8, 4, |c| c.enable_prefix_caching = false);
     prefill(&mut m, 1, &toks(0, 9));
@@ -525,8 +588,8 @@ fn fork_shares_blocks_and_cow_copies_the_written_block() {
     m.commit(1, 0, &[66]).unwrap();
     assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
     assert_eq!(m.block_table(2).unwrap(), vec![1, 3]);
-    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
-    assert!(m.take_copy_on_writes().is_empty());
+    assert_eq!(m.take_copy_on_writes().unwrap(), vec![[2, 3]]);
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     // the parent is now the only owner of block 2: written in place
     assert_eq!(m.allocate_slots(1, 1, 0).unwrap(), Some(vec![]));
     assert_eq!(m.stats().cow_copies, 1);
@@ -542,7 +605,7 @@ fn cow_replacement_comes_before_appended_blocks() {
     m.fork(1, 2).unwrap();
     m.commit(2, 0, &[1, 2, 3]).unwrap();
     assert_eq!(m.allocate_slots(2, 3, 0).unwrap(), Some(vec![3, 4]));
-    assert_eq!(m.take_copy_on_writes(), vec![[2, 3]]);
+    assert_eq!(m.take_copy_on_writes().unwrap(), vec![[2, 3]]);
     m.check_invariants().unwrap();
 }
 
@@ -552,14 +615,14 @@ fn no_cow_when_nothing_is_written_or_at_block_boundary() {
     prefill(&mut m, 1, &toks(0, 6));
     m.fork(1, 2).unwrap();
     assert_eq!(m.allocate_slots(2, 0, 0).unwrap(), Some(vec![]));
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     m.commit(2, 0, &[]).unwrap();
     let mut m = manager(8, 4);
     prefill(&mut m, 1, &toks(0, 8));
     m.fork(1, 2).unwrap();
     m.commit(2, 0, &[5]).unwrap();
     assert_eq!(m.allocate_slots(2, 1, 0).unwrap(), Some(vec![3]));
-    assert!(m.take_copy_on_writes().is_empty());
+    assert!(m.take_copy_on_writes().unwrap().is_empty());
     m.check_invariants().unwrap();
 }
 

@@ -72,9 +72,10 @@ impl BlockStored {
         self.inner.lora_name.as_deref()
     }
 
-    /// vLLM's ``extra_keys``: per block, the tuple of keys hashed into it
-    /// (``("lora", name, path)``, ``("cache_salt", salt)``) or ``None``; ``None`` as a
-    /// whole unless ``hash_algo="sha256_cbor"``.
+    /// vLLM's ``extra_keys`` as its events carry them (``to_event_extra_keys``): per
+    /// block, the untagged keys hashed into it (the LoRA's name on every block of a LoRA
+    /// sequence, then the cache salt on the chain's first block) or ``None``; ``None``
+    /// as a whole unless ``hash_algo="sha256_cbor"``.
     #[getter]
     fn extra_keys<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         if self.inner.extra_keys.is_none() {
@@ -85,18 +86,30 @@ impl BlockStored {
             match self.inner.block_extra_keys(j) {
                 None => list.append(py.None())?,
                 Some((lora, salt)) => {
-                    let mut keys: Vec<Bound<'py, PyTuple>> = Vec::with_capacity(2);
-                    if let Some(l) = lora {
-                        keys.push(PyTuple::new(py, ["lora", &*l.name, &*l.path])?);
-                    }
-                    if let Some(s) = salt {
-                        keys.push(PyTuple::new(py, ["cache_salt", s])?);
-                    }
+                    let keys: Vec<&str> = lora.map(|l| &*l.name).into_iter().chain(salt).collect();
                     list.append(PyTuple::new(py, keys)?)?;
                 }
             }
         }
         Ok(Some(list))
+    }
+
+    /// The KV cache group of the blocks (vLLM's ``group_idx``; 0 with one group).
+    #[getter]
+    fn group_idx(&self) -> u32 {
+        self.inner.group_idx
+    }
+
+    /// What the group's layers attend to: its ``GroupSpec.kind`` (vLLM's ``kv_cache_spec_kind``).
+    #[getter]
+    fn kv_cache_spec_kind(&self) -> &'static str {
+        self.inner.kv_cache_spec.kind()
+    }
+
+    /// The group's sliding window in tokens; ``None`` for other groups.
+    #[getter]
+    fn kv_cache_spec_sliding_window(&self) -> Option<usize> {
+        self.inner.kv_cache_spec.sliding_window()
     }
 
     /// Where the blocks were stored: ``"GPU"`` or ``"CPU"`` (the host tier; blocks
@@ -137,12 +150,18 @@ impl BlockRemoved {
         self.inner.medium.as_str()
     }
 
+    /// The KV cache group whose blocks these are (vLLM's ``group_idx``; 0 with one group).
+    #[getter]
+    fn group_idx(&self) -> u32 {
+        self.inner.group_idx
+    }
+
     fn __repr__(&self) -> String {
         format!("BlockRemoved(hashes=[{}])", hex(&self.inner.block_hashes))
     }
 }
 
-/// KV cache event: the whole prefix cache was cleared by ``reset_prefix_cache``.
+/// KV cache event: ``reset_prefix_cache`` dropped every cached block, on every medium.
 #[pyclass(frozen, module = "kvblocks._core")]
 pub(crate) struct AllBlocksCleared;
 

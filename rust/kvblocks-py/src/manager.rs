@@ -6,8 +6,8 @@
 //! the GIL released; long calls (hashing prompts, batch calls) always run detached.
 
 use kvblocks_core as core;
-use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::ndarray::{Array2, Array3};
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -16,12 +16,22 @@ use crate::alloc_status::AllocStatus;
 use crate::args::{
     names, BlockHashes, CacheSalt, Count, Flag, LoraId, Parsed, PerSeqCounts, PerSeqTokens, Real,
     RetentionPriorityArg, RowIndices, SeqId, SeqIds, SeqKey, SlotIds, Text, TokenIds,
-    WritableTable,
+    WritableTable, WritableTables,
 };
 use crate::batch_allocation::BatchAllocation;
 use crate::block_table_delta::BlockTableDelta;
 use crate::errors::{invalid_argument, IntoPyResult};
 use crate::events::event_to_py;
+use crate::group_spec::{GroupSpec, GroupSpecs};
+use crate::hashing::BlockHasher;
+
+/// The `group` argument: a group index, 0 when not given.
+type GroupArg = Option<Count<names::Group>>;
+
+/// The group index a `group` argument names.
+fn group_of(group: GroupArg) -> usize {
+    group.map_or(0, |g| g.0)
+}
 
 /// Paged KV-cache block manager: block pools, prefix cache, block tables, CoW, swap.
 #[pyclass(frozen, module = "kvblocks._core")]
@@ -122,9 +132,11 @@ impl KVCacheManager {
 impl KVCacheManager {
     /// The core sync without a buffer (the caller applies the delta with the GIL held);
     /// `rows` are checked against `num_rows` here, the one bound they have.
+    #[allow(clippy::too_many_arguments)]
     fn sync(
         &self,
         py: Python<'_>,
+        group: usize,
         seq_ids: SeqIds,
         rows: RowIndices<'_, '_>,
         num_rows: usize,
@@ -135,7 +147,26 @@ impl KVCacheManager {
         let rows = rows.parse(num_rows)?;
         let full = full.is_some_and(|f| f.0);
         self.run(py, Work::for_batch(ids.len()), |m| {
-            m.sync_block_table(&ids, &rows, num_rows, num_cols, None, full)
+            m.sync_group_block_table(group, &ids, &rows, num_rows, num_cols, None, full)
+        })
+        .py_err()
+    }
+
+    /// The core sync of every group without a buffer, as [`Self::sync`].
+    fn sync_groups(
+        &self,
+        py: Python<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        num_rows: usize,
+        num_cols: usize,
+        full: Option<Flag<names::Full>>,
+    ) -> PyResult<Vec<core::BlockTableDelta>> {
+        let ids = seq_ids.0;
+        let rows = rows.parse(num_rows)?;
+        let full = full.is_some_and(|f| f.0);
+        self.run(py, Work::for_batch(ids.len()), |m| {
+            m.sync_group_block_tables(&ids, &rows, num_rows, num_cols, None, full)
         })
         .py_err()
     }
@@ -215,10 +246,12 @@ impl KVCacheManager {
         record_events = None,
         host_cache_blocks = None,
         host_offload = None,
+        groups = None,
     ),
     text_signature = "(num_blocks, block_size, *, num_cpu_blocks=0, enable_prefix_caching=True, \
                       hash_algo='blake3', hash_seed=None, watermark=0.01, sliding_window=None, \
-                      record_events=True, host_cache_blocks=0, host_offload='evict')"
+                      record_events=True, host_cache_blocks=0, host_offload='evict', \
+                      groups=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -233,6 +266,7 @@ impl KVCacheManager {
         record_events: Option<Flag<names::RecordEvents>>,
         host_cache_blocks: Option<Count<names::HostCacheBlocks>>,
         host_offload: Option<Parsed<core::OffloadPolicy, names::HostOffload>>,
+        groups: Option<GroupSpecs>,
     ) -> PyResult<Self> {
         let mut config = core::ManagerConfig::new(num_blocks.0, block_size.0);
         if let Some(n) = num_cpu_blocks {
@@ -265,6 +299,9 @@ impl KVCacheManager {
             config.host_offload = p.0;
         }
         config.sliding_window = sliding_window.map(|w| w.0);
+        if let Some(g) = groups {
+            config.groups = g.0;
+        }
         Ok(KVCacheManager {
             inner: Mutex::new(core::KVCacheManager::new(config).py_err()?),
         })
@@ -324,6 +361,12 @@ impl KVCacheManager {
         self.run(py, Work::Short, |m| m.register_lora(id, &name, &path));
     }
 
+    /// A ``BlockHasher`` that hashes prompts as this manager does; see the stub.
+    fn block_hasher(&self, py: Python<'_>) -> BlockHasher {
+        let (hasher, block_size) = self.read(py, |m| (m.block_hasher(), m.block_size()));
+        BlockHasher::from_core(hasher, block_size)
+    }
+
     /// Fraction of GPU blocks kept free at admission.
     #[getter]
     fn watermark(&self, py: Python<'_>) -> f64 {
@@ -334,6 +377,19 @@ impl KVCacheManager {
     #[getter]
     fn sliding_window(&self, py: Python<'_>) -> Option<usize> {
         self.read(py, |m| m.sliding_window())
+    }
+
+    /// The KV cache groups, in order (one unless the manager was built with several).
+    #[getter]
+    fn groups(&self, py: Python<'_>) -> Vec<GroupSpec> {
+        let specs = self.read(py, |m| m.groups().to_vec());
+        specs.into_iter().map(|inner| GroupSpec { inner }).collect()
+    }
+
+    /// Number of KV cache groups.
+    #[getter]
+    fn num_groups(&self, py: Python<'_>) -> usize {
+        self.read(py, |m| m.num_groups())
     }
 
     /// Whether KV cache events are queued for ``take_events``.
@@ -537,19 +593,26 @@ impl KVCacheManager {
     }
 
     /// Can the whole known sequence (plus lookahead) get blocks, keeping the watermark free?
+    /// With ``num_new_tokens``: can the next step of that many tokens past the cached
+    /// prefix get its blocks in every group (a window group's real need)?
     #[pyo3(
-        signature = (seq_id, *, num_lookahead_tokens = None),
-        text_signature = "(self, seq_id, *, num_lookahead_tokens=0)"
+        signature = (seq_id, *, num_lookahead_tokens = None, num_new_tokens = None),
+        text_signature = "(self, seq_id, *, num_lookahead_tokens=0, num_new_tokens=None)"
     )]
     fn can_allocate(
         &self,
         py: Python<'_>,
         seq_id: SeqId,
         num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
+        num_new_tokens: Option<Count<names::NumNewTokens>>,
     ) -> PyResult<AllocStatus> {
         let id = seq_id.0;
         let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
-        let status = self.read(py, |m| m.can_allocate(id, lookahead)).py_err()?;
+        let status = match num_new_tokens {
+            None => self.read(py, |m| m.can_allocate(id, lookahead)),
+            Some(new) => self.read(py, |m| m.can_allocate_step(id, new.0, lookahead)),
+        }
+        .py_err()?;
         Ok(status.into())
     }
 
@@ -647,13 +710,10 @@ impl KVCacheManager {
             .py_err()
     }
 
-    /// Drain the queued copy-on-write ``(src, dst)`` block pairs, shape ``[n, 2]``.
-    ///
-    /// With a host tier, ``SequenceStateError`` while ops are queued: use
-    /// ``take_memory_ops``.
+    /// The copy pairs of the memory-op journal, drained; see the stub.
     fn take_copy_on_writes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let pairs = self
-            .run(py, Work::Short, |m| m.try_take_copy_on_writes())
+            .run(py, Work::Short, |m| m.take_copy_on_writes())
             .py_err()?;
         pairs_to_py(py, pairs)
     }
@@ -700,6 +760,14 @@ impl KVCacheManager {
             .collect())
     }
 
+    /// The KV cache group of the block each host-tier slot holds or is being written
+    /// with (``None``: empty slot, id out of range, or no tier).
+    fn tier_slot_groups(&self, py: Python<'_>, slots: SlotIds) -> Vec<Option<usize>> {
+        let ids = slots.0;
+        let keys = self.read(py, |m| m.tier_slot_keys(&ids));
+        keys.into_iter().map(|k| k.map(|(g, _)| g)).collect()
+    }
+
     /// Leading blocks of the hash chain a prompt would hit now (GPU prefix cache or
     /// written host-tier slots), without side effects.
     fn num_cached_prefix_blocks(&self, py: Python<'_>, block_hashes: BlockHashes) -> usize {
@@ -713,19 +781,24 @@ impl KVCacheManager {
     /// Reserve host-tier slots for blocks fetched from a shared remote store: one int64
     /// per digest, the slot to write its KV into or -1 (already cached, or no slot free).
     /// Reserved slots become hits at the next ``confirm_memory_ops``.
-    #[pyo3(signature = (block_hashes, *, retention_priority = None))]
+    #[pyo3(
+        signature = (block_hashes, *, retention_priority = None, group = None),
+        text_signature = "(self, block_hashes, *, retention_priority=None, group=0)"
+    )]
     fn import_tier_blocks<'py>(
         &self,
         py: Python<'py>,
         block_hashes: BlockHashes,
         retention_priority: Option<RetentionPriorityArg<names::RetentionPriority>>,
+        group: GroupArg,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let digests = block_hashes.0;
         let priority = retention_priority.map_or(core::RetentionPriority::DEFAULT, |p| p.0);
+        let group = group_of(group);
         let slots = self
             .run(py, Work::Short, |m| {
                 let refs: Vec<&[u8]> = digests.iter().map(|d| d.as_slice()).collect();
-                m.import_tier_blocks(&refs, priority)
+                m.import_group_tier_blocks(&refs, priority, group)
             })
             .py_err()?;
         Ok(slots.into_pyarray(py))
@@ -746,6 +819,11 @@ impl KVCacheManager {
     /// ``allocate_slots``, to be loaded) from the host tier.
     fn num_tier_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_tokens(id))
+    }
+
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups.
+    fn num_tier_loads(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
+        self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tier_loads(id))
     }
 
     /// Release the sequence's blocks (last block first) and forget it.
@@ -787,37 +865,73 @@ impl KVCacheManager {
 
     // -- step inputs ---------------------------------------------------------------
 
-    /// The sequence's block table.
+    /// The sequence's block table of ``group``.
+    #[pyo3(signature = (seq_id, *, group = None), text_signature = "(self, seq_id, *, group=0)")]
     fn block_table<'py>(
         &self,
         py: Python<'py>,
         seq_id: SeqId,
+        group: GroupArg,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let table = self.on_seq(py, seq_id, Work::Short, |m, id| m.block_table(id))?;
+        let group = group_of(group);
+        let table = self.on_seq(py, seq_id, Work::Short, |m, id| {
+            m.group_block_table(id, group)
+        })?;
         Ok(to_numpy(py, table))
     }
 
-    /// 2-D block tables, padded with the null block to the longest (or ``max_blocks``).
-    #[pyo3(signature = (seq_ids, *, max_blocks = None))]
+    /// 2-D block tables of ``group``, padded with the null block to the longest (or
+    /// ``max_blocks``).
+    #[pyo3(
+        signature = (seq_ids, *, max_blocks = None, group = None),
+        text_signature = "(self, seq_ids, *, max_blocks=None, group=0)"
+    )]
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
         seq_ids: SeqIds,
         max_blocks: Option<Count<names::MaxBlocks>>,
+        group: GroupArg,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = seq_ids.0;
         let max_blocks = max_blocks.map(|b| b.0);
+        let group = group_of(group);
         let tables = self
             .run(py, Work::for_batch(ids.len()), |m| {
-                m.block_tables(&ids, max_blocks)
+                m.group_block_tables(&ids, max_blocks, Some(group))
             })
             .py_err()?;
         matrix_to_numpy(py, tables.num_rows, tables.num_cols, tables.data)
     }
 
-    /// Bring rows ``rows[i]`` of a persistent int32 ``[max_rows, max_blocks]`` table up to
-    /// date with the block tables of ``seq_ids[i]``, in place; returns what was written.
-    #[pyo3(signature = (block_table, seq_ids, rows, *, full = None))]
+    /// Block tables of every group, ``[num_groups, len(seq_ids), max_blocks]``.
+    #[pyo3(signature = (seq_ids, *, max_blocks = None))]
+    fn group_block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds,
+        max_blocks: Option<Count<names::MaxBlocks>>,
+    ) -> PyResult<Bound<'py, PyArray3<i32>>> {
+        let ids = seq_ids.0;
+        let max_blocks = max_blocks.map(|b| b.0);
+        let tables = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.group_block_tables(&ids, max_blocks, None)
+            })
+            .py_err()?;
+        let shape = (tables.num_groups, tables.num_rows, tables.num_cols);
+        Array3::from_shape_vec(shape, tables.data)
+            .map(|a| a.into_pyarray(py))
+            .map_err(|e| invalid_argument(format!("internal error: {e}")))
+    }
+
+    /// Bring rows ``rows[i]`` of a persistent int32 ``[max_rows, max_blocks]`` table of
+    /// ``group`` up to date with the block tables of ``seq_ids[i]``, in place; returns
+    /// what was written.
+    #[pyo3(
+        signature = (block_table, seq_ids, rows, *, full = None, group = None),
+        text_signature = "(self, block_table, seq_ids, rows, *, full=None, group=0)"
+    )]
     fn update_block_table(
         &self,
         py: Python<'_>,
@@ -825,13 +939,14 @@ impl KVCacheManager {
         seq_ids: SeqIds,
         rows: RowIndices<'_, '_>,
         full: Option<Flag<names::Full>>,
+        group: GroupArg,
     ) -> PyResult<BlockTableDelta> {
         let table = block_table.0;
         let (num_rows, num_cols) = {
             let shape = table.shape();
             (shape[0], shape[1])
         };
-        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
+        let delta = self.sync(py, group_of(group), seq_ids, rows, num_rows, num_cols, full)?;
         // SAFETY: `WritableTable` checked that the array is C-contiguous and writeable.
         // The GIL is held from here to the end of the write, so no Python code can touch
         // the buffer meanwhile, and no Rust view of it exists in this call.
@@ -842,9 +957,53 @@ impl KVCacheManager {
         Ok(BlockTableDelta::new(py, delta))
     }
 
+    /// ``update_block_table`` of every group: ``block_tables`` is int32 ``[num_groups,
+    /// max_rows, max_blocks]``, one persistent table per group; one delta per group.
+    #[pyo3(signature = (block_tables, seq_ids, rows, *, full = None))]
+    fn update_group_block_tables(
+        &self,
+        py: Python<'_>,
+        block_tables: WritableTables<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        full: Option<Flag<names::Full>>,
+    ) -> PyResult<Vec<BlockTableDelta>> {
+        let tables = block_tables.0;
+        let (num_groups, num_rows, num_cols) = {
+            let shape = tables.shape();
+            (shape[0], shape[1], shape[2])
+        };
+        let have = self.read(py, |m| m.num_groups());
+        if num_groups != have {
+            return Err(invalid_argument(format!(
+                "block_tables has {num_groups} tables but the manager has {have} KV cache \
+                 group(s); expected one table per group"
+            )));
+        }
+        let deltas = self.sync_groups(py, seq_ids, rows, num_rows, num_cols, full)?;
+        // SAFETY: `WritableTables` checked that the array is C-contiguous and writeable;
+        // the GIL is held until the writes are done (see `update_block_table`).
+        let data = unsafe { tables.as_slice_mut() }
+            .map_err(|e| invalid_argument(format!("block_tables: {e}")))?;
+        let matrix = num_rows * num_cols;
+        for (g, delta) in deltas.iter().enumerate() {
+            delta
+                .apply(&mut data[g * matrix..(g + 1) * matrix], num_rows, num_cols)
+                .py_err()?;
+        }
+        Ok(deltas
+            .into_iter()
+            .map(|d| BlockTableDelta::new(py, d))
+            .collect())
+    }
+
     /// The writes ``update_block_table`` would make to a ``[max_rows, max_blocks]`` table
-    /// kept elsewhere (e.g. on a device); consumes the changes the same way.
-    #[pyo3(signature = (seq_ids, rows, *, max_rows, max_blocks, full = None))]
+    /// of ``group`` kept elsewhere (e.g. on a device); consumes the changes the same way.
+    #[pyo3(
+        signature = (seq_ids, rows, *, max_rows, max_blocks, full = None, group = None),
+        text_signature = "(self, seq_ids, rows, *, max_rows, max_blocks, full=None, group=0)"
+    )]
+    #[allow(clippy::too_many_arguments)]
     fn block_table_delta(
         &self,
         py: Python<'_>,
@@ -853,28 +1012,75 @@ impl KVCacheManager {
         max_rows: Count<names::MaxRows>,
         max_blocks: Count<names::MaxBlocks>,
         full: Option<Flag<names::Full>>,
+        group: GroupArg,
     ) -> PyResult<BlockTableDelta> {
         let (num_rows, num_cols) = (max_rows.0, max_blocks.0);
-        let delta = self.sync(py, seq_ids, rows, num_rows, num_cols, full)?;
+        let delta = self.sync(py, group_of(group), seq_ids, rows, num_rows, num_cols, full)?;
         Ok(BlockTableDelta::new(py, delta))
     }
 
-    /// Cache slots (``block * block_size + offset``) of the tokens computed this step.
-    #[pyo3(signature = (seq_ids, num_tokens = None))]
+    /// ``block_table_delta`` of every group: one delta per group.
+    #[pyo3(signature = (seq_ids, rows, *, max_rows, max_blocks, full = None))]
+    fn group_block_table_deltas(
+        &self,
+        py: Python<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        max_rows: Count<names::MaxRows>,
+        max_blocks: Count<names::MaxBlocks>,
+        full: Option<Flag<names::Full>>,
+    ) -> PyResult<Vec<BlockTableDelta>> {
+        let (num_rows, num_cols) = (max_rows.0, max_blocks.0);
+        let deltas = self.sync_groups(py, seq_ids, rows, num_rows, num_cols, full)?;
+        Ok(deltas
+            .into_iter()
+            .map(|d| BlockTableDelta::new(py, d))
+            .collect())
+    }
+
+    /// Cache slots (``block * block_size + offset``) of the tokens computed this step, in
+    /// the tables of ``group``.
+    #[pyo3(
+        signature = (seq_ids, num_tokens = None, *, group = None),
+        text_signature = "(self, seq_ids, num_tokens=None, *, group=0)"
+    )]
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
         seq_ids: SeqIds,
         num_tokens: Option<PerSeqCounts<names::NumTokens>>,
+        group: GroupArg,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let ids = seq_ids.0;
         let counts = num_tokens.map(|n| n.0);
+        let group = group_of(group);
         let slots = self
             .run(py, Work::for_batch(ids.len()), |m| {
-                m.slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()))
+                m.group_slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()), Some(group))
             })
             .py_err()?;
         Ok(to_numpy(py, slots))
+    }
+
+    /// ``slot_mapping`` of every group, ``[num_groups, num_tokens]``.
+    #[pyo3(signature = (seq_ids, num_tokens = None))]
+    fn group_slot_mappings<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: SeqIds,
+        num_tokens: Option<PerSeqCounts<names::NumTokens>>,
+    ) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let ids = seq_ids.0;
+        let counts = num_tokens.map(|n| n.0);
+        let (groups, slots) = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                let slots =
+                    m.group_slot_mapping(&ids, counts.as_ref().map(|c| c.as_batch_arg()), None)?;
+                Ok((m.num_groups(), slots))
+            })
+            .py_err()?;
+        let per_group = slots.len() / groups;
+        matrix_to_numpy(py, groups, per_group, slots)
     }
 
     // -- prefix cache, events, stats -----------------------------------------------
@@ -921,6 +1127,16 @@ impl KVCacheManager {
             d.set_item("host_evictions", t.evictions)?;
             d.set_item("host_imports", t.imports)?;
         }
+        Ok(d)
+    }
+
+    /// Per KV cache group: ``num_used_blocks`` (GPU blocks its tables reference) and
+    /// ``num_cached_blocks`` (its prefix-cache entries), one int per group.
+    fn group_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.read(py, |m| m.stats());
+        let d = PyDict::new(py);
+        d.set_item("num_used_blocks", s.num_used_blocks_per_group)?;
+        d.set_item("num_cached_blocks", s.num_cached_blocks_per_group)?;
         Ok(d)
     }
 

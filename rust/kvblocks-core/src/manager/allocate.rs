@@ -6,6 +6,7 @@ use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
 use crate::events::KvCacheEvent;
+use crate::group::GroupSpec;
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind};
 use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
@@ -13,13 +14,16 @@ use crate::NULL_BLOCK;
 /// What serving one `allocate_slots` request takes, computed before anything changes.
 #[derive(Debug, Clone, Copy)]
 struct AllocPlan {
-    /// Cached-prefix blocks to claim (first call only), host-tier hits included.
+    /// Cached-prefix blocks to claim (first call only), host-tier hits included: the
+    /// table positions of the hit; each group claims the ones its next query sees.
     claim: usize,
-    /// Of `claim`, the blocks loaded from the host tier.
+    /// Of the claimed blocks (all groups), those loaded from the host tier.
     loads: usize,
-    /// Whether the block at the next write position must be copied first.
-    cow: bool,
-    /// Blocks to append to the table.
+    /// Of the claimed positions, those some group loads (tokens served by the tier).
+    tier_positions: usize,
+    /// Bit `g`: the block of group `g` at the next write position must be copied first.
+    cow: u64,
+    /// Blocks to append to every group's table.
     append: usize,
     /// Slots reserved once served.
     reserved: usize,
@@ -46,11 +50,19 @@ impl KVCacheManager {
             .ok_or_else(|| {
                 KvError::InvalidArgument("num_lookahead_tokens is too large".to_string())
             })?;
-        let required = total.div_ceil(bs);
+        let table_len = total.div_ceil(bs);
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        // Each group holds a block per table entry but those its claim leaves null.
+        let (mut required, mut claimed) = (0, 0);
+        for g in 0..self.pools.groups.len() {
+            let range = self.pools.hit_range(g, hit);
+            required += table_len - range.start;
+            claimed += range.len();
+        }
         // Referenced GPU hits cost nothing; free GPU hits and host-tier hits take a block.
-        let shared =
-            hit - self.pools.probe_free(&seq.hashes, hit) - self.pools.probe_tier(&seq.hashes, hit);
+        let shared = claimed
+            - self.pools.probe_free(&seq.hashes, hit)
+            - self.pools.probe_tier(&seq.hashes, hit);
         let needed = required - shared;
         let usable = self.config.num_blocks - 1;
         if required > usable.saturating_sub(self.watermark_blocks) {
@@ -63,12 +75,98 @@ impl KVCacheManager {
         Ok(AllocStatus::Ok)
     }
 
-    /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens.
+    /// Can the sequence's next step, `num_new_tokens` tokens past its cached prefix (plus
+    /// lookahead), get its blocks in every group, keeping the watermark free?
     ///
-    /// Returns the block ids taken from the free pool (CoW replacements first, then
-    /// appended blocks), possibly empty; `Ok(None)` with no state change when the pool is
-    /// short. Errors: `UnknownSequence`, `SequenceState` (swapped), `InvalidArgument`
-    /// (`computed + num_new_tokens > num_tokens`).
+    /// The admission check of a scheduler that computes a prompt in steps: the blocks
+    /// counted are those the step's `allocate_slots` takes (a window or chunked group
+    /// needs only the blocks from its claim on, not every block of the prompt).
+    /// `Never` when the pool minus the watermark holds less than this step keeps, or than
+    /// the least any schedule of the known tokens needs (computed one a step: a
+    /// full-attention group's every block, a window group's worst window; see
+    /// `peak_held`). Only for sequences not yet allocated and not swapped (else
+    /// `SequenceState`); `InvalidArgument` as `allocate_slots`.
+    pub fn can_allocate_step(
+        &self,
+        seq_id: u64,
+        num_new_tokens: usize,
+        num_lookahead_tokens: usize,
+    ) -> Result<AllocStatus> {
+        let slot = self.slot_of(seq_id)?;
+        let seq = &self.slots[slot];
+        Self::require_resident(seq, "can_allocate")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "can_allocate: sequence {seq_id} already has slots; it is an admission check \
+                 for sequences not yet allocated"
+            )));
+        }
+        self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
+        let (plan, needed) = self.plan_allocation(slot, num_new_tokens, num_lookahead_tokens);
+        let bs = self.config.block_size;
+        let step_len = plan.reserved.div_ceil(bs);
+        let mut step_held = 0usize;
+        for g in 0..self.pools.groups.len() {
+            let claimed_from = self.pools.hit_range(g, plan.claim).start;
+            step_held += step_len - claimed_from.min(step_len);
+        }
+        let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
+        if step_held > usable || self.peak_held(slot, num_lookahead_tokens) > usable {
+            return Ok(AllocStatus::Never);
+        }
+        let free = self.pools.gpu.num_free() as i128;
+        if free - (needed as i128) < self.watermark_blocks as i128 {
+            return Ok(AllocStatus::Later);
+        }
+        Ok(AllocStatus::Ok)
+    }
+
+    /// The most blocks the (not yet allocated) sequence holds in all groups together
+    /// while its known tokens are computed one at a time from its cached prefix: the
+    /// least any schedule of its steps needs. A full-attention group's count only grows;
+    /// a window or chunked group's repeats with a period of `block_size` (window) or
+    /// `lcm(chunk, block_size)` (chunked) positions, so the last period holds the peak.
+    fn peak_held(&self, slot: usize, lookahead: usize) -> usize {
+        let seq = &self.slots[slot];
+        let bs = self.config.block_size;
+        let known = seq.tokens.len();
+        let cached = self.computed_of(seq).min(known.saturating_sub(1));
+        let claim = cached / bs;
+        let groups = &self.pools.groups;
+        let period = groups
+            .iter()
+            .map(|spec| match *spec {
+                GroupSpec::ChunkedLocalAttention { chunk } => chunk / gcd(chunk, bs) * bs,
+                _ => bs,
+            })
+            .max()
+            .unwrap_or(bs);
+        let from = cached.max(known.saturating_sub(period));
+        let mut peak = 0;
+        // Single-token steps: the query at `p` reserves through `p + 1 + lookahead` and
+        // sees from `first_visible(p)` (or from the claim's first block).
+        for p in from..known {
+            let table_len = (p + 1 + lookahead).div_ceil(bs);
+            let held: usize = (0..groups.len())
+                .map(|g| {
+                    let first = groups[g]
+                        .released_blocks(p, bs)
+                        .max(self.pools.hit_range(g, claim).start);
+                    table_len - first.min(table_len)
+                })
+                .sum();
+            peak = peak.max(held);
+        }
+        peak
+    }
+
+    /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens in
+    /// every group.
+    ///
+    /// Returns the block ids taken from the free pool (group by group: the CoW
+    /// replacement first, then appended blocks), possibly empty; `Ok(None)` with no
+    /// state change when the pool is short. Errors: `UnknownSequence`, `SequenceState`
+    /// (swapped), `InvalidArgument` (`computed + num_new_tokens > num_tokens`).
     pub fn allocate_slots(
         &mut self,
         seq_id: u64,
@@ -160,31 +258,49 @@ impl KVCacheManager {
     /// What serving the (validated) request needs, given the pool as it is now.
     fn plan_allocation(&self, slot: usize, new: usize, lookahead: usize) -> (AllocPlan, usize) {
         let seq = &self.slots[slot];
+        let pools = &self.pools;
         let bs = self.config.block_size;
-        let (claim, loads, claim_from_free, computed, table_len) = if seq.allocated {
-            (0, 0, 0, seq.num_computed, seq.table.len())
-        } else {
-            let claim = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-            let loads = self.pools.probe_tier(&seq.hashes, claim);
-            let from_free = self.pools.probe_free(&seq.hashes, claim);
-            (claim, loads, from_free, claim * bs, claim)
-        };
+        if !seq.allocated {
+            let claim = pools.probe(&seq.hashes, seq.probe_cap_blocks);
+            let loads = pools.probe_tier(&seq.hashes, claim);
+            let reserved = claim * bs + new + lookahead;
+            let append = reserved.div_ceil(bs) - claim;
+            let plan = AllocPlan {
+                claim,
+                loads,
+                tier_positions: pools.tier_positions(&seq.hashes, claim),
+                cow: 0,
+                append,
+                reserved,
+            };
+            let from_free = pools.probe_free(&seq.hashes, claim);
+            return (plan, from_free + loads + append * seq.tables.len());
+        }
+        let computed = seq.num_computed;
+        let table_len = seq.table_len();
         let reserved = computed + new + lookahead;
         let append = reserved.div_ceil(bs).saturating_sub(table_len);
+        let mut need = append * seq.tables.len();
+        let mut cow = 0u64;
         let pos_block = computed / bs;
-        let cow = new + lookahead > 0
-            && seq.allocated
-            && pos_block < table_len
-            && seq.table[pos_block] != NULL_BLOCK
-            && self.pools.gpu.ref_count(seq.table[pos_block]) > 1;
+        if new + lookahead > 0 && pos_block < table_len {
+            for (g, t) in seq.tables.iter().enumerate() {
+                let b = t.blocks[pos_block];
+                if b != NULL_BLOCK && pools.gpu.ref_count(b) > 1 {
+                    cow |= 1 << g;
+                    need += 1;
+                }
+            }
+        }
         let plan = AllocPlan {
-            claim,
-            loads,
+            claim: 0,
+            loads: 0,
+            tier_positions: 0,
             cow,
             append,
             reserved,
         };
-        (plan, append + cow as usize + claim_from_free + loads)
+        (plan, need)
     }
 
     /// Serve a validated request if the pool can: appends the blocks it takes to
@@ -202,100 +318,132 @@ impl KVCacheManager {
             return None;
         }
         let bs = self.config.block_size;
-        taken.reserve(plan.append + plan.cow as usize);
+        if !self.slots[slot].allocated {
+            self.claim_prefix(slot, &plan)?;
+        }
         let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
-        if !seq.allocated {
-            // Claim the cached prefix: take free cached blocks out of the queue (they
-            // must not be evicted by the pops below) and share referenced ones.
-            seq.table.reserve(plan.claim + plan.append);
-            let mut tier_hits: Vec<(usize, u32)> = Vec::with_capacity(plan.loads);
-            for (i, h) in seq.hashes[..plan.claim].iter().enumerate() {
-                if let Some(b) = pools.cache.lookup(h) {
+        // Most decode steps take no block: only the reservation changes.
+        let takes = plan.cow != 0 || plan.append != 0;
+        if takes {
+            taken.reserve(plan.append * seq.tables.len() + plan.cow.count_ones() as usize);
+        }
+        for (g, t) in seq.tables.iter_mut().enumerate().filter(|_| takes) {
+            if plan.cow & (1 << g) != 0 {
+                let i = seq.num_computed / bs;
+                let src = t.blocks[i];
+                // The plan counted this block as available.
+                let dst = pools.pop_gpu()?;
+                pools.gpu.decref(src);
+                t.blocks[i] = dst;
+                t.dirty_from = t.dirty_from.min(i);
+                pools.ops.push(MemoryOp {
+                    kind: MemoryOpKind::Copy,
+                    src: src as i64,
+                    dst: dst as i64,
+                });
+                pools.counters.cow_copies += 1;
+                taken.push(dst as i32);
+            }
+            for _ in 0..plan.append {
+                let b = pools.pop_gpu()?;
+                t.blocks.push(b);
+                taken.push(b as i32);
+            }
+        }
+        seq.reserved = Some(plan.reserved);
+        self.track_in_flight(slot, new);
+        Some(plan.claim * bs)
+    }
+
+    /// The first allocation of a sequence: claim its cached prefix in every group (the
+    /// blocks each group's next query sees; null entries before them).
+    fn claim_prefix(&mut self, slot: usize, plan: &AllocPlan) -> Option<()> {
+        let bs = self.config.block_size;
+        let pools = &mut self.pools;
+        let seq = &mut self.slots[slot];
+        // Take every group's free cached hits out of the queue first (the pops below
+        // must not evict them) and share referenced ones; pin host-tier hits.
+        let mut tier_hits: Vec<(usize, usize, u32)> = Vec::with_capacity(plan.loads);
+        for g in 0..seq.tables.len() {
+            let range = pools.hit_range(g, plan.claim);
+            let t = &mut seq.tables[g];
+            t.blocks.reserve(plan.claim + plan.append);
+            t.blocks.resize(range.start, NULL_BLOCK);
+            t.num_released = range.start;
+            for i in range {
+                let h = &seq.hashes[i];
+                if let Some(b) = pools.cache.lookup(g, h) {
                     if pools.gpu.ref_count(b) == 0 {
                         pools.gpu.take_free(b);
                     } else {
                         pools.gpu.incref(b);
                     }
-                    pools.raise_retention(b, h, seq.retention);
-                    seq.table.push(b);
-                } else if let Some(s) = pools.tier.as_mut().and_then(|t| {
-                    let s = t.lookup_ready(h)?;
+                    pools.raise_retention(g, b, h, seq.retention);
+                    t.blocks.push(b);
+                } else if let Some(s) = pools.tier.as_mut().and_then(|tier| {
+                    let s = tier.lookup_ready(g, h)?;
                     // Pinned before any pop below can offload into the tier.
-                    t.pin_read(s);
+                    tier.pin_read(s);
                     Some(s)
                 }) {
-                    tier_hits.push((i, s));
-                    seq.table.push(NULL_BLOCK);
+                    tier_hits.push((g, i, s));
+                    t.blocks.push(NULL_BLOCK);
                 } else {
                     debug_assert!(false, "planned claim of an uncached block");
-                    break;
+                    return None;
                 }
-            }
-            // Host-tier hits get fresh GPU blocks (after the GPU hits left the free queue,
-            // so these pops cannot evict them) and enter the GPU cache at once: their
-            // loads come before this step's attention, like every memory op.
-            for &(i, s) in &tier_hits {
-                let b = pools.pop_gpu()?;
-                seq.table[i] = b;
-                let hash = seq.hashes[i];
-                let mut priority = seq.retention;
-                if let Some(t) = pools.tier.as_mut() {
-                    t.load(s, b, &mut pools.ops);
-                    // The block keeps the higher of its tier priority and this sequence's.
-                    priority = priority.max(t.slot_priority(s));
-                    t.raise_priority(&hash, priority);
-                }
-                let parent = (i > 0).then(|| seq.hashes[i - 1]);
-                let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-                pools
-                    .cache
-                    .insert(b, CacheEntry::new(hash, parent, seq.namespace, tokens));
-                pools.set_retention(b, priority);
-                if pools.record_events {
-                    let mut ev = seq.stored_event(parent, 1, bs, Medium::Gpu);
-                    ev.block_hashes.push(hash);
-                    ev.token_ids.extend_from_slice(tokens);
-                    pools.events.push(KvCacheEvent::BlockStored(ev));
-                }
-            }
-            seq.allocated = true;
-            seq.num_computed = plan.claim * bs;
-            seq.num_cached_tokens = plan.claim * bs;
-            seq.num_tier_tokens = plan.loads * bs;
-            seq.num_registered_blocks = plan.claim;
-            if let Some(t) = pools.tier.as_mut() {
-                t.stats.hits += (plan.loads * bs) as u64;
-            }
-            if pools.caching {
-                pools.counters.prefix_cache_queries += seq.prompt_len as u64;
-                // GPU hits only; host-tier hits are counted by the tier.
-                pools.counters.prefix_cache_hits += ((plan.claim - plan.loads) * bs) as u64;
             }
         }
-        if plan.cow {
-            let i = seq.num_computed / bs;
-            let src = seq.table[i];
-            // The plan counted this block as available.
-            let dst = pools.pop_gpu()?;
-            pools.gpu.decref(src);
-            seq.table[i] = dst;
-            seq.dirty_from = seq.dirty_from.min(i);
-            pools.ops.push(MemoryOp {
-                kind: MemoryOpKind::Copy,
-                src: src as i64,
-                dst: dst as i64,
-            });
-            pools.counters.cow_copies += 1;
-            taken.push(dst as i32);
-        }
-        for _ in 0..plan.append {
+        // Host-tier hits get fresh GPU blocks (after the GPU hits left the free queue,
+        // so these pops cannot evict them) and enter the GPU cache at once: their
+        // loads come before this step's attention, like every memory op.
+        for &(g, i, s) in &tier_hits {
             let b = pools.pop_gpu()?;
-            seq.table.push(b);
-            taken.push(b as i32);
+            seq.tables[g].blocks[i] = b;
+            let hash = seq.hashes[i];
+            let mut priority = seq.retention;
+            if let Some(t) = pools.tier.as_mut() {
+                t.load(s, b, &mut pools.ops);
+                // The block keeps the higher of its tier priority and this sequence's.
+                priority = priority.max(t.slot_priority(s));
+                t.raise_priority(g, &hash, priority);
+            }
+            let parent = (i > 0).then(|| seq.hashes[i - 1]);
+            let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+            pools
+                .cache
+                .insert(g, b, CacheEntry::new(hash, parent, seq.namespace, tokens));
+            pools.set_retention(b, priority);
+            if pools.record_events {
+                let mut ev = seq.stored_event(g as u32, parent, 1, bs, Medium::Gpu);
+                ev.block_hashes.push(hash);
+                ev.token_ids.extend_from_slice(tokens);
+                pools.events.push(KvCacheEvent::BlockStored(ev));
+            }
         }
-        seq.reserved = Some(plan.reserved);
-        self.track_in_flight(slot, new);
-        Some(plan.claim * bs)
+        seq.allocated = true;
+        seq.num_computed = plan.claim * bs;
+        seq.num_cached_tokens = plan.claim * bs;
+        seq.num_tier_tokens = plan.tier_positions * bs;
+        seq.num_registered_blocks = plan.claim;
+        if let Some(t) = pools.tier.as_mut() {
+            t.stats.hits += (plan.tier_positions * bs) as u64;
+        }
+        if pools.caching {
+            pools.counters.prefix_cache_queries += seq.prompt_len as u64;
+            // GPU hits only; host-tier hits are counted by the tier.
+            pools.counters.prefix_cache_hits += ((plan.claim - plan.tier_positions) * bs) as u64;
+        }
+        Some(())
+    }
+}
+
+/// Greatest common divisor (`gcd(a, 0) = a`).
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }

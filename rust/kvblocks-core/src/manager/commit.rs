@@ -1,5 +1,6 @@
 //! Committing computed tokens: prefix-cache registration and sliding-window release.
 
+use super::pools::Pools;
 use super::KVCacheManager;
 use crate::batch_arg::BatchArg;
 use crate::block_hash::BlockHash;
@@ -7,14 +8,16 @@ use crate::error::{KvError, Result};
 use crate::events::{BlockStored, KvCacheEvent};
 use crate::host_tier::{Medium, OffloadPolicy};
 use crate::prefix_cache::CacheEntry;
+use crate::sequence::Sequence;
 use crate::NULL_BLOCK;
 
 impl KVCacheManager {
     /// The model wrote KV for `num_new_computed_tokens` more tokens; append sampled tokens.
     ///
     /// The computed count may not exceed the reserved slots nor the tokens known before
-    /// the call (`InvalidArgument`). Full blocks enter the prefix cache; with a sliding
-    /// window, blocks wholly outside it are released. Clears the pending reservation.
+    /// the call (`InvalidArgument`). Full blocks enter the prefix cache (in every group);
+    /// blocks no future query of a window or chunked group sees are released. Clears the
+    /// pending reservation.
     pub fn commit(
         &mut self,
         seq_id: u64,
@@ -93,7 +96,6 @@ impl KVCacheManager {
     /// Apply a validated commit.
     fn apply_commit(&mut self, slot: usize, n: usize, new_tokens: &[u32]) {
         let bs = self.config.block_size;
-        let pools = &mut self.pools;
         let seq = &mut self.slots[slot];
         // The reservation ends here, whatever it computed: blocks it did not fill are
         // no longer being written.
@@ -102,84 +104,100 @@ impl KVCacheManager {
         seq.num_computed += n;
         seq.reserved = None;
         let full = seq.num_computed / bs;
-        if pools.caching && full > seq.num_registered_blocks {
+        if self.pools.caching && full > seq.num_registered_blocks {
             self.hasher.extend_chain(
                 &mut seq.hashes,
                 &seq.namespace.clone(),
                 &seq.tokens[..full * bs],
                 bs,
             );
-            let max_block = seq.table[seq.num_registered_blocks..full]
-                .iter()
-                .copied()
-                .max()
-                .unwrap_or(NULL_BLOCK);
-            pools
-                .cache
-                .reserve(full - seq.num_registered_blocks, max_block);
-            let mut run: Option<BlockStored> = None;
-            for i in seq.num_registered_blocks..full {
-                let hash = seq.hashes[i];
-                let block = seq.table[i];
-                let fresh = block != NULL_BLOCK
-                    && pools.cache.lookup(&hash).is_none()
-                    && !pools.cache.is_cached(block);
-                if !fresh {
-                    // Duplicate content: the cache keeps the block it already maps to;
-                    // this one stays uncached. A gap ends the run of consecutive blocks.
-                    if let Some(b) = pools.cache.lookup(&hash) {
-                        pools.raise_retention(b, &hash, seq.retention);
-                    }
-                    if let Some(ev) = run.take() {
-                        pools.events.push(KvCacheEvent::BlockStored(ev));
-                    }
-                    continue;
-                }
-                let parent: Option<BlockHash> = (i > 0).then(|| seq.hashes[i - 1]);
-                let tokens = &seq.tokens[i * bs..(i + 1) * bs];
-                pools
-                    .cache
-                    .insert(block, CacheEntry::new(hash, parent, seq.namespace, tokens));
-                pools.set_retention(block, seq.retention);
-                if pools
-                    .tier
-                    .as_ref()
-                    .is_some_and(|t| t.policy == OffloadPolicy::WriteThrough)
-                {
-                    pools.offload(block, hash, seq.retention, || {
-                        let mut ev = seq.stored_event(parent, 1, bs, Medium::Cpu);
-                        ev.token_ids.extend_from_slice(tokens);
-                        ev
-                    });
-                }
-                if !pools.record_events {
-                    continue;
-                }
-                // A run holds at most the blocks left to register: size it once.
-                let ev: &mut BlockStored =
-                    run.get_or_insert_with(|| seq.stored_event(parent, full - i, bs, Medium::Gpu));
-                ev.block_hashes.push(hash);
-                ev.token_ids.extend_from_slice(tokens);
-            }
-            if let Some(ev) = run {
-                pools.events.push(KvCacheEvent::BlockStored(ev));
+            for g in 0..seq.tables.len() {
+                register_blocks(&mut self.pools, seq, g, full);
             }
         }
         if full > seq.num_registered_blocks {
             seq.num_registered_blocks = full;
         }
-        if let Some(window) = self.config.sliding_window {
-            // Block i is outside every future query's window once
-            // (i + 1) * bs <= computed - window + 1.
-            let outside = ((seq.num_computed + 1).saturating_sub(window) / bs).min(seq.table.len());
-            if outside > seq.num_released_blocks {
-                for i in (seq.num_released_blocks..outside).rev() {
-                    let b = std::mem::replace(&mut seq.table[i], NULL_BLOCK);
-                    pools.release_gpu(b);
+        if !self.pools.all_full {
+            // Blocks no future query sees go back to the pool: groups last to first, each
+            // last block first (the order `free` releases in).
+            let pools = &mut self.pools;
+            for (g, t) in seq.tables.iter_mut().enumerate().rev() {
+                let outside = pools.groups[g]
+                    .released_blocks(seq.num_computed, bs)
+                    .min(t.blocks.len());
+                if outside > t.num_released {
+                    for i in (t.num_released..outside).rev() {
+                        let b = std::mem::replace(&mut t.blocks[i], NULL_BLOCK);
+                        pools.release_gpu(b);
+                    }
+                    t.dirty_from = t.dirty_from.min(t.num_released);
+                    t.num_released = outside;
                 }
-                seq.dirty_from = seq.dirty_from.min(seq.num_released_blocks);
-                seq.num_released_blocks = outside;
             }
         }
+    }
+}
+
+/// Offer the sequence's newly full blocks of group `g` (`[num_registered_blocks, full)`)
+/// to the prefix cache, with their events and write-through offloads.
+fn register_blocks(pools: &mut Pools, seq: &Sequence, g: usize, full: usize) {
+    let bs = pools.block_size;
+    let t = &seq.tables[g];
+    let first = seq.num_registered_blocks;
+    let max_block = t.blocks[first..full]
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(NULL_BLOCK);
+    pools.cache.reserve(g, full - first, max_block);
+    let mut run: Option<BlockStored> = None;
+    for i in first..full {
+        let hash = seq.hashes[i];
+        let block = t.blocks[i];
+        let fresh = block != NULL_BLOCK
+            && pools.cache.lookup(g, &hash).is_none()
+            && !pools.cache.is_cached(block);
+        if !fresh {
+            // Duplicate content: the cache keeps the block it already maps to; this one
+            // stays uncached. A gap ends the run of consecutive blocks.
+            if let Some(b) = pools.cache.lookup(g, &hash) {
+                pools.raise_retention(g, b, &hash, seq.retention);
+            }
+            if let Some(ev) = run.take() {
+                pools.events.push(KvCacheEvent::BlockStored(ev));
+            }
+            continue;
+        }
+        let parent: Option<BlockHash> = (i > 0).then(|| seq.hashes[i - 1]);
+        let tokens = &seq.tokens[i * bs..(i + 1) * bs];
+        pools.cache.insert(
+            g,
+            block,
+            CacheEntry::new(hash, parent, seq.namespace, tokens),
+        );
+        pools.set_retention(block, seq.retention);
+        if pools
+            .tier
+            .as_ref()
+            .is_some_and(|t| t.policy == OffloadPolicy::WriteThrough)
+        {
+            pools.offload(g, block, hash, seq.retention, || {
+                let mut ev = seq.stored_event(g as u32, parent, 1, bs, Medium::Cpu);
+                ev.token_ids.extend_from_slice(tokens);
+                ev
+            });
+        }
+        if !pools.record_events {
+            continue;
+        }
+        // A run holds at most the blocks left to register: size it once.
+        let ev: &mut BlockStored = run
+            .get_or_insert_with(|| seq.stored_event(g as u32, parent, full - i, bs, Medium::Gpu));
+        ev.block_hashes.push(hash);
+        ev.token_ids.extend_from_slice(tokens);
+    }
+    if let Some(ev) = run {
+        pools.events.push(KvCacheEvent::BlockStored(ev));
     }
 }

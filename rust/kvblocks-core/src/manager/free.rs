@@ -1,15 +1,17 @@
 //! Releasing sequences and the prefix cache.
 
+use super::pools::host_stored;
 use super::KVCacheManager;
 use crate::error::Result;
-use crate::events::{BlockRemoved, KvCacheEvent};
-use crate::host_tier::Medium;
+use crate::events::KvCacheEvent;
 
 impl KVCacheManager {
-    /// Release the sequence's blocks (last block first) and forget it.
+    /// Release the sequence's blocks (groups last to first, each last block first) and
+    /// forget it.
     ///
     /// Unhashed blocks go to the front of the free queue, cached blocks to the back (of
-    /// their retention priority's level).
+    /// their retention priority's level), so a group's first blocks, and the first
+    /// group's, are evicted last.
     /// Works on swapped sequences (their CPU blocks go to the CPU queue's front).
     pub fn free(&mut self, seq_id: u64) -> Result<()> {
         let slot = self.slot_of(seq_id)?;
@@ -21,11 +23,13 @@ impl KVCacheManager {
         }
         // Released window entries (a leading run) are null in both pools' tables; CPU
         // id 0 is a real block, so they are skipped by position, not by value.
-        for &b in seq.table[seq.num_released_blocks..].iter().rev() {
-            if seq.swapped {
-                self.pools.release_cpu(b);
-            } else {
-                self.pools.release_gpu(b);
+        for t in seq.tables.iter().rev() {
+            for &b in t.blocks[t.num_released..].iter().rev() {
+                if seq.swapped {
+                    self.pools.release_cpu(b);
+                } else {
+                    self.pools.release_gpu(b);
+                }
             }
         }
         if seq.swapped {
@@ -38,6 +42,11 @@ impl KVCacheManager {
     ///
     /// The host tier drops its blocks too, except those pinned by unconfirmed ops.
     ///
+    /// Events: one `AllBlocksCleared`, meaning every medium (no `BlockRemoved` follows
+    /// for what it dropped), then one host-tier `BlockStored` of the blocks the tier kept,
+    /// if any, so a consumer that clears every tier of the instance ends up holding
+    /// exactly what the manager holds.
+    ///
     /// Free-queue order is kept. With prefix caching off this is a no-op returning true.
     pub fn reset_prefix_cache(&mut self) -> bool {
         if self.pools.gpu.num_free() != self.pools.gpu.num_usable() {
@@ -45,20 +54,26 @@ impl KVCacheManager {
         }
         if self.pools.caching {
             self.pools.cache.clear();
+            // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
+            // copying them, and they stay hits); the rest go.
+            let kept = self.pools.tier.as_mut().map_or_else(Vec::new, |t| {
+                t.clear_unpinned();
+                t.held_hashes()
+            });
             if self.pools.record_events {
                 self.pools.events.push(KvCacheEvent::AllBlocksCleared);
-            }
-            // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
-            // copying them); the rest go, one `BlockRemoved` with medium CPU.
-            if let Some(t) = self.pools.tier.as_mut() {
-                let removed = t.clear_unpinned();
-                if self.pools.record_events && !removed.is_empty() {
-                    self.pools
-                        .events
-                        .push(KvCacheEvent::BlockRemoved(BlockRemoved {
-                            block_hashes: removed,
-                            medium: Medium::Cpu,
-                        }));
+                // Per group, hashes only: the kept blocks' tokens are not at hand.
+                for g in 0..self.pools.groups.len() {
+                    let block_hashes: Vec<_> = kept
+                        .iter()
+                        .filter(|(group, _)| *group == g)
+                        .map(|(_, h)| *h)
+                        .collect();
+                    if !block_hashes.is_empty() {
+                        self.pools
+                            .events
+                            .push(KvCacheEvent::BlockStored(host_stored(g, block_hashes)));
+                    }
                 }
             }
         }

@@ -1,5 +1,9 @@
 //! The ordered memory-op list and the host tier's queries.
 //!
+//! Every block move the manager decides (swaps, copy-on-write copies, host-tier offloads
+//! and loads) is journaled in one list, in issue order, with or without a tier: it is the
+//! one protocol. [`KVCacheManager::take_copy_on_writes`] is a view of it.
+//!
 //! Contract (see `docs/scheduler-engine-interface.md`, "Host tier"): the engine drains the
 //! ops of a step with [`KVCacheManager::take_memory_ops`] and applies them in the order
 //! given, before the step's attention (on one stream, or with each op ordered after the
@@ -42,18 +46,29 @@ impl KVCacheManager {
     /// offloaded rows further (to a shared store) keys them by. Read it while the
     /// offload's slot is pinned (before `confirm_memory_ops`), when it cannot be reused.
     pub fn tier_slot_hashes(&self, slots: &[i64]) -> Vec<Option<BlockHash>> {
+        self.tier_slot_keys(slots)
+            .into_iter()
+            .map(|k| k.map(|(_, h)| h))
+            .collect()
+    }
+
+    /// The KV cache group and block hash of each host-tier slot (as `tier_slot_hashes`):
+    /// with several groups a block is keyed by both (each group's block of the same
+    /// tokens holds that group's KV).
+    pub fn tier_slot_keys(&self, slots: &[i64]) -> Vec<Option<(usize, BlockHash)>> {
         slots
             .iter()
             .map(|&s| {
                 let tier = self.pools.tier.as_ref()?;
-                tier.slot_hash(usize::try_from(s).ok()?)
+                tier.slot_key(usize::try_from(s).ok()?)
             })
             .collect()
     }
 
     /// Leading blocks of a hash chain that a prompt would hit now (in the GPU prefix cache
-    /// or written in the host tier), with no side effect: where fetching from a remote
-    /// store starts. Digests of another length than the hash algorithm's never hit.
+    /// or written in the host tier, in every group as the hit rule needs), with no side
+    /// effect: where fetching from a remote store starts. Digests of another length than
+    /// the hash algorithm's never hit.
     pub fn num_cached_prefix_blocks(&self, digests: &[&[u8]]) -> usize {
         let hashes: Vec<BlockHash> = digests
             .iter()
@@ -62,8 +77,17 @@ impl KVCacheManager {
         self.pools.probe(&hashes, hashes.len())
     }
 
-    /// Reserve host-tier slots for blocks the engine fetched from elsewhere (a shared
-    /// remote store), one entry per digest: the slot to write the block's KV into, or -1
+    /// [`KVCacheManager::import_group_tier_blocks`] of group 0.
+    pub fn import_tier_blocks(
+        &mut self,
+        digests: &[&[u8]],
+        priority: RetentionPriority,
+    ) -> Result<Vec<i64>> {
+        self.import_group_tier_blocks(digests, priority, 0)
+    }
+
+    /// Reserve host-tier slots for blocks of `group` the engine fetched from elsewhere (a
+    /// shared remote store), one entry per digest: the slot to write the block's KV into, or -1
     /// when nothing is to be written (already in the GPU prefix cache or the tier, or
     /// every slot pinned or holding blocks of higher retention priority than `priority`,
     /// which the imported blocks keep in the tier). Reserved slots are pinned and no prefix hit until the engine
@@ -71,12 +95,15 @@ impl KVCacheManager {
     /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
     ///
     /// Fails with `InvalidArgument` (nothing reserved) without a host tier, without
-    /// prefix caching, or for a digest whose length is not the hash algorithm's.
-    pub fn import_tier_blocks(
+    /// prefix caching, for a group out of range, or for a digest whose length is not the
+    /// hash algorithm's.
+    pub fn import_group_tier_blocks(
         &mut self,
         digests: &[&[u8]],
         priority: RetentionPriority,
+        group: usize,
     ) -> Result<Vec<i64>> {
+        self.check_group(group)?;
         if self.pools.tier.is_none() || !self.pools.caching {
             return Err(KvError::InvalidArgument(
                 "import_tier_blocks needs a host tier and prefix caching".to_string(),
@@ -100,7 +127,7 @@ impl KVCacheManager {
         }
         let mut slots = Vec::with_capacity(hashes.len());
         for hash in hashes {
-            if self.pools.cache.lookup(&hash).is_some() {
+            if self.pools.cache.lookup(group, &hash).is_some() {
                 slots.push(-1);
                 continue;
             }
@@ -108,7 +135,7 @@ impl KVCacheManager {
                 slots.push(-1);
                 continue;
             };
-            let Some((slot, evicted)) = tier.reserve(hash, priority) else {
+            let Some((slot, evicted)) = tier.reserve(group, hash, priority) else {
                 slots.push(-1);
                 continue;
             };
@@ -117,63 +144,72 @@ impl KVCacheManager {
                 self.pools.record_host_eviction(evicted);
                 self.pools
                     .events
-                    .push(KvCacheEvent::BlockStored(host_stored(vec![hash])));
+                    .push(KvCacheEvent::BlockStored(host_stored(group, vec![hash])));
             }
         }
         Ok(slots)
     }
 
-    /// Drain the queued copy-on-write `(src, dst)` block pairs.
+    /// Drain the journal as copy-on-write `(src, dst)` block pairs: a view of
+    /// `take_memory_ops` for a caller that applies swaps from the rows `swap_out` and
+    /// `swap_in` return (their journal entries are dropped here).
     ///
-    /// For a manager without a host tier. With one, copies are interleaved with offloads
-    /// and loads that must be applied in order, so this fails with `SequenceState` while
-    /// any op is queued (use `take_memory_ops`). Swap moves queued with the copies are
-    /// dropped: `swap_out`/`swap_in` returned them.
-    pub fn try_take_copy_on_writes(&mut self) -> Result<Vec<[i64; 2]>> {
-        if self.pools.tier.is_some() && !self.pools.ops.is_empty() {
+    /// Fails with `SequenceState`, changing nothing, while the journal holds an offload or
+    /// a load: those cannot be expressed as copies nor dropped (drain them with
+    /// `take_memory_ops`).
+    pub fn take_copy_on_writes(&mut self) -> Result<Vec<[i64; 2]>> {
+        let tier_op = |op: &MemoryOp| matches!(op.kind, MemoryOpKind::Offload | MemoryOpKind::Load);
+        if self.pools.ops.iter().any(tier_op) {
             return Err(KvError::SequenceState(
-                "take_copy_on_writes: this manager has a host tier; its copies are ordered \
-                 with offloads and loads, drain them with take_memory_ops"
+                "take_copy_on_writes: host-tier offloads or loads are queued, ordered with \
+                 the copies; drain them with take_memory_ops"
                     .to_string(),
             ));
         }
-        Ok(self.take_copy_on_writes())
-    }
-
-    /// Drain the queued copy-on-write `(src, dst)` block pairs (other queued ops are
-    /// dropped; a manager with a host tier uses `take_memory_ops` instead, see
-    /// `try_take_copy_on_writes`).
-    pub fn take_copy_on_writes(&mut self) -> Vec<[i64; 2]> {
-        if self.pools.ops.is_empty() {
-            return Vec::new();
-        }
-        if let Some(t) = self.pools.tier.as_mut() {
-            // Dropped tier ops still count as taken: their pins wait for a confirmation.
-            t.mark_taken();
-        }
-        self.pools
+        Ok(self
+            .pools
             .ops
             .drain(..)
             .filter(|op| op.kind == MemoryOpKind::Copy)
             .map(|op| [op.src, op.dst])
-            .collect()
+            .collect())
     }
 
     /// Of the sequence's cached tokens, those loaded from the host tier (before the
-    /// first `allocate_slots`: those a claim now would load).
+    /// first `allocate_slots`: those a claim now would load); with several groups, the
+    /// tokens of the blocks some group loads.
     pub fn num_tier_tokens(&self, seq_id: u64) -> Result<usize> {
         let seq = self.seq(seq_id)?;
         Ok(if seq.allocated {
             seq.num_tier_tokens
         } else {
             let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-            self.pools.probe_tier(&seq.hashes, hit) * self.config.block_size
+            self.pools.tier_positions(&seq.hashes, hit) * self.config.block_size
         })
     }
 
+    /// The host-tier blocks a waiting sequence's claim would load, over all groups (each
+    /// group loads the blocks of the hit its queries see): what a scheduler counts
+    /// against `max_load_blocks_per_step`. Errors: `UnknownSequence`, `SequenceState`
+    /// (already allocated, or swapped).
+    pub fn num_tier_loads(&self, seq_id: u64) -> Result<usize> {
+        let seq = self.seq(seq_id)?;
+        Self::require_resident(seq, "num_tier_loads")?;
+        if seq.allocated {
+            return Err(KvError::SequenceState(format!(
+                "num_tier_loads: sequence {seq_id} already has slots; it counts a waiting \
+                 sequence's loads"
+            )));
+        }
+        let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
+        Ok(self.pools.probe_tier(&seq.hashes, hit))
+    }
+
     /// Lower a waiting sequence's cached-prefix cap so that its claim loads at most
-    /// `max_loads` blocks from the host tier: the hit is cut right before its
-    /// `max_loads + 1`-th tier block, and the blocks past the cut are computed instead.
+    /// `max_loads` blocks from the host tier (over all groups): the hit is cut right
+    /// before its `max_loads + 1`-th tier block (with window or chunked groups: to the
+    /// longest shorter hit whose loads fit), and the blocks past the cut are computed
+    /// instead.
     /// Returns the cached tokens the sequence would claim now. How a scheduler bounds a
     /// step's host-to-GPU transfers; `refresh_prefixes` restores the full hit. Nothing
     /// changes without a tier or when the loads fit. Errors: `UnknownSequence`,
@@ -189,19 +225,7 @@ impl KVCacheManager {
             )));
         }
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-        let mut cap = hit;
-        if self.pools.tier.is_some() {
-            let mut loads = 0;
-            for (i, h) in seq.hashes[..hit].iter().enumerate() {
-                if self.pools.cache.lookup(h).is_none() {
-                    if loads == max_loads {
-                        cap = i;
-                        break;
-                    }
-                    loads += 1;
-                }
-            }
-        }
+        let cap = self.pools.limit_loads(&seq.hashes, hit, max_loads);
         // cap <= hit <= probe_cap_blocks: the cap only shrinks, as through eviction.
         self.slots[slot].probe_cap_blocks = cap;
         Ok(cap * self.config.block_size)

@@ -51,8 +51,11 @@ impl KVCacheManager {
     /// Verify every structural invariant; `InvariantViolation` names the first that fails.
     pub fn check_invariants(&self) -> Result<()> {
         let bs = self.config.block_size;
+        let num_groups = self.pools.groups.len();
         let mut gpu_refs = vec![0u32; self.pools.gpu.num_blocks()];
         let mut cpu_refs = vec![0u32; self.pools.cpu.num_blocks()];
+        // The group whose tables reference each GPU block (u8::MAX: none yet).
+        let mut gpu_group = vec![u8::MAX; self.pools.gpu.num_blocks()];
         let mut swapped = 0;
         if self.index.len() != self.slots.len() {
             return Err(violation("sequence index and slots differ in size".into()));
@@ -71,58 +74,60 @@ impl KVCacheManager {
                     seq.tokens.len()
                 )));
             }
-            if !seq.allocated && (!seq.table.is_empty() || seq.num_computed != 0) {
+            if seq.tables.len() != num_groups {
+                return Err(violation(format!(
+                    "sequence {id} has {} block tables for {num_groups} groups",
+                    seq.tables.len()
+                )));
+            }
+            let len = seq.table_len();
+            if seq.tables.iter().any(|t| t.blocks.len() != len) {
+                return Err(violation(format!(
+                    "sequence {id}: its groups' tables differ in length"
+                )));
+            }
+            if !seq.allocated && (len != 0 || seq.num_computed != 0) {
                 return Err(violation(format!(
                     "sequence {id} is not allocated but has blocks or computed tokens"
                 )));
             }
-            if seq.num_computed > seq.table.len() * bs {
+            if seq.num_computed > len * bs {
                 return Err(violation(format!(
                     "sequence {id}: {} computed tokens exceed its {} table slots",
                     seq.num_computed,
-                    seq.table.len() * bs
+                    len * bs
                 )));
             }
             if let Some(r) = seq.reserved {
-                if r < seq.num_computed || r > seq.table.len() * bs {
+                if r < seq.num_computed || r > len * bs {
                     return Err(violation(format!(
                         "sequence {id}: reservation {r} outside [computed, table slots]"
                     )));
                 }
             }
-            if seq.dirty_from > seq.table.len() {
-                return Err(violation(format!(
-                    "sequence {id}: first changed table entry {} is past its {} entries",
-                    seq.dirty_from,
-                    seq.table.len()
-                )));
-            }
-            if seq.num_released_blocks > seq.table.len() {
-                return Err(violation(format!(
-                    "sequence {id}: released more blocks than held"
-                )));
-            }
             swapped += seq.swapped as usize;
-            let (refs, pool) = if seq.swapped {
-                (&mut cpu_refs, &self.pools.cpu)
-            } else {
-                (&mut gpu_refs, &self.pools.gpu)
-            };
-            for (i, &b) in seq.table.iter().enumerate() {
-                if i < seq.num_released_blocks {
-                    if b != NULL_BLOCK {
-                        return Err(violation(format!(
-                            "sequence {id}: released entry {i} holds block {b}, not the null block"
-                        )));
-                    }
+            for (g, t) in seq.tables.iter().enumerate() {
+                self.check_table(seq, g, t, &mut gpu_refs, &mut cpu_refs)?;
+                if seq.swapped {
                     continue;
                 }
-                if b < pool.first() || b as usize >= pool.num_blocks() {
-                    return Err(violation(format!(
-                        "sequence {id}: entry {i} holds invalid block {b}"
-                    )));
+                for &b in &t.blocks[t.num_released..] {
+                    let owner = &mut gpu_group[b as usize];
+                    if *owner == u8::MAX {
+                        *owner = g as u8;
+                    } else if *owner as usize != g {
+                        return Err(violation(format!(
+                            "block {b} is in tables of groups {owner} and {g}; a block holds \
+                             one group's KV"
+                        )));
+                    }
+                    if self.pools.cache.is_cached(b) && self.pools.cache.group_of(b) != g {
+                        return Err(violation(format!(
+                            "block {b} of group {g} is cached as group {}'s",
+                            self.pools.cache.group_of(b)
+                        )));
+                    }
                 }
-                refs[b as usize] += 1;
             }
         }
         if swapped != self.num_swapped {
@@ -138,10 +143,62 @@ impl KVCacheManager {
         self.check_cache()
     }
 
+    /// One group's table of a sequence: its released entries are exactly the blocks no
+    /// future query of the group sees, and its blocks are counted as references.
+    fn check_table(
+        &self,
+        seq: &crate::sequence::Sequence,
+        g: usize,
+        t: &crate::sequence::GroupTable,
+        gpu_refs: &mut [u32],
+        cpu_refs: &mut [u32],
+    ) -> Result<()> {
+        let id = seq.id;
+        let bs = self.config.block_size;
+        if t.dirty_from > t.blocks.len() {
+            return Err(violation(format!(
+                "sequence {id} group {g}: first changed table entry {} is past its {} entries",
+                t.dirty_from,
+                t.blocks.len()
+            )));
+        }
+        let release = self.pools.groups[g].released_blocks(seq.num_computed, bs);
+        if t.num_released != release {
+            return Err(violation(format!(
+                "sequence {id} group {g}: {} leading entries released, but {release} blocks \
+                 hold only tokens no query at {} or later sees",
+                t.num_released, seq.num_computed
+            )));
+        }
+        let (refs, pool) = if seq.swapped {
+            (cpu_refs, &self.pools.cpu)
+        } else {
+            (gpu_refs, &self.pools.gpu)
+        };
+        for (i, &b) in t.blocks.iter().enumerate() {
+            if i < t.num_released {
+                if b != NULL_BLOCK {
+                    return Err(violation(format!(
+                        "sequence {id} group {g}: released entry {i} holds block {b}, not the \
+                         null block"
+                    )));
+                }
+                continue;
+            }
+            if b < pool.first() || b as usize >= pool.num_blocks() {
+                return Err(violation(format!(
+                    "sequence {id} group {g}: entry {i} holds invalid block {b}"
+                )));
+            }
+            refs[b as usize] += 1;
+        }
+        Ok(())
+    }
+
     /// Blocks a sequence may write next are its own: every block past its computed
     /// tokens, and with a pending reservation every block that reservation covers, has
-    /// one reference and no cache entry. (The partially filled last block may be shared
-    /// until the next `allocate_slots` copies it.)
+    /// one reference and no cache entry, in every group. (The partially filled last block
+    /// may be shared until the next `allocate_slots` copies it.)
     fn check_writable_blocks(&self) -> Result<()> {
         let bs = self.config.block_size;
         for seq in &self.slots {
@@ -154,18 +211,21 @@ impl KVCacheManager {
             } else {
                 &self.pools.gpu
             };
-            for (i, &b) in seq.table.iter().enumerate().skip(first) {
-                if i < seq.num_released_blocks {
-                    continue;
-                }
-                let rc = pool.ref_count(b);
-                let cached = !seq.swapped && self.pools.cache.is_cached(b);
-                if rc != 1 || cached {
-                    return Err(violation(format!(
-                        "sequence {}: entry {i} (block {b}) may be written next but has \
-                         refcount {rc} and cached = {cached}; expected a private block",
-                        seq.id
-                    )));
+            for (g, t) in seq.tables.iter().enumerate() {
+                for (i, &b) in t.blocks.iter().enumerate().skip(first) {
+                    if i < t.num_released {
+                        continue;
+                    }
+                    let rc = pool.ref_count(b);
+                    let cached = !seq.swapped && self.pools.cache.is_cached(b);
+                    if rc != 1 || cached {
+                        return Err(violation(format!(
+                            "sequence {} group {g}: entry {i} (block {b}) may be written next \
+                             but has refcount {rc} and cached = {cached}; expected a private \
+                             block",
+                            seq.id
+                        )));
+                    }
                 }
             }
         }
@@ -185,7 +245,13 @@ impl KVCacheManager {
         }
         #[cfg(debug_assertions)]
         let mut hasher = self.hasher.clone();
-        for (hash, b) in cache.iter() {
+        for (g, hash, b) in cache.iter() {
+            if cache.group_of(b) != g {
+                return Err(violation(format!(
+                    "group {g}'s cache maps {hash:?} to block {b}, of group {}",
+                    cache.group_of(b)
+                )));
+            }
             if b == NULL_BLOCK {
                 return Err(violation("the null block is in the prefix cache".into()));
             }
@@ -214,7 +280,7 @@ impl KVCacheManager {
         }
         let queue = self.pools.gpu.free_queue();
         for (b, entry) in cache.entries() {
-            if cache.lookup(&entry.hash) != Some(b) {
+            if cache.lookup(cache.group_of(b), &entry.hash) != Some(b) {
                 return Err(violation(format!(
                     "block {b} carries {:?} but the cache does not map it there",
                     entry.hash
@@ -294,7 +360,7 @@ mod tests {
             .unwrap();
         m.pools.cache.remove(b);
         entry.origin.tokens = vec![9, 9, 9, 9].into();
-        m.pools.cache.insert(b, entry);
+        m.pools.cache.insert(0, b, entry);
         assert_violation(&m);
     }
 

@@ -1,8 +1,10 @@
-//! LoRA ids to vLLM's LoRA hash keys, for `hash_algo="sha256_cbor"`.
+//! The manager's block hasher: LoRA ids to vLLM's LoRA hash keys (for
+//! `hash_algo="sha256_cbor"`), and copies of the hasher for hashing outside the manager.
 
 use std::sync::Arc;
 
 use super::KVCacheManager;
+use crate::block_hash::BlockHasher;
 use crate::config::HashAlgo;
 use crate::events::{LoraKey, SeqExtraKeys};
 
@@ -56,6 +58,13 @@ impl KVCacheManager {
                 Some(keys)
             }
         }
+    }
+
+    /// A copy of the manager's block hasher: its algorithm, seed and registered LoRAs, so
+    /// [`BlockHasher::prompt_hashes`] gives the hashes this manager gives a prompt (LoRAs
+    /// registered afterwards are not in the copy).
+    pub fn block_hasher(&self) -> BlockHasher {
+        self.hasher.clone()
     }
 
     /// vLLM's `NONE_HASH`, the parent hash of every first block, with `sha256_cbor`.

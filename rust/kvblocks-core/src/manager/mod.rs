@@ -6,6 +6,7 @@ use crate::block_hash::BlockHasher;
 use crate::block_pool::BlockPool;
 use crate::config::{HashAlgo, ManagerConfig};
 use crate::error::{KvError, Result};
+use crate::group::GroupSpec;
 use crate::host_tier::HostTier;
 use crate::prefix_cache::PrefixCache;
 use crate::sequence::Sequence;
@@ -14,11 +15,14 @@ use self::batch_scratch::BatchScratch;
 use self::in_flight::InFlight;
 use self::pools::{Counters, Pools};
 
-/// A 2-D block-table matrix, row-major, padded with the null block.
+/// Block-table matrices, row-major, padded with the null block: one `[num_rows,
+/// num_cols]` matrix per group asked for, one after the other.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockTables {
-    /// `num_rows * num_cols` block ids.
+    /// `num_groups * num_rows * num_cols` block ids.
     pub data: Vec<i32>,
+    /// Matrices (1 unless every group's tables were asked for).
+    pub num_groups: usize,
     /// One row per requested sequence.
     pub num_rows: usize,
     /// Longest table (or `max_blocks`).
@@ -42,8 +46,9 @@ pub struct KVCacheManager {
     /// Prefix blocks reserved but not yet committed (see `in_flight`).
     in_flight: InFlight,
     scratch: BatchScratch,
-    /// Sequence last written into each row of the caller's block table (`sync_block_table`).
-    row_owner: FxHashMap<u32, u64>,
+    /// Per group, the sequence last written into each row of the caller's block table of
+    /// that group (`sync_block_table`).
+    row_owner: Vec<FxHashMap<u32, u64>>,
     /// LoRA id -> its registered name and path (`register_lora`), for events.
     loras: FxHashMap<u64, crate::events::LoraKey>,
     /// The extra keys of the last sequence added with `sha256_cbor`, shared by the next
@@ -57,11 +62,16 @@ impl KVCacheManager {
         config.validate()?;
         let watermark_blocks = (config.watermark * config.num_blocks as f64).floor() as usize;
         let caching = config.enable_prefix_caching;
+        let groups = config.resolved_groups();
+        let num_groups = groups.len();
         Ok(KVCacheManager {
             pools: Pools {
                 gpu: BlockPool::new(config.num_blocks, 1),
                 cpu: BlockPool::new(config.num_cpu_blocks, 0),
-                cache: PrefixCache::with_blocks(if caching { config.num_blocks } else { 0 }),
+                cache: PrefixCache::with_blocks(
+                    if caching { config.num_blocks } else { 0 },
+                    num_groups,
+                ),
                 caching,
                 record_events: config.record_events,
                 events: Vec::new(),
@@ -74,6 +84,9 @@ impl KVCacheManager {
                 } else {
                     Vec::new()
                 },
+                all_full: groups.iter().all(|g| g.is_full()),
+                groups,
+                block_size: config.block_size,
             },
             hasher: BlockHasher::with_seed(config.hash_algo, config.hash_seed.as_deref()),
             index: FxHashMap::default(),
@@ -82,7 +95,7 @@ impl KVCacheManager {
             watermark_blocks,
             in_flight: InFlight::default(),
             scratch: BatchScratch::default(),
-            row_owner: FxHashMap::default(),
+            row_owner: vec![FxHashMap::default(); num_groups],
             loras: FxHashMap::default(),
             recent_extra_keys: None,
             config,
@@ -123,9 +136,17 @@ impl KVCacheManager {
     pub fn watermark_blocks(&self) -> usize {
         self.watermark_blocks
     }
-    /// Attention window in tokens, if any.
+    /// Attention window in tokens given as `sliding_window`, if any.
     pub fn sliding_window(&self) -> Option<usize> {
         self.config.sliding_window
+    }
+    /// The KV cache groups, in order (one group unless built with several).
+    pub fn groups(&self) -> &[GroupSpec] {
+        &self.pools.groups
+    }
+    /// Number of KV cache groups.
+    pub fn num_groups(&self) -> usize {
+        self.pools.groups.len()
     }
     /// Slots of the host tier (0: none).
     pub fn host_cache_blocks(&self) -> usize {
@@ -179,6 +200,18 @@ impl KVCacheManager {
         }
     }
 
+    /// `InvalidArgument` unless `group` names one of the manager's groups.
+    #[inline]
+    fn check_group(&self, group: usize) -> Result<()> {
+        if group >= self.pools.groups.len() {
+            return Err(KvError::InvalidArgument(format!(
+                "group {group} is out of range: the manager has {} KV cache group(s)",
+                self.pools.groups.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Slots of `seq_ids` in order; `InvalidArgument` if an id is listed twice.
     fn batch_slots(&mut self, seq_ids: &[u64]) -> Result<Vec<u32>> {
         let mut out = Vec::with_capacity(seq_ids.len());
@@ -200,6 +233,7 @@ mod allocate;
 mod batch_scratch;
 mod commit;
 mod free;
+mod hit;
 mod host_ops;
 mod in_flight;
 mod invariants;

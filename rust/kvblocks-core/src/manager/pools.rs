@@ -3,6 +3,7 @@
 use crate::block_hash::BlockHash;
 use crate::block_pool::BlockPool;
 use crate::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::group::GroupSpec;
 use crate::host_tier::{HostTier, Medium, MemoryOp, OffloadPolicy};
 use crate::prefix_cache::PrefixCache;
 use crate::priority_lru::{cached_level, EMPTY_LEVEL};
@@ -34,12 +35,19 @@ pub(super) struct Pools {
     pub counters: Counters,
     /// The host tier below the GPU pool, if configured.
     pub tier: Option<HostTier>,
-    /// Block moves in issue order, drained by `take_memory_ops` / `take_copy_on_writes`.
+    /// Every block move in issue order (with or without a tier), drained by
+    /// `take_memory_ops` (or its copy view `take_copy_on_writes`).
     pub ops: Vec<MemoryOp>,
     /// Retention priority of each cached GPU block (the highest of the sequences that
     /// committed or claimed it): its level in the free queue, and what an offload at
     /// eviction hands the tier. Empty without prefix caching.
     pub retention: Vec<RetentionPriority>,
+    /// The KV cache groups, in order.
+    pub groups: Vec<GroupSpec>,
+    /// Whether every group is full attention (the prefix hit is one left-to-right scan).
+    pub all_full: bool,
+    /// Tokens per block.
+    pub block_size: usize,
 }
 
 impl Pools {
@@ -48,12 +56,13 @@ impl Pools {
     pub fn pop_gpu(&mut self) -> Option<u32> {
         let id = self.gpu.pop_free()?;
         if self.caching {
-            if let Some(hash) = self.cache.remove(id) {
+            if let Some((old_group, hash)) = self.cache.remove(id) {
                 self.counters.evictions += 1;
                 if self.record_events {
                     self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                         block_hashes: vec![hash],
                         medium: Medium::Gpu,
+                        group_idx: old_group as u32,
                     }));
                 }
                 // The block's KV is still intact: the op is queued before anything that
@@ -65,17 +74,21 @@ impl Pools {
                 {
                     let priority = self.retention_of(id);
                     // The GPU cache keeps no tokens nor keys: the event has the hash only.
-                    self.offload(id, hash, priority, || host_stored(Vec::new()));
+                    self.offload(old_group, id, hash, priority, || {
+                        host_stored(old_group, Vec::new())
+                    });
                 }
             }
         }
         Some(id)
     }
 
-    /// Copy cached GPU block `id` (content `hash`) to the host tier at retention
-    /// `priority`, with its events; `event` makes the `BlockStored` (its hash is added).
+    /// Copy cached GPU block `id` (content `hash` of `group`) to the host tier at
+    /// retention `priority`, with its events; `event` makes the `BlockStored` (its hash
+    /// is added).
     pub fn offload(
         &mut self,
+        group: usize,
         id: u32,
         hash: BlockHash,
         priority: RetentionPriority,
@@ -84,7 +97,7 @@ impl Pools {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        let (evicted, stored) = tier.offload(id, hash, priority, &mut self.ops);
+        let (evicted, stored) = tier.offload(group, id, hash, priority, &mut self.ops);
         if !self.record_events {
             return;
         }
@@ -98,11 +111,12 @@ impl Pools {
 
     /// Record the `BlockRemoved` of the host-tier block a store evicted, if any (callers
     /// check `record_events`).
-    pub fn record_host_eviction(&mut self, evicted: Option<BlockHash>) {
-        if let Some(old) = evicted {
+    pub fn record_host_eviction(&mut self, evicted: Option<(usize, BlockHash)>) {
+        if let Some((group, old)) = evicted {
             self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![old],
                 medium: Medium::Cpu,
+                group_idx: group as u32,
             }));
         }
     }
@@ -121,11 +135,17 @@ impl Pools {
         }
     }
 
-    /// A sequence of retention `priority` shares cached block `id` (content `hash`):
-    /// the block, and its host-tier copy if any, keep the higher priority (a free block
-    /// moves to the back of its new level, as a block just used).
+    /// A sequence of retention `priority` shares cached block `id` (content `hash` of
+    /// `group`): the block, and its host-tier copy if any, keep the higher priority (a
+    /// free block moves to the back of its new level, as a block just used).
     #[inline]
-    pub fn raise_retention(&mut self, id: u32, hash: &BlockHash, priority: RetentionPriority) {
+    pub fn raise_retention(
+        &mut self,
+        group: usize,
+        id: u32,
+        hash: &BlockHash,
+        priority: RetentionPriority,
+    ) {
         let Some(r) = self.retention.get_mut(id as usize) else {
             return;
         };
@@ -137,7 +157,7 @@ impl Pools {
                 queue.push_back(id, cached_level(priority));
             }
             if let Some(t) = self.tier.as_mut() {
-                t.raise_priority(hash, priority);
+                t.raise_priority(group, hash, priority);
             }
         }
     }
@@ -168,56 +188,11 @@ impl Pools {
             self.cpu.free_queue_mut().push_front(id, EMPTY_LEVEL);
         }
     }
-
-    /// Leading blocks of the hash chain present in the cache, at most `cap`.
-    #[inline]
-    pub fn probe(&self, hashes: &[BlockHash], cap: usize) -> usize {
-        if !self.caching {
-            return 0;
-        }
-        let n = cap.min(hashes.len());
-        match &self.tier {
-            None => hashes[..n]
-                .iter()
-                .take_while(|h| self.cache.lookup(h).is_some())
-                .count(),
-            Some(tier) => hashes[..n]
-                .iter()
-                .take_while(|h| self.cache.lookup(h).is_some() || tier.lookup_ready(h).is_some())
-                .count(),
-        }
-    }
-
-    /// Of the first `n` blocks of the chain (all hits), how many come from the host tier
-    /// (not in the GPU cache): the loads a claim would queue.
-    #[inline]
-    pub fn probe_tier(&self, hashes: &[BlockHash], n: usize) -> usize {
-        if self.tier.is_none() {
-            return 0;
-        }
-        hashes[..n]
-            .iter()
-            .filter(|h| self.cache.lookup(h).is_none())
-            .count()
-    }
-
-    /// Of the first `n` blocks of the chain (all cached), how many sit in the free queue.
-    #[inline]
-    pub fn probe_free(&self, hashes: &[BlockHash], n: usize) -> usize {
-        hashes[..n]
-            .iter()
-            .filter(|h| {
-                self.cache
-                    .lookup(h)
-                    .is_some_and(|b| self.gpu.ref_count(b) == 0)
-            })
-            .count()
-    }
 }
 
 /// A host-tier `BlockStored` of `block_hashes` that carries the hashes only: blocks that
 /// reach the host tier from the GPU cache or an import come without tokens or keys.
-pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
+pub(super) fn host_stored(group: usize, block_hashes: Vec<BlockHash>) -> BlockStored {
     BlockStored {
         block_hashes,
         parent_block_hash: None,
@@ -227,5 +202,7 @@ pub(super) fn host_stored(block_hashes: Vec<BlockHash>) -> BlockStored {
         lora_name: None,
         extra_keys: None,
         medium: Medium::Cpu,
+        group_idx: group as u32,
+        kv_cache_spec: GroupSpec::default(),
     }
 }

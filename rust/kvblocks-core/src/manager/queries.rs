@@ -43,7 +43,33 @@ impl KVCacheManager {
 
     /// Drain the KV cache events recorded since the last call.
     pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
-        std::mem::take(&mut self.pools.events)
+        let mut events = std::mem::take(&mut self.pools.events);
+        // The pools record structure only; each event's spec is its group's.
+        for event in &mut events {
+            if let KvCacheEvent::BlockStored(stored) = event {
+                if let Some(spec) = self.pools.groups.get(stored.group_idx as usize) {
+                    stored.kv_cache_spec = *spec;
+                }
+            }
+        }
+        events
+    }
+
+    /// GPU blocks referenced by the tables of each group (a block shared by several
+    /// sequences counted once): one pass over the resident tables, for `stats` only.
+    fn used_blocks_per_group(&self) -> Vec<usize> {
+        let mut seen = vec![false; self.pools.gpu.num_blocks()];
+        let mut used = vec![0; self.pools.groups.len()];
+        for seq in self.slots.iter().filter(|s| !s.swapped) {
+            for (g, t) in seq.tables.iter().enumerate() {
+                for &b in &t.blocks[t.num_released..] {
+                    if !std::mem::replace(&mut seen[b as usize], true) {
+                        used[g] += 1;
+                    }
+                }
+            }
+        }
+        used
     }
 
     /// Counters.
@@ -71,6 +97,10 @@ impl KVCacheManager {
             cow_copies: c.cow_copies,
             blocks_swapped_out: c.blocks_swapped_out,
             blocks_swapped_in: c.blocks_swapped_in,
+            num_used_blocks_per_group: self.used_blocks_per_group(),
+            num_cached_blocks_per_group: (0..self.pools.groups.len())
+                .map(|g| self.pools.cache.group_len(g))
+                .collect(),
             host_tier: self.tier_stats(),
         }
     }

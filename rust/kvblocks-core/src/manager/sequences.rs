@@ -50,7 +50,7 @@ impl KVCacheManager {
             tokens: token_ids.to_vec(),
             prompt_len: token_ids.len(),
             num_computed: 0,
-            table: Vec::new(),
+            tables: vec![Default::default(); self.pools.groups.len()],
             reserved: None,
             allocated: false,
             namespace,
@@ -63,10 +63,7 @@ impl KVCacheManager {
             num_cached_tokens: 0,
             num_tier_tokens: 0,
             num_registered_blocks: 0,
-            num_released_blocks: 0,
             swapped: false,
-            dirty_from: 0,
-            synced_row: None,
             in_flight: 0..0,
         };
         self.index.insert(seq_id, self.slots.len() as u32);
@@ -98,18 +95,21 @@ impl KVCacheManager {
         }
         let mut child = parent.clone();
         child.id = child_id;
-        // A new table: it reaches a caller's table only through a whole-row write.
-        child.dirty_from = 0;
-        child.synced_row = None;
         // Without a reservation (checked above) the parent has nothing in flight.
         debug_assert!(child.in_flight.is_empty());
-        // Spare blocks hold no computed KV; sharing them would let both sides write them.
-        child
-            .table
-            .truncate(parent.num_computed.div_ceil(self.config.block_size));
-        for &b in &child.table {
-            if b != crate::NULL_BLOCK {
-                self.pools.gpu.incref(b);
+        let len = parent.num_computed.div_ceil(self.config.block_size);
+        for t in &mut child.tables {
+            // A new table: it reaches a caller's table only through a whole-row write.
+            t.dirty_from = 0;
+            t.synced_row = None;
+            // Spare blocks hold no computed KV; sharing them would let both sides write
+            // them.
+            t.blocks.truncate(len);
+            t.num_released = t.num_released.min(len);
+            for &b in &t.blocks {
+                if b != crate::NULL_BLOCK {
+                    self.pools.gpu.incref(b);
+                }
             }
         }
         self.index.insert(child_id, self.slots.len() as u32);

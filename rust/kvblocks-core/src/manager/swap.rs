@@ -34,7 +34,8 @@ impl KVCacheManager {
     /// Move the sequences' blocks to the CPU pool; returns `(gpu, cpu)` rows.
     ///
     /// A GPU block shared by several of the sequences maps to one CPU block; rows follow
-    /// first appearance (sequence order, then table order). Null entries stay null.
+    /// first appearance (sequence order, then group order, then table order). Null
+    /// entries stay null.
     /// Errors: `OutOfBlocks` if the CPU pool is short; `SequenceState` if a sequence is
     /// swapped or has a pending reservation.
     pub fn swap_out(&mut self, seq_ids: &[u64]) -> Result<Vec<[i64; 2]>> {
@@ -62,15 +63,17 @@ impl KVCacheManager {
         }
         for &slot in &slots {
             let seq = &mut self.slots[slot as usize];
-            for i in (0..seq.table.len()).rev() {
-                let g = seq.table[i];
-                if g == NULL_BLOCK {
-                    continue;
+            for t in seq.tables.iter_mut().rev() {
+                for i in (0..t.blocks.len()).rev() {
+                    let g = t.blocks[i];
+                    if g == NULL_BLOCK {
+                        continue;
+                    }
+                    let c = map[&g];
+                    self.pools.cpu.incref(c);
+                    t.blocks[i] = c;
+                    self.pools.release_gpu(g);
                 }
-                let c = map[&g];
-                self.pools.cpu.incref(c);
-                seq.table[i] = c;
-                self.pools.release_gpu(g);
             }
             // CPU ids never reach a caller's table (sync refuses swapped sequences);
             // swap_in marks the entries it rewrites.
@@ -107,17 +110,16 @@ impl KVCacheManager {
         }
         for &slot in &slots {
             let seq = &mut self.slots[slot as usize];
-            for i in (0..seq.table.len()).rev() {
-                let c = seq.table[i];
-                if i < seq.num_released_blocks {
-                    continue;
+            for t in seq.tables.iter_mut().rev() {
+                for i in (t.num_released..t.blocks.len()).rev() {
+                    let c = t.blocks[i];
+                    let g = map[&c];
+                    self.pools.gpu.incref(g);
+                    t.blocks[i] = g;
+                    self.pools.release_cpu(c);
                 }
-                let g = map[&c];
-                self.pools.gpu.incref(g);
-                seq.table[i] = g;
-                self.pools.release_cpu(c);
+                t.dirty_from = t.dirty_from.min(t.num_released);
             }
-            seq.dirty_from = seq.dirty_from.min(seq.num_released_blocks);
             seq.swapped = false;
         }
         self.num_swapped -= slots.len();
@@ -166,13 +168,15 @@ impl KVCacheManager {
         let mut blocks = Vec::new();
         for &slot in &slots {
             let seq = &self.slots[slot as usize];
-            for (i, &b) in seq.table.iter().enumerate() {
-                let is_null = match dir {
-                    Direction::Out => b == NULL_BLOCK,
-                    Direction::In => i < seq.num_released_blocks,
-                };
-                if !is_null && seen.insert(b) {
-                    blocks.push(b);
+            for t in seq.tables.iter() {
+                for (i, &b) in t.blocks.iter().enumerate() {
+                    let is_null = match dir {
+                        Direction::Out => b == NULL_BLOCK,
+                        Direction::In => i < t.num_released,
+                    };
+                    if !is_null && seen.insert(b) {
+                        blocks.push(b);
+                    }
                 }
             }
         }

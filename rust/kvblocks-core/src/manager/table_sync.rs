@@ -8,27 +8,17 @@
 //! `[dirty_from, len)` when both agree that the row still holds this sequence's table;
 //! otherwise (first sync, a new row, a row another sequence was written to since, or
 //! `full`) it writes the whole table and pads the rest of the row with the null block.
-//! The manager cannot see the caller's memory: a caller that keeps more than one table,
-//! or whose table was overwritten behind the manager's back (a new device buffer), passes
-//! `full = true`.
+//! The manager cannot see the caller's memory: a caller that keeps more than one table
+//! of a group, or whose table was overwritten behind the manager's back (a new device
+//! buffer), passes `full = true`. Each KV cache group has its own table on the caller's
+//! side, and the bookkeeping above is kept per group.
 
 use super::KVCacheManager;
 use crate::block_table_delta::BlockTableDelta;
 use crate::error::{KvError, Result};
 
 impl KVCacheManager {
-    /// Bring rows `rows[i]` of a persistent `[num_rows, num_cols]` block table up to date
-    /// with the tables of `seq_ids[i]` and report what was written.
-    ///
-    /// `buffer` (row-major, `num_rows * num_cols` ids) is written in place when given;
-    /// without it only the delta is produced (for a table that lives elsewhere, e.g. on a
-    /// device). Either way the changes are consumed: the next sync writes only what
-    /// changes after this one.
-    ///
-    /// Errors, checked before anything is written (nothing changes on error):
-    /// `InvalidArgument` (lengths differ, a row outside `[0, num_rows)`, a row or a
-    /// sequence listed twice, a buffer of the wrong size, a table longer than
-    /// `num_cols`), `UnknownSequence`, `SequenceState` (swapped: its table holds CPU ids).
+    /// [`KVCacheManager::sync_group_block_table`] of group 0.
     pub fn sync_block_table(
         &mut self,
         seq_ids: &[u64],
@@ -38,6 +28,35 @@ impl KVCacheManager {
         buffer: Option<&mut [i32]>,
         full: bool,
     ) -> Result<BlockTableDelta> {
+        self.sync_group_block_table(0, seq_ids, rows, num_rows, num_cols, buffer, full)
+    }
+
+    /// Bring rows `rows[i]` of a persistent `[num_rows, num_cols]` block table of `group`
+    /// up to date with the tables of `seq_ids[i]` in that group and report what was
+    /// written.
+    ///
+    /// `buffer` (row-major, `num_rows * num_cols` ids) is written in place when given;
+    /// without it only the delta is produced (for a table that lives elsewhere, e.g. on a
+    /// device). Either way the changes are consumed: the next sync writes only what
+    /// changes after this one.
+    ///
+    /// Errors, checked before anything is written (nothing changes on error):
+    /// `InvalidArgument` (a group out of range, lengths differ, a row outside `[0,
+    /// num_rows)`, a row or a sequence listed twice, a buffer of the wrong size, a table
+    /// longer than `num_cols`), `UnknownSequence`, `SequenceState` (swapped: its table
+    /// holds CPU ids).
+    #[allow(clippy::too_many_arguments)]
+    pub fn sync_group_block_table(
+        &mut self,
+        group: usize,
+        seq_ids: &[u64],
+        rows: &[i64],
+        num_rows: usize,
+        num_cols: usize,
+        buffer: Option<&mut [i32]>,
+        full: bool,
+    ) -> Result<BlockTableDelta> {
+        self.check_group(group)?;
         if rows.len() != seq_ids.len() {
             return Err(KvError::InvalidArgument(format!(
                 "rows has {} entries for {} sequence ids; expected one row per sequence",
@@ -70,15 +89,16 @@ impl KVCacheManager {
         for &slot in &slots {
             let seq = &self.slots[slot as usize];
             Self::require_resident(seq, "sync_block_table")?;
-            if seq.table.len() > num_cols {
+            let t = &seq.tables[group];
+            if t.blocks.len() > num_cols {
                 return Err(KvError::InvalidArgument(format!(
                     "sequence {} has {} blocks but the block table has {num_cols} columns; \
                      expected a table at least as wide as the longest block table",
                     seq.id,
-                    seq.table.len()
+                    t.blocks.len()
                 )));
             }
-            total += seq.table.len() - seq.dirty_from;
+            total += t.blocks.len() - t.dirty_from;
         }
         let mut delta = BlockTableDelta {
             rows: Vec::new(),
@@ -92,23 +112,25 @@ impl KVCacheManager {
             // Validated above: 0 <= r < num_rows <= u32::MAX.
             let row = r as u32;
             let seq = &mut self.slots[slot as usize];
-            let whole =
-                full || seq.synced_row != Some(row) || self.row_owner.get(&row) != Some(&seq.id);
-            let start = if whole { 0 } else { seq.dirty_from };
-            let len = seq.table.len();
+            let id = seq.id;
+            let t = &mut seq.tables[group];
+            let owners = &mut self.row_owner[group];
+            let whole = full || t.synced_row != Some(row) || owners.get(&row) != Some(&id);
+            let start = if whole { 0 } else { t.dirty_from };
+            let len = t.blocks.len();
             if whole || start < len {
                 delta.rows.push(row as i32);
                 delta.start_cols.push(start as i32);
                 delta
                     .block_ids
-                    .extend(seq.table[start..len].iter().map(|&b| b as i32));
+                    .extend(t.blocks[start..len].iter().map(|&b| b as i32));
                 delta.indptr.push(delta.block_ids.len() as i64);
                 delta.reset.push(whole);
             }
-            seq.dirty_from = len;
+            t.dirty_from = len;
             if whole {
-                seq.synced_row = Some(row);
-                self.row_owner.insert(row, seq.id);
+                t.synced_row = Some(row);
+                owners.insert(row, id);
             }
         }
         if let Some(buf) = buffer {
@@ -116,6 +138,46 @@ impl KVCacheManager {
             delta.apply(buf, num_rows, num_cols)?;
         }
         Ok(delta)
+    }
+
+    /// `sync_group_block_table` of every group into one persistent table per group
+    /// (`buffers`: `num_groups * num_rows * num_cols` ids, group after group, when
+    /// given); one delta per group.
+    ///
+    /// All or nothing: every group's tables of a sequence have the same length and the
+    /// other checks do not depend on the group, so the first group's sync validates them
+    /// all before anything is written.
+    pub fn sync_group_block_tables(
+        &mut self,
+        seq_ids: &[u64],
+        rows: &[i64],
+        num_rows: usize,
+        num_cols: usize,
+        mut buffers: Option<&mut [i32]>,
+        full: bool,
+    ) -> Result<Vec<BlockTableDelta>> {
+        let num_groups = self.pools.groups.len();
+        let matrix = num_rows.checked_mul(num_cols);
+        if let Some(buf) = &buffers {
+            if Some(buf.len()) != matrix.and_then(|m| m.checked_mul(num_groups)) {
+                return Err(KvError::InvalidArgument(format!(
+                    "block table buffers hold {} ids; expected {num_groups} x {num_rows} x \
+                     {num_cols}",
+                    buf.len()
+                )));
+            }
+        }
+        let matrix = matrix.unwrap_or(0);
+        let mut deltas = Vec::with_capacity(num_groups);
+        for g in 0..num_groups {
+            let buffer = buffers
+                .as_deref_mut()
+                .map(|b| &mut b[g * matrix..(g + 1) * matrix]);
+            deltas.push(
+                self.sync_group_block_table(g, seq_ids, rows, num_rows, num_cols, buffer, full)?,
+            );
+        }
+        Ok(deltas)
     }
 
     /// `InvalidArgument` if a row is listed twice (rows are in `[0, max_row]`).

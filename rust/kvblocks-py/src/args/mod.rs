@@ -35,8 +35,10 @@ pub(crate) mod names {
         BlockSize = "block_size",
         Counts = "counts",
         ChildId = "child_id",
+        Chunk = "chunk",
         EnablePrefixCaching = "enable_prefix_caching",
         Full = "full",
+        Group = "group",
         HashAlgo = "hash_algo",
         HashSeed = "hash_seed",
         HostCacheBlocks = "host_cache_blocks",
@@ -55,6 +57,7 @@ pub(crate) mod names {
         NumNewTokens = "num_new_tokens",
         NumTokens = "num_tokens",
         ParentId = "parent_id",
+        Position = "position",
         Priority = "priority",
         RecordEvents = "record_events",
         RetentionPriority = "retention_priority",
@@ -64,6 +67,7 @@ pub(crate) mod names {
         SlidingWindow = "sliding_window",
         TokenIds = "token_ids",
         Watermark = "watermark",
+        Window = "window",
     }
 }
 
@@ -101,5 +105,5 @@ pub(crate) use ids::{LoraId, SeqId, SeqIds, SeqKey};
 pub(crate) use numbers::{
     Count, Flag, Indices, Parsed, PerSeqCounts, Real, RetentionPriorityArg, Text,
 };
-pub(crate) use table::{IntTable, RowIndices, WritableTable};
+pub(crate) use table::{IntTable, RowIndices, WritableTable, WritableTables};
 pub(crate) use tokens::{PerSeqTokens, TokenIds};

@@ -25,6 +25,11 @@ The store never fails the engine: an unreachable server reads as misses (the sto
 once) and a value that fails its checks is rejected and read as a miss; both mean
 recompute. A store call that raises anyway is counted (``worker_errors``) and read as a
 miss.
+
+The link's counters are moved by the step thread and the worker thread; they live behind
+one lock and :meth:`RemoteTierLink.stats` hands out snapshots. Which requests wait for
+their reads is :mod:`kvblocks.tiers.remote_admission`'s business; the thread,
+:mod:`kvblocks.tiers.remote_worker`'s.
 """
 
 from __future__ import annotations
@@ -34,10 +39,9 @@ import threading
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -46,11 +50,18 @@ import torch
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.numeric_args import is_finite_nonnegative
-from kvblocks.router.hasher import PromptHasher
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.remote_worker import PendingFetch, Worker
 from kvblocks.tiers.store import TierStore
 
-__all__ = ["PendingFetch", "RemoteTierLink", "RemoteTierOptions", "RemoteTierStats"]
+__all__ = [
+    "PendingFetch",
+    "RemoteTierLink",
+    "RemoteTierOptions",
+    "RemoteTierStats",
+    "TierRead",
+    "check_store_layout",
+]
 
 TokenIds = Sequence[int] | npt.NDArray[np.int64]
 """A sequence's token ids (a list or an int64 array)."""
@@ -105,6 +116,32 @@ def _check_seconds(name: str, value: object) -> None:
         )
 
 
+def check_store_layout(store_layout: KVLayout, engine_layout: KVLayout) -> None:
+    """Raise InvalidArgumentError unless a store of ``store_layout`` may serve an engine of
+    ``engine_layout`` (its cache shape and dtype, its ``weights_digest``).
+
+    The shapes and dtype must agree; the store's layout must name the engine's weights by
+    their digest (any ``model_id`` is an addition), unless it opts out with
+    ``trust_model_id``. A store that names no weights, or other weights, is refused.
+    """
+    if store_layout.shape_only() != engine_layout.shape_only():
+        raise InvalidArgumentError(
+            f"remote_tier's layout {store_layout} does not match the engine's KV cache "
+            f"{engine_layout.shape_only()} (layers, KV heads, block size, head size, dtype)"
+        )
+    if store_layout.trust_model_id:
+        return
+    store_layout.require_identity("remote_tier")
+    if store_layout.weights_digest != engine_layout.weights_digest:
+        raise InvalidArgumentError(
+            f"remote_tier's layout names other weights (weights_digest "
+            f"{store_layout.weights_digest[:16]}...) than this engine's "
+            f"({engine_layout.weights_digest[:16]}...): build it from the layout the engine "
+            "passes to a factory (remote_tier=lambda layout: ...) or from "
+            "kvblocks.engine.weights_digest(model)"
+        )
+
+
 @dataclass
 class RemoteTierStats:
     """What the engine did with the remote tier.
@@ -126,27 +163,36 @@ class RemoteTierStats:
     worker_errors: int = 0
 
 
-class PendingFetch:
-    """A read of one prompt's blocks past the local hit, queued or done."""
+class _Counters:
+    """:class:`RemoteTierStats` moved by two threads (the step thread and the worker's):
+    every change and every snapshot under one lock."""
 
-    def __init__(self, hashes: list[bytes], retention_priority: int | None = None) -> None:
-        self.hashes = hashes
-        # The blocks enter the host tier at the requesting sequence's priority.
-        self.retention_priority = retention_priority
-        self.payloads: list[torch.Tensor | None] | None = None
-        self._done = threading.Event()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = RemoteTierStats()
 
-    def done(self) -> bool:
-        """Whether the read came back."""
-        return self._done.is_set()
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to counter ``name``; its new value."""
+        with self._lock:
+            value = getattr(self._stats, name) + amount
+            setattr(self._stats, name, value)
+            return int(value)
 
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the read; whether it came back."""
-        return self._done.wait(max(0.0, timeout))
+    def snapshot(self) -> RemoteTierStats:
+        with self._lock:
+            return dataclasses.replace(self._stats)
 
-    def _finish(self, payloads: list[torch.Tensor | None] | None) -> None:
-        self.payloads = payloads
-        self._done.set()
+
+@dataclass(frozen=True)
+class TierRead:
+    """What a read from the store is for: a sequence's tokens in its prefix-cache namespace
+    (its blocks are hashed as the manager hashes them), and the retention priority its
+    imported blocks keep in the host tier (``None``: the manager's default)."""
+
+    token_ids: TokenIds
+    cache_salt: str | bytes | None = None
+    lora_id: int | None = None
+    retention_priority: int | None = None
 
 
 # One lock per store object: engines of one process may share a store, and a tier is not
@@ -166,122 +212,15 @@ def _store_lock(store: Any) -> threading.Lock:
         return lock
 
 
-class _Worker:
-    """The background thread that makes every store call of one link, reads first."""
-
-    def __init__(self, link: RemoteTierLink, max_pending: int) -> None:
-        self._link = link
-        self._max_pending = max_pending
-        self._cond = threading.Condition()
-        self._reads: deque[PendingFetch] = deque()
-        self._writes: deque[tuple[list[bytes], torch.Tensor]] = deque()
-        # Rows queued for writing, by hash: a read that overtakes their write (reads go
-        # first) is answered from them, so an instance always reads its own writes.
-        self._staged: dict[bytes, torch.Tensor] = {}
-        self._pending_blocks = 0
-        self._busy = False
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="kvblocks-remote-tier", daemon=True)
-        self._thread.start()
-
-    def submit_read(self, fetch: PendingFetch) -> None:
-        with self._cond:
-            if self._stopping:
-                fetch._finish(None)
-                return
-            self._reads.append(fetch)
-            self._cond.notify_all()
-
-    def submit_write(self, hashes: list[bytes], rows: torch.Tensor) -> int:
-        """Queue what fits; how many blocks were dropped."""
-        with self._cond:
-            room = 0 if self._stopping else self._max_pending - self._pending_blocks
-            keep = max(0, min(room, len(hashes)))
-            if keep:
-                self._writes.append((hashes[:keep], rows[:keep]))
-                self._staged.update(zip(hashes[:keep], rows[:keep].unbind(0), strict=True))
-                self._pending_blocks += keep
-                self._cond.notify_all()
-            return len(hashes) - keep
-
-    def flush(self, timeout: float) -> bool:
-        """Wait until nothing is queued or running; whether that happened in time."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._reads or self._writes or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    return False
-                self._cond.wait(left)
-            return True
-
-    def stop(self, timeout: float) -> bool:
-        """Write what is queued (within ``timeout``), then end the thread; whether it ended.
-
-        Writes still queued at the deadline are dropped (counted); a store call still
-        running is left to the daemon thread, which ends after it.
-        """
-        flushed = self.flush(timeout)
-        with self._cond:
-            self._stopping = True
-            if not flushed:
-                dropped = sum(len(h) for h, _ in self._writes)
-                self._link.stats.dropped_writes += dropped
-                self._writes.clear()
-                self._staged.clear()
-                self._pending_blocks = 0
-            for fetch in self._reads:
-                fetch._finish(None)
-            self._reads.clear()
-            self._cond.notify_all()
-        self._thread.join(max(0.0, min(timeout, 1.0)) if not flushed else timeout)
-        return not self._thread.is_alive()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._reads or self._writes or self._stopping):
-                    self._cond.wait()
-                if self._reads:
-                    job: Any = self._reads.popleft()
-                elif self._writes:
-                    job = self._writes.popleft()
-                else:
-                    return  # stopping with nothing queued
-                self._busy = True
-            try:
-                if isinstance(job, PendingFetch):
-                    job._finish(self._read(job.hashes))
-                else:
-                    self._link._write(*job)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    if not isinstance(job, PendingFetch):
-                        self._pending_blocks -= len(job[0])
-                        for h, row in zip(job[0], job[1].unbind(0), strict=True):
-                            if self._staged.get(h) is row:
-                                del self._staged[h]
-                    self._cond.notify_all()
-
-    def _read(self, hashes: list[bytes]) -> list[torch.Tensor | None] | None:
-        with self._cond:
-            staged = [self._staged.get(h) for h in hashes]
-        rest = [h for h, row in zip(hashes, staged, strict=True) if row is None]
-        stored = iter(self._link._read(rest) or [None] * len(rest)) if rest else iter(())
-        return [row if row is not None else next(stored) for row in staged]
-
-
 class RemoteTierLink:
     """Connects one engine's host tier (manager + host pool) to a shared store.
 
     Args:
         store: a :class:`~kvblocks.tiers.store.TierStore` whose layout has the host pool's
-            shape and dtype (its ``model_id`` names the weights: only engines with the same
-            one share blocks).
+            shape and dtype and names the engine's weights (see :func:`check_store_layout`).
         manager: the engine's manager (with a host tier).
         host_pool: the runner's uint8 ``[slots, payload_nbytes]`` host pool.
-        layout: the host pool's layout.
+        layout: the host pool's layout, with the engine's ``weights_digest``.
         options: synchronous or background I/O and its bounds (default
             :class:`RemoteTierOptions`: background).
     """
@@ -300,11 +239,7 @@ class RemoteTierLink:
             )
         if host_pool is None or manager.host_cache_blocks == 0:
             raise InvalidArgumentError("remote_tier needs a host tier (host_cache_blocks > 0)")
-        if dataclasses.replace(store.layout, model_id="") != layout:
-            raise InvalidArgumentError(
-                f"remote_tier's layout {store.layout} does not match the engine's KV cache "
-                f"{layout} (layers, KV heads, block size, head size, dtype)"
-            )
+        check_store_layout(store.layout, layout)
         if options is None:
             options = RemoteTierOptions()
         if not isinstance(options, RemoteTierOptions):
@@ -315,13 +250,18 @@ class RemoteTierLink:
         self.manager = manager
         self.host_pool = host_pool
         self.options = options
-        self.hasher = PromptHasher(manager.block_size, manager.hash_algo)
-        self.stats = RemoteTierStats()
+        self._counters = _Counters()
         self._lock = _store_lock(store)
-        self._worker = _Worker(self, options.max_pending_write_blocks) if options.async_io else None
+        self._worker = Worker(self, options.max_pending_write_blocks) if options.async_io else None
+
+    def stats(self) -> RemoteTierStats:
+        """A snapshot of what the engine did with the tier (the store keeps its own
+        counters: ``store.stats()``)."""
+        return self._counters.snapshot()
 
     # -- store calls (the worker's thread, or the caller's when synchronous) -------------
-    def _read(self, hashes: list[bytes]) -> list[torch.Tensor | None] | None:
+    def read_store(self, hashes: list[bytes]) -> list[torch.Tensor | None] | None:
+        """The store's ``get_many`` (None when the call raised)."""
         try:
             with self._lock:
                 return self.store.get_many(hashes)
@@ -329,18 +269,22 @@ class RemoteTierLink:
             self._store_failed("get_many", exc)
             return None
 
-    def _write(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+    def write_store(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+        """The store's ``put_many`` of ``rows`` (counted as published unless it raised)."""
         try:
             with self._lock:
                 self.store.put_many(hashes, list(rows.unbind(0)))
         except Exception as exc:  # a store must never take the engine down
             self._store_failed("put_many", exc)
             return
-        self.stats.published_blocks += len(hashes)
+        self._counters.add("published_blocks", len(hashes))
+
+    def count_dropped_writes(self, blocks: int) -> None:
+        """Blocks dropped without being written (a full queue, or left at close)."""
+        self._counters.add("dropped_writes", blocks)
 
     def _store_failed(self, call: str, exc: Exception) -> None:
-        self.stats.worker_errors += 1
-        if self.stats.worker_errors == 1:
+        if self._counters.add("worker_errors", 1) == 1:
             warnings.warn(
                 f"remote tier {type(self.store).__name__}.{call} raised {exc!r}: read as a "
                 "miss / write dropped (recompute)",
@@ -375,38 +319,40 @@ class RemoteTierLink:
         rows = self.host_pool[torch.as_tensor(ids[keep], dtype=torch.long)]
         chosen: list[bytes] = [hashes[i] for i in keep]  # type: ignore[misc]
         if self._worker is None:
-            self._write(chosen, rows)
+            self.write_store(chosen, rows)
         else:
-            self.stats.dropped_writes += self._worker.submit_write(chosen, rows)
+            self.count_dropped_writes(self._worker.submit_write(chosen, rows))
 
     # -- reads ---------------------------------------------------------------------------
-    def missing(self, token_ids: TokenIds) -> list[bytes]:
-        """Hashes of the blocks of ``token_ids`` a claim could use that this instance does
-        not hold (past its GPU and host-tier hit; at most the host tier's size)."""
+    def missing(self, read: TierRead) -> list[bytes]:
+        """Hashes of the blocks of ``read``'s tokens a claim could use that this instance
+        does not hold (past its GPU and host-tier hit; at most the host tier's size),
+        hashed in ``read``'s namespace (cache salt, LoRA) as the manager hashes them."""
         block_size = self.manager.block_size
         # A claim never covers the whole prompt: its last token is always computed.
-        limit = (len(token_ids) - 1) // block_size
+        limit = (len(read.token_ids) - 1) // block_size
         if limit <= 0:
             return []
-        digests = self.hasher.block_hashes(np.asarray(token_ids, dtype=np.int64))
-        hashes = cast("list[bytes]", digests)[:limit]
+        # The manager's own hasher (algorithm, seed, LoRAs), copied now: a LoRA registered
+        # since the last prefetch counts.
+        prefix = np.asarray(read.token_ids, dtype=np.int64)[: limit * block_size]
+        hashes = self.manager.block_hasher().block_hashes(
+            prefix, cache_salt=read.cache_salt, lora_id=read.lora_id
+        )
         start = self.manager.num_cached_prefix_blocks(hashes)
         return list(hashes[start : start + self.manager.host_cache_blocks])
 
-    def prefetch(
-        self, prompt_token_ids: TokenIds, retention_priority: int | None = None
-    ) -> PendingFetch | None:
-        """Start reading the prompt's blocks past the local hit; None when there is
+    def prefetch(self, read: TierRead) -> PendingFetch | None:
+        """Start reading the sequence's blocks past the local hit; None when there is
         nothing to read. Synchronous I/O reads here; background I/O queues the read.
-        ``retention_priority``: the request's, which the imported blocks keep in the
-        host tier (``None``: the default)."""
-        wanted = self.missing(prompt_token_ids)
+        The imported blocks keep ``read.retention_priority`` in the host tier."""
+        wanted = self.missing(read)
         if not wanted:
             return None
-        fetch = PendingFetch(wanted, retention_priority)
-        self.stats.fetches += 1
+        fetch = PendingFetch(wanted, read.retention_priority)
+        self._counters.add("fetches", 1)
         if self._worker is None:
-            fetch._finish(self._read(wanted))
+            fetch.finish(self.read_store(wanted))
         else:
             self._worker.submit_read(fetch)
         return fetch
@@ -419,7 +365,7 @@ class RemoteTierLink:
         """
         payloads = fetch.payloads if fetch.done() else None
         if not fetch.done():
-            self.stats.fetch_timeouts += 1
+            self._counters.add("fetch_timeouts", 1)
         if not payloads:
             return 0
         found = 0
@@ -442,49 +388,23 @@ class RemoteTierLink:
             self.manager.reset_prefix_cache()
             raise
         self.manager.confirm_memory_ops()
-        self.stats.imported_blocks += len(rows)
+        self._counters.add("imported_blocks", len(rows))
         return len(rows)
 
-    def fetch(self, prompt_token_ids: TokenIds) -> int:
-        """Read and import the prompt's blocks past the local hit now (waiting up to
-        ``fetch_wait_s`` for a background read); blocks imported.
-
-        Call between steps with no op in flight: the imported slots are confirmed here.
-        """
-        pending = self.prefetch(prompt_token_ids)
-        if pending is None:
-            return 0
-        pending.wait(self.options.fetch_wait_s)
-        return self.complete(pending)
-
-    def refetch(
-        self,
-        token_lists: Sequence[TokenIds],
-        retention_priorities: Sequence[int | None] | None = None,
-    ) -> int:
+    def refetch(self, reads: Sequence[TierRead]) -> int:
         """Read and import several sequences' missing blocks now (sequences preempted by
         recompute, before their re-admission): the reads run together and one
-        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps.
-        ``retention_priorities``: each sequence's, as for :meth:`prefetch`."""
-        priorities = retention_priorities or [None] * len(token_lists)
-        if len(priorities) != len(token_lists):
-            raise InvalidArgumentError(
-                f"{len(priorities)} retention priorities for {len(token_lists)} sequences"
-            )
-        pending = [
-            p
-            for tokens, priority in zip(token_lists, priorities, strict=True)
-            if (p := self.prefetch(tokens, priority)) is not None
-        ]
+        ``fetch_wait_s`` bounds them all; blocks imported. Call between steps."""
+        pending = [p for read in reads if (p := self.prefetch(read)) is not None]
         if not pending:
             return 0
-        self.stats.refetches += len(pending)
+        self._counters.add("refetches", len(pending))
         deadline = time.monotonic() + self.options.fetch_wait_s
         imported = 0
         for p in pending:
             p.wait(deadline - time.monotonic())
             imported += self.complete(p)
-        self.stats.refetched_blocks += imported
+        self._counters.add("refetched_blocks", imported)
         return imported
 
     # -- lifetime ------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The model families, one module each, and the registry that picks one by ``model_type``.
+
+:mod:`~kvblocks.engine.models.layers` holds the shared building blocks,
+:mod:`~kvblocks.engine.models.base` the attention-backend protocol and the causal-LM
+shell; :mod:`~kvblocks.engine.models.llama` (Llama, Mistral, Ministral, Qwen2, Qwen3,
+OLMo 3), :mod:`~kvblocks.engine.models.gemma` (Gemma 2, Gemma 3 text) and
+:mod:`~kvblocks.engine.models.gpt_oss` the families.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvblocks.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from kvblocks.engine.models.base import AttentionBackend, CausalLM
+from kvblocks.engine.models.gemma import GemmaForCausalLM
+from kvblocks.engine.models.gpt_oss import GptOssForCausalLM
+from kvblocks.engine.models.llama import LlamaForCausalLM, Olmo3ForCausalLM
+from kvblocks.errors import InvalidArgumentError
+
+__all__ = [
+    "MODEL_CLASSES",
+    "AttentionBackend",
+    "CausalLM",
+    "GemmaForCausalLM",
+    "GptOssForCausalLM",
+    "LlamaForCausalLM",
+    "Olmo3ForCausalLM",
+    "build_model",
+    "model_class",
+]
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "ministral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "olmo3": Olmo3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
+}
+"""The implementation of each supported ``model_type``."""
+
+assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
+
+
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The class implementing ``config.model_type``."""
+    try:
+        return MODEL_CLASSES[config.model_type]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"model_type {config.model_type!r} is not supported; expected one of "
+            f"{', '.join(MODEL_CLASSES)}"
+        ) from None
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> CausalLM:
+    """An uninitialised model of ``config``'s family (a checkpoint or a draw fills it)."""
+    return model_class(config)(config, device=device, dtype=dtype)

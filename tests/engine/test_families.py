@@ -1,0 +1,146 @@
+"""Gemma 2, Gemma 3, gpt-oss, Qwen3, OLMo 3 and Ministral against transformers' own code.
+
+Two directions: the engine's tiny model of each family saved by the engine and run by
+transformers (the dense logits agree), and a random checkpoint written by transformers'
+``save_pretrained`` loaded with ``LLM(path)`` and run on the paged engine (greedy tokens
+equal transformers' greedy tokens, teacher-forced log-probs within fp32 tolerance) with
+a pool small enough to preempt and prefix caching on. Every family mixes 8-token windows
+with full attention, and the prompts outgrow the windows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvblocks.engine import LLM
+from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.loader import load_checkpoint, save_checkpoint
+from kvblocks.engine.tiny import build_tiny_model, tiny_config
+from kvblocks.sampling_params import SamplingParams
+
+from .hf_families import FAMILIES, VOCAB, hf_greedy, hf_logprobs, load_hf, save_hf_checkpoint
+
+NEW_FAMILIES = list(FAMILIES)
+
+
+def _ids(batch: int, length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("model_type", NEW_FAMILIES)
+def test_tiny_model_matches_transformers(model_type: str, tmp_path: Path) -> None:
+    """The engine's checkpoint of each family: transformers computes the same logits."""
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config(model_type)
+    model = build_tiny_model(config)
+    save_checkpoint(model, tmp_path)
+    assert load_checkpoint(tmp_path).config == config
+    hf = load_hf(transformers, tmp_path)
+    assert type(hf).__name__ == config.architecture
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    got = dense_logits(model, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    top2 = got.topk(2, dim=-1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-4  # clear greedy margins
+
+
+def _zero_sinks(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".sinks"):
+                param.zero_()
+
+
+# Each switch changes the logits: without it the comparison above would fail.
+SWITCHES = [
+    ("gemma2", {"attn_logit_softcapping": None}),
+    ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma2", {"query_pre_attn_scalar": None}),
+    ("gemma2", {"sliding_window": None}),
+    ("gemma3_text", {"sliding_rope_theta": None}),
+    ("gemma3_text", {"rope_scaling": None}),
+    ("gemma3_text", {"sliding_window": None}),
+    ("gpt_oss", {"rope_scaling": None}),
+    ("gpt_oss", {"sliding_window": None}),
+    ("gpt_oss", {"swiglu_limit": 0.5}),
+    ("gpt_oss", "sinks"),
+    ("qwen3", {"sliding_window": None}),
+    ("olmo3", {"sliding_window": None}),
+    ("ministral", {"sliding_window": None}),
+]
+
+
+@pytest.mark.parametrize(("model_type", "change"), SWITCHES)
+def test_each_family_switch_changes_the_logits(model_type: str, change) -> None:
+    base = build_tiny_model(tiny_config(model_type))
+    if change == "sinks":
+        other = build_tiny_model(tiny_config(model_type))
+        _zero_sinks(other)
+    else:
+        other = build_tiny_model(tiny_config(model_type, **change))
+    ids = _ids(1, 40)
+    assert (dense_logits(base, ids) - dense_logits(other, ids)).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path, object]:
+    """A checkpoint written by transformers, and transformers' model of it."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp(request.param)
+    save_hf_checkpoint(transformers, request.param, path, seed=3)
+    return request.param, path, load_hf(transformers, path)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return _ids(1, n, VOCAB, seed)[0].tolist()
+
+
+SHARED = _prompt(24, 50)  # three 8-token blocks shared by the first three prompts
+PROMPTS = [SHARED + _prompt(9, 1), SHARED + _prompt(17, 2), SHARED + _prompt(3, 3), _prompt(13, 4)]
+MAX_TOKENS = 24
+
+
+def test_hf_checkpoint_runs_token_for_token(hf_checkpoint) -> None:
+    """``LLM(path)`` on transformers' checkpoint: transformers' greedy tokens, under
+    preemption (a 13-block pool for four sequences of up to 9 blocks), chunked prefill,
+    and again from the prefix cache; its log-probs are transformers' teacher-forced ones."""
+    model_type, path, hf = hf_checkpoint
+    config = ModelConfig.from_file(path)
+    assert config.model_type == model_type
+    windows = config.layer_sliding_windows()
+    assert 8 in windows and None in windows  # mixed: uniform allocation, windows per layer
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loading must not warn about anything dropped
+        llm = LLM(
+            str(path),
+            num_blocks=14,
+            block_size=8,
+            num_cpu_blocks=64,
+            max_num_batched_tokens=32,
+            device="cpu",
+        )
+    assert llm.manager.sliding_window is None
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == expected
+    # Informative continuations, not one token repeated with probability ~1.
+    assert all(len(set(tokens)) >= 5 for tokens in expected)
+    sched = llm.stats()["scheduler"]
+    assert sched["num_preemptions_recompute"] + sched["num_preemptions_swap"] > 0, sched
+    for prompt, out in zip(PROMPTS, first, strict=True):
+        assert out.outputs[0].logprobs is not None
+        got = torch.tensor([t.logprob for t in out.outputs[0].logprobs], dtype=torch.float64)
+        want = hf_logprobs(hf, prompt, out.token_ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+        assert float(want.mean()) < -0.1
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in again] == expected
+    assert max(o.num_cached_tokens for o in again) >= 24
