@@ -119,7 +119,7 @@ def decode_target_ctas(device: int, smem_bytes: int) -> int:
 def stream_launcher(device: torch.device) -> Launcher:
     """A launcher on torch's stream current now for ``device`` (one call's launches)."""
     cupy = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
 
     def launch(item: KernelLaunch) -> None:
@@ -141,11 +141,11 @@ def _current_stream(index: int) -> int:
 
 @functools.cache
 def decode_launcher(index: int) -> Launcher:
-    """A launcher for device ``index`` that stays valid across calls (the decode path
-    keeps it; prefill uses it too): the stream is torch's current one at each launch (so
-    CUDA-graph capture on a side stream works), its CuPy wrapper is made once per stream,
-    and a kernel is opted into more than 48 KiB of dynamic shared memory once, never past
-    the device's limit."""
+    """A launcher for device ``index`` that stays valid across calls (the attention ops
+    and :class:`~kvblocks.ops.decode_attention.DecodeAttention` keep it): the stream is
+    torch's current one at each launch (so CUDA-graph capture on a side stream works), its
+    CuPy wrapper is made once per stream, and a kernel is opted into more than 48 KiB of
+    dynamic shared memory once, never past the device's limit."""
     cupy = _cupy()
     device = cupy.cuda.Device(index)
     streams: dict[int, Any] = {}
