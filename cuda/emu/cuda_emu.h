@@ -402,8 +402,16 @@ struct StackPool {
   unsigned char* base = nullptr;
   size_t bytes = 0;
   int threads = 0;
-  ~StackPool() {
-    if (base != nullptr) munmap(base, bytes);
+  ~StackPool() { release(); }
+  void release() {
+    if (base == nullptr) return;
+#ifdef KVB_EMU_ASAN
+    // The fibers' frames left redzones poisoned in the shadow, which munmap does not
+    // clear: the next mapping at these addresses (Python's allocator) would trip on them.
+    __asan_unpoison_memory_region(base, bytes);
+#endif
+    munmap(base, bytes);
+    base = nullptr;
   }
 };
 inline thread_local StackPool tl_stacks;
@@ -475,7 +483,7 @@ class Scheduler {
     StackPool& pool = tl_stacks;
     if (threads > pool.threads) {
       const size_t stride = kStackBytes + page();
-      if (pool.base != nullptr) munmap(pool.base, pool.bytes);
+      pool.release();
       void* mem = mmap(nullptr, stride * threads, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (mem == MAP_FAILED) fail("cannot map fiber stacks");
