@@ -3,7 +3,7 @@
 //
 // ABI (the planner, python/kvblocks/ops/decode_attention.py, builds the items):
 //
-//   decode_attention_kernel<T, D, BLOCK, GROUP>(
+//   decode_attention_kernel<T, D, BLOCK, GROUP, STAGES = 2>(
 //       T* out,                  // [num_seqs, num_heads, D]  items with partial_slot < 0, normalized
 //       float* part_out,         // [num_slots, num_heads, D] unnormalized partials (slot >= 0)
 //       float* part_ml,          // [num_slots, num_heads, 2] (running max in log2 units, sum)
@@ -16,16 +16,19 @@
 //       int num_seqs, int num_heads, int num_kv_heads, int max_blocks, int num_blocks,
 //       float scale, float soft_cap)
 //   grid  = (max_items, num_kv_heads * ceil(group / GROUP)), block = kvb::kDecodeThreads (128),
-//   dynamic shared memory = kvb::DecodeShape<T, D, BLOCK, GROUP>::kSmemBytes (above 48 KiB
-//   for head 128 and up: the launcher opts in with cudaFuncAttributeMaxDynamicSharedMemorySize;
-//   python mirror: kvblocks.ops.cuda_sources.decode_smem_bytes).
+//   dynamic shared memory = kvb::DecodeShape<T, D, BLOCK, GROUP, STAGES>::kSmemBytes (above
+//   48 KiB for head 128 and up: the launcher opts in with
+//   cudaFuncAttributeMaxDynamicSharedMemorySize; python mirror:
+//   kvblocks.ops.cuda_sources.decode_smem_bytes). STAGES 1 (one K/V buffer per warp) is the
+//   variant the host picks when STAGES 2 exceeds the device's per-CTA opt-in limit
+//   (sharedMemPerBlockOptin: head 256 on sm_86/sm_89).
 //
 //   merge_partials_kernel<T, D>(T* out, const float* part_out, const float* part_ml,
 //       const int* merge_indptr,   // [num_seqs + 1]: seq s merges slots [indptr[s], indptr[s+1])
 //       int num_seqs, int num_heads)
 //   grid = (num_seqs, num_heads), block = kvb::kDecodeThreads, no shared memory.
 //
-// T is __half or __nv_bfloat16 (fp32 caches keep paged_attention_kernel); D a multiple of 16
+// T is __half or __nv_bfloat16 (fp32 caches keep split_k_attention_kernel); D a multiple of 16
 // (64..256); BLOCK 8, 16 or 32; GROUP 1..16 (GROUP > 8 doubles the accumulators: not
 // instantiated at head 256). Keys kv_begin <= j < kv_end of an item are attended to (the
 // planner applies the window and the causal end). The kernel clamps every item field (seq to
@@ -52,13 +55,15 @@
 // Loads: cp.async 16-byte copies of a warp's key tile and value tile into its own
 // buffers (zero-filled outside the item), two groups in flight: the next key tile is
 // issued as soon as S is computed, the next value tile as soon as P.V is done, and each
-// step waits (cp.async.wait_group 1) only for the tile it needs. The block-table slice of
+// step waits (cp.async.wait_group 1) only for the tile it needs. With STAGES 1 the value
+// tile goes into the key buffer once S is computed (it loads during the softmax) and the
+// next key tile once P.V is done; each step waits for the one group in flight. The block-table slice of
 // kTableSlots blocks is staged in shared memory once per chunk of the item (one CTA
 // barrier pair per 2048-8192 keys). BLOCK and GROUP are template parameters, so no
 // division happens per load.
+#include "cp_async.cuh"
 #include "kv_common.cuh"
 
-#include <cuda_pipeline_primitives.h>
 #include <mma.h>
 
 namespace kvb {
@@ -76,12 +81,19 @@ struct Log2<1> {
   static constexpr int value = 0;
 };
 
-template <typename T, int D, int BLOCK, int GROUP>
+template <typename T, int D, int BLOCK, int GROUP, int STAGES = 2>
 struct DecodeShape {
   static_assert(sizeof(T) == 2, "tensor-core decode takes fp16 or bf16");
   static_assert(D % 16 == 0 && D >= 32 && D <= 256, "head size: a multiple of 16 up to 256");
   static_assert(BLOCK == 8 || BLOCK == 16 || BLOCK == 32, "block size 8, 16 or 32");
   static_assert(GROUP >= 1 && GROUP <= 16, "GROUP: 1..16 query heads per CTA");
+  static_assert(STAGES == 1 || STAGES == 2, "STAGES: 1 or 2 K/V buffers per warp");
+  // K/V tile buffers per warp: 2 keeps a key tile and a value tile in flight (the next
+  // keys load during softmax and P.V); 1 shares one buffer (keys, then the same tile's
+  // values, loaded while the softmax runs), halving the largest part of shared memory for
+  // GPUs whose per-CTA limit is below the 2-buffer need (head 256: 144 KiB against 99 KiB
+  // on sm_86/sm_89).
+  static constexpr int kKvBufs = STAGES;
   static constexpr int kWarpTokens = 32;  // M of wmma m32n8k16
   static constexpr int kCtaTokens = kWarpTokens * kDecodeWarps;
   static constexpr int kHeadTiles = (GROUP + 7) / 8;
@@ -102,13 +114,13 @@ struct DecodeShape {
   static constexpr int kLogBlock = Log2<BLOCK>::value;
   static constexpr int kChunkTokens = kTableSlots * BLOCK;
   static_assert(kChunkTokens % kCtaTokens == 0, "chunks hold whole CTA tiles");
-  // Per-warp region (bytes): key tile, value tile, scores (then the rescale matrix),
-  // probabilities.
+  // Per-warp region (bytes): key tile, value tile (STAGES 2), scores (then the rescale
+  // matrix), probabilities.
   static constexpr int kKvBytes = kWarpTokens * kLd * 2;
   static constexpr int kSBytes = kHeads * kSLd * 4;
   static constexpr int kPBytes = kHeads * kPLd * 2;
-  static constexpr int kWarpBytes = 2 * kKvBytes + kSBytes + kPBytes;
-  static_assert(kHeads * kOLd * 4 <= 2 * kKvBytes, "final O fits in the K/V buffers");
+  static constexpr int kWarpBytes = kKvBufs * kKvBytes + kSBytes + kPBytes;
+  static_assert(kHeads * kOLd * 4 <= kKvBufs * kKvBytes, "final O fits in the K/V buffers");
   // CTA region: per-warp regions, Q (T), table slice, per-warp (max, sum) per head.
   static constexpr int kQOffset = kDecodeWarps * kWarpBytes;
   static constexpr int kTableOffset = kQOffset + kHeads * kLd * 2;
@@ -119,16 +131,55 @@ struct DecodeShape {
                 "fragment pointers are 32-byte aligned");
 };
 
-// 16-byte asynchronous global->shared copy; src_bytes 0 zero-fills without reading.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-#ifdef KVB_EMULATION
-  __pipeline_memcpy_async(dst, src, 16, static_cast<size_t>(16 - src_bytes));
-#else
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-               "r"(src_bytes));
-#endif
+namespace wmma = nvcuda::wmma;
+
+// WMMA fragment loads from shared memory. NVVM gives the fp16 loads the .shared state space
+// (ldmatrix) but leaves the bf16 ones generic (an LD per element pair plus MOVM transposes,
+// about 30% more instructions per tile); the bf16 overloads state .shared in PTX. The
+// emulator has the plain API.
+template <typename Frag, typename T>
+__device__ __forceinline__ void load_shared(Frag& f, const T* p, unsigned ldm) {
+  wmma::load_matrix_sync(f, p, ldm);
 }
+
+#ifndef KVB_EMULATION
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_a, 32, 8, 16, __nv_bfloat16, wmma::row_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile(
+      "wmma.load.a.sync.aligned.row.m32n8k16.shared.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]),
+        "=r"(r[7])
+      : "r"(addr), "r"(ldm)
+      : "memory");
+}
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_a, 32, 8, 16, __nv_bfloat16, wmma::col_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile(
+      "wmma.load.a.sync.aligned.col.m32n8k16.shared.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, [%8], %9;\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]), "=r"(r[4]), "=r"(r[5]), "=r"(r[6]),
+        "=r"(r[7])
+      : "r"(addr), "r"(ldm)
+      : "memory");
+}
+__device__ __forceinline__ void load_shared(
+    wmma::fragment<wmma::matrix_b, 32, 8, 16, __nv_bfloat16, wmma::col_major>& f,
+    const __nv_bfloat16* p, unsigned ldm) {
+  unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("wmma.load.b.sync.aligned.col.m32n8k16.shared.bf16 {%0, %1}, [%2], %3;\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr), "r"(ldm)
+               : "memory");
+}
+#endif
 
 // Barrier and memory fence among the 32 threads of warp `warp`: a named barrier (ids 1..4;
 // 0 is __syncthreads) rather than __syncwarp, which compiles to a divergence check and a
@@ -147,7 +198,7 @@ __device__ __forceinline__ void warp_barrier(int warp) {
 // Occupancy is set by shared memory (2 CTAs per SM at head 128); the explicit minimum of 1
 // keeps ptxas from capping registers at its own occupancy target, where it spilled a few
 // words on sm_80.
-template <typename T, int D, int BLOCK, int GROUP>
+template <typename T, int D, int BLOCK, int GROUP, int STAGES = 2>
 __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
     const T* __restrict__ query, const T* __restrict__ key_cache,
@@ -156,7 +207,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
     int num_heads, int num_kv_heads, int max_blocks, int num_blocks, float scale,
     float soft_cap) {
   namespace wmma = nvcuda::wmma;
-  using S = kvb::DecodeShape<T, D, BLOCK, GROUP>;
+  using S = kvb::DecodeShape<T, D, BLOCK, GROUP, STAGES>;
   constexpr int NT = kvb::kDecodeThreads;
   constexpr int kHeads = S::kHeads;
   constexpr int kHT = S::kHeadTiles;
@@ -183,9 +234,9 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
   const int lane = tid % 32;
   unsigned char* wbase = smem + warp * S::kWarpBytes;
   T* k_s = reinterpret_cast<T*>(wbase);
-  T* v_s = reinterpret_cast<T*>(wbase + S::kKvBytes);
-  float* s_s = reinterpret_cast<float*>(wbase + 2 * S::kKvBytes);
-  T* p_s = reinterpret_cast<T*>(wbase + 2 * S::kKvBytes + S::kSBytes);
+  T* v_s = reinterpret_cast<T*>(wbase + (S::kKvBufs - 1) * S::kKvBytes);  // k_s at STAGES 1
+  float* s_s = reinterpret_cast<float*>(wbase + S::kKvBufs * S::kKvBytes);
+  T* p_s = reinterpret_cast<T*>(wbase + S::kKvBufs * S::kKvBytes + S::kSBytes);
   T* q_s = reinterpret_cast<T*>(smem + S::kQOffset);
   int* tbl_s = reinterpret_cast<int*>(smem + S::kTableOffset);
   float* ml_s = reinterpret_cast<float*>(smem + S::kMlOffset);
@@ -298,17 +349,22 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
     __syncthreads();
     const int c1 = min(kv_end, c0 + S::kChunkTokens);
     int t0 = c0 + warp * S::kWarpTokens;
+    // Groups in flight per lane: STAGES 2 keeps two (keys and values of a tile, or the
+    // values of this one and the keys of the next), STAGES 1 one (its only buffer).
+    constexpr int kInFlight = S::kKvBufs - 1;
     if (t0 < c1) {
       issue_tile(k_s, key_cache, t0, first_block);
-      __pipeline_commit();
-      issue_tile(v_s, value_cache, t0, first_block);
-      __pipeline_commit();
+      kvb::cp_async_commit();
+      if constexpr (S::kKvBufs == 2) {
+        issue_tile(v_s, value_cache, t0, first_block);
+        kvb::cp_async_commit();
+      }
     }
     for (; t0 < c1; t0 += S::kCtaTokens) {
       const int next = t0 + S::kCtaTokens;
       const bool has_next = next < c1;
-      __pipeline_wait_prior(1);  // this tile's keys (its values may still be in flight)
-      kvb::warp_barrier(warp);              // every lane's key copies landed
+      kvb::cp_async_wait<kInFlight>();  // this tile's keys (its values may still be in flight)
+      kvb::warp_barrier(warp);          // every lane's key copies landed
 
       // 1. S^T = K . Q^T
       wmma::fragment<wmma::accumulator, 32, 8, 16, float> sacc[kHT];
@@ -317,11 +373,11 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
 #pragma unroll
       for (int kk = 0; kk < S::kKSteps; ++kk) {
         wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::row_major> ka;
-        wmma::load_matrix_sync(ka, k_s + kk * 16, kLd);
+        kvb::load_shared(ka, k_s + kk * 16, kLd);
 #pragma unroll
         for (int n = 0; n < kHT; ++n) {
           wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> qb;
-          wmma::load_matrix_sync(qb, q_s + n * 8 * kLd + kk * 16, kLd);
+          kvb::load_shared(qb, q_s + n * 8 * kLd + kk * 16, kLd);
           wmma::mma_sync(sacc[n], ka, qb, sacc[n]);
         }
       }
@@ -330,8 +386,12 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
         wmma::store_matrix_sync(s_s + n * 8 * S::kSLd, sacc[n], S::kSLd, wmma::mem_col_major);
       }
       kvb::warp_barrier(warp);  // scores visible; every lane is done reading the key tile
-      if (has_next) issue_tile(k_s, key_cache, next, first_block);
-      __pipeline_commit();
+      if constexpr (S::kKvBufs == 2) {
+        if (has_next) issue_tile(k_s, key_cache, next, first_block);
+      } else {
+        issue_tile(v_s, value_cache, t0, first_block);  // over the keys just consumed
+      }
+      kvb::cp_async_commit();
 
       // 2. Online softmax: 4 lanes per head, 8 keys each.
 #pragma unroll
@@ -381,8 +441,8 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
         kvb::store16(adst, a4);
         kvb::store16(adst + 4, a4);
       }
-      __pipeline_wait_prior(1);  // this tile's values
-      kvb::warp_barrier(warp);              // and every lane's P and alpha
+      kvb::cp_async_wait<kInFlight>();  // this tile's values
+      kvb::warp_barrier(warp);          // and every lane's P and alpha
 
       // 3. O^T = alpha * O^T + V^T . P^T
 #pragma unroll
@@ -400,21 +460,27 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
         wmma::fragment<wmma::matrix_b, 32, 8, 16, T, wmma::col_major> pb[kHT];
 #pragma unroll
         for (int n = 0; n < kHT; ++n) {
-          wmma::load_matrix_sync(pb[n], p_s + n * 8 * S::kPLd + kk * 16, S::kPLd);
+          kvb::load_shared(pb[n], p_s + n * 8 * S::kPLd + kk * 16, S::kPLd);
         }
 #pragma unroll
         for (int m = 0; m < S::kMTiles; ++m) {
           wmma::fragment<wmma::matrix_a, 32, 8, 16, T, wmma::col_major> va;
-          wmma::load_matrix_sync(va, v_s + kk * 16 * kLd + m * 32, kLd);
+          kvb::load_shared(va, v_s + kk * 16 * kLd + m * 32, kLd);
 #pragma unroll
           for (int n = 0; n < kHT; ++n) wmma::mma_sync(o[m][n], va, pb[n], o[m][n]);
         }
       }
       kvb::warp_barrier(warp);  // every lane is done reading the value tile, P and alpha
-      if (has_next) issue_tile(v_s, value_cache, next, first_block);
-      __pipeline_commit();
+      if (has_next) {
+        if constexpr (S::kKvBufs == 2) {
+          issue_tile(v_s, value_cache, next, first_block);
+        } else {
+          issue_tile(k_s, key_cache, next, first_block);
+        }
+      }
+      kvb::cp_async_commit();
     }
-    __pipeline_wait_prior(0);  // nothing in flight across a table slice (or into O below)
+    kvb::cp_async_wait<0>();  // nothing in flight across a table slice (or into O below)
   }
 
   // Merge the four warps' states: O^T to the warp's own K/V buffers, (max, sum) per head.

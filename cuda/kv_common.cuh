@@ -35,23 +35,40 @@ struct Elem;
 
 template <>
 struct Elem<float> {
+  static constexpr bool kIsBf16 = false;
   static __device__ __forceinline__ float to_float(float x) { return x; }
   static __device__ __forceinline__ float from_float(float x) { return x; }
 };
 
 template <>
 struct Elem<__half> {
+  static constexpr bool kIsBf16 = false;
   static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ unsigned short bits(__half x) {
+#ifdef KVB_EMULATION
+    return x.x;
+#else
+    return __half_as_ushort(x);
+#endif
+  }
 };
 
 template <>
 struct Elem<__nv_bfloat16> {
+  static constexpr bool kIsBf16 = true;
   static __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
     return __bfloat162float(x);
   }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
     return __float2bfloat16_rn(x);
+  }
+  static __device__ __forceinline__ unsigned short bits(__nv_bfloat16 x) {
+#ifdef KVB_EMULATION
+    return x.x;
+#else
+    return __bfloat16_as_ushort(x);
+#endif
   }
 };
 

@@ -1,91 +1,109 @@
-// Varlen paged prefill/extend attention on tensor cores (WMMA), FlashAttention-2 style.
+// Varlen paged prefill/extend attention on tensor cores, FlashAttention-2 style: raw
+// mma.sync m16n8k16 and ldmatrix (cuda/warp_mma.cuh, the PTX ISA's fragment layouts), S and
+// P in registers, K/V tiles loaded once per CTA with cp.async and shared by all its warps.
 //
-// Semantics are those of paged_attention_kernel's prefill path (kvblocks.ops.reference):
+// Semantics are those of split_k_attention_kernel's prefill path (kvblocks.ops.reference):
 // sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]; query i of a
 // chunk of q_len sits at position seq_len - q_len + i and sees keys j with
 // pos - window < j <= pos (causal offset), soft cap cap * tanh(s / cap) after scaling,
 // GQA (a CTA serves query heads of one KV head), K/V paged in HND via block tables. A row
 // without a visible key outputs zeros.
 //
-// Work split. A CTA (4 warps) owns kRows query rows of one KV head; row r is query
-// q0 + r / heads_per_cta, head chunk * heads_per_cta + r % heads_per_cta (the host packs
-// the heads of a GQA group into a CTA when chunks are short, so K/V are read once for
-// them). Warp w owns the 16 rows of row block w / kDSplit and the head columns
-// [(w % kDSplit) * kDH, +kDH): kDSplit = 2 at head 256 halves the per-warp accumulator.
-// Per K/V tile of kTile tokens, staged in shared memory with 16-byte loads:
-//   1. S = Q K^T on tensor cores; Q lives in registers as WMMA A-fragments (loaded once
-//      per query tile); the fp32 S fragments go to shared memory (with kDSplit = 2 the two
-//      warps of a row block store partial sums over their halves of the head).
-//   2. Online softmax on the shared scores (a fragment's element order is unspecified, so
-//      per-row work never touches fragment elements): 128 / kRows threads per row apply
-//      scale, soft cap and (on tiles that cross a row's causal/window/length edge only)
-//      the mask, reduce the tile max by shuffles and write P as T over the row's scores. The running max is rescaled lazily: only
-//      when a row's max grows by more than kRescaleLog2 (P stays below 2^8, exact enough in
-//      fp16/bf16 and far from overflow) does the CTA rescale that row block's fp32 output
-//      fragments, through shared memory; with a stable max (the usual case after the first
-//      tiles) the output accumulators never leave the tensor-core registers.
-//   3. O += P V on tensor cores, O in fp32 WMMA accumulators.
-// At the end the row sums are reduced, O is normalized through a per-warp 16x16 scratch
-// and written as T with 16-byte stores.
+// Work split. A CTA (4 warps) owns kRows = 64 x kMTiles query rows of one KV head (128;
+// 64 at heads 112 and 256, where two row blocks' registers spill); row r
+// is query q0 + r / heads_per_cta, head chunk * heads_per_cta + r % heads_per_cta (the host
+// packs the heads of a GQA group into a CTA when chunks are short, so K/V are read once for
+// them). Warp w owns the kMTiles row blocks of 16 rows [16 kMTiles w, 16 kMTiles (w + 1)):
+// every key or value fragment it loads from shared memory feeds kMTiles MMAs (2 up to head
+// 128: half the shared-memory reads per FLOP of one block per warp). Per K/V tile of kTile
+// keys:
+//   1. S = Q K^T into fp32 registers (C fragments): Q's A fragments by ldmatrix from the Q
+//      tile (or, at head 112, kept in registers for the whole query tile), K's B fragments
+//      by ldmatrix from the K rows (K^T needs no transpose: a K row is a B column).
+//   2. Online softmax in registers: a lane holds rows g and g + 8 of each row block (the C
+//      layout), two columns per 8-key block; the row max is reduced over the 4 lanes of a
+//      row by two xor shuffles. Scale, soft cap and, on tiles crossing a row's
+//      causal/window/length edge only (a CTA-uniform test), the mask. The running max is
+//      rescaled lazily: P = 2^(s - m) is taken against an m that may lag the row's true max
+//      by up to kRescaleLog2 (P < 2^8: exact enough in fp16/bf16, far from overflow); only
+//      when a row's max grows further does that thread rescale its output registers and row
+//      sum (the layout is known, so rows are rescaled one by one, in registers). The row sum
+//      is a per-lane partial, reduced once at the end.
+//   3. O += P V: P's A fragments are S's C fragments packed to 16 bits (two 8-key blocks
+//      make one 16-key k-step), V's B fragments by ldmatrix.trans from the V rows.
+// Loads (cp.async, 16 bytes a piece, into K and V buffers shared by the warps: two each,
+// one at head 256): the values of tile j + 1 load while tile j's S and softmax run, the keys
+// of tile j + 2 while its P V runs (with one buffer each: the values of j, the keys of
+// j + 1), so each step waits (cp.async.wait_group, one CTA barrier) only for the tile it
+// consumes: two barriers per tile. A tile's block ids are read a tile ahead, one per key
+// row, into a small shared ring. At the end the output is normalized in registers, staged as
+// T over the Q tile and written with 16-byte stores.
 //
 // Grid: x = num_kv_heads x head_chunks, y = sequence, z = query tile in reverse order: the
 // block scheduler issues z slowest, so the last (longest, causal) query tiles of every
 // sequence start first and the short ones fill the tail. A CTA serves tiles qt, qt + Z,
 // ... while they start below q_len (uniform over the CTA: barriers stay convergent), so the
 // host's max_query_len is only a hint and a grid capped at 65535 tiles still writes every row.
+// Causal: keys past the CTA's last query are never loaded (the tile loop stops there).
 //
-// Bounds safety as in paged_attention.cu: block ids outside [0, num_blocks) read block 0,
+// Bounds safety as in split_k_attention.cu: block ids outside [0, num_blocks) read block 0,
 // no position past max_blocks * block_size is read, query_start_loc is clamped to
 // [0, num_tokens]. block_size must be a power of two (the front-ends allow 8/16/32); the
 // kernel turns the token-to-block division into a shift and mask.
-#include <mma.h>
-
+#include "cp_async.cuh"
 #include "kv_common.cuh"
+#include "warp_mma.cuh"
 
 namespace kvb {
 
 template <typename T, int D>
 struct PrefillShape {
-  static constexpr int kWarps = kThreads / 32;
-  // Head 256 splits a row block's head columns over two warps (accumulator registers).
-  static constexpr int kDSplit = D > 128 ? 2 : 1;
-  static constexpr int kDH = D / kDSplit;  // head columns per warp
-  static constexpr int kRowBlocks = kWarps / kDSplit;
-  static constexpr int kRows = 16 * kRowBlocks;
-  // Tokens per K/V tile: 64 while K, V and the scores fit the default 48 KiB.
-  static constexpr int kTile = D <= 96 ? 64 : 32;
-  static constexpr int kVec = VecTraits<T>::kElems;
-  static constexpr int kVecsPerRow = D / kVec;
-  // Shared K/V/Q rows padded by 16 bytes (bank spread); 16 rows stay 32-byte aligned.
-  static constexpr int kKVStride = D + 8;                 // elements of T
-  static constexpr int kSStride = kTile + 4;              // floats per score row
-  static constexpr int kPStride = 2 * kSStride;           // T per P row (P overwrites S)
-  static constexpr int kTileBytes = kTile * kKVStride * 2;  // one of K or V
-  static constexpr int kLoads = (kTile * kVecsPerRow + kThreads - 1) / kThreads;
-  // Prefetch the next tile into registers while computing this one, up to 4 K+V vectors
-  // per thread (32 registers); head 80/96 at 64 tokens and head 256 load in the loop.
-  static constexpr bool kPrefetch = kLoads <= 4;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  // Row blocks of 16 per warp: 2 up to head 128 (O: 2 x D / 2 fp32 registers per lane),
+  // 1 at head 256 (its O alone is 128 registers) and at head 112 (where 2 spill).
+  static constexpr int kMTiles = D > 128 || D == 112 ? 1 : 2;
+  static constexpr int kRows = 16 * kMTiles * kWarps;
+  // Keys per K/V tile: 64 at head 64 (S: 2 x 32 registers per lane), 32 above, where O's
+  // registers leave no room for 64 (ptxas spills).
+  static constexpr int kTile = D > 64 ? 32 : 64;
+  static constexpr int kNTiles = kTile / 8;  // 8-key column blocks of S
+  static constexpr int kKSteps = D / 16;     // 16-column steps of Q K^T
+  static constexpr int kDTiles = D / 8;      // 8-column blocks of O
+  // Q's A fragments stay in registers for the whole query tile where one row block's fit
+  // in 32 (head 112); elsewhere they are read from the Q tile again for every K/V tile (at
+  // head 64 the 32 registers of two row blocks made ptxas spill).
+  static constexpr bool kQInRegs = kMTiles == 1 && kKSteps * 4 <= 32;
+  static constexpr int kPieces = D / 8;  // 16-byte pieces of a row
+  // Shared rows are padded by 16 bytes: the 8 rows one ldmatrix reads (and the 8 row
+  // starts of a cp.async batch) fall in 8 different bank groups.
+  static constexpr int kLd = D + 8;
+  // cp.async per thread per tile (the last one guarded where the pieces do not divide
+  // evenly: head 112).
+  static constexpr int kKvCopies = (kTile * kPieces + kThreads - 1) / kThreads;
+  static constexpr bool kEvenCopies = kTile * kPieces % kThreads == 0;
+  static constexpr int kTileBytes = kTile * kLd * 2;
+  // K and V buffers each: 2 (a tile's keys load two tiles ahead, its values one) where the
+  // layout keeps 2 CTAs on an A100's 164 KiB (<= 80 KiB), else 1 (keys one tile ahead,
+  // values while the tile's scores are computed: head 256).
+  static constexpr int kStages =
+      (kRows * kLd * 2 + 4 * kTileBytes + 3 * kTile * 4 <= 80 * 1024) ? 2 : 1;
+  // Layout (bytes): Q tile (then the output tile) | K tiles | V tiles | block id of every
+  // key row of the kStages + 1 tiles in flight.
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kRows * kLd * 2;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kIdsOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kIdSlots = kStages + 1;
+  static constexpr int kSmemBytes = kIdsOffset + kIdSlots * kTile * 4;
+  static_assert(kTile <= kThreads, "one block-id lookup per thread and tile");
   // CTAs per SM the register budget is sized for (__launch_bounds__).
   static constexpr int kMinCtas = 2;
-  static constexpr int kThreadsPerRow = kThreads / kRows;
-  static constexpr int kColsPerThread = kTile / kThreadsPerRow;
-  // Layout (bytes): K tile | V tile (the pair also stages Q) | scores (kDSplit partials) |
-  // per-warp 16x16 fp32 scratch | alpha[kRows] | inv_l[kRows] | flag[kWarps].
-  static constexpr int kKOffset = 0;
-  static constexpr int kVOffset = kTileBytes;
-  static constexpr int kSOffset = 2 * kTileBytes;
-  static constexpr int kScratchOffset = kSOffset + kDSplit * kRows * kSStride * 4;
-  static constexpr int kAlphaOffset = kScratchOffset + kWarps * 256 * 4;
-  static constexpr int kInvLOffset = kAlphaOffset + kRows * 4;
-  static constexpr int kFlagOffset = kInvLOffset + kRows * 4;
-  static constexpr int kSmemBytes = kFlagOffset + kWarps * 4;
 
   static_assert(sizeof(T) == 2, "the tensor-core kernel takes fp16/bf16 (fp32 keeps the old one)");
-  static_assert(D % 16 == 0 && kDH % 16 == 0, "head columns must be whole 16-wide fragments");
-  static_assert(kRows <= 2 * kTile, "Q is staged in the K and V tiles");
-  static_assert(kColsPerThread % 8 == 0, "P is written in 16-byte vectors");
-  static_assert((16 * kKVStride * 2) % 32 == 0 && (16 * kSStride * 4) % 32 == 0,
-                "WMMA tiles must start 32-byte aligned");
+  static_assert(D % 16 == 0, "head size: whole 16-column MMA steps");
+  static_assert(kNTiles % 2 == 0, "P's k-steps pair 8-key blocks");
+  static_assert((kLd * 2) % 16 == 0, "ldmatrix rows must be 16-byte aligned");
 };
 
 // Lazy rescaling threshold (log2 units): P = 2^(s - m_used) < 2^kRescaleLog2.
@@ -103,41 +121,13 @@ __device__ __forceinline__ float exp2_approx(float x) {
 #endif
 }
 
-namespace wmma = nvcuda::wmma;
-
-// Fragment loads from shared memory. NVVM gives the fp16 WMMA loads the .shared state space
-// (ldmatrix) but leaves the bf16 ones generic (per-element LD); the bf16 overloads state it
-// in PTX. The emulator has the plain API.
-template <typename Frag, typename T>
-__device__ __forceinline__ void load_shared(Frag& f, const T* p, unsigned ldm) {
-  wmma::load_matrix_sync(f, p, ldm);
-}
-
-#ifndef KVB_EMULATION
-#define KVB_BF16_LOAD_SHARED(USE, LAYOUT, AB, ROWCOL)                                         \
-  __device__ __forceinline__ void load_shared(                                               \
-      wmma::fragment<wmma::USE, 16, 16, 16, __nv_bfloat16, wmma::LAYOUT>& f,                 \
-      const __nv_bfloat16* p, unsigned ldm) {                                                \
-    unsigned* r = reinterpret_cast<unsigned*>(&f.x[0]);                                      \
-    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));                \
-    asm volatile("wmma.load." AB ".sync.aligned." ROWCOL                                      \
-                 ".m16n16k16.shared.bf16 {%0, %1, %2, %3}, [%4], %5;"                        \
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                            \
-                 : "r"(addr), "r"(ldm)                                                       \
-                 : "memory");                                                                \
-  }
-KVB_BF16_LOAD_SHARED(matrix_a, row_major, "a", "row")
-KVB_BF16_LOAD_SHARED(matrix_b, row_major, "b", "row")
-KVB_BF16_LOAD_SHARED(matrix_b, col_major, "b", "col")
-#undef KVB_BF16_LOAD_SHARED
-#endif
-
 }  // namespace kvb
 
 template <typename T, int D>
-// 4 warps, 2 CTAs per SM: up to 255 registers for the Q and output fragments and the
-// prefetched tile (no spills, checked by the NVRTC tests).
-__global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinCtas))
+// 4 warps, 2 CTAs per SM: up to 255 registers for the output and score fragments (no
+// spills, checked by the NVRTC tests).
+__global__ void __launch_bounds__((kvb::PrefillShape<T, D>::kThreads),
+                                  (kvb::PrefillShape<T, D>::kMinCtas))
     prefill_attention_kernel(
     T* __restrict__ out,                      // [tokens, num_heads, D]
     const T* __restrict__ query,              // [tokens, num_heads, D]
@@ -148,39 +138,28 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
     int num_blocks, int heads_per_cta, float scale, float soft_cap, int sliding_window) {
-  namespace wmma = nvcuda::wmma;
   using S = kvb::PrefillShape<T, D>;
-  constexpr int NT = kvb::kThreads;
+  constexpr int NT = S::kThreads;
   constexpr int ROWS = S::kRows;
   constexpr int TILE = S::kTile;
-  constexpr int DH = S::kDH;
-  constexpr int VPR = S::kVecsPerRow;
-  constexpr int VEC = S::kVec;
-  constexpr int KVS = S::kKVStride;
-  constexpr int SS = S::kSStride;
-  constexpr int TPR = S::kThreadsPerRow;
-  constexpr int CPT = S::kColsPerThread;
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
-  using FragKt = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
-  using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  constexpr int MT = S::kMTiles;
+  constexpr int NTL = S::kNTiles;
+  constexpr int LD = S::kLd;
+  constexpr int PIECES = S::kPieces;
+  constexpr int COPIES = S::kKvCopies;
 
   KVB_DYNAMIC_SMEM(smem);
+  T* q_s = reinterpret_cast<T*>(smem + S::kQOffset);
   T* k_s = reinterpret_cast<T*>(smem + S::kKOffset);
   T* v_s = reinterpret_cast<T*>(smem + S::kVOffset);
-  T* q_stage = k_s;  // ROWS x KVS, spans the K and V tiles before the K/V loop
-  float* s_s = reinterpret_cast<float*>(smem + S::kSOffset);
-  T* p_s = reinterpret_cast<T*>(s_s);  // P row r over the first half of score row r
-  float* alpha_s = reinterpret_cast<float*>(smem + S::kAlphaOffset);
-  float* inv_l_s = reinterpret_cast<float*>(smem + S::kInvLOffset);
-  int* flag_s = reinterpret_cast<int*>(smem + S::kFlagOffset);
+  int* ids_s = reinterpret_cast<int*>(smem + S::kIdsOffset);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int rb = warp / S::kDSplit;             // row block of this warp
-  const int col0 = (warp % S::kDSplit) * DH;   // first head column of this warp
-  float* scratch = reinterpret_cast<float*>(smem + S::kScratchOffset) + warp * 256;
+  const int g = lane / 4;  // the C/A fragment row of this lane (and g + 8)
+  const int tq = lane % 4;  // its column pair: 2 tq, 2 tq + 1
+  const int row0 = warp * 16 * MT;  // first row of this warp's row blocks
 
   const int group = num_heads / num_kv_heads;
   const int head_chunks = (group + heads_per_cta - 1) / heads_per_cta;
@@ -199,16 +178,23 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
   while ((1 << shift) < block_size) ++shift;  // block_size is a power of two
   const int in_block = block_size - 1;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks;
-  const long long head_stride = static_cast<long long>(block_size) * D;
   // Elements per cache block (all KV heads): far below 2^31, so a block's offset is one
   // 32 x 32 -> 64-bit multiply.
   const int block_stride = num_kv_heads * block_size * D;
-  const T* k_head = key_cache + kv_head * head_stride;
-  const T* v_head = value_cache + kv_head * head_stride;
+  const T* k_head = key_cache + static_cast<long long>(kv_head) * block_size * D;
+  const T* v_head = value_cache + static_cast<long long>(kv_head) * block_size * D;
 
-  // The softmax row of this thread and its visible key range [lo, hi).
-  const int srow = tid / TPR;
-  const int spart = tid % TPR;
+  // Base-2 logits: s * scale * log2(e), or cap * log2(e) * tanh(s * scale / cap). The
+  // plain scale is folded into the exponent's FFMA: positive, so the max commutes with it.
+  const bool capped = soft_cap > 0.f;
+  float mul = capped ? 1.f : scale * kvb::kLog2e;
+  // A soft cap, or a zero or negative scale, transforms the scores before the max; a
+  // positive scale is applied in the exponent only.
+  const bool transform = capped || !(mul > 0.f);
+  const float pre = capped ? 1.f : mul;
+  if (transform) mul = 1.f;
+  const float cap_inner = capped ? scale / soft_cap : 0.f;
+  const float cap_outer = soft_cap * kvb::kLog2e;
 
   for (int qt = gridDim.z - 1 - blockIdx.z; qt * queries_per_cta < q_len; qt += gridDim.z) {
     const int q0 = qt * queries_per_cta;
@@ -220,268 +206,333 @@ __global__ void __launch_bounds__(kvb::kThreads, (kvb::PrefillShape<T, D>::kMinC
     const int full_hi = min(first_pos + q0 + 1, kv_hi);
     const int full_lo = sliding_window > 0 ? first_pos + q0 + q_rows - sliding_window : kv_lo;
 
-    int row_lo = 0, row_hi = 0;  // empty for padding rows and heads past the group
-    {
-      const int qi = q0 + srow / heads_per_cta;
-      const int hg = chunk * heads_per_cta + srow % heads_per_cta;
-      if (srow < used_rows && qi < q_len && hg < group) {
-        const int pos = first_pos + qi;
-        row_hi = min(pos + 1, kv_cap);
-        row_lo = sliding_window > 0 ? pos - sliding_window + 1 : 0;
+    // Position of this lane's rows (g and g + 8 of each row block): they see keys
+    // (pos - window, pos]; -1 (no key) for padding rows and heads past the group.
+    int row_pos[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row0 + mt * 16 + g + 8 * h;
+        const int qi = q0 + r / heads_per_cta;
+        const int hg = chunk * heads_per_cta + r % heads_per_cta;
+        const bool valid = r < used_rows && qi < q_len && hg < group;
+        row_pos[mt][h] = valid ? first_pos + qi : -1;
       }
     }
 
-    // Stage the Q rows (zeros for padding rows) and pull this warp's A-fragments.
-    for (int i = tid; i < ROWS * VPR; i += NT) {
-      const int r = i / VPR;
-      const int v = i % VPR;
+    // Stage the Q rows (zeros for padding rows).
+    for (int i = tid; i < ROWS * PIECES; i += NT) {
+      const int r = i / PIECES;
+      const int c = i % PIECES;
       const int qi = q0 + r / heads_per_cta;
       const int hg = chunk * heads_per_cta + r % heads_per_cta;
       kvb::Vec16 val = kvb::zero16();
       if (r < used_rows && qi < q_len && hg < group) {
         const long long tok = q_begin + qi;
-        val = kvb::load16(query + (tok * num_heads + kv_head * group + hg) * D + v * VEC);
+        val = kvb::load16(query + (tok * num_heads + kv_head * group + hg) * D + c * 8);
       }
-      kvb::store16(q_stage + r * KVS + v * VEC, val);
+      kvb::store16(q_s + r * LD + c * 8, val);
     }
-    __syncthreads();
-    FragA q_frag[DH / 16];
-#pragma unroll
-    for (int k = 0; k < DH / 16; ++k) {
-      kvb::load_shared(q_frag[k], q_stage + rb * 16 * KVS + col0 + k * 16, KVS);
-    }
-    FragC o_frag[DH / 16];
-#pragma unroll
-    for (int n = 0; n < DH / 16; ++n) wmma::fill_fragment(o_frag[n], 0.f);
-    float m_run = KVB_NEG_INF;  // running max (base 2) of this thread's row, as used by P
-    float l_part = 0.f;         // this thread's share of the row's sum of P
 
-    // K and V rows of a tile into registers.
-    kvb::Vec16 k_reg[S::kLoads], v_reg[S::kLoads];
-    int blk[S::kLoads];
-    // Block ids of a tile's tokens, all read before any K/V address needs one (issued in
-    // order behind each other, their latencies would add up), a tile before the K/V loads
-    // that use them: the loop never waits for a block-table read.
+    float o[MT][S::kDTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < S::kDTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.f;
+      }
+    }
+    float m_run[MT][2], l_part[MT][2];  // per row: the max P is taken against, sum share
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      m_run[mt][0] = m_run[mt][1] = KVB_NEG_INF;
+      l_part[mt][0] = l_part[mt][1] = 0.f;
+    }
+    __syncthreads();  // Q staged (and the last query tile's output read)
+    // Q's A fragments for the whole query tile, where they fit in registers.
+    unsigned qf[S::kQInRegs ? MT : 1][S::kQInRegs ? S::kKSteps : 1][4];
+    if constexpr (S::kQInRegs) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < S::kKSteps; ++kk) {
+          kvb::ldmatrix_x4<false>(qf[mt][kk], q_s + (row0 + mt * 16 + lane % 16) * LD +
+                                                  kk * 16 + (lane / 16) * 8);
+        }
+      }
+    }
+
+    // Key row tid of a tile: its block id (rows past kv_hi read the last key's block:
+    // finite cache data, masked like every key past a row's end). Thread t < TILE reads it
+    // a tile ahead into ids_s, from where the copies of both K and V take it.
     auto lookup = [&](int t0) {
-#pragma unroll
-      for (int l = 0; l < S::kLoads; ++l) {
-        const int idx = tid + l * NT;
-        const int j = min(t0 + idx / VPR, kv_hi - 1);
-        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) blk[l] = table[j >> shift];
-      }
+      const int j = min(t0 + tid, kv_hi - 1);
+      const int b = table[j >> shift];
+      return b < 0 || b >= num_blocks ? 0 : b;  // never read outside the cache
     };
-    // Tokens past kv_hi load the last key's row again instead of branching to zeros: it is
-    // finite cache data and every row masks it (P = 0), as the tail tile always masks.
-    auto fetch = [&](int t0) {
+    // cp.async of a tile's K (or V) rows. Where a row's 16-byte pieces divide evenly among
+    // NT / TILE threads, thread tid copies pieces tid % TPR + TPR i of row tid / TPR (one
+    // block id and base address per thread; the TPR threads of a row read 16 TPR contiguous
+    // bytes per copy); else piece tid + NT i = (row, column) of the tile.
+    constexpr int TPR = NT / TILE;
+    auto issue = [&](T* buf, int t0, const int* ids, const T* head) {
+      if constexpr (NT % TILE == 0 && PIECES % TPR == 0) {
+        const int row = tid / TPR;
+        const int j = min(t0 + row, kv_hi - 1);
+        const T* src = head + static_cast<long long>(ids[row]) * block_stride + (j & in_block) * D;
+        T* dst = buf + row * LD;
 #pragma unroll
-      for (int l = 0; l < S::kLoads; ++l) {
-        const int idx = tid + l * NT;
-        const int j = min(t0 + idx / VPR, kv_hi - 1);
-        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) {
-          const int b = blk[l] < 0 || blk[l] >= num_blocks ? 0 : blk[l];  // stay in the cache
-          const long long off = static_cast<long long>(b) * block_stride +
-                                ((j & in_block) * D + (idx % VPR) * VEC);
-          k_reg[l] = kvb::load16(k_head + off);
-          v_reg[l] = kvb::load16(v_head + off);
+        for (int i = 0; i < PIECES / TPR; ++i) {
+          const int col = (tid % TPR + TPR * i) * 8;
+          kvb::cp_async16(dst + col, src + col, 16);
+        }
+        return;
+      }
+#pragma unroll
+      for (int i = 0; i < COPIES; ++i) {
+        const int p = tid + NT * i;
+        if (S::kEvenCopies || p < TILE * PIECES) {
+          const int row = p / PIECES;
+          const int col = (p % PIECES) * 8;
+          const int j = min(t0 + row, kv_hi - 1);
+          const T* src = head + static_cast<long long>(ids[row]) * block_stride +
+                         ((j & in_block) * D + col);
+          kvb::cp_async16(buf + row * LD + col, src, 16);
         }
       }
     };
-    auto stage = [&]() {
+
+    // Tile j (keys kv_lo + j TILE ..) lives in K/V buffers j % STAGES and its block ids in
+    // slot j % (STAGES + 1). Per tile j: at the first barrier its keys have landed and the
+    // values of tile j + STAGES - 1 are issued; at the second its values have landed and
+    // the keys of tile j + STAGES are issued. Commit order: keys of 0, (values of 0, keys
+    // of 1), then one group per issue, so each wait leaves the 2 (STAGES - 1) newest groups
+    // in flight.
+    constexpr int STAGES = S::kStages;
+    constexpr int kPending = 2 * (STAGES - 1);
+    const int tiles = kv_lo < kv_hi ? (kv_hi - kv_lo + TILE - 1) / TILE : 0;
+    auto kbuf = [&](int j) { return k_s + (j % STAGES) * (TILE * LD); };
+    auto vbuf = [&](int j) { return v_s + (j % STAGES) * (TILE * LD); };
+    auto ids_of = [&](int j) { return ids_s + (j % S::kIdSlots) * TILE; };
+    if (tiles > 0) {
 #pragma unroll
-      for (int l = 0; l < S::kLoads; ++l) {
-        const int idx = tid + l * NT;
-        if (S::kLoads * NT == TILE * VPR || idx < TILE * VPR) {
-          const int off = (idx / VPR) * KVS + (idx % VPR) * VEC;
-          kvb::store16(k_s + off, k_reg[l]);
-          kvb::store16(v_s + off, v_reg[l]);
+      for (int j = 0; j < STAGES; ++j) {
+        if (tid < TILE) ids_of(j)[tid] = lookup(kv_lo + j * TILE);
+      }
+      __syncthreads();
+      issue(kbuf(0), kv_lo, ids_of(0), k_head);
+      kvb::cp_async_commit();
+      if constexpr (STAGES == 2) {
+        issue(vbuf(0), kv_lo, ids_of(0), v_head);
+        kvb::cp_async_commit();
+        if (tiles > 1) issue(kbuf(1), kv_lo + TILE, ids_of(1), k_head);
+        kvb::cp_async_commit();
+      }
+    }
+    for (int jt = 0; jt < tiles; ++jt) {
+      const int t0 = kv_lo + jt * TILE;
+      const T* k_tile = kbuf(jt);
+      const T* v_tile = vbuf(jt);
+      kvb::cp_async_wait<kPending>();  // this tile's keys
+      __syncthreads();  // every thread's keys landed; the tile before is done (buffers free)
+      {
+        const int jv = jt + STAGES - 1;  // values: this tile's, or the next one's
+        if (jv < tiles) issue(vbuf(jv), kv_lo + jv * TILE, ids_of(jv), v_head);
+        kvb::cp_async_commit();
+      }
+      // Block ids of the tile whose keys load at the second barrier: read now, stored
+      // after S (the load's latency hides behind it).
+      const int jk = jt + STAGES;
+      const int next_id = jk < tiles && tid < TILE ? lookup(kv_lo + jk * TILE) : 0;
+
+      // 1. S = Q K^T, fp32, in registers.
+      float s[MT][NTL][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < NTL; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.f;
         }
       }
-    };
-    if (kv_lo < kv_hi) {
-      lookup(kv_lo);
-      if (S::kPrefetch) {
-        fetch(kv_lo);
-        lookup(kv_lo + TILE);
+#pragma unroll
+      for (int kk = 0; kk < S::kKSteps; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (S::kQInRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mt][e] = qf[mt][kk][e];
+          } else {
+            kvb::ldmatrix_x4<false>(
+                a[mt], q_s + (row0 + mt * 16 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NTL / 2; ++np) {
+          // Keys 16 np .. +15, columns 16 kk .. +15: B fragments of two 8-key blocks.
+          unsigned b[4];
+          kvb::ldmatrix_x4<false>(b, k_tile + (np * 16 + (lane / 16) * 8 + lane % 8) * LD +
+                                         kk * 16 + ((lane / 8) % 2) * 8);
+          const unsigned b0[2] = {b[0], b[1]};
+          const unsigned b1[2] = {b[2], b[3]};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            kvb::mma_16816<T>(s[mt][2 * np], a[mt], b0, s[mt][2 * np]);
+            kvb::mma_16816<T>(s[mt][2 * np + 1], a[mt], b1, s[mt][2 * np + 1]);
+          }
+        }
+      }
+
+      // 2. Online softmax on this lane's rows.
+      if (transform) {  // uniform over the CTA; not taken in the plain case
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int n = 0; n < NTL; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float v = s[mt][n][e] * pre;
+              s[mt][n][e] = capped ? cap_outer * tanhf(v * cap_inner) : v;
+            }
+          }
+        }
+      }
+      const bool mask_tile = t0 + TILE > full_hi || t0 < full_lo;  // uniform over the CTA
+      if (mask_tile) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int hi = min(row_pos[mt][h] + 1, kv_cap);  // 0 for an invalid row: no key
+            const int lo = sliding_window > 0 ? row_pos[mt][h] + 1 - sliding_window : 0;
+#pragma unroll
+            for (int n = 0; n < NTL; ++n) {
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int j = t0 + n * 8 + 2 * tq + e;
+                const bool ok = j >= lo && j < hi;
+                s[mt][n][2 * h + e] = ok ? s[mt][n][2 * h + e] : KVB_NEG_INF;
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float mx = KVB_NEG_INF;
+#pragma unroll
+          for (int n = 0; n < NTL; ++n) {
+            mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+          mx *= mul;
+          if (m_run[mt][h] == KVB_NEG_INF) {
+            m_run[mt][h] = mx;  // first visible tile (or still none): O and l are zero
+          } else if (mx > m_run[mt][h] + kvb::kRescaleLog2) {
+            // Rare: the row's max jumped. Rescale its output registers and sum share.
+            const float alpha = kvb::exp2_approx(m_run[mt][h] - mx);
+            l_part[mt][h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < S::kDTiles; ++n) {
+              o[mt][n][2 * h] *= alpha;
+              o[mt][n][2 * h + 1] *= alpha;
+            }
+            m_run[mt][h] = mx;
+          }
+          const float base = m_run[mt][h] == KVB_NEG_INF ? 0.f : m_run[mt][h];  // no NaN
+#pragma unroll
+          for (int n = 0; n < NTL; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float p = kvb::exp2_approx(fmaf(s[mt][n][2 * h + e], mul, -base));
+              s[mt][n][2 * h + e] = p;
+              l_part[mt][h] += p;
+            }
+          }
+        }
+      }
+
+      if (tid < TILE) ids_of(jk)[tid] = next_id;
+      kvb::cp_async_wait<kPending>();  // this tile's values
+      __syncthreads();  // every thread's values landed; every warp is done with the keys
+      if (jk < tiles) issue(kbuf(jk), kv_lo + jk * TILE, ids_of(jk), k_head);
+      kvb::cp_async_commit();
+
+      // 3. O += P V: P's A fragments straight from S's registers.
+#pragma unroll
+      for (int ks = 0; ks < NTL / 2; ++ks) {
+        unsigned pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          pa[mt][0] = kvb::pack2<T>(s[mt][2 * ks][0], s[mt][2 * ks][1]);
+          pa[mt][1] = kvb::pack2<T>(s[mt][2 * ks][2], s[mt][2 * ks][3]);
+          pa[mt][2] = kvb::pack2<T>(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
+          pa[mt][3] = kvb::pack2<T>(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < S::kDTiles / 2; ++dp) {
+          // Keys 16 ks .. +15 (rows of V), columns 16 dp .. +15: transposed B fragments.
+          unsigned b[4];
+          kvb::ldmatrix_x4<true>(b, v_tile + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                        dp * 16 + (lane / 16) * 8);
+          const unsigned b0[2] = {b[0], b[1]};
+          const unsigned b1[2] = {b[2], b[3]};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            kvb::mma_16816<T>(o[mt][2 * dp], pa[mt], b0, o[mt][2 * dp]);
+            kvb::mma_16816<T>(o[mt][2 * dp + 1], pa[mt], b1, o[mt][2 * dp + 1]);
+          }
+        }
+        if constexpr (S::kDTiles % 2) {  // head 80 / 112: a last 8-column block
+          unsigned b[2];
+          kvb::ldmatrix_x2<true>(b, v_tile + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                        (S::kDTiles - 1) * 8);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            kvb::mma_16816<T>(o[mt][S::kDTiles - 1], pa[mt], b, o[mt][S::kDTiles - 1]);
+          }
+        }
       }
     }
 
-    for (int t0 = kv_lo; t0 < kv_hi; t0 += TILE) {
-      if (!S::kPrefetch) fetch(t0);
-      __syncthreads();  // the previous tile's V and P (or the staged Q) are consumed
-      stage();
-      __syncthreads();
-      // The next tile's loads fly while this one is computed (when registers allow).
-      if (t0 + TILE < kv_hi) {
-        if (S::kPrefetch) {
-          fetch(t0 + TILE);  // its block ids were read a tile ago
-          lookup(t0 + 2 * TILE);
-        } else {
-          lookup(t0 + TILE);
-        }
-      }
-
-      // 1. S (partial over this warp's head columns) = Q K^T.
-      {
-        FragC s_frag[TILE / 16];
-#pragma unroll
-        for (int n = 0; n < TILE / 16; ++n) wmma::fill_fragment(s_frag[n], 0.f);
-#pragma unroll
-        for (int k = 0; k < DH / 16; ++k) {
-#pragma unroll
-          for (int n = 0; n < TILE / 16; ++n) {
-            FragKt k_frag;
-            kvb::load_shared(k_frag, k_s + n * 16 * KVS + col0 + k * 16, KVS);
-            wmma::mma_sync(s_frag[n], q_frag[k], k_frag, s_frag[n]);
-          }
-        }
-        float* s_part = s_s + (warp % S::kDSplit) * ROWS * SS + rb * 16 * SS;
-#pragma unroll
-        for (int n = 0; n < TILE / 16; ++n) {
-          wmma::store_matrix_sync(s_part + n * 16, s_frag[n], SS, wmma::mem_row_major);
-        }
-      }
-      __syncthreads();
-
-      // 2. Online softmax: TPR threads per row, CPT columns each.
-      {
-        float s[CPT];
-        const float* src = s_s + srow * SS + spart * CPT;
-#pragma unroll
-        for (int c = 0; c < CPT; c += 4) {
-          const float4 v = *reinterpret_cast<const float4*>(src + c);
-          s[c] = v.x;
-          s[c + 1] = v.y;
-          s[c + 2] = v.z;
-          s[c + 3] = v.w;
-        }
-        if (S::kDSplit == 2) {
-#pragma unroll
-          for (int c = 0; c < CPT; c += 4) {
-            const float4 v = *reinterpret_cast<const float4*>(src + ROWS * SS + c);
-            s[c] += v.x;
-            s[c + 1] += v.y;
-            s[c + 2] += v.z;
-            s[c + 3] += v.w;
-          }
-        }
-        // Base-2 logits: s * scale * log2(e), or cap * log2(e) * tanh(s * scale / cap).
-        // The plain scale is folded into the exponent's FFMA below: positive, so the max
-        // commutes with it.
-        float mul = scale * kvb::kLog2e;
-        if (soft_cap > 0.f) {
-          const float inner = scale / soft_cap;
-          const float outer = soft_cap * kvb::kLog2e;
-#pragma unroll
-          for (int c = 0; c < CPT; ++c) s[c] = outer * tanhf(s[c] * inner);
-          mul = 1.f;
-        }
-        if (!(mul > 0.f)) {  // a zero or negative scale: apply it first
-#pragma unroll
-          for (int c = 0; c < CPT; ++c) s[c] *= mul;
-          mul = 1.f;
-        }
-        const bool mask_tile = t0 + TILE > full_hi || t0 < full_lo;  // uniform over the CTA
-        if (mask_tile) {
-          const int j0 = t0 + spart * CPT;
-#pragma unroll
-          for (int c = 0; c < CPT; ++c) {
-            const int j = j0 + c;
-            s[c] = (j >= row_lo && j < row_hi) ? s[c] : KVB_NEG_INF;
-          }
-        }
-        float mx = KVB_NEG_INF;
-#pragma unroll
-        for (int c = 0; c < CPT; ++c) mx = fmaxf(mx, s[c]);
-#pragma unroll
-        for (int o = 1; o < TPR; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        mx *= mul;
-        // The max P is taken against: fixed until it falls kRescaleLog2 behind.
-        float alpha = 1.f;
-        int rescale = 0;
-        if (m_run == KVB_NEG_INF) {
-          m_run = mx;  // first visible tile (or still none): O and l are zero
-        } else if (mx > m_run + kvb::kRescaleLog2) {
-          alpha = kvb::exp2_approx(m_run - mx);
-          l_part *= alpha;
-          m_run = mx;
-          rescale = 1;
-        }
-        const float base = m_run == KVB_NEG_INF ? 0.f : m_run;  // all -inf: P = 0, not NaN
-#pragma unroll
-        for (int c = 0; c < CPT; ++c) {
-          s[c] = kvb::exp2_approx(fmaf(s[c], mul, -base));
-          l_part += s[c];
-        }
-#pragma unroll
-        for (int o = 1; o < 32; o *= 2) rescale |= __shfl_xor_sync(0xffffffffu, rescale, o);
-        __syncwarp();  // the row's scores are all read before P overwrites them
-        T* dst = p_s + srow * S::kPStride + spart * CPT;
-#pragma unroll
-        for (int c = 0; c < CPT; c += 8) kvb::store16(dst + c, kvb::pack<T>(s + c));
-        if (spart == 0) alpha_s[srow] = alpha;
-        if (lane == 0) flag_s[warp] = rescale;
-      }
-      __syncthreads();
-
-      // 3. O = alpha O + P V. The softmax warps of row block rb are this warp's pair.
-      int rescale = 0;
-#pragma unroll
-      for (int w = 0; w < S::kDSplit; ++w) rescale |= flag_s[rb * S::kDSplit + w];
-      if (rescale) {
-        // Rare: a row's max jumped. Scale the accumulator rows through the scratch tile.
-#pragma unroll
-        for (int n = 0; n < DH / 16; ++n) {
-          wmma::store_matrix_sync(scratch, o_frag[n], 16, wmma::mem_row_major);
-          __syncwarp();
-          for (int e = lane; e < 256; e += 32) scratch[e] *= alpha_s[rb * 16 + e / 16];
-          __syncwarp();
-          wmma::load_matrix_sync(o_frag[n], scratch, 16, wmma::mem_row_major);
-          __syncwarp();
-        }
-      }
-      FragA p_frag[TILE / 16];
-#pragma unroll
-      for (int k = 0; k < TILE / 16; ++k) {
-        kvb::load_shared(p_frag[k], p_s + rb * 16 * S::kPStride + k * 16, S::kPStride);
-      }
-#pragma unroll
-      for (int n = 0; n < DH / 16; ++n) {
-#pragma unroll
-        for (int k = 0; k < TILE / 16; ++k) {
-          FragV v_frag;
-          kvb::load_shared(v_frag, v_s + k * 16 * KVS + col0 + n * 16, KVS);
-          wmma::mma_sync(o_frag[n], p_frag[k], v_frag, o_frag[n]);
-        }
-      }
-    }
-
-    // Row sums, then normalize and store this warp's 16 x DH output block.
-#pragma unroll
-    for (int o = 1; o < TPR; o *= 2) l_part += __shfl_xor_sync(0xffffffffu, l_part, o);
-    if (spart == 0) inv_l_s[srow] = l_part > 0.f ? 1.f / l_part : 0.f;  // no key: zeros
+    // Row sums over the 4 lanes of a row, then O / l as T over the Q tile (every warp is
+    // done with Q: the barrier below), then 16-byte stores of the valid rows.
+    kvb::cp_async_wait<0>();  // (only empty groups are left)
     __syncthreads();
-    {
-      const int r = rb * 16 + lane / 2;
-      const int half = lane % 2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = l_part[mt][h];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros
+        T* dst = q_s + (row0 + mt * 16 + g + 8 * h) * LD + 2 * tq;
+#pragma unroll
+        for (int n = 0; n < S::kDTiles; ++n) {
+          const unsigned packed = kvb::pack2<T>(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+          *reinterpret_cast<unsigned*>(dst + n * 8) = packed;
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < ROWS * PIECES; i += NT) {
+      const int r = i / PIECES;
+      const int c = i % PIECES;
       const int qi = q0 + r / heads_per_cta;
       const int hg = chunk * heads_per_cta + r % heads_per_cta;
-      const bool valid = r < used_rows && qi < q_len && hg < group;
-      T* dst = out + ((static_cast<long long>(q_begin) + qi) * num_heads + kv_head * group + hg) *
-                         D + col0 + half * 8;
-      const float inv = inv_l_s[r];
-#pragma unroll
-      for (int n = 0; n < DH / 16; ++n) {
-        wmma::store_matrix_sync(scratch, o_frag[n], 16, wmma::mem_row_major);
-        __syncwarp();
-        if (valid) {
-          float vals[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) vals[e] = scratch[(lane / 2) * 16 + half * 8 + e] * inv;
-          kvb::store16(dst + n * 16, kvb::pack<T>(vals));
-        }
-        __syncwarp();
+      if (r < used_rows && qi < q_len && hg < group) {
+        const long long tok = q_begin + qi;
+        kvb::store16(out + (tok * num_heads + kv_head * group + hg) * D + c * 8,
+                     kvb::load16(q_s + r * LD + c * 8));
       }
     }
-    __syncthreads();  // the next query tile restages Q and rewrites inv_l
+    __syncthreads();  // the next query tile restages Q over the output
   }
 }

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from kvblocks.ops.cuda_sources import ATTENTION_SOURCE, CACHE_OPS_SOURCE, kernel_names
-from kvblocks.ops.launch_plan import attention_smem_bytes
+from kvblocks.ops.cuda_sources import CACHE_OPS_SOURCE, SPLIT_K_SOURCE, kernel_names
+from kvblocks.ops.launch_plan import split_k_smem_bytes
 from kvblocks.ops.nvrtc_build import compile_source
 
 _DTYPES = {"float": "float32", "__half": "float16", "__nv_bfloat16": "bfloat16"}
@@ -18,12 +18,12 @@ _DTYPES = {"float": "float32", "__half": "float16", "__nv_bfloat16": "bfloat16"}
 
 def _dynamic_smem(name: str) -> int:
     """Dynamic shared memory the planner launches an attention kernel with."""
-    if not name.startswith("paged_attention_kernel<"):
+    if not name.startswith("split_k_attention_kernel<"):
         return 0
     import torch
 
     ctype, head, rows = name[name.index("<") + 1 : -1].split(", ")
-    return attention_smem_bytes(getattr(torch, _DTYPES[ctype]), int(head), int(rows))
+    return split_k_smem_bytes(getattr(torch, _DTYPES[ctype]), int(head), int(rows))
 
 
 def main(archs: list[str]) -> int:
@@ -33,7 +33,7 @@ def main(archs: list[str]) -> int:
         print(f"== {arch}")
         print(f"{'kernel':<48} {'regs':>5} {'spill st':>9} {'spill ld':>9} {'stack':>6} "
               f"{'smem':>6} {'dyn smem':>9}")  # fmt: skip
-        for source in (CACHE_OPS_SOURCE, ATTENTION_SOURCE):
+        for source in (CACHE_OPS_SOURCE, SPLIT_K_SOURCE):
             result = compile_source(source, arch, kernel_names(source))
             for name in kernel_names(source):
                 k = result.kernels[name]

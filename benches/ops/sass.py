@@ -452,6 +452,7 @@ def warp_trace(
 
 
 LATENCY = {
+    "tensor": 30,
     "global_load": 200,
     "shared_load": 30,
     "const_load": 8,
@@ -460,8 +461,9 @@ LATENCY = {
     "shuffle": 25,
 }
 """Cycles until a result can be used, by class (4 for the rest: integer, FP32 and FP16
-pipes); a rough reading of published Ampere/Hopper microbenchmarks. ``global_load`` is an
-L2 hit (the block table); conversions through the XU pipe (I2F, F2I, F2F) take 8."""
+pipes); a rough reading of published Ampere/Hopper microbenchmarks (HMMA.16816 ~30 on
+both). ``global_load`` is an L2 hit (the block table); conversions through the XU pipe
+(I2F, F2I, F2F) take 8."""
 
 _REG = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
 _PRED = re.compile(r"^!?(U?P)(\d)$")

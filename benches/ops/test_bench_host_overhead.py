@@ -8,7 +8,7 @@ at batch 64 (32 query heads over 8 KV heads of 128, fp16, block 16, mixed length
 4k) on an H100-sized plan (132 SMs x 2 CTAs). Tensors live on the CPU; no kernel runs.
 
 * ``old``: the front-end checks plus the older split-K driver
-  (``kernel_driver.run_attention``, planned from ``max_seq_len``), what
+  (``kernel_driver.run_split_k_attention``, planned from ``max_seq_len``), what
   ``ops.paged_attention`` did per call before the length-aware path;
 * ``functional``: the same front-end checks plus the length-aware path with a cached
   plan (``ops.paged_attention(..., seq_lens_host=...)``, the step's earlier layers
@@ -80,7 +80,7 @@ def front_end_checks(b: dict[str, Any], max_seq_len: int | None) -> None:
 
 def old_call(launch: NoopLauncher, b: dict[str, Any], max_seq_len: int) -> torch.Tensor:
     front_end_checks(b, max_seq_len)
-    return kernel_driver.run_attention(
+    return kernel_driver.run_split_k_attention(
         launch, b["query"], b["key_cache"], b["value_cache"], b["block_tables"],
         b["seq_lens"], None, scale=None, sliding_window=None, soft_cap=None,
         max_query_len=1, max_seq_len=max_seq_len, target_ctas=OLD_TARGET_CTAS,
@@ -113,7 +113,7 @@ def test_old(benchmark: Any, batch: dict[str, Any]) -> None:
     launch = NoopLauncher()
     max_seq_len = int(batch["lens"].max())
     benchmark(old_call, launch, batch, max_seq_len)
-    assert launch.last[0].name.startswith("paged_attention_kernel<")
+    assert launch.last[0].name.startswith("split_k_attention_kernel<")
     _ratio(benchmark, "old")
 
 

@@ -1,7 +1,9 @@
 // cuda_emu.h: run CUDA kernel source on CPU, for testing without a GPU.
 //
-// Each CUDA thread of a block is a fiber (its own stack, ucontext switching) on the
-// launching OS thread; the blocks of a grid run in turn. A fiber runs until it waits at a
+// Each CUDA thread of a block is a fiber (its own stack; a register-saving switch in
+// assembly on x86-64, ucontext elsewhere) on one OS thread; the blocks of a grid run on
+// several OS threads at once (KVB_EMU_THREADS, default one per core), a block at a time
+// each. A fiber runs until it waits at a
 // barrier (__syncthreads, a warp shuffle, __syncwarp, kernel exit) or finishes; the last
 // arrival releases the others. Fibers are resumed alternately in ascending and descending
 // order, so a read that misses a barrier sees stale or poisoned data either way round.
@@ -50,9 +52,14 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 #ifndef KVB_EMU_OS_THREADS
+#include <atomic>
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if defined(__x86_64__) && !defined(KVB_EMU_UCONTEXT)
+#define KVB_EMU_ASM_SWITCH 1
+#else
+#include <ucontext.h>
+#endif
 #endif
 
 // ---- CUDA keywords ------------------------------------------------------------------
@@ -62,9 +69,15 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))
-// Static __shared__ arrays: one instance, shared by the block's threads (blocks of a
-// launch run one after another and launches are serialized).
+// Static __shared__ arrays: one instance per OS thread, shared by the block's threads
+// (a block's fibers run on one OS thread; blocks running at once are on different ones;
+// launches are serialized). The ThreadSanitizer build runs a CUDA thread per OS thread and
+// its blocks one after another: one instance.
+#ifdef KVB_EMU_OS_THREADS
 #define __shared__ static
+#else
+#define __shared__ static thread_local
+#endif
 
 struct uint3 {
   unsigned int x, y, z;
@@ -208,7 +221,23 @@ inline int timeout_ms() {
   return env ? std::atoi(env) : 600000;
 }
 
-enum BarrierKind { kSyncThreads = 1, kBlockExit, kBlockPoisoned, kWarpSync, kShflWrite, kShflRead };
+enum BarrierKind {
+  kSyncThreads = 1,
+  kBlockExit,
+  kBlockPoisoned,
+  kWarpSync,
+  kShflWrite,
+  kShflRead,
+  kLdmatrix,  // warp collectives (ptx_emu.h): every lane's operands, then every lane's result
+  kMma,
+  kWmmaMma,  // wmma::mma_sync (include/mma.h): computed once for the warp
+};
+
+// A callback the last thread to arrive at a barrier runs before any is released.
+struct OnComplete {
+  void (*fn)(void*) = nullptr;
+  void* ctx = nullptr;
+};
 
 inline const char* kind_name(int kind) {
   switch (kind) {
@@ -218,6 +247,9 @@ inline const char* kind_name(int kind) {
     case kWarpSync: return "__syncwarp";
     case kShflWrite: return "warp shuffle (write)";
     case kShflRead: return "warp shuffle (read)";
+    case kLdmatrix: return "ldmatrix";
+    case kMma: return "mma.sync";
+    case kWmmaMma: return "wmma::mma_sync";
     default: return "?";
   }
 }
@@ -239,7 +271,7 @@ class Barrier {
  public:
   explicit Barrier(int expected, const char* scope) : expected_(expected), scope_(scope) {}
 
-  void wait(int kind) {
+  void wait(int kind, OnComplete done = {}) {
     std::unique_lock<std::mutex> lock(mu_);
     if (arrived_ == 0) {
       kind_ = kind;
@@ -248,6 +280,7 @@ class Barrier {
     }
     const unsigned long gen = generation_;
     if (++arrived_ == expected_) {
+      if (done.fn) done.fn(done.ctx);
       arrived_ = 0;
       ++generation_;
       cv_.notify_all();
@@ -256,9 +289,9 @@ class Barrier {
     // A block-wide barrier waits twice as long as a warp's: when a warp-level barrier
     // deadlocks, the threads of its block that already reached kernel exit (or a
     // __syncthreads) wait too, and the warp's own, more specific report must come first.
-    const int ms = kind == kWarpSync || kind == kShflWrite || kind == kShflRead
-                       ? timeout_ms()
-                       : 2 * timeout_ms();
+    const int ms = kind == kSyncThreads || kind == kBlockExit || kind == kBlockPoisoned
+                       ? 2 * timeout_ms()
+                       : timeout_ms();
     if (!cv_.wait_for(lock, std::chrono::milliseconds(ms),
                       [&] { return generation_ != gen; })) {
       char msg[256];
@@ -281,6 +314,108 @@ class Barrier {
   unsigned long generation_ = 0;
 };
 #else
+#ifdef KVB_EMU_ASM_SWITCH
+// A fiber's saved context: its stack pointer; the callee-saved registers, MXCSR and the x87
+// control word sit on its stack. Switching needs no system call (swapcontext saves and
+// restores the signal mask with one, twice per switch, and the emulator switches at every
+// warp barrier).
+struct Context {
+  void* sp = nullptr;
+};
+extern "C" void kvb_emu_switch_context(void** save_sp, void* load_sp);
+extern "C" void kvb_emu_fiber_trampoline();
+// x86-64 System V. The switch pushes rbp, rbx, r12-r15 and an 8-byte slot for MXCSR and
+// the x87 control word, stores rsp, loads the other stack's and pops the same. A new
+// fiber's stack holds that frame with rbx = its entry, returning into the trampoline,
+// which calls rbx with an ABI-aligned stack. Weak symbols: the header may be included in
+// more than one translation unit.
+__asm__(
+    ".text\n"
+    ".weak kvb_emu_switch_context\n"
+    ".type kvb_emu_switch_context, @function\n"
+    "kvb_emu_switch_context:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  subq $8, %rsp\n"
+    "  stmxcsr (%rsp)\n"
+    "  fnstcw 4(%rsp)\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  ldmxcsr (%rsp)\n"
+    "  fldcw 4(%rsp)\n"
+    "  addq $8, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size kvb_emu_switch_context, .-kvb_emu_switch_context\n"
+    ".weak kvb_emu_fiber_trampoline\n"
+    ".type kvb_emu_fiber_trampoline, @function\n"
+    "kvb_emu_fiber_trampoline:\n"
+    "  callq *%rbx\n"
+    "  ud2\n"
+    ".size kvb_emu_fiber_trampoline, .-kvb_emu_fiber_trampoline\n");
+
+// A context that starts `entry` on [stack, stack + bytes) at the first switch to it.
+inline void make_context(Context& c, unsigned char* stack, size_t bytes, void (*entry)()) {
+  auto top = reinterpret_cast<std::uintptr_t>(stack + bytes) & ~std::uintptr_t{15};
+  auto* sp = reinterpret_cast<std::uint64_t*>(top);
+  *--sp = reinterpret_cast<std::uint64_t>(&kvb_emu_fiber_trampoline);  // return address
+  *--sp = 0;                                                           // rbp
+  *--sp = reinterpret_cast<std::uint64_t>(entry);                      // rbx
+  for (int r = 0; r < 4; ++r) *--sp = 0;                               // r12 .. r15
+  std::uint32_t csr = 0;
+  std::uint16_t fpcw = 0;
+  __asm__ volatile("stmxcsr %0" : "=m"(csr));
+  __asm__ volatile("fnstcw %0" : "=m"(fpcw));
+  *--sp = static_cast<std::uint64_t>(csr) | (static_cast<std::uint64_t>(fpcw) << 32);
+  c.sp = sp;
+}
+inline void switch_context(Context& from, Context& to) {
+  kvb_emu_switch_context(&from.sp, to.sp);
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void make_context(Context& c, unsigned char* stack, size_t bytes, void (*entry)()) {
+  if (getcontext(&c.uc) != 0) fail("getcontext failed");
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+inline void switch_context(Context& from, Context& to) {
+  if (swapcontext(&from.uc, &to.uc) != 0) fail("swapcontext failed");
+}
+#endif
+
+// Fiber stacks of an OS thread, reused by every block it runs; unmapped at thread exit.
+struct StackPool {
+  unsigned char* base = nullptr;
+  size_t bytes = 0;
+  int threads = 0;
+  ~StackPool() { release(); }
+  void release() {
+    if (base == nullptr) return;
+#ifdef KVB_EMU_ASAN
+    // The fibers' frames left redzones poisoned in the shadow, which munmap does not
+    // clear: the next mapping at these addresses (Python's allocator) would trip on them.
+    __asan_unpoison_memory_region(base, bytes);
+#endif
+    munmap(base, bytes);
+    base = nullptr;
+  }
+};
+inline thread_local StackPool tl_stacks;
+
 // Fibers of one block and the order they run in (see the file comment).
 class Scheduler {
  public:
@@ -288,7 +423,7 @@ class Scheduler {
   static constexpr size_t kStackBytes = 256 * 1024;
 
   struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     unsigned char* stack = nullptr;
     uint3 idx{0, 0, 0};
     bool runnable = false;
@@ -310,11 +445,7 @@ class Scheduler {
       // A fiber never returns from its entry frame: clear what the last block left.
       __asan_unpoison_memory_region(f.stack, kStackBytes);
 #endif
-      if (getcontext(&f.ctx) != 0) fail("getcontext failed");
-      f.ctx.uc_stack.ss_sp = f.stack;
-      f.ctx.uc_stack.ss_size = kStackBytes;
-      f.ctx.uc_link = nullptr;
-      makecontext(&f.ctx, entry, 0);
+      make_context(f.ctx, f.stack, kStackBytes, entry);
       f.idx = {static_cast<unsigned>(t % block.x), static_cast<unsigned>((t / block.x) % block.y),
                static_cast<unsigned>(t / (static_cast<long>(block.x) * block.y))};
       f.runnable = true;
@@ -348,20 +479,20 @@ class Scheduler {
   static size_t page() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
 
   void reserve_stacks(int threads) {
-    // One mapping for the team, reused by every launch (launches are serialized).
-    static unsigned char* pool = nullptr;
-    static int pool_threads = 0;
-    if (threads > pool_threads) {
+    // One mapping per OS thread, reused by every block and launch it runs.
+    StackPool& pool = tl_stacks;
+    if (threads > pool.threads) {
       const size_t stride = kStackBytes + page();
-      if (pool != nullptr) munmap(pool, stride * pool_threads);
+      pool.release();
       void* mem = mmap(nullptr, stride * threads, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (mem == MAP_FAILED) fail("cannot map fiber stacks");
-      pool = static_cast<unsigned char*>(mem);
-      pool_threads = threads;
-      for (int t = 0; t < threads; ++t) mprotect(pool + t * stride, page(), PROT_NONE);
+      pool.base = static_cast<unsigned char*>(mem);
+      pool.bytes = stride * threads;
+      pool.threads = threads;
+      for (int t = 0; t < threads; ++t) mprotect(pool.base + t * stride, page(), PROT_NONE);
     }
-    stacks_ = pool;
+    stacks_ = pool.base;
   }
 
   // Next runnable fiber, sweeping up then down the thread indices; -1 if none.
@@ -381,8 +512,8 @@ class Scheduler {
   // `next` (the launcher when next < 0).
   void switch_to(int next) {
     const int from = current_;
-    ucontext_t* from_ctx = from < 0 ? &main_ : &fibers_[from].ctx;
-    ucontext_t* to_ctx = next < 0 ? &main_ : &fibers_[next].ctx;
+    Context& from_ctx = from < 0 ? main_ : fibers_[from].ctx;
+    Context& to_ctx = next < 0 ? main_ : fibers_[next].ctx;
     current_ = next;
     if (next >= 0) {
       threadIdx = fibers_[next].idx;  // the per-thread registers of the fiber to run
@@ -396,7 +527,7 @@ class Scheduler {
       __sanitizer_start_switch_fiber(dying ? nullptr : fake, fibers_[next].stack, kStackBytes);
     }
 #endif
-    if (swapcontext(from_ctx, to_ctx) != 0) fail("swapcontext failed");
+    switch_context(from_ctx, to_ctx);
     finish_switch(from < 0 ? main_fake_ : fibers_[from].fake_stack);
   }
 
@@ -414,7 +545,7 @@ class Scheduler {
 
   std::vector<Fiber> fibers_;
   unsigned char* stacks_ = nullptr;
-  ucontext_t main_;
+  Context main_;
   int current_ = -1;
   int dir_ = 1;
   void* main_fake_ = nullptr;
@@ -433,13 +564,14 @@ class Barrier {
   }
 
   // `finished`: the caller's kernel has returned; it is not resumed once released.
-  void wait(int kind, bool finished = false) {
+  void wait(int kind, bool finished = false, OnComplete done = {}) {
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (kind_ != kind) {
       fail_divergent(scope_, kind, arrived_, kind_);
     }
     if (++arrived_ == expected_) {
+      if (done.fn) done.fn(done.ctx);
       arrived_ = 0;
       for (int f : waiters_) tl_sched->wake(f);
       waiters_.clear();
@@ -471,11 +603,25 @@ class Barrier {
 };
 #endif
 
+// Bytes of one lane's operands or result in a warp collective.
+constexpr size_t kCollectiveBytes = 48;
+// Bytes of a result computed once for the whole warp (warp_once).
+constexpr size_t kWarpOnceBytes = 32 * 32 * 4;
+
 struct Warp {
   explicit Warp(int lanes) : lanes(lanes), barrier(lanes, "a warp") {}
   int lanes;
   Barrier barrier;
   unsigned long long exchange[32] = {};
+  // Warp collectives (warp_collective): two sets of per-lane operand and result slots,
+  // used alternately, so one barrier per operation keeps a lane that runs ahead from
+  // overwriting slots another lane has not read yet.
+  alignas(16) unsigned char coll_in[2][32 * kCollectiveBytes] = {};
+  alignas(16) unsigned char coll_out[2][32 * kCollectiveBytes] = {};
+  unsigned coll_seq[32] = {};  // per lane: collectives done
+  // warp_once: two result buffers, used alternately (as coll_in/coll_out).
+  alignas(16) unsigned char once_out[2][kWarpOnceBytes] = {};
+  unsigned once_seq[32] = {};
 };
 
 // One asynchronous global->shared copy (cp.async) of a CUDA thread, queued until a wait.
@@ -605,6 +751,82 @@ T exchange(T var, int src) {
   return out;
 }
 
+// A warp-synchronous operation (ldmatrix, mma.sync): every lane passes `in`; once all 32
+// have arrived, the last arrival runs fn(ins, outs) for the whole warp (lane l's operands
+// at ins[l], its result to outs[l]) before any lane continues, so the operation sees
+// memory and operands as of one instant, as the hardware's single instruction does; each
+// lane then gets outs[its lane]. A lane that skips the call while others make it is a
+// deadlock (or, at another barrier, a divergence) report.
+template <typename In, typename Out>
+Out warp_collective(int kind, const In& in, void (*fn)(const In* ins, Out* outs)) {
+  static_assert(sizeof(In) <= kCollectiveBytes && sizeof(Out) <= kCollectiveBytes,
+                "collective operands too large");
+  Warp& w = my_warp();
+  if (w.lanes != 32) fail("warp collectives need a full warp of 32 lanes");
+  const int lane = my_lane();
+  const unsigned slot = w.coll_seq[lane]++ & 1u;
+  In* ins = reinterpret_cast<In*>(w.coll_in[slot]);
+  Out* outs = reinterpret_cast<Out*>(w.coll_out[slot]);
+  ins[lane] = in;
+  struct Ctx {
+    Warp* w;
+    In* ins;
+    Out* outs;
+    void (*fn)(const In*, Out*);
+  } ctx{&w, ins, outs, fn};
+  OnComplete done{[](void* p) {
+                    Ctx* c = static_cast<Ctx*>(p);
+                    for (int l = 1; l < 32; ++l) {
+                      if (c->w->coll_seq[l] != c->w->coll_seq[0]) {
+                        fail("the lanes of a warp met at different warp collectives (a "
+                             "divergent mma.sync/ldmatrix)");
+                      }
+                    }
+                    c->fn(c->ins, c->outs);
+                  },
+                  &ctx};
+#ifdef KVB_EMU_OS_THREADS
+  w.barrier.wait(kind, done);
+#else
+  w.barrier.wait(kind, false, done);
+#endif
+  return outs[lane];
+}
+
+// A warp-synchronous operation whose operands every lane holds identically (an emulated
+// WMMA fragment is the whole tile in every lane): once all 32 lanes have arrived, the last
+// one runs fn(ctx, out) with its own ctx, once for the warp; every lane then reads the
+// result at the returned pointer, valid until its next warp_once. (Computed 32 times, one
+// per lane, a 32 x 8 x 16 product was most of the emulator's time in decode.)
+inline const void* warp_once(int kind, void (*fn)(void* ctx, void* out), void* ctx) {
+  Warp& w = my_warp();
+  if (w.lanes != 32) fail("warp collectives need a full warp of 32 lanes");
+  const int lane = my_lane();
+  const unsigned slot = w.once_seq[lane]++ & 1u;
+  struct Ctx {
+    Warp* w;
+    unsigned char* out;
+    void (*fn)(void*, void*);
+    void* ctx;
+  } c{&w, w.once_out[slot], fn, ctx};
+  OnComplete done{[](void* p) {
+                    Ctx* x = static_cast<Ctx*>(p);
+                    for (int l = 1; l < 32; ++l) {
+                      if (x->w->once_seq[l] != x->w->once_seq[0]) {
+                        fail("the lanes of a warp met at different warp-synchronous calls");
+                      }
+                    }
+                    x->fn(x->ctx, x->out);
+                  },
+                  &c};
+#ifdef KVB_EMU_OS_THREADS
+  w.barrier.wait(kind, done);
+#else
+  w.barrier.wait(kind, false, done);
+#endif
+  return w.once_out[slot];
+}
+
 // Launches run one after another, as kernels on one CUDA stream do, in both back-ends.
 inline std::mutex& launch_mutex() {
   static std::mutex m;
@@ -662,37 +884,59 @@ inline void fiber_entry() {
   fail("a finished fiber was resumed");  // unreachable
 }
 
-// Run `body` for every thread of every block of `grid`: the block's threads are fibers
-// on the calling OS thread, blocks run one after another.
+// OS threads that run the blocks of a launch: $KVB_EMU_THREADS, else one per core, at most
+// one per block.
+inline long worker_count(long blocks) {
+  const char* env = std::getenv("KVB_EMU_THREADS");
+  long n = env ? std::atol(env) : static_cast<long>(std::thread::hardware_concurrency());
+  return std::max(1L, std::min(n, blocks));
+}
+
+// Run `body` for every thread of every block of `grid`. A block's threads are fibers on one
+// OS thread (its own team: shared memory, warps, cp.async state, fiber stacks); the blocks
+// are spread over worker_count() OS threads, each taking the next block (x fastest, then y,
+// z) as it finishes one, so CTAs run on every core as on the GPU's SMs. Blocks of one
+// launch must not depend on each other's order (they do not on a GPU either); atomics are
+// real atomics.
 inline void run_grid(dim3 grid, dim3 block, size_t smem_bytes, const std::function<void()>& body) {
   std::lock_guard<std::mutex> guard(launch_mutex());
   const long threads = threads_per_block(block);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  Team team(static_cast<int>(threads), smem_bytes);
-  Scheduler sched(static_cast<int>(threads));
-  tl_team = &team;
-  tl_sched = &sched;
-  tl_body = &body;
-  blockDim = block;
-  gridDim = grid;
-  auto deadlock = [&] {
-    for (const auto& w : team.warps) w->barrier.report_if_waiting();
-    team.block_barrier.report_if_waiting();
-    fail("deadlock: threads neither finished nor wait at a barrier");
-  };
-  for (unsigned z = 0; z < grid.z; ++z) {
-    for (unsigned y = 0; y < grid.y; ++y) {
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = {x, y, z};
-        for (AsyncPipe& p : team.pipes) p = AsyncPipe{};  // nothing in flight across blocks
-        if (team.smem) std::memset(team.smem, 0xff, team.smem_bytes);
-        sched.run_block(fiber_entry, block, deadlock);
-      }
+  const long blocks = static_cast<long>(grid.x) * grid.y * grid.z;
+  std::atomic<long> next{0};
+  auto worker = [&] {
+    Team team(static_cast<int>(threads), smem_bytes);
+    Scheduler sched(static_cast<int>(threads));
+    tl_team = &team;
+    tl_sched = &sched;
+    tl_body = &body;
+    blockDim = block;
+    gridDim = grid;
+    auto deadlock = [&] {
+      for (const auto& w : team.warps) w->barrier.report_if_waiting();
+      team.block_barrier.report_if_waiting();
+      fail("deadlock: threads neither finished nor wait at a barrier");
+    };
+    for (long b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+      blockIdx = {static_cast<unsigned>(b % grid.x), static_cast<unsigned>((b / grid.x) % grid.y),
+                  static_cast<unsigned>(b / (static_cast<long>(grid.x) * grid.y))};
+      for (AsyncPipe& p : team.pipes) p = AsyncPipe{};  // nothing in flight across blocks
+      if (team.smem) std::memset(team.smem, 0xff, team.smem_bytes);
+      sched.run_block(fiber_entry, block, deadlock);
     }
+    tl_team = nullptr;
+    tl_sched = nullptr;
+    tl_body = nullptr;
+  };
+  const long workers = worker_count(blocks);
+  if (workers == 1) {
+    worker();
+    return;
   }
-  tl_team = nullptr;
-  tl_sched = nullptr;
-  tl_body = nullptr;
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  for (long i = 0; i < workers; ++i) pool.emplace_back(worker);
+  for (auto& th : pool) th.join();
 }
 #endif
 

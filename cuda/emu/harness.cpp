@@ -8,8 +8,9 @@
 
 #include "../cache_ops.cu"
 #include "../decode_attention.cu"
-#include "../paged_attention.cu"
+#include "../split_k_attention.cu"
 #include "../prefill_attention.cu"
+#include "mma_selftest.cuh"
 #include "selftest_kernels.cuh"
 #include "selftest_pipeline.h"
 #include "wmma_selftest.cuh"
@@ -32,10 +33,10 @@ struct Entry {
         SMEM                                                                        \
   }
 
-#define KVB_ATTN(T, D)                                                                     \
-  KVB_ENTRY((kvb::AttentionShape<T, D, 8>::kSmemBytes), paged_attention_kernel<T, D, 8>),  \
-      KVB_ENTRY((kvb::AttentionShape<T, D, 16>::kSmemBytes),                               \
-                paged_attention_kernel<T, D, 16>),                                         \
+#define KVB_ATTN(T, D)                                                                   \
+  KVB_ENTRY((kvb::SplitKShape<T, D, 8>::kSmemBytes), split_k_attention_kernel<T, D, 8>), \
+      KVB_ENTRY((kvb::SplitKShape<T, D, 16>::kSmemBytes),                                \
+                split_k_attention_kernel<T, D, 16>),                                     \
       KVB_ENTRY(0, merge_splits_kernel<T, D>)
 
 #define KVB_ATTN_ALL_D(T) \
@@ -58,10 +59,19 @@ struct Entry {
   KVB_DECODE_G(T, D, 8), KVB_DECODE_G(T, D, 16), KVB_DECODE_G(T, D, 32),                   \
       KVB_DECODE(T, D, 8, 16), KVB_DECODE(T, D, 16, 16), KVB_DECODE(T, D, 32, 16),         \
       KVB_ENTRY(0, merge_partials_kernel<T, D>)
+// One K/V buffer per warp (STAGES 1): where two exceed the smallest per-CTA opt-in limit
+// (kvblocks.ops.cuda_sources.decode_stages_instantiated: head 256).
+#define KVB_DECODE1(T, D, B, G)                             \
+  KVB_ENTRY((kvb::DecodeShape<T, D, B, G, 1>::kSmemBytes), \
+            decode_attention_kernel<T, D, B, G, 1>)
+#define KVB_DECODE1_G(T, D, B)                                                     \
+  KVB_DECODE1(T, D, B, 1), KVB_DECODE1(T, D, B, 2), KVB_DECODE1(T, D, B, 4), \
+      KVB_DECODE1(T, D, B, 8)
 #define KVB_DECODE_ALL(T)                                                                   \
   KVB_DECODE_D(T, 64), KVB_DECODE_D(T, 80), KVB_DECODE_D(T, 96), KVB_DECODE_D(T, 112),      \
       KVB_DECODE_D(T, 128), KVB_DECODE_G(T, 256, 8), KVB_DECODE_G(T, 256, 16),              \
-      KVB_DECODE_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
+      KVB_DECODE_G(T, 256, 32), KVB_DECODE1_G(T, 256, 8), KVB_DECODE1_G(T, 256, 16),        \
+      KVB_DECODE1_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
 
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),
@@ -77,6 +87,14 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_wmma_kernel<__nv_bfloat16, 8, 32, 16, nvcuda::wmma::col_major, nvcuda::wmma::col_major>),
     KVB_ENTRY(0, emu_wmma_sync_kernel),
     KVB_ENTRY(0, emu_pipeline_kernel),
+    KVB_ENTRY(0, emu_mma_raw_kernel<__half>),
+    KVB_ENTRY(0, emu_mma_raw_kernel<__nv_bfloat16>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<4, false>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<4, true>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<2, false>),
+    KVB_ENTRY(0, emu_ldmatrix_kernel<2, true>),
+    KVB_ENTRY(0, emu_mma_tile_kernel<__half>),
+    KVB_ENTRY(0, emu_mma_tile_kernel<__nv_bfloat16>),
     KVB_DECODE_ALL(__half),
     KVB_DECODE_ALL(__nv_bfloat16),
     KVB_ATTN_ALL_D(float),
@@ -106,7 +124,7 @@ const Entry* find(const char* name) {
 
 extern "C" {
 
-// Launch `name` (a name expression such as "paged_attention_kernel<__half, 128, 8>").
+// Launch `name` (a name expression such as "split_k_attention_kernel<__half, 128, 8>").
 // Returns 0, -1 if the kernel is unknown, or -2 if smem_bytes is below the kernel's own
 // shared-memory need (the GPU would refuse that launch; here it would overrun the buffer).
 int kvb_emu_launch(const char* name, const unsigned int* grid, const unsigned int* block,

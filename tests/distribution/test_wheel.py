@@ -40,7 +40,7 @@ _SDIST_REQUIRED = (
     "python/kvblocks/__init__.py",
     "python/kvblocks/_core.pyi",
     "python/kvblocks/py.typed",
-    "python/kvblocks/ops/_cuda/paged_attention.cu",
+    "python/kvblocks/ops/_cuda/split_k_attention.cu",
     "python/kvblocks/ops/_cuda/cache_ops.cu",
     "python/kvblocks/ops/_cuda/kv_common.cuh",
 )
@@ -111,7 +111,7 @@ def test_wheel_is_manylinux_abi3(dist: tuple[Path, Path]) -> None:
     assert tags == ["cp310-abi3-manylinux2014_x86_64", "cp310-abi3-manylinux_2_17_x86_64"]
     assert "kvblocks/_core.abi3.so" in names
     assert "kvblocks/py.typed" in names
-    assert "kvblocks/ops/_cuda/paged_attention.cu" in names
+    assert "kvblocks/ops/_cuda/split_k_attention.cu" in names
 
 
 def test_wheel_installs_into_a_clean_venv_and_runs_the_readme_tour(

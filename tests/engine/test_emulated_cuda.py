@@ -128,11 +128,9 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     )
     # A one-SM "device" for the launch planners, as in the ops backend test: 4 decode CTAs
     # at 2 KV heads plan 2 items + one per sequence, so a context past 128 keys is split.
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda index: types.SimpleNamespace(multi_processor_count=1),
-    )
+    # H100's shared-memory limits (the backend reads the per-CTA opt-in limit).
+    props = emu_runtime.DEVICES["9.0"].properties(sms=1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
 
     # The engine gives the ops front-ends max_seq_len / max_query_len and seq_lens_host:
@@ -200,7 +198,7 @@ def test_greedy_on_emulated_kernels_equals_dense(emulated_kernels: list[str], fa
     outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     assert [o.token_ids for o in outputs] == expected
     assert "reshape_and_cache_kernel" in emulated_kernels
-    assert any(name.startswith("paged_attention_kernel") for name in emulated_kernels)
+    assert any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
 
 def test_beams_with_copies_on_emulated_kernels(
@@ -261,7 +259,7 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("decode_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
-    assert not any(name.startswith("paged_attention_kernel") for name in emulated_kernels)
+    assert not any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
     # Teacher forcing on the reference ops: each prefix of the emulated run's tokens is
     # one prompt, whose first generated step gives the reference's log-probs there, so a

@@ -56,7 +56,7 @@ def partial_state(
     return torch.einsum("hn,nhd->hd", p, values.float()), m, p.sum(dim=1)
 
 
-def run_attention(launch: KernelLaunch) -> None:
+def run_split_k_attention(launch: KernelLaunch) -> None:
     """``decode_attention_kernel<T, D, BLOCK, GROUP>`` per the ABI."""
     dtype_name, dim_s, block_s, _group = _template(launch.name)
     dtype, dim, block = _TYPES[dtype_name], int(dim_s), int(block_s)
@@ -125,7 +125,7 @@ class AbiLauncher:
     def __call__(self, launch: KernelLaunch) -> None:
         self.launches.append(launch)
         if launch.name.startswith("decode_attention_kernel<"):
-            run_attention(launch)
+            run_split_k_attention(launch)
         elif launch.name.startswith("merge_partials_kernel<"):
             run_merge(launch)
         else:

@@ -43,10 +43,12 @@ def run_decode(
     num_slots: int = 0,
     spare_ctas: int = 1,
     garbage_items: bool = True,
+    stages: int = 2,
 ) -> DecodeRun:
     """One ``decode_attention_kernel`` launch over ``items`` (seq, kv_begin, kv_end, slot).
 
-    The grid has ``spare_ctas`` more CTAs than items; their item slots hold garbage (an
+    ``stages`` picks the K/V buffering variant (``STAGES``). The grid has ``spare_ctas``
+    more CTAs than items; their item slots hold garbage (an
     out-of-range sequence and range) that the kernel must never look at.
     """
     num_seqs, num_heads, dim = case.query.shape
@@ -62,7 +64,7 @@ def run_decode(
     if garbage_items:
         buf[len(items) :] = torch.tensor([1 << 30, -(1 << 30), 1 << 30, 1 << 30])
     count = torch.tensor([len(items)], dtype=torch.int32)
-    name = decode_kernel_name(case.query.dtype, dim, block, group_t)
+    name = decode_kernel_name(case.query.dtype, dim, block, group_t, stages)
     smem = library().kvb_emu_smem_bytes(name.encode())
     assert smem > 0, name
     args = (

@@ -13,6 +13,8 @@ import functools
 import hashlib
 import os
 import subprocess
+import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -104,17 +106,53 @@ def emu_launch(launch: KernelLaunch) -> None:
         raise LookupError(f"the emulation harness has no kernel {launch.name!r}")
 
 
+@dataclass(frozen=True)
+class DeviceLimits:
+    """The limits of one GPU model that the CUDA backend reads (torch's device properties),
+    for a stand-in device whose kernels run on the emulator."""
+
+    name: str
+    capability: tuple[int, int]
+    sms: int
+    smem_per_sm: int
+    smem_optin: int
+    """``sharedMemPerBlockOptin``: dynamic shared memory one CTA may opt into."""
+
+    def properties(self, sms: int | None = None) -> types.SimpleNamespace:
+        """What ``torch.cuda.get_device_properties`` returns for it (``sms`` overrides the
+        SM count, e.g. 1 to force split-K on small batches)."""
+        return types.SimpleNamespace(
+            name=self.name,
+            major=self.capability[0],
+            minor=self.capability[1],
+            multi_processor_count=self.sms if sms is None else sms,
+            shared_memory_per_multiprocessor=self.smem_per_sm,
+            shared_memory_per_block_optin=self.smem_optin,
+        )
+
+
+DEVICES = {
+    "8.0": DeviceLimits("NVIDIA A100-SXM4-80GB", (8, 0), 108, 167936, 166912),
+    "8.6": DeviceLimits("NVIDIA A10", (8, 6), 72, 102400, 101376),
+    "8.9": DeviceLimits("NVIDIA L40S", (8, 9), 142, 102400, 101376),
+    "9.0": DeviceLimits("NVIDIA H100 80GB HBM3", (9, 0), 132, 233472, 232448),
+}
+"""CUDA's per-SM and per-CTA shared-memory limits by compute capability (the CUDA C
+Programming Guide's table of technical specifications)."""
+
+
 def clear_backend_caches() -> None:
     """Forget the CUDA backend's per-device state (compiled launchers, device properties,
     cached decode plans): around a test that fakes a device, so no other test's fake
     device (or none) leaks into it."""
-    from kvblocks.ops import cuda_backend, kernel_driver
+    from kvblocks.ops import cuda_device, kernel_driver
 
-    cuda_backend._function.cache_clear()
-    cuda_backend._arch.cache_clear()
-    cuda_backend._target_ctas.cache_clear()
-    cuda_backend.decode_launcher.cache_clear()
-    cuda_backend.decode_target_ctas.cache_clear()
+    cuda_device._function.cache_clear()
+    cuda_device._arch.cache_clear()
+    cuda_device.split_k_target_ctas.cache_clear()
+    cuda_device.smem_optin.cache_clear()
+    cuda_device.decode_launcher.cache_clear()
+    cuda_device.decode_target_ctas.cache_clear()
     kernel_driver._DECODERS.clear()
 
 

@@ -16,6 +16,7 @@ from ops_cases import make_case, ref_decode, tolerance
 
 from kvblocks.ops.cuda_sources import (
     DECODE_SOURCE,
+    MIN_SMEM_OPTIN,
     decode_smem_bytes,
     kernel_names,
 )
@@ -70,10 +71,13 @@ def test_every_decode_instantiation_is_in_the_harness_with_the_mirrored_smem():
         smem = lib.kvb_emu_smem_bytes(name.encode())
         assert smem >= 0, name
         if name.startswith("decode_attention_kernel"):
-            ctype, head, block, group_t = name[name.index("<") + 1 : -1].split(", ")
+            ctype, head, block, group_t, *stages = name[name.index("<") + 1 : -1].split(", ")
             dtype = {"__half": torch.float16, "__nv_bfloat16": torch.bfloat16}[ctype]
-            assert decode_smem_bytes(dtype, int(head), int(block), int(group_t)) == smem, name
+            args = (dtype, int(head), int(block), int(group_t), *map(int, stages))
+            assert decode_smem_bytes(*args) == smem, name
             assert smem <= 163 * 1024, f"{name} does not fit an A100 CTA"
+            if stages:
+                assert smem <= MIN_SMEM_OPTIN, f"{name} does not fit an sm_86/sm_89 CTA"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -137,6 +141,28 @@ def test_splits_and_merge(dtype, head_size, group):
 
 def decode_group(group: int) -> int:
     return next(g for g in (1, 2, 4, 8, 16) if g >= group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("block_size", "group", "window", "soft_cap"),
+                         [(16, 8, None, 0.0), (8, 3, 45, 4.0), (32, 1, None, 0.0)])  # fmt: skip
+def test_one_buffer_variant_matches_reference(dtype, block_size, group, window, soft_cap):
+    """STAGES 1 (keys, then the same tile's values, through one buffer per warp: what fits
+    a 99 KiB CTA at head 256) over whole sequences, windows and splits merged."""
+    lens = [1, 33, 129, 300, 0, 700]
+    case = make_case(
+        block_size + group, lens, [1] * len(lens), num_kv_heads=2, group=group, head_size=256,
+        block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    scale = 0.07
+    items = [(s, max(0, n - window) if window else 0, n, -1) for s, n in enumerate(lens[:5])]
+    begin, cut = (700 - window, 680) if window else (0, 257)
+    items += [(5, begin, cut, 0), (5, cut, 700, 1)]  # the last sequence in two splits
+    run = run_decode(case, items, group_t=decode_group(group), scale=scale, num_slots=2,
+                     soft_cap=soft_cap, stages=1)  # fmt: skip
+    run_merge(case, run, [0, 0, 0, 0, 0, 0, 2])
+    want = ref_decode(case, scale=scale, sliding_window=window, soft_cap=soft_cap or None)
+    check_out(run.out, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from emu_runtime import clear_backend_caches, emu_launch
+from emu_runtime import DEVICES, DeviceLimits, clear_backend_caches, emu_launch
 from ops_cases import make_case, ref_decode, ref_prefill
 
 from kvblocks.ops import cuda_backend, kernel_cache, kernel_driver
@@ -27,7 +27,7 @@ from kvblocks.ops.launch_plan import KernelLaunch
 class FakeCupy(types.ModuleType):
     """Just the CuPy surface the backend uses."""
 
-    def __init__(self):
+    def __init__(self, device: DeviceLimits = DEVICES["9.0"]):
         super().__init__("cupy")
         self.modules = []
         self.launches = []
@@ -65,7 +65,20 @@ class FakeCupy(types.ModuleType):
 
             def __init__(self, expr):
                 self.expr = expr
-                self.max_dynamic_shared_size_bytes = 48 * 1024
+                self._max_dynamic = 48 * 1024
+
+            @property
+            def max_dynamic_shared_size_bytes(self):
+                return self._max_dynamic
+
+            @max_dynamic_shared_size_bytes.setter
+            def max_dynamic_shared_size_bytes(self, value):
+                # cudaFuncSetAttribute refuses more than the device's opt-in limit.
+                if value > device.smem_optin:
+                    raise RuntimeError(
+                        f"cudaErrorInvalidValue: {value} B > {device.smem_optin} B opt-in"
+                    )
+                self._max_dynamic = value
 
             def __call__(self, grid, block, args, shared_mem=0, stream=None):
                 on = fake.current_stream if stream is None else stream.ptr
@@ -87,22 +100,27 @@ def kernel_cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch, kernel_cache_dir):
-    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(kernel_cache_dir))
-    fake = FakeCupy()
+def install_fake_device(monkeypatch, cache_dir, device: DeviceLimits, sms: int | None = None):
+    """Make the CUDA backend see ``device`` (its limits; ``sms`` overrides the SM count)
+    with a stand-in CuPy whose launches run on the emulator."""
+    monkeypatch.setenv(kernel_cache.CACHE_ENV, str(cache_dir))
+    fake = FakeCupy(device)
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(
         torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=1234)
     )
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties",
-        lambda index: types.SimpleNamespace(multi_processor_count=1),
-    )  # fmt: skip
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    props = device.properties(sms)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: device.capability)
     clear_backend_caches()
-    yield fake
+    return fake
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch, kernel_cache_dir):
+    # One SM: small batches split their sequences.
+    yield install_fake_device(monkeypatch, kernel_cache_dir, DEVICES["9.0"], sms=1)
     clear_backend_caches()
 
 
@@ -117,7 +135,7 @@ def test_decode_through_the_backend(fake_cupy):
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     # 2 CTAs < 4 per SM on the fake 1-SM device: split-K, then the merge kernel.
     assert fake_cupy.launches == [
-        "paged_attention_kernel<__half, 128, 8>",
+        "split_k_attention_kernel<__half, 128, 8>",
         "merge_splits_kernel<__half, 128>",
     ]
     # Each instantiation is a cubin for the device's architecture from the kernel cache.

@@ -17,7 +17,7 @@ from ops_cases import make_case, ref_decode, ref_prefill, tolerance
 import kvblocks.ops as ops
 from kvblocks.ops import kernel_driver, reference
 from kvblocks.ops.cuda_sources import kernel_names
-from kvblocks.ops.launch_plan import attention_smem_bytes
+from kvblocks.ops.launch_plan import split_k_smem_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -25,7 +25,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def emu_decode(case, launch=emu_launch, **kw):
     target_ctas = kw.pop("target_ctas", 528)
     partition = kw.pop("partition_tokens", 256)
-    return kernel_driver.run_attention(
+    return kernel_driver.run_split_k_attention(
         launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, None, max_query_len=1, max_seq_len=None, target_ctas=target_ctas,
         partition_tokens=partition, scale=kw.get("scale"),
@@ -35,7 +35,7 @@ def emu_decode(case, launch=emu_launch, **kw):
 
 def emu_prefill(case, **kw):
     q_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
-    return kernel_driver.run_attention(
+    return kernel_driver.run_split_k_attention(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, case.query_start_loc, max_query_len=max(q_lens), max_seq_len=None,
         target_ctas=528, scale=kw.get("scale"), sliding_window=kw.get("sliding_window"),
@@ -45,14 +45,14 @@ def emu_prefill(case, **kw):
 
 def test_every_instantiation_is_in_the_harness_with_the_planned_smem():
     lib = library()
-    for name in kernel_names("paged_attention.cu") + kernel_names("cache_ops.cu"):
+    for name in kernel_names("split_k_attention.cu") + kernel_names("cache_ops.cu"):
         smem = lib.kvb_emu_smem_bytes(name.encode())
         assert smem >= 0, name
-        if name.startswith("paged_attention_kernel"):
+        if name.startswith("split_k_attention_kernel"):
             ctype, head, rows = name[name.index("<") + 1 : -1].split(", ")
             dtype = {"float": torch.float32, "__half": torch.float16,
                      "__nv_bfloat16": torch.bfloat16}[ctype]  # fmt: skip
-            assert attention_smem_bytes(dtype, int(head), int(rows)) == smem, name
+            assert split_k_smem_bytes(dtype, int(head), int(rows)) == smem, name
             assert smem <= 48 * 1024, f"{name} needs opt-in shared memory"
 
 
@@ -95,7 +95,7 @@ def test_decode_split_k_window_soft_cap(dtype, sliding_window, soft_cap):
     launches = []
     got = emu_decode(case, recording(launches), target_ctas=1000, partition_tokens=64, **kw)
     assert [item.name.split("<")[0] for item in launches] == [
-        "paged_attention_kernel",
+        "split_k_attention_kernel",
         "merge_splits_kernel",
     ]
     assert launches[0].grid[0] == 4  # ceil(200 / 64) splits
@@ -192,13 +192,13 @@ def test_copy_blocks_separate_tensors_fall_back_per_cache():
 
 def test_plan_rejects_batches_beyond_the_grid_limit():
     from kvblocks.errors import InvalidArgumentError
-    from kvblocks.ops.launch_plan import plan_attention
+    from kvblocks.ops.launch_plan import plan_split_k
 
     args = {"dtype": torch.float16, "head_size": 128, "num_heads": 8, "num_kv_heads": 8,
             "max_query_len": 1, "max_seq_len": 10, "decode": True, "target_ctas": 528}  # fmt: skip
-    assert plan_attention(num_seqs=65535, **args).grid == (1, 65535, 8)
+    assert plan_split_k(num_seqs=65535, **args).grid == (1, 65535, 8)
     with pytest.raises(InvalidArgumentError, match="65535"):
-        plan_attention(num_seqs=65536, **args)
+        plan_split_k(num_seqs=65536, **args)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
@@ -243,7 +243,7 @@ def test_decode_with_a_too_small_max_seq_len_covers_every_token():
     case = make_case(20, [1000, 300], [1, 1], num_kv_heads=1, group=4, head_size=128,
                      dtype=torch.float16)  # fmt: skip
     launches = []
-    got = kernel_driver.run_attention(
+    got = kernel_driver.run_split_k_attention(
         recording(launches), case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, None, scale=None, sliding_window=None, soft_cap=None, max_query_len=1,
         max_seq_len=600, target_ctas=1000,
@@ -257,7 +257,7 @@ def test_prefill_with_a_too_small_max_query_len_writes_every_row(max_query_len):
     # The kernel loops over query tiles, so a host bound below the longest chunk (a stale
     # or CUDA-graph value) still computes every output row.
     case = make_case(21, [70, 40, 5], [50, 17, 5], num_kv_heads=2, group=2, head_size=64)
-    got = kernel_driver.run_attention(
+    got = kernel_driver.run_split_k_attention(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, case.query_start_loc, scale=None, sliding_window=9, soft_cap=None,
         max_query_len=max_query_len, max_seq_len=None, target_ctas=528,
@@ -271,7 +271,7 @@ def test_prefill_query_start_loc_past_the_tokens_is_clamped():
     case = make_case(22, [30, 20], [10, 6], num_kv_heads=1, group=2, head_size=64)
     bad = case.query_start_loc.clone()
     bad[-1] = 1000
-    got = kernel_driver.run_attention(
+    got = kernel_driver.run_split_k_attention(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.seq_lens, bad, scale=None, sliding_window=None, soft_cap=None, max_query_len=16,
         max_seq_len=None, target_ctas=528,

@@ -143,6 +143,43 @@ def test_prefill(dtype, head_size, group):
     torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 80, 96, 112, 128, 256])
+@pytest.mark.parametrize(("group", "sliding_window", "soft_cap"), [(8, None, None), (4, 200, 30.0)])
+def test_prefill_tensor_core_kernel_shapes(dtype, head_size, group, sliding_window, soft_cap):
+    """prefill_attention_kernel (mma.sync/ldmatrix, K/V through cp.async): prompts of many
+    K/V tiles and query tiles (the two-stage K/V pipeline, causal tiles skipped), an extend
+    behind a long context, short chunks whose GQA heads share a CTA, an idle sequence, a
+    decode row; every head size the kernel is instantiated for."""
+    seq_lens, q_lens = [1100, 1500, 9, 40, 700], [1100, 260, 9, 0, 1]
+    case = make_case(30 + head_size, seq_lens, q_lens, num_kv_heads=2, group=group,
+                     head_size=head_size, block_size=16, dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    got = ops.paged_prefill_attention(
+        dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+        dev["query_start_loc"], dev["seq_lens"], **kw,
+    )  # fmt: skip
+    want = reference.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, **kw,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+    # Short chunks only: several heads of a group packed into one CTA.
+    short = make_case(31 + head_size, [50, 17, 90], [3, 1, 8], num_kv_heads=2, group=group,
+                      head_size=head_size, block_size=16, dtype=dtype)  # fmt: skip
+    dev = to_cuda(short)
+    got = ops.paged_prefill_attention(
+        dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+        dev["query_start_loc"], dev["seq_lens"], **kw,
+    )  # fmt: skip
+    want = reference.paged_prefill_attention(
+        short.query, short.key_cache, short.value_cache, short.block_tables,
+        short.query_start_loc, short.seq_lens, **kw,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cache_ops(dtype):
     caches = ops.allocate_kv_cache(2, 10, 16, 4, 128, dtype, "cuda")

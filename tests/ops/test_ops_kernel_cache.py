@@ -26,7 +26,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 FP16_128 = [
     name
     for source in (
-        cuda_sources.ATTENTION_SOURCE, cuda_sources.PREFILL_SOURCE, cuda_sources.DECODE_SOURCE
+        cuda_sources.SPLIT_K_SOURCE, cuda_sources.PREFILL_SOURCE, cuda_sources.DECODE_SOURCE
     )
     for name in cuda_sources.kernel_names(source)
     if "<__half, 128" in name

@@ -183,7 +183,7 @@ class Engine:
             padded = torch.zeros((len(order), heads, self.head), dtype=self.dtype)
             padded[[i for i, n in enumerate(q_lens) if n]] = query
             seq_lens = torch.where(torch.tensor(q_lens) > 0, seq_lens, 0).to(torch.int32)
-            out = kernel_driver.run_attention(
+            out = kernel_driver.run_split_k_attention(
                 emu_launch, padded, self.kc, self.vc, self.tables(order), seq_lens, None,
                 scale=None, sliding_window=window, soft_cap=None, max_query_len=1,
                 max_seq_len=None, target_ctas=10_000 if split else 1, partition_tokens=32,
@@ -198,7 +198,7 @@ class Engine:
         else:
             qsl = torch.zeros(len(order) + 1, dtype=torch.int32)
             qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-            out = kernel_driver.run_attention(
+            out = kernel_driver.run_split_k_attention(
                 emu_launch, query, self.kc, self.vc, self.tables(order), seq_lens, qsl,
                 scale=None, sliding_window=window, soft_cap=None, max_query_len=max(q_lens),
                 max_seq_len=None, target_ctas=1,

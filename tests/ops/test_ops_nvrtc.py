@@ -13,10 +13,10 @@ import os
 import pytest
 
 from kvblocks.ops.cuda_sources import (
-    ATTENTION_SOURCE,
     CACHE_OPS_SOURCE,
     DECODE_SOURCE,
     PREFILL_SOURCE,
+    SPLIT_K_SOURCE,
     kernel_names,
 )
 
@@ -26,7 +26,7 @@ pytest.importorskip("cuda.bindings.nvrtc")
 ARCHS = ["sm_80", "sm_90"]
 
 
-SOURCES = (CACHE_OPS_SOURCE, ATTENTION_SOURCE, DECODE_SOURCE, PREFILL_SOURCE)
+SOURCES = (CACHE_OPS_SOURCE, SPLIT_K_SOURCE, DECODE_SOURCE, PREFILL_SOURCE)
 # Name expressions per NVRTC program: the ~190 decode instantiations take about a minute
 # per architecture in one program, so they are compiled in pieces on every core.
 CHUNK = 48
@@ -80,7 +80,7 @@ def test_all_instantiations_compile(compiled):
 
 def test_no_spills_at_head_size_128(compiled):
     arch, results = compiled
-    at_128 = [k for k in results[ATTENTION_SOURCE].kernels.values() if ", 128" in k.name]
+    at_128 = [k for k in results[SPLIT_K_SOURCE].kernels.values() if ", 128" in k.name]
     assert len(at_128) == 3 * 3  # 3 dtypes x (decode, prefill, merge)
     for kernel in at_128 + list(results[CACHE_OPS_SOURCE].kernels.values()):
         assert kernel.spill_stores == 0 and kernel.spill_loads == 0, f"{arch} {kernel}"

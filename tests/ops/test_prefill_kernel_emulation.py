@@ -15,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_cases import make_case, ref_prefill, tolerance
 
-from kvblocks.ops import prefill_launch
-from kvblocks.ops.cuda_sources import PREFILL_SOURCE, kernel_names
+from kvblocks.ops import kernel_driver, prefill_launch
+from kvblocks.ops.cuda_sources import MIN_SMEM_OPTIN, PREFILL_SOURCE, kernel_names
 
 DTYPES = [torch.float16, torch.bfloat16]
 
 
 def emu_prefill(case, launch=emu_launch, max_query_len=None, **kw):
     q_lens = (case.query_start_loc[1:] - case.query_start_loc[:-1]).tolist()
-    return prefill_launch.run_prefill(
+    return kernel_driver.run_prefill(
         launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=kw.get("scale"),
         sliding_window=kw.get("sliding_window"), soft_cap=kw.get("soft_cap"),
@@ -38,7 +38,7 @@ def test_every_instantiation_is_in_the_harness_with_the_planned_smem():
         smem = lib.kvb_emu_smem_bytes(name.encode())
         head = int(name[name.index(", ") + 2 : -1])
         assert smem == prefill_launch.prefill_smem_bytes(head), name
-        assert smem <= 48 * 1024, f"{name} needs opt-in shared memory"
+        assert smem <= MIN_SMEM_OPTIN, f"{name} does not fit an sm_86/sm_89 CTA"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -139,7 +139,7 @@ def test_query_start_loc_past_the_tokens_is_clamped():
                      dtype=torch.float16)  # fmt: skip
     bad = case.query_start_loc.clone()
     bad[-1] = 1000
-    got = prefill_launch.run_prefill(
+    got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables, bad,
         case.seq_lens, scale=None, sliding_window=None, soft_cap=None, max_query_len=16,
         target_ctas=528,
@@ -173,7 +173,7 @@ def test_fp32_keeps_the_cuda_core_kernel():
     case = make_case(8, [40, 9], [40, 3], num_kv_heads=1, group=2, head_size=64)
     launches = []
     got = emu_prefill(case, recording(launches))
-    assert [item.name.split("<")[0] for item in launches] == ["paged_attention_kernel"]
+    assert [item.name.split("<")[0] for item in launches] == ["split_k_attention_kernel"]
     torch.testing.assert_close(got, ref_prefill(case), **tolerance(torch.float32))
 
 
@@ -182,11 +182,11 @@ def test_plan_longest_tiles_first_and_grid_limits():
 
     args = {"dtype": torch.bfloat16, "head_size": 128, "num_heads": 32, "num_kv_heads": 8}
     plan = prefill_launch.plan_prefill(num_seqs=3, max_query_len=1000, **args)
-    assert (plan.heads_per_cta, plan.queries_per_cta) == (1, 64)
-    assert plan.grid == (8 * 4, 3, 16)  # query tiles in z: issued last-dimension-slowest
+    assert (plan.heads_per_cta, plan.queries_per_cta) == (1, 128)
+    assert plan.grid == (8 * 4, 3, 8)  # query tiles in z: issued last-dimension-slowest
     assert prefill_launch.plan_prefill(num_seqs=1, max_query_len=1 << 30, **args).grid[2] == 65535
     head256 = prefill_launch.plan_prefill(num_seqs=1, max_query_len=1, **{**args, "head_size": 256})
-    assert (head256.rows, head256.heads_per_cta) == (32, 4)
+    assert (head256.rows, head256.heads_per_cta) == (64, 4)
     with pytest.raises(InvalidArgumentError, match="65535"):
         prefill_launch.plan_prefill(num_seqs=65536, max_query_len=1, **args)
     with pytest.raises(InvalidArgumentError, match="fp16/bf16"):

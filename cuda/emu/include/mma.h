@@ -12,7 +12,9 @@
 //   * a store writes each element from exactly one lane (element i from lane i % 32), so
 //     reading it back needs a barrier and the ThreadSanitizer build sees no benign races;
 //   * pointers must be 32-byte aligned and ldm a multiple of 16 bytes (PTX's rules);
-//   * products are formed in fp32 from the fp16/bf16 inputs and summed in fp32.
+//   * products are formed in fp32 from the fp16/bf16 inputs and summed in fp32, once per
+//     warp: mma_sync is warp-synchronous (a barrier), the last lane to arrive computes the
+//     product of its operands (every lane holds the same) and every lane takes the result.
 #include <type_traits>
 
 #include "../cuda_emu.h"
@@ -152,22 +154,36 @@ inline void store_matrix_sync(T* ptr, const fragment<accumulator, M, N, K, T>& f
 }
 
 // d = a * b + c, fp32 products and sums (the order of the sum is not the hardware's).
+// Warp-synchronous, as on the GPU: every lane holds the same operands, so the product is
+// computed once for the warp (emu::warp_once) and every lane takes the whole result.
 template <int M, int N, int K, typename TA, typename LA, typename LB, typename TC>
 inline void mma_sync(fragment<accumulator, M, N, K, TC>& d,
                      const fragment<matrix_a, M, N, K, TA, LA>& a,
                      const fragment<matrix_b, M, N, K, TA, LB>& b,
                      const fragment<accumulator, M, N, K, TC>& c, bool satf = false) {
   (void)satf;
-  float out[M * N];
-  for (int i = 0; i < M; ++i) {
-    for (int j = 0; j < N; ++j) {
-      float acc = detail::to_float(c.x[i * N + j]);
-      for (int k = 0; k < K; ++k) {
-        acc += detail::to_float(a.x[i * K + k]) * detail::to_float(b.x[k * N + j]);
-      }
-      out[i * N + j] = acc;
-    }
-  }
+  static_assert(M * N * sizeof(float) <= emu::kWarpOnceBytes, "result too large");
+  struct Operands {
+    const fragment<matrix_a, M, N, K, TA, LA>* a;
+    const fragment<matrix_b, M, N, K, TA, LB>* b;
+    const fragment<accumulator, M, N, K, TC>* c;
+  } ops{&a, &b, &c};
+  const float* out = static_cast<const float*>(emu::warp_once(
+      emu::kWmmaMma,
+      [](void* ctx, void* dst) {
+        const Operands& o = *static_cast<const Operands*>(ctx);
+        float* res = static_cast<float*>(dst);
+        for (int i = 0; i < M; ++i) {
+          for (int j = 0; j < N; ++j) {
+            float acc = detail::to_float(o.c->x[i * N + j]);
+            for (int k = 0; k < K; ++k) {
+              acc += detail::to_float(o.a->x[i * K + k]) * detail::to_float(o.b->x[k * N + j]);
+            }
+            res[i * N + j] = acc;
+          }
+        }
+      },
+      &ops));
   for (int i = 0; i < M * N; ++i) d.x[i] = detail::from_float<TC>(out[i]);
 }
 

@@ -1,28 +1,27 @@
-"""The CUDA path of the ops: NVRTC-compiled kernels launched through CuPy.
+"""The CUDA path of the ops: the front-ends' CUDA calls, handed to the driver with a CuPy
+launcher and the device's limits.
 
-Imported only when an op receives CUDA tensors, so CPU installs never import CuPy.
-Kernels run on torch's current stream, take the tensors' memory zero-copy (raw device
-addresses), and each template instantiation is compiled on first use into the disk cache
-of :mod:`kvblocks.ops.kernel_cache` (a cubin per instantiation and architecture, reused
-by every later process; :func:`kvblocks.ops.precompile` fills it ahead of time).
-Workspaces come from torch's stream-ordered caching allocator, never from CuPy.
+Imported only when an op receives CUDA tensors, so CPU installs never import CuPy. The
+top of the ops' layers: :mod:`kvblocks.ops.kernel_driver` chooses the kernels,
+:mod:`kvblocks.ops.cuda_device` compiles and launches them (on torch's current stream,
+zero-copy, cached on disk by :mod:`kvblocks.ops.kernel_cache`). Workspaces come from
+torch's stream-ordered caching allocator, never from CuPy.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-from typing import Any
-
 import numpy as np
 import torch
 
-from kvblocks.errors import KVBlocksError
-from kvblocks.ops import kernel_cache, kernel_driver
-from kvblocks.ops.cuda_sources import nvrtc_options, read_source
-from kvblocks.ops.decode_attention import decode_kernel_supported
-from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
-from kvblocks.ops.prefill_launch import run_prefill
+from kvblocks.ops import kernel_driver
+from kvblocks.ops.cuda_device import (
+    decode_launcher,
+    decode_target_ctas,
+    device_index,
+    smem_optin,
+    split_k_target_ctas,
+    stream_launcher,
+)
 
 __all__ = [
     "copy_blocks",
@@ -31,126 +30,8 @@ __all__ = [
     "paged_attention",
     "paged_prefill_attention",
     "reshape_and_cache",
+    "smem_optin",
 ]
-
-
-def _cupy() -> Any:
-    try:
-        import cupy
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise KVBlocksError(
-            "CUDA tensors need CuPy: install kvblocks[cuda12] or kvblocks[cuda13]"
-        ) from exc
-    return cupy
-
-
-@functools.cache
-def _nvrtc_available() -> bool:
-    try:
-        from cuda.bindings import nvrtc  # noqa: F401
-    except ImportError:
-        warnings.warn(
-            "cuda-bindings is not installed: kvblocks compiles its kernels through CuPy in "
-            "every process (no disk cache); pip install cuda-bindings to cache them",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        return False
-    return True
-
-
-@functools.cache
-def _arch(device: int) -> str:
-    from kvblocks.ops.nvrtc_build import supported_archs
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return kernel_cache.arch_for_capability(major, minor, supported_archs())
-
-
-@functools.cache
-def _function(device: int, name: str) -> Any:
-    """Load (once per device) the module holding kernel ``name``, from the disk cache
-    (:mod:`kvblocks.ops.kernel_cache`), compiling it there on a miss."""
-    cupy = _cupy()
-    with cupy.cuda.Device(device):
-        if _nvrtc_available():
-            entry = kernel_cache.get_kernel(name, _arch(device))
-            return cupy.RawModule(path=str(entry.path)).get_function(entry.lowered_name)
-        # Without cuda-bindings: CuPy's NVRTC, with the headers of CuPy's CUDA version.
-        major = cupy.cuda.runtime.runtimeGetVersion() // 1000
-        templated = "<" in name
-        module = cupy.RawModule(
-            code=read_source(kernel_cache.source_of(name)),
-            options=tuple(nvrtc_options(cuda_major=major)),
-            name_expressions=[name] if templated else None,
-        )
-        return module.get_function(name)
-
-
-@functools.cache
-def _target_ctas(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count * CTAS_PER_SM
-
-
-@functools.cache
-def decode_target_ctas(device: int, smem_bytes: int) -> int:
-    """CTAs of ``decode_attention_kernel`` that fill ``device`` once: SMs x the CTAs whose
-    ``smem_bytes`` of shared memory fit an SM (1 KiB reserved per CTA), at most
-    ``CTAS_PER_SM`` (2 on H100/A100 at head 128, 1 at head 256)."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0)
-    resident = min(CTAS_PER_SM, per_sm // (smem_bytes + 1024)) if per_sm else CTAS_PER_SM
-    return props.multi_processor_count * max(1, resident)
-
-
-def _launcher(device: torch.device) -> kernel_driver.Launcher:
-    cupy = _cupy()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-
-    def launch(item: KernelLaunch) -> None:
-        # RawKernel launches on CuPy's current stream: make it torch's for the call.
-        with cupy.cuda.Device(index), stream:
-            _function(index, item.name)(
-                item.grid, item.block, item.args, shared_mem=item.smem_bytes
-            )
-
-    return launch
-
-
-_STATIC_SMEM_LIMIT = 48 * 1024
-
-
-def _current_stream(index: int) -> int:
-    return torch.cuda.current_stream(index).cuda_stream
-
-
-@functools.cache
-def decode_launcher(index: int) -> kernel_driver.Launcher:
-    """A launcher for device ``index`` that stays valid across calls (the decode path
-    keeps it): the stream is torch's current one at each launch (so CUDA-graph capture
-    on a side stream works), its CuPy wrapper is made once per stream."""
-    cupy = _cupy()
-    device = cupy.cuda.Device(index)
-    streams: dict[int, Any] = {}
-    opted_in: dict[str, int] = {}
-
-    def launch(item: KernelLaunch) -> None:
-        ptr = _current_stream(index)
-        stream = streams.get(ptr)
-        if stream is None:
-            if len(streams) > 64:
-                streams.clear()
-            stream = streams[ptr] = cupy.cuda.ExternalStream(ptr, index)
-        function = _function(index, item.name)
-        with device:
-            if item.smem_bytes > opted_in.get(item.name, _STATIC_SMEM_LIMIT):
-                # Above 48 KiB of dynamic shared memory a kernel must opt in, once.
-                function.max_dynamic_shared_size_bytes = item.smem_bytes
-                opted_in[item.name] = item.smem_bytes
-            function(item.grid, item.block, item.args, shared_mem=item.smem_bytes, stream=stream)
-
-    return launch
 
 
 def reshape_and_cache(
@@ -162,7 +43,7 @@ def reshape_and_cache(
 ) -> None:
     """See :func:`kvblocks.ops.reshape_and_cache` (validated arguments)."""
     kernel_driver.run_reshape_and_cache(
-        _launcher(key_cache.device), key, value, key_cache, value_cache, slot_mapping
+        stream_launcher(key_cache.device), key, value, key_cache, value_cache, slot_mapping
     )
 
 
@@ -179,29 +60,15 @@ def paged_attention(
     max_seq_len: int | None,
     seq_lens_host: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """See :func:`kvblocks.ops.paged_attention` (validated arguments).
-
-    fp16/bf16 run ``decode_attention_kernel`` through the length-aware planner when the
-    lengths are known on the host (``seq_lens_host``, or read from the device when no
-    ``max_seq_len`` hint says to avoid that sync); otherwise the older split-K kernel.
-    """
+    """See :func:`kvblocks.ops.paged_attention` (validated arguments): the kernel is
+    :func:`kernel_driver.run_paged_attention`'s choice for this device's shared memory."""
     device = key_cache.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _, _, block_size, head_size = key_cache.shape
-    if decode_kernel_supported(query.dtype, head_size, block_size) and (
-        seq_lens_host is not None or max_seq_len is None
-    ):
-        if seq_lens_host is None:
-            seq_lens_host = seq_lens.cpu().numpy()
-        return kernel_driver.run_decode(
-            decode_launcher(index), query, key_cache, value_cache, block_tables,
-            seq_lens_host, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            target_ctas=None,
-        )  # fmt: skip
-    return kernel_driver.run_attention(
-        _launcher(device), query, key_cache, value_cache, block_tables, seq_lens, None,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,
-        max_seq_len=max_seq_len, target_ctas=_target_ctas(device.index or 0),
+    index = device_index(device)
+    return kernel_driver.run_paged_attention(
+        decode_launcher(index), query, key_cache, value_cache, block_tables, seq_lens,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, max_seq_len=max_seq_len,
+        seq_lens_host=seq_lens_host, split_k_ctas=split_k_target_ctas(device.index or 0),
+        smem_limit=smem_optin(index),
     )  # fmt: skip
 
 
@@ -218,14 +85,15 @@ def paged_prefill_attention(
     soft_cap: float | None,
     max_query_len: int,
 ) -> torch.Tensor:
-    """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the
-    tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the CUDA-core
-    one for fp32."""
+    """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the kernel
+    is :func:`kernel_driver.run_prefill`'s choice (the tensor-core one for fp16/bf16, whose
+    shared memory is above 48 KiB at head 64, 96, 128 and 256: the launcher opts in)."""
     device = key_cache.device
-    return run_prefill(
-        _launcher(device), query, key_cache, value_cache, block_tables, query_start_loc,
-        seq_lens, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        max_query_len=max_query_len, target_ctas=_target_ctas(device.index or 0),
+    return kernel_driver.run_prefill(
+        decode_launcher(device_index(device)), query, key_cache, value_cache, block_tables,
+        query_start_loc, seq_lens, scale=scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, max_query_len=max_query_len,
+        target_ctas=split_k_target_ctas(device.index or 0),
     )  # fmt: skip
 
 
@@ -233,4 +101,4 @@ def copy_blocks(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: torch.Tensor
 ) -> None:
     """See :func:`kvblocks.ops.copy_blocks` (validated, host-side int64 mapping)."""
-    kernel_driver.run_copy_blocks(_launcher(kv_caches[0][0].device), kv_caches, block_mapping)
+    kernel_driver.run_copy_blocks(stream_launcher(kv_caches[0][0].device), kv_caches, block_mapping)

@@ -18,36 +18,41 @@ import torch
 from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
 
 __all__ = [
-    "ATTENTION_SOURCE",
     "CACHE_OPS_SOURCE",
     "CTYPE_NAMES",
     "DECODE_BLOCK_SIZES",
     "DECODE_GROUPS",
     "DECODE_ROWS",
     "DECODE_SOURCE",
+    "DECODE_STAGES",
     "DECODE_THREADS",
+    "MIN_SMEM_OPTIN",
     "PREFILL_ROWS",
     "PREFILL_SOURCE",
-    "attention_kernel_name",
+    "SPLIT_K_SOURCE",
     "cuda_dir",
     "cuda_include_dirs",
     "decode_instantiated",
     "decode_kernel_name",
     "decode_smem_bytes",
+    "decode_stages_instantiated",
     "kernel_names",
     "merge_kernel_name",
     "merge_partials_name",
     "nvrtc_options",
     "prefill_kernel_name",
     "read_source",
+    "split_k_kernel_name",
 ]
 
-ATTENTION_SOURCE = "paged_attention.cu"
+SPLIT_K_SOURCE = "split_k_attention.cu"
+"""The split-K kernel (CUDA cores, every dtype): fp32 attention, and fp16/bf16 decode where
+the tensor-core decode cannot be planned (lengths not on the host)."""
 CACHE_OPS_SOURCE = "cache_ops.cu"
 PREFILL_SOURCE = "prefill_attention.cu"
-"""The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses ATTENTION_SOURCE)."""
+"""The tensor-core prefill/extend kernel (fp16/bf16; fp32 prefill uses SPLIT_K_SOURCE)."""
 DECODE_SOURCE = "decode_attention.cu"
-"""The tensor-core decode kernel and its partial merge (fp16/bf16; fp32 uses ATTENTION_SOURCE)."""
+"""The tensor-core decode kernel and its partial merge (fp16/bf16; fp32 uses SPLIT_K_SOURCE)."""
 DECODE_THREADS = 128
 """Threads per CTA of ``decode_attention_kernel`` and ``merge_partials_kernel``
 (``kvb::kDecodeThreads``)."""
@@ -56,6 +61,14 @@ DECODE_GROUPS: tuple[int, ...] = (1, 2, 4, 8, 16)
 instantiated at head size 256 (see :func:`decode_instantiated`)."""
 DECODE_BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 """``BLOCK`` values of ``decode_attention_kernel`` (cache block sizes)."""
+DECODE_STAGES: tuple[int, ...] = (2, 1)
+"""``STAGES`` values of ``decode_attention_kernel`` in order of preference: 2 K/V buffers
+per warp (keys and values in flight together), 1 (one shared buffer, for GPUs whose per-CTA
+shared-memory limit is below the 2-buffer need)."""
+MIN_SMEM_OPTIN = 101376
+"""The smallest per-CTA dynamic shared-memory opt-in limit (``sharedMemPerBlockOptin``) of
+the architectures the kernels target: 99 KiB on sm_86/sm_89 (A10, L4, L40S, RTX 3090/4090);
+sm_80 allows 163 KiB, sm_90 227 KiB."""
 DECODE_ROWS = 8
 """Query rows per CTA of the decode instantiation (heads of one KV group)."""
 PREFILL_ROWS = 16
@@ -74,7 +87,7 @@ def cuda_dir() -> Path:
     """The directory holding the ``.cu`` sources (checkout first, then the wheel copy)."""
     here = Path(__file__).resolve().parent
     for candidate in (here.parents[2] / "cuda", here / "_cuda"):
-        if (candidate / ATTENTION_SOURCE).is_file():
+        if (candidate / SPLIT_K_SOURCE).is_file():
             return candidate
     raise FileNotFoundError(
         f"kvblocks CUDA sources not found in {here.parents[2] / 'cuda'} or "
@@ -135,9 +148,10 @@ def nvrtc_options(arch: str | None = None, cuda_major: int | None = None) -> lis
     return opts
 
 
-def attention_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
-    """Name expression of the attention kernel instantiation."""
-    return f"paged_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
+def split_k_kernel_name(dtype: torch.dtype, head_size: int, rows: int) -> str:
+    """Name expression of the split-K attention kernel instantiation (``rows``:
+    :data:`DECODE_ROWS` or :data:`PREFILL_ROWS`)."""
+    return f"split_k_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {rows}>"
 
 
 def merge_kernel_name(dtype: torch.dtype, head_size: int) -> str:
@@ -150,10 +164,16 @@ def prefill_kernel_name(dtype: torch.dtype, head_size: int) -> str:
     return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
 
 
-def decode_kernel_name(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> str:
-    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP>`` (``group_t`` is
-    the template's GROUP, one of :data:`DECODE_GROUPS`)."""
-    return f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, {group_t}>"
+def decode_kernel_name(
+    dtype: torch.dtype, head_size: int, block_size: int, group_t: int, stages: int = 2
+) -> str:
+    """Name expression of ``decode_attention_kernel<T, D, BLOCK, GROUP[, STAGES]>``
+    (``group_t`` is the template's GROUP, one of :data:`DECODE_GROUPS`; ``stages`` one of
+    :data:`DECODE_STAGES`, written only when it is not the default 2)."""
+    tail = "" if stages == 2 else f", {stages}"
+    return (
+        f"decode_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}, {block_size}, {group_t}{tail}>"
+    )
 
 
 def merge_partials_name(dtype: torch.dtype, head_size: int) -> str:
@@ -167,27 +187,41 @@ def decode_instantiated(head_size: int, group_t: int) -> bool:
     return group_t in DECODE_GROUPS and not (head_size > 128 and group_t > 8)
 
 
-def decode_smem_bytes(dtype: torch.dtype, head_size: int, block_size: int, group_t: int) -> int:
+def decode_smem_bytes(
+    dtype: torch.dtype, head_size: int, block_size: int, group_t: int, stages: int = 2
+) -> int:
     """Dynamic shared memory of a ``decode_attention_kernel`` launch (mirrors
     ``kvb::DecodeShape::kSmemBytes``; above 48 KiB the launch must opt in)."""
     del dtype, block_size  # 2-byte elements only; the block size only sets the chunk length
     warps, tokens, table_slots = DECODE_THREADS // 32, 32, 256
     heads = 8 * ((group_t + 7) // 8)
     ld = (head_size + 31) // 32 * 32 + 8
-    warp_bytes = 2 * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
+    warp_bytes = stages * tokens * ld * 2 + heads * (tokens + 4) * 4 + heads * (tokens + 8) * 2
     return warps * warp_bytes + heads * ld * 2 + table_slots * 4 + warps * heads * 2 * 4
+
+
+def decode_stages_instantiated(head_size: int, group_t: int) -> tuple[int, ...]:
+    """The ``STAGES`` variants compiled for this head size and GROUP, in order of
+    preference: 2 always, 1 where 2 exceeds :data:`MIN_SMEM_OPTIN` (head 256)."""
+    if not decode_instantiated(head_size, group_t):
+        return ()
+    two = decode_smem_bytes(torch.float16, head_size, 16, group_t, 2)
+    return DECODE_STAGES if two > MIN_SMEM_OPTIN else DECODE_STAGES[:1]
 
 
 def kernel_names(source: str) -> list[str]:
     """Every kernel (name expression) the front-ends can launch from ``source``."""
     if source == CACHE_OPS_SOURCE:
         return ["reshape_and_cache_kernel", "copy_blocks_kernel"]
-    if source == ATTENTION_SOURCE:
+    if source == SPLIT_K_SOURCE:
+        # The split-K kernel: fp32 decode and prefill, and fp16/bf16 decode where the
+        # tensor-core decode cannot be planned; fp16/bf16 prefill always runs PREFILL_SOURCE.
         names = []
         for dtype in CTYPE_NAMES:
             for head_size in SUPPORTED_HEAD_SIZES:
-                names.append(attention_kernel_name(dtype, head_size, DECODE_ROWS))
-                names.append(attention_kernel_name(dtype, head_size, PREFILL_ROWS))
+                names.append(split_k_kernel_name(dtype, head_size, DECODE_ROWS))
+                if dtype == torch.float32:
+                    names.append(split_k_kernel_name(dtype, head_size, PREFILL_ROWS))
                 names.append(merge_kernel_name(dtype, head_size))
         return names
     if source == PREFILL_SOURCE:
@@ -201,10 +235,10 @@ def kernel_names(source: str) -> list[str]:
         for dtype in (torch.float16, torch.bfloat16):
             for head_size in SUPPORTED_HEAD_SIZES:
                 names += [
-                    decode_kernel_name(dtype, head_size, block, group_t)
+                    decode_kernel_name(dtype, head_size, block, group_t, stages)
                     for block in DECODE_BLOCK_SIZES
                     for group_t in DECODE_GROUPS
-                    if decode_instantiated(head_size, group_t)
+                    for stages in decode_stages_instantiated(head_size, group_t)
                 ]
                 names.append(merge_partials_name(dtype, head_size))
         return names

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.ops import cuda_device
 from kvblocks.ops.checks import (
     INT32_MAX,
     SUPPORTED_HEAD_SIZES,
@@ -45,10 +45,11 @@ from kvblocks.ops.checks import (
 from kvblocks.ops.cuda_sources import (
     DECODE_BLOCK_SIZES,
     DECODE_GROUPS,
+    DECODE_STAGES,
     DECODE_THREADS,
-    decode_instantiated,
     decode_kernel_name,
     decode_smem_bytes,
+    decode_stages_instantiated,
     merge_partials_name,
 )
 from kvblocks.ops.decode_plan import (
@@ -57,12 +58,13 @@ from kvblocks.ops.decode_plan import (
     DecodeItems,
     plan_decode,
 )
-from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch
+from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch, Launcher
 
 __all__ = [
     "DECODE_DTYPES",
     "DecodeAttention",
     "decode_kernel_group",
+    "decode_kernel_stages",
     "decode_kernel_supported",
 ]
 
@@ -77,17 +79,36 @@ def decode_kernel_group(head_size: int, group: int) -> int:
     The smallest instantiated value at least ``group``; a larger group is split into
     ``ceil(group / GROUP)`` CTAs per KV head (grid.y).
     """
-    values = [g for g in DECODE_GROUPS if decode_instantiated(head_size, g)]
+    values = [g for g in DECODE_GROUPS if decode_stages_instantiated(head_size, g)]
     return next((g for g in values if g >= group), values[-1])
 
 
-def decode_kernel_supported(dtype: torch.dtype, head_size: int, block_size: int) -> bool:
-    """Whether ``decode_attention_kernel`` is instantiated for these parameters."""
-    return (
+def decode_kernel_stages(head_size: int, group_t: int, smem_limit: int | None) -> int | None:
+    """The ``STAGES`` variant of ``decode_attention_kernel<.., GROUP=group_t>`` to launch on a
+    device that allows ``smem_limit`` bytes of dynamic shared memory per CTA (its
+    ``sharedMemPerBlockOptin``; None: no limit): the first compiled variant that fits, in
+    the order of :data:`~kvblocks.ops.cuda_sources.DECODE_STAGES`, or None if none does."""
+    for stages in decode_stages_instantiated(head_size, group_t):
+        need = decode_smem_bytes(torch.float16, head_size, 16, group_t, stages)
+        if smem_limit is None or need <= smem_limit:
+            return stages
+    return None
+
+
+def decode_kernel_supported(
+    dtype: torch.dtype, head_size: int, block_size: int, smem_limit: int | None = None
+) -> bool:
+    """Whether ``decode_attention_kernel`` is instantiated for these parameters and, with
+    ``smem_limit`` (the device's per-CTA opt-in limit), has a variant that fits it at every
+    GQA group size."""
+    if not (
         dtype in DECODE_DTYPES
         and head_size in SUPPORTED_HEAD_SIZES
         and block_size in DECODE_BLOCK_SIZES
-    )
+    ):
+        return False
+    groups = [g for g in DECODE_GROUPS if decode_stages_instantiated(head_size, g)]
+    return all(decode_kernel_stages(head_size, g, smem_limit) is not None for g in groups)
 
 
 @dataclass(frozen=True)
@@ -116,13 +137,18 @@ class DecodeAttention:
             window).
         target_ctas: CTAs that fill the device once; default on CUDA the SM count times
             the CTAs whose shared memory fits an SM (2 at head 128 on H100/A100).
+        smem_limit: dynamic shared memory a CTA may use (bytes); default on CUDA the
+            device's ``sharedMemPerBlockOptin``, elsewhere no limit. The kernel variant
+            with two K/V buffers per warp is launched where it fits, else the one-buffer
+            variant (head 256 on sm_86/sm_89).
         max_items: capacity of the item buffer (and of the partials); default
             ``target_ctas / (num_kv_heads x head_chunks) + max_seqs``, enough for every
             plan :func:`~kvblocks.ops.decode_plan.plan_decode` makes.
         cuda_graph: launch the fixed grid (``max_items``) and always the merge kernel,
             so a captured graph replays correctly after :meth:`plan` with other lengths.
         launcher: runs one :class:`~kvblocks.ops.launch_plan.KernelLaunch`; default the
-            CUDA backend's launcher for ``device``.
+            CUDA device layer's launcher for ``device``
+            (:func:`kvblocks.ops.cuda_device.decode_launcher`).
 
     ``plan`` and ``run`` must be issued on the same stream. In graph mode the kernel
     arguments are captured, so each ``run`` replayed must use the same ``query``,
@@ -144,9 +170,10 @@ class DecodeAttention:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         target_ctas: int | None = None,
+        smem_limit: int | None = None,
         max_items: int | None = None,
         cuda_graph: bool = False,
-        launcher: Callable[[KernelLaunch], None] | None = None,
+        launcher: Launcher | None = None,
         granularity: int = DEFAULT_GRANULARITY,
         min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS,
     ) -> None:
@@ -189,16 +216,29 @@ class DecodeAttention:
             raise InvalidArgumentError(f"device {device!r}: no such CUDA device")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if smem_limit is not None and (
+            isinstance(smem_limit, bool) or not isinstance(smem_limit, int) or smem_limit < 1
+        ):
+            raise InvalidArgumentError(f"smem_limit must be a positive int, got {smem_limit!r}")
         group = num_heads // num_kv_heads
         group_t = decode_kernel_group(head_size, group)
-        self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t)
+        if self.device.type == "cuda" and smem_limit is None:
+            smem_limit = cuda_device.smem_optin(self.device.index or 0)
+        stages = decode_kernel_stages(head_size, group_t, smem_limit)
+        if stages is None:
+            need = decode_smem_bytes(dtype, head_size, block_size, group_t, DECODE_STAGES[-1])
+            raise InvalidArgumentError(
+                f"decode at head size {head_size} needs {need} bytes of shared memory per "
+                f"CTA, the device allows {smem_limit}; use kvblocks.ops.paged_attention "
+                "with max_seq_len (the split-K kernel)"
+            )
+        self.stages = stages
+        self.smem_bytes = decode_smem_bytes(dtype, head_size, block_size, group_t, stages)
         if self.device.type == "cuda":
-            from kvblocks.ops import cuda_backend
-
             if launcher is None:
-                launcher = cuda_backend.decode_launcher(self.device.index or 0)
+                launcher = cuda_device.decode_launcher(self.device.index or 0)
             if target_ctas is None:
-                target_ctas = cuda_backend.decode_target_ctas(
+                target_ctas = cuda_device.decode_target_ctas(
                     self.device.index or 0, self.smem_bytes
                 )
         elif launcher is None:
@@ -237,7 +277,7 @@ class DecodeAttention:
                 "(at most 65535)"
             )
         self.max_items = max_items
-        self.kernel = decode_kernel_name(dtype, head_size, block_size, group_t)
+        self.kernel = decode_kernel_name(dtype, head_size, block_size, group_t, stages)
         self.merge_kernel = merge_partials_name(dtype, head_size)
         # One int32 buffer = one host-to-device copy per new plan: [0] item count,
         # [4, 4 + 4 * max_items) items (int4, 16-byte aligned), then merge_indptr.

@@ -33,11 +33,11 @@ import torch
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
 from kvblocks.ops.cuda_sources import (
-    ATTENTION_SOURCE,
     CACHE_OPS_SOURCE,
     CTYPE_NAMES,
     DECODE_SOURCE,
     PREFILL_SOURCE,
+    SPLIT_K_SOURCE,
     cuda_dir,
     kernel_names,
     nvrtc_options,
@@ -93,7 +93,7 @@ def source_of(name: str) -> str:
         return PREFILL_SOURCE
     if name.startswith(("decode_attention_kernel<", "merge_partials_kernel<")):
         return DECODE_SOURCE
-    return CACHE_OPS_SOURCE if name in kernel_names(CACHE_OPS_SOURCE) else ATTENTION_SOURCE
+    return CACHE_OPS_SOURCE if name in kernel_names(CACHE_OPS_SOURCE) else SPLIT_K_SOURCE
 
 
 def arch_for_capability(major: int, minor: int, supported: Iterable[int]) -> str:
@@ -272,7 +272,7 @@ def precompile(
     wanted = [f"<{CTYPE_NAMES[d]}, {h}" for d in dtypes for h in head_sizes]
     names = kernel_names(CACHE_OPS_SOURCE) + [
         n
-        for source in (ATTENTION_SOURCE, PREFILL_SOURCE, DECODE_SOURCE)
+        for source in (SPLIT_K_SOURCE, PREFILL_SOURCE, DECODE_SOURCE)
         for n in kernel_names(source)
         if any(w in n for w in wanted)
     ]

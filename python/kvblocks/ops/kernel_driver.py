@@ -1,7 +1,12 @@
-"""Device-agnostic drivers: plan, allocate outputs, and hand kernel launches to a launcher.
+"""The driver: chooses every kernel, plans, allocates outputs, and hands the launches to
+a launcher.
 
-The CUDA backend passes a CuPy launcher; the tests pass the CPU emulation's launcher
-on CPU tensors. Everything between the validated front-end call and the launch
+The one module that decides which kernel serves a call (:func:`run_paged_attention`: the
+planned tensor-core decode or the split-K kernel; :func:`run_prefill`: the tensor-core
+prefill or the split-K kernel). It sits above the planners and
+:class:`~kvblocks.ops.decode_attention.DecodeAttention` and below the CUDA backend, which
+passes a CuPy launcher and the device's limits down; the tests pass the CPU emulation's
+launcher on CPU tensors. Everything between the validated front-end call and the launch
 (alignment fixes, workspace, split planning, argument packing) is therefore shared.
 """
 
@@ -9,33 +14,32 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from kvblocks.ops.checks import check_cache_pair
-from kvblocks.ops.decode_attention import DecodeAttention
+from kvblocks.ops.decode_attention import DecodeAttention, decode_kernel_supported
 from kvblocks.ops.launch_plan import (
     PARTITION_TOKENS,
-    KernelLaunch,
-    attention_launches,
+    Launcher,
     copy_blocks_launch,
-    plan_attention,
+    plan_split_k,
     reshape_and_cache_launch,
+    split_k_launches,
 )
+from kvblocks.ops.prefill_launch import plan_prefill, prefill_launch
 
 __all__ = [
     "Launcher",
     "decode_attention_for",
-    "run_attention",
     "run_copy_blocks",
     "run_decode",
+    "run_paged_attention",
+    "run_prefill",
     "run_reshape_and_cache",
+    "run_split_k_attention",
 ]
-
-Launcher = Callable[[KernelLaunch], None]
-"""Runs one :class:`KernelLaunch` (on the current stream, for CuPy)."""
 
 
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,7 +79,7 @@ def run_reshape_and_cache(
     launch(reshape_and_cache_launch(fixed[0], fixed[1], key_cache, value_cache, slot_mapping))
 
 
-def run_attention(
+def run_split_k_attention(
     launch: Launcher,
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -92,7 +96,9 @@ def run_attention(
     target_ctas: int,
     partition_tokens: int = PARTITION_TOKENS,
 ) -> torch.Tensor:
-    """Decode (``query_start_loc is None``) or prefill attention through the kernels.
+    """Decode (``query_start_loc is None``) or prefill attention through the split-K
+    kernel (``split_k_attention_kernel`` of ``cuda/split_k_attention.cu``): fp32, and fp16/bf16
+    decode where :func:`run_paged_attention` cannot plan the tensor-core kernel.
 
     ``max_query_len`` and ``max_seq_len`` only shape the launch (query tiles, split-K):
     values below the real ones cost parallelism, never correctness (the kernel loops
@@ -109,7 +115,7 @@ def run_attention(
     decode = query_start_loc is None
     if decode and max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    plan = plan_attention(
+    plan = plan_split_k(
         dtype=query.dtype,
         head_size=head_size,
         num_heads=num_heads,
@@ -126,7 +132,7 @@ def run_attention(
         rows = num_tokens * num_heads * plan.num_splits
         part_out = torch.empty(rows * head_size, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(rows * 2, dtype=torch.float32, device=query.device)
-    launches = attention_launches(
+    launches = split_k_launches(
         plan,
         out=out.data_ptr(),
         part_out=0 if part_out is None else part_out.data_ptr(),
@@ -170,6 +176,7 @@ def decode_attention_for(
     sliding_window: int | None,
     soft_cap: float | None,
     target_ctas: int | None,
+    smem_limit: int | None = None,
 ) -> DecodeAttention:
     """The cached :class:`DecodeAttention` serving the functional decode path.
 
@@ -178,14 +185,14 @@ def decode_attention_for(
     """
     capacity = max(64, 1 << max(0, num_seqs - 1).bit_length())
     key = (launch, device, dtype, num_heads, num_kv_heads, head_size, block_size, capacity,
-           scale, sliding_window, soft_cap, target_ctas)  # fmt: skip
+           scale, sliding_window, soft_cap, target_ctas, smem_limit)  # fmt: skip
     decoder = _DECODERS.get(key)
     if decoder is None:
         decoder = DecodeAttention(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
             block_size=block_size, dtype=dtype, device=device, max_seqs=capacity,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            target_ctas=target_ctas, launcher=launch,
+            target_ctas=target_ctas, smem_limit=smem_limit, launcher=launch,
         )  # fmt: skip
         _DECODERS[key] = decoder
         if len(_DECODERS) > _MAX_DECODERS:
@@ -205,19 +212,124 @@ def run_decode(
     sliding_window: int | None,
     soft_cap: float | None,
     target_ctas: int | None,
+    smem_limit: int | None = None,
 ) -> torch.Tensor:
     """fp16/bf16 decode through ``decode_attention_kernel`` and the length-aware plan
     (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``;
-    ``target_ctas`` None: from the device, see :class:`DecodeAttention`)."""
+    ``target_ctas`` and ``smem_limit`` None: from the device, see
+    :class:`DecodeAttention`)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
     decoder = decode_attention_for(
         launch, device=key_cache.device, dtype=query.dtype, num_heads=query.shape[1],
         num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
         num_seqs=query.shape[0], scale=scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, target_ctas=target_ctas,
+        soft_cap=soft_cap, target_ctas=target_ctas, smem_limit=smem_limit,
     )  # fmt: skip
     decoder.plan(seq_lens_host, block_tables)
     return decoder.run(query, key_cache, value_cache)
+
+
+def run_paged_attention(
+    launch: Launcher,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_seq_len: int | None,
+    seq_lens_host: np.ndarray | None,
+    split_k_ctas: int,
+    smem_limit: int | None,
+) -> torch.Tensor:
+    """Decode attention (validated arguments), the kernel chosen here: fp16/bf16 run
+    ``decode_attention_kernel`` through the length-aware planner when a variant fits
+    ``smem_limit`` and the lengths are known on the host (``seq_lens_host``, or read from
+    the device when no ``max_seq_len`` hint says to avoid that sync); otherwise the
+    split-K kernel on ``split_k_ctas`` CTAs (:func:`run_split_k_attention`)."""
+    _, _, block_size, head_size = key_cache.shape
+    if decode_kernel_supported(query.dtype, head_size, block_size, smem_limit) and (
+        seq_lens_host is not None or max_seq_len is None
+    ):
+        if seq_lens_host is None:
+            seq_lens_host = seq_lens.cpu().numpy()
+        return run_decode(
+            launch, query, key_cache, value_cache, block_tables, seq_lens_host, scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, target_ctas=None,
+            smem_limit=smem_limit,
+        )  # fmt: skip
+    return run_split_k_attention(
+        launch, query, key_cache, value_cache, block_tables, seq_lens, None, scale=scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,
+        max_seq_len=max_seq_len, target_ctas=split_k_ctas,
+    )  # fmt: skip
+
+
+def run_prefill(
+    launch: Launcher,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    max_query_len: int,
+    target_ctas: int,
+) -> torch.Tensor:
+    """Prefill/extend attention (validated arguments), the kernel chosen here: the
+    tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the split-K
+    kernel for fp32 (:func:`run_split_k_attention`; ``target_ctas`` is its)."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return run_split_k_attention(
+            launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
+        )  # fmt: skip
+    _check_caches(key_cache, value_cache)
+    num_tokens, num_heads, head_size = query.shape
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    query = _aligned(query)
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    plan = plan_prefill(
+        dtype=query.dtype,
+        head_size=head_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+    )
+    launch(
+        prefill_launch(
+            plan,
+            out=out.data_ptr(),
+            query=query.data_ptr(),
+            key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(),
+            query_start_loc=query_start_loc.data_ptr(),
+            num_tokens=num_tokens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            max_blocks=block_tables.shape[1],
+            num_blocks=num_blocks,
+            scale=1.0 / math.sqrt(head_size) if scale is None else scale,
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+        )
+    )
+    return out
 
 
 def run_copy_blocks(

@@ -3,12 +3,13 @@
 Pure Python on CPU-side sizes (nothing reads device memory), so a plan is cheap and
 CUDA-graph friendly. The same plans drive CuPy on a GPU and the CPU emulation in the
 tests, so the planner is exercised without a GPU too. The shared-memory formula
-mirrors ``kvb::AttentionShape`` in ``cuda/paged_attention.cu`` (a test compares them).
+mirrors ``kvb::SplitKShape`` in ``cuda/split_k_attention.cu`` (a test compares them).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,19 +19,20 @@ from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.cuda_sources import (
     DECODE_ROWS,
     PREFILL_ROWS,
-    attention_kernel_name,
     merge_kernel_name,
+    split_k_kernel_name,
 )
 
 __all__ = [
     "THREADS",
-    "AttentionPlan",
     "KernelLaunch",
-    "attention_launches",
-    "attention_smem_bytes",
+    "Launcher",
+    "SplitKPlan",
     "copy_blocks_launch",
-    "plan_attention",
+    "plan_split_k",
     "reshape_and_cache_launch",
+    "split_k_launches",
+    "split_k_smem_bytes",
 ]
 
 THREADS = 128
@@ -56,8 +58,13 @@ class KernelLaunch:
     args: tuple[np.generic, ...]
 
 
+Launcher = Callable[[KernelLaunch], None]
+"""Runs one :class:`KernelLaunch` (on the current stream, for CuPy; at once, for the CPU
+emulation in the tests). Passed down from the CUDA backend through the driver."""
+
+
 @dataclass(frozen=True)
-class AttentionPlan:
+class SplitKPlan:
     """How one attention call maps onto CTAs."""
 
     kernel: str
@@ -73,8 +80,8 @@ class AttentionPlan:
     grid: tuple[int, int, int]
 
 
-def attention_smem_bytes(dtype: torch.dtype, head_size: int, rows: int) -> int:
-    """Dynamic shared memory of ``paged_attention_kernel<dtype, head_size, rows>``."""
+def split_k_smem_bytes(dtype: torch.dtype, head_size: int, rows: int) -> int:
+    """Dynamic shared memory of ``split_k_attention_kernel<dtype, head_size, rows>``."""
     esize = torch.empty((), dtype=dtype).element_size()
     vec = 16 // esize
     vecs_per_row = head_size // vec
@@ -86,7 +93,7 @@ def attention_smem_bytes(dtype: torch.dtype, head_size: int, rows: int) -> int:
     return max(tile_bytes, reduce_bytes) + rows * (head_size + 4) * 4 + rows * tile * 4 + 12 * rows
 
 
-def plan_attention(
+def plan_split_k(
     *,
     dtype: torch.dtype,
     head_size: int,
@@ -98,7 +105,7 @@ def plan_attention(
     decode: bool,
     target_ctas: int,
     partition_tokens: int = PARTITION_TOKENS,
-) -> AttentionPlan:
+) -> SplitKPlan:
     """Plan a decode (``decode=True``: one query per sequence) or prefill launch.
 
     Decode CTAs serve up to 8 query heads of one KV group; when batch x KV heads gives
@@ -124,8 +131,8 @@ def plan_attention(
             f"a batch of {num_seqs} sequences with {num_kv_heads} KV heads exceeds the CUDA "
             "grid limit of 65535 per launch; split the batch"
         )
-    return AttentionPlan(
-        kernel=attention_kernel_name(dtype, head_size, rows_max),
+    return SplitKPlan(
+        kernel=split_k_kernel_name(dtype, head_size, rows_max),
         merge_kernel=merge_kernel_name(dtype, head_size),
         rows=rows_max,
         heads_per_cta=heads_per_cta,
@@ -134,7 +141,7 @@ def plan_attention(
         q_tiles=q_tiles,
         num_splits=num_splits,
         split_tokens=split_tokens,
-        smem_bytes=attention_smem_bytes(dtype, head_size, rows_max),
+        smem_bytes=split_k_smem_bytes(dtype, head_size, rows_max),
         # x grows with the prompt (limit 2^31 - 1); y and z stay small (limit 65535).
         grid=(q_tiles * num_splits, num_seqs, num_kv_heads * head_chunks),
     )
@@ -144,8 +151,8 @@ def _ptr(address: int) -> np.uint64:
     return np.uint64(address)
 
 
-def attention_launches(
-    plan: AttentionPlan,
+def split_k_launches(
+    plan: SplitKPlan,
     *,
     out: int,
     part_out: int,

@@ -1,9 +1,9 @@
 """Plan and launch the tensor-core prefill kernel (``cuda/prefill_attention.cu``).
 
-fp16/bf16 prefill/extend goes to ``prefill_attention_kernel<T, HEAD>``; fp32 keeps the
-CUDA-core kernel of :mod:`kvblocks.ops.kernel_driver`. Like that driver, everything here
-works on host-side sizes and raw addresses, so the CUDA backend (CuPy launcher) and the CPU
-emulation in the tests run the same plan. The shared-memory formula mirrors
+fp16/bf16 prefill/extend goes to ``prefill_attention_kernel<T, HEAD>`` (the choice is
+:func:`kvblocks.ops.kernel_driver.run_prefill`'s; fp32 keeps the split-K kernel).
+Everything here works on host-side sizes and raw addresses, so the CUDA backend (CuPy
+launcher) and the CPU emulation in the tests run the same plan. The shared-memory formula mirrors
 ``kvb::PrefillShape`` (a test compares them).
 """
 
@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.ops import kernel_driver
 from kvblocks.ops.checks import (
     check_block_size,
     check_head_size,
@@ -35,33 +34,41 @@ __all__ = [
     "prefill_launch",
     "prefill_rows",
     "prefill_smem_bytes",
+    "prefill_threads",
     "prefill_tile",
-    "run_prefill",
 ]
 
 MAX_GRID_YZ = 65535
 """CUDA's limit on grid.y and grid.z."""
 
 
+def prefill_threads(head_size: int) -> int:
+    """Threads per CTA of ``prefill_attention_kernel<T, head_size>`` (4 warps)."""
+    del head_size
+    return THREADS
+
+
 def prefill_rows(head_size: int) -> int:
-    """Query rows per CTA (``kvb::PrefillShape::kRows``): 4 warps x 16, or 2 x 16 at head
-    256 where two warps share a row block's head columns."""
-    return 32 if head_size > 128 else 64
+    """Query rows per CTA (``kvb::PrefillShape::kRows``): 4 warps x 2 row blocks of 16,
+    one row block per warp at head 256 and 112."""
+    return 64 if head_size > 128 or head_size == 112 else 128
 
 
 def prefill_tile(head_size: int) -> int:
-    """K/V tokens per tile (``kTile``): 64 while K, V and the scores fit 48 KiB."""
-    return 64 if head_size <= 96 else 32
+    """K/V tokens per tile (``kTile``): 64 at head 64, 32 above."""
+    return 32 if head_size > 64 else 64
 
 
 def prefill_smem_bytes(head_size: int) -> int:
-    """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes)."""
+    """Dynamic shared memory of ``prefill_attention_kernel<T, head_size>`` (T 2 bytes): the
+    Q tile (later the output tile), 2 K and 2 V tiles (1 each at head 256, where 2 would
+    not leave an A100 room for 2 CTAs) and the block ids of the tiles in flight; rows
+    padded by 16 bytes. 44-68 KiB: the launch opts in above 48 KiB, and every size fits the
+    99 KiB a CTA may use on sm_86/sm_89."""
     rows, tile = prefill_rows(head_size), prefill_tile(head_size)
-    d_split = 2 if head_size > 128 else 1
-    kv = 2 * tile * (head_size + 8) * 2
-    scores = d_split * rows * (tile + 4) * 4
-    warps = THREADS // 32
-    return kv + scores + warps * 256 * 4 + 2 * rows * 4 + warps * 4
+    q_bytes, tile_bytes = rows * (head_size + 8) * 2, tile * (head_size + 8) * 2
+    stages = 2 if q_bytes + 4 * tile_bytes + 3 * tile * 4 <= 80 * 1024 else 1
+    return q_bytes + 2 * stages * tile_bytes + (stages + 1) * tile * 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class PrefillPlan:
     q_tiles: int
     smem_bytes: int
     grid: tuple[int, int, int]
+    threads: int = THREADS
+    """Threads per CTA (the block)."""
 
 
 def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
@@ -130,6 +139,7 @@ def plan_prefill(
         smem_bytes=prefill_smem_bytes(head_size),
         # z (query tiles, issued slowest and reversed in the kernel: longest first).
         grid=(num_kv_heads * head_chunks, num_seqs, q_tiles),
+        threads=prefill_threads(head_size),
     )
 
 
@@ -185,67 +195,4 @@ def prefill_launch(
         np.int32(plan.heads_per_cta), np.float32(scale), np.float32(soft_cap or 0.0),
         np.int32(sliding_window or 0),
     )  # fmt: skip
-    return KernelLaunch(plan.kernel, plan.grid, (THREADS, 1, 1), plan.smem_bytes, args)
-
-
-def run_prefill(
-    launch: kernel_driver.Launcher,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    max_query_len: int,
-    target_ctas: int,
-) -> torch.Tensor:
-    """Prefill/extend attention (validated arguments): the tensor-core kernel for
-    fp16/bf16, :func:`kernel_driver.run_attention` for fp32 (``target_ctas`` is its)."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return kernel_driver.run_attention(
-            launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
-        )  # fmt: skip
-    kernel_driver._check_caches(key_cache, value_cache)
-    num_tokens, num_heads, head_size = query.shape
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-    num_seqs = seq_lens.shape[0]
-    query = kernel_driver._aligned(query)
-    out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    plan = plan_prefill(
-        dtype=query.dtype,
-        head_size=head_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        num_seqs=num_seqs,
-        max_query_len=max_query_len,
-    )
-    launch(
-        prefill_launch(
-            plan,
-            out=out.data_ptr(),
-            query=query.data_ptr(),
-            key_cache=key_cache.data_ptr(),
-            value_cache=value_cache.data_ptr(),
-            block_tables=block_tables.data_ptr(),
-            seq_lens=seq_lens.data_ptr(),
-            query_start_loc=query_start_loc.data_ptr(),
-            num_tokens=num_tokens,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            block_size=block_size,
-            max_blocks=block_tables.shape[1],
-            num_blocks=num_blocks,
-            scale=1.0 / math.sqrt(head_size) if scale is None else scale,
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-        )
-    )
-    return out
+    return KernelLaunch(plan.kernel, plan.grid, (plan.threads, 1, 1), plan.smem_bytes, args)

@@ -1,5 +1,5 @@
-// Paged attention over the HND block cache: decode (one query per sequence, optional
-// split-K) and varlen prefill/extend, one kernel template for both.
+// The split-K kernel (CUDA cores: fp32, and fp16/bf16 decode without host-side lengths):
+// paged attention over the HND block cache, decode (optional split-K) and varlen prefill.
 //
 // A CTA serves `rows` = queries_per_cta x heads_per_cta query rows that share one KV
 // head (GQA: K/V are read once for the whole group). Grid: x = query tile x split (the
@@ -29,7 +29,7 @@
 namespace kvb {
 
 template <typename T, int D, int RMAX>
-struct AttentionShape {
+struct SplitKShape {
   static constexpr int kVec = VecTraits<T>::kElems;
   static constexpr int kVecsPerRow = D / kVec;
   static constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
@@ -58,7 +58,7 @@ struct AttentionShape {
 
 template <typename T, int D, int RMAX>
 // At most 128 registers: 4 CTAs per SM (launch_plan.CTAS_PER_SM) and no spills.
-__global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
+__global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
     T* __restrict__ out,                    // [tokens, num_heads, D] when num_splits == 1
     float* __restrict__ part_out,           // [tokens, num_heads, num_splits, D]
     float* __restrict__ part_ml,            // [tokens, num_heads, num_splits, 2]
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) paged_attention_kernel(
     int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks, int num_blocks,
     int heads_per_cta, int queries_per_cta, int num_splits, int split_tokens, float scale,
     float soft_cap, int sliding_window) {
-  using S = kvb::AttentionShape<T, D, RMAX>;
+  using S = kvb::SplitKShape<T, D, RMAX>;
   constexpr int NT = kvb::kThreads;
   constexpr int VPR = S::kVecsPerRow;
   constexpr int VEC = S::kVec;

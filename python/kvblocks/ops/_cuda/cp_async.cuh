@@ -1,0 +1,1 @@
+../../../../cuda/cp_async.cuh

@@ -1,1 +1,0 @@
-../../../../cuda/paged_attention.cu

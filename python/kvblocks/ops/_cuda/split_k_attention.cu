@@ -1,0 +1,1 @@
+../../../../cuda/split_k_attention.cu

@@ -1,0 +1,1 @@
+../../../../cuda/warp_mma.cuh
