@@ -16,7 +16,7 @@ export PYO3_PYTHON := $(abspath $(PY))
 # to a line per problem instead of a line per package.
 DEVELOP := PIP_QUIET=1 VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
 
-.PHONY: all venv build demo demo-build run wheel test test-rust test-python test-wheel lint typecheck bench \
+.PHONY: all venv build demo demo-build run wheel test test-fast test-rust test-python test-wheel lint typecheck bench \
 	bench-rust bench-python ptxas-report bench-gpu clean
 
 all: test
@@ -58,17 +58,24 @@ lint: build
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
 	$(VENV)/bin/ruff format --check python tests benches
+	$(PY) -m mypy --strict python/kvblocks tests/test_protocols.py
 
-# mypy --strict over the package (pyproject's [tool.mypy]) and the protocol conformance test;
-# to join `lint` once every sub-package is clean.
+# mypy --strict over the package (pyproject's [tool.mypy]) and the protocol conformance test
+# (also part of `lint`).
 typecheck: build
 	$(PY) -m mypy --strict python/kvblocks tests/test_protocols.py
 
 test-rust:
 	cargo test
 
+# The complete suite (what CI runs); the slowest tests are listed at the end.
 test-python: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The fast tier, for iteration: all but the `slow` and `wheel` markers (the full NVRTC
+# matrix, sanitizer builds, emulation at scale, the wheel test), on two pytest workers.
+test-fast: build
+	$(PY) -m pytest -q -n 2 -m "not slow and not wheel" --durations=10
 
 test: build test-rust lint test-python
 

@@ -19,24 +19,20 @@ ALLOWED_ANYWHERE = {
     "StopIteration",  # the iterator protocol
     "AssertionError",  # an unreachable branch, never bad input
 }
-# Built-ins allowed only inside a function of this name (module __getattr__ must raise
-# AttributeError) or in this module (_extras reports a missing optional dependency as the
-# ImportError pip users recognise, with ``name`` set; argparse's ``type=`` callables report a
-# bad option value with its ArgumentTypeError).
-ALLOWED_IN_FUNCTION = {"__getattr__": {"AttributeError"}}
+# Built-ins allowed only inside a function of this name (module __getattr__ and a
+# descriptor's __get__ on the class must raise AttributeError) or in this module (_extras
+# reports a missing optional dependency as the ImportError pip users recognise, with
+# ``name`` set; argparse's ``type=`` callables report a bad option value with its
+# ArgumentTypeError).
+ALLOWED_IN_FUNCTION = {
+    "__getattr__": {"AttributeError"},
+    "__get__": {"AttributeError"},
+}
 ALLOWED_IN_MODULE = {"_extras.py": {"ImportError"}, "arg_types.py": {"ArgumentTypeError"}}
-
-# Sub-packages rewritten by other lanes of issue 17 (their escapes are fixed there); the
-# integrator drops this once they land, so that the whole package is scanned.
-NOT_YET_SCANNED = {"scheduler", "ops"}
 
 
 def _sources() -> list[Path]:
-    return [
-        path
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if path.relative_to(PACKAGE).parts[0] not in NOT_YET_SCANNED
-    ]
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def _kvblocks_errors() -> set[str]:

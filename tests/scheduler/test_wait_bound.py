@@ -249,3 +249,32 @@ def test_overdue_is_for_good_and_ranks_by_arrival() -> None:
     queue.remove(high)
     high.status = RequestStatus.PREFILL
     assert bound.longest_wait(5) == 2  # urgent, since step 3 (low re-entered at 4)
+
+
+def test_the_bound_keeps_no_entry_of_requests_that_left() -> None:
+    """Entries of requests that left the queue are dropped as others enter, even while one
+    request waits at the front and nothing asks for the longest wait (a simulation never
+    calls stats(); the entries of every finished request were kept for the whole run)."""
+    from kvblocks.scheduler.queues.wait_bound import WaitBound
+
+    class Item:
+        def __init__(self) -> None:
+            self.key = (0, 0, 0.0, 0)
+            self.seq_ids: list[int] = []
+            self.overdue = False
+            self.wait_since = -1
+            self.is_waiting = True
+
+        @property
+        def queue_key(self) -> tuple[int, int, float, int]:
+            return self.key
+
+    bound = WaitBound(None)
+    head = Item()
+    bound.enter(head, 0)
+    for step in range(1, 20_000):
+        item = Item()
+        bound.enter(item, step)
+        item.is_waiting = False  # admitted at once
+    assert len(bound._entries) < 3_000, len(bound._entries)
+    assert bound.longest_wait(20_000) == 20_000  # the head still counts

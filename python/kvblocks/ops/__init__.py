@@ -282,7 +282,7 @@ def paged_attention(
         sinks,
     )
     if key_cache.is_cuda:
-        return _cuda_backend().paged_attention(
+        out: torch.Tensor = _cuda_backend().paged_attention(
             query,
             key_cache,
             value_cache,
@@ -294,6 +294,7 @@ def paged_attention(
             max_seq_len=max_seq_len,
             seq_lens_host=seq_lens_host,
         )
+        return out
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     plan = CpuAttentionPlan.for_decode(
         block_tables,
@@ -376,7 +377,7 @@ def paged_prefill_attention(
             )
         max_query_len = int((starts[1:] - starts[:-1]).max()) if num_seqs else 0
     if key_cache.is_cuda:
-        return _cuda_backend().paged_prefill_attention(
+        out: torch.Tensor = _cuda_backend().paged_prefill_attention(
             query,
             key_cache,
             value_cache,
@@ -388,6 +389,7 @@ def paged_prefill_attention(
             soft_cap=soft_cap,
             max_query_len=max_query_len,
         )
+        return out
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     plan = CpuAttentionPlan.for_prefill(
         block_tables,

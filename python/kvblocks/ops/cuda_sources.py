@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
+from kvblocks.errors import InvalidArgumentError, KVBlocksError
 from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
+
+
+class CudaSourcesNotFoundError(KVBlocksError, FileNotFoundError):
+    """The ``.cu`` sources are in neither the checkout nor the installed wheel (a broken
+    install)."""
+
 
 __all__ = [
     "CACHE_OPS_SOURCE",
@@ -30,6 +37,7 @@ __all__ = [
     "PREFILL_ROWS",
     "PREFILL_SOURCE",
     "SPLIT_K_SOURCE",
+    "CudaSourcesNotFoundError",
     "cuda_dir",
     "cuda_include_dirs",
     "decode_instantiated",
@@ -89,7 +97,7 @@ def cuda_dir() -> Path:
     for candidate in (here.parents[2] / "cuda", here / "_cuda"):
         if (candidate / SPLIT_K_SOURCE).is_file():
             return candidate
-    raise FileNotFoundError(
+    raise CudaSourcesNotFoundError(
         f"kvblocks CUDA sources not found in {here.parents[2] / 'cuda'} or "
         f"{here / '_cuda'}; reinstall kvblocks"
     )
@@ -242,4 +250,4 @@ def kernel_names(source: str) -> list[str]:
                 ]
                 names.append(merge_partials_name(dtype, head_size))
         return names
-    raise ValueError(f"unknown CUDA source {source!r}")
+    raise InvalidArgumentError(f"unknown CUDA source {source!r}")

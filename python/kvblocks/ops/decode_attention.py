@@ -402,7 +402,7 @@ class DecodeAttention:
         if self.device.type == "cuda":
             self._plan_buf.copy_(self._host, non_blocking=True)
             if self._copied is None:
-                self._copied = torch.cuda.Event()
+                self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._copied.record(torch.cuda.current_stream(self.device))
         else:
             self._plan_buf.copy_(self._host)

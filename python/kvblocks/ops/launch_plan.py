@@ -148,7 +148,8 @@ def plan_split_k(
 
 
 def _ptr(address: int) -> np.uint64:
-    return np.uint64(address)
+    ptr: np.uint64 = np.uint64(address)
+    return ptr
 
 
 def split_k_launches(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvblocks.errors import KVBlocksError
 from kvblocks.ops.cuda_sources import nvrtc_options, read_source
 
 __all__ = [
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 
-class NvrtcCompileError(RuntimeError):
+class NvrtcCompileError(KVBlocksError, RuntimeError):
     """NVRTC rejected a source; the message holds the compile log."""
 
 
@@ -48,7 +50,7 @@ class CompileResult:
     kernels: dict[str, KernelResources] = field(default_factory=dict)
 
 
-def _check(result: tuple, what: str, log: str = "") -> tuple:
+def _check(result: tuple[Any, ...], what: str, log: str = "") -> tuple[Any, ...]:
     from cuda.bindings import nvrtc
 
     err = result[0]

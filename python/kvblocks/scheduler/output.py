@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.page_tables import (
     FlashAttentionPageTable,
     FlashInferPageTable,
@@ -59,7 +60,9 @@ def _gather(
     table: npt.NDArray[np.int32] | None, rows: npt.NDArray[np.int32] | None
 ) -> npt.NDArray[np.int32]:
     if table is None or rows is None:
-        raise ValueError("block_tables is None and there is no block_table to gather from")
+        raise InvalidArgumentError(
+            "block_tables is None and there is no block_table to gather from"
+        )
     if len(rows) == 0:
         return np.zeros((0, 1), dtype=np.int32)
     gathered = table[rows]
@@ -231,7 +234,7 @@ class SchedulerOutput:
             return np.ascontiguousarray(self.block_tables[None])
         rows = self.block_table_rows
         if rows is None:
-            raise ValueError("group_block_table has no block_table_rows to gather with")
+            raise InvalidArgumentError("group_block_table has no block_table_rows to gather with")
         width = int(self.block_tables.shape[1])
         gathered = self.group_block_table[:, rows]
         # The full-attention group (or the longest table) sets the width: a window group's

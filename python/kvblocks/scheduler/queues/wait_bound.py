@@ -69,12 +69,22 @@ class WaitBound:
         self._entries: deque[tuple[int, Waiting]] = deque()
         # The entries not yet overdue, same order: the next to become overdue first.
         self._pending: deque[tuple[int, Waiting]] = deque()
+        # Entries kept at the last compaction: stale ones are dropped when the deque
+        # doubles past it, so it stays proportional to the waiting queue however long
+        # one request waits at its front (and however rarely stats() asks).
+        self._compacted = 0
 
     def enter(self, request: Waiting, step: int) -> None:
         """``request`` enters the waiting queue at ``step`` (before it is pushed)."""
         request.wait_since = step
         entry = (step, request)
-        self._entries.append(entry)
+        entries = self._entries
+        entries.append(entry)
+        while entries and _left(*entries[0]):
+            entries.popleft()
+        if len(entries) > 2 * self._compacted + 1024:
+            self._entries = entries = deque(e for e in entries if not _left(*e))
+            self._compacted = len(entries)
         if not request.overdue and self.max_steps is not None:
             self._pending.append(entry)
 
