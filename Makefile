@@ -68,14 +68,18 @@ typecheck: build
 test-rust:
 	cargo test
 
+# pytest-xdist: two workers (the machines this targets have 2 cores), each test file on one
+# worker (the oracles' coverage counters are per module).
+XDIST   ?= -n 2 --dist loadfile
+
 # The complete suite (what CI runs); the slowest tests are listed at the end.
 test-python: build
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # The fast tier, for iteration: all but the `slow` and `wheel` markers (the full NVRTC
 # matrix, sanitizer builds, emulation at scale, the wheel test), on two pytest workers.
 test-fast: build
-	$(PY) -m pytest -q -n 2 -m "not slow and not wheel" --durations=10
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not wheel" --durations=10
 
 test: build test-rust lint test-python
 
