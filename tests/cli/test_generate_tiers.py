@@ -145,6 +145,19 @@ def test_two_copies_of_a_checkpoint_share(tmp_path: Path) -> None:
     assert _tokens(second) == _tokens(first)
 
 
+def test_trust_model_id_is_the_opt_out_by_name(tmp_path: Path) -> None:
+    """Other weights under one trusted id share (the documented danger of the opt-out);
+    without the flag the same id is only an addition to the weights' digest."""
+    tier_args = ["--disk-tier", str(tmp_path / "kv"), "--model-id", "my-model"]
+    a = str(_save_tiny(tmp_path / "a", seed=0))
+    b = str(_save_tiny(tmp_path / "b", seed=1))
+    _run(*TIER, "--model", a, *tier_args)
+    assert _run(*TIER, "--model", b, *tier_args)["stats"]["remote"]["imported_blocks"] == 0
+    _run(*TIER, "--model", a, *tier_args, "--trust-model-id")
+    trusted = _run(*TIER, "--model", b, *tier_args, "--trust-model-id")
+    assert trusted["stats"]["remote"]["imported_blocks"] == 3
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -157,6 +170,9 @@ def test_two_copies_of_a_checkpoint_share(tmp_path: Path) -> None:
          "--disk-tier-blocks"),
         (["--host-cache-blocks", "4", "--disk-tier-blocks", "8"], "--disk-tier-blocks needs"),
         (["--host-cache-blocks", "4", "--model-id", "m"], "--model-id needs"),
+        (["--host-cache-blocks", "4", "--trust-model-id"], "--trust-model-id needs --disk"),
+        (["--host-cache-blocks", "4", "--disk-tier", "DIR", "--trust-model-id"],
+         "--trust-model-id needs --model-id"),
         (["--host-cache-blocks", "4", "--valkey-url", "valkey://h", "--disk-tier-blocks", "8"],
          "--disk-tier-blocks needs --disk-tier"),
     ],

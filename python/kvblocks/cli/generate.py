@@ -164,6 +164,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "checkpoint and cached in $KVBLOCKS_WEIGHTS_CACHE) and this id both agree "
         "(default: none, the weights alone)",
     )
+    tier.add_argument(
+        "--trust-model-id",
+        action="store_true",
+        help="the opt-out, by name: leave the weights' digest out and name the weights by "
+        "--model-id alone, for checkpoints you know are identical but hash differently "
+        "(re-saved, converted); a wrong id then gives wrong tokens without an error",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.add_argument(
         "--no-stream", action="store_true", help="print only the final outputs, not each step"
@@ -177,17 +184,21 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
     without either); each store it opens is appended to ``opened`` (the caller closes it).
 
     Raises:
-        InvalidArgumentError: no host tier below which to put it, or a tier option
-            (``--disk-tier-blocks``, ``--model-id``) without its tier.
+        InvalidArgumentError: no host tier below which to put it, a tier option
+            (``--disk-tier-blocks``, ``--model-id``, ``--trust-model-id``) without its tier,
+            or ``--trust-model-id`` without ``--model-id``.
     """
     if args.valkey_url is None and args.disk_tier is None:
         for flag, value in (
             ("--disk-tier-blocks", args.disk_tier_blocks),
             ("--model-id", args.model_id),
+            ("--trust-model-id", args.trust_model_id or None),
         ):
             if value is not None:
                 raise InvalidArgumentError(f"{flag} needs --disk-tier or --valkey-url")
         return None
+    if args.trust_model_id and not args.model_id:
+        raise InvalidArgumentError("--trust-model-id needs --model-id (the name it trusts)")
     if args.disk_tier_blocks is not None and args.disk_tier is None:
         raise InvalidArgumentError("--disk-tier-blocks needs --disk-tier")
     option = "--valkey-url" if args.valkey_url is not None else "--disk-tier"
@@ -199,7 +210,9 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
 
     def build(layout: Any) -> Any:
         # The engine's layout carries its weights' digest; the id is added to it.
-        layout = dataclasses.replace(layout, model_id=model_id)
+        layout = dataclasses.replace(
+            layout, model_id=model_id, trust_model_id=bool(args.trust_model_id)
+        )
         try:
             if args.valkey_url is not None:
                 from kvblocks.tiers.valkey_tier import ValkeyTier
