@@ -116,11 +116,21 @@ class CausalLM(nn.Module):
             self.layer_rope.append(ropes[key])
         self.tie_weights()
 
+    #: The family's decoder block, built once per layer by :meth:`build_layers` as
+    #: ``decoder_layer(config, layer_idx, device=, dtype=)``; a family whose layers differ
+    #: in kind (a hybrid) overrides :meth:`build_layers` instead.
+    decoder_layer: type[nn.Module] | None = None
+
     def build_layers(
         self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
     ) -> list[nn.Module]:
         """The decoder layers, in order (each family's own)."""
-        raise NotImplementedError
+        if self.decoder_layer is None:
+            raise NotImplementedError
+        return [
+            self.decoder_layer(config, i, device=device, dtype=dtype)
+            for i in range(config.num_hidden_layers)
+        ]
 
     @property
     def num_kv_layers(self) -> int:

@@ -63,14 +63,7 @@ class GemmaForCausalLM(CausalLM):
 
     norm_class = GemmaRMSNorm
 
-    def build_layers(
-        self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
-    ) -> list[nn.Module]:
-        """One :class:`GemmaDecoderLayer` per layer."""
-        return [
-            GemmaDecoderLayer(config, i, device=device, dtype=dtype)
-            for i in range(config.num_hidden_layers)
-        ]
+    decoder_layer = GemmaDecoderLayer
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Embeddings times ``sqrt(hidden_size)``, the factor rounded to the weights' dtype."""

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvblocks.engine.config import ModelConfig
-from kvblocks.engine.models.base import AttentionBackend, CausalLM
-from kvblocks.engine.models.layers import RMSNorm, SelfAttention
+from kvblocks.engine.models.base import CausalLM
+from kvblocks.engine.models.llama import LlamaDecoderLayer
 
 __all__ = ["GptOssDecoderLayer", "GptOssExperts", "GptOssForCausalLM", "GptOssMLP"]
 
@@ -105,39 +105,14 @@ class GptOssMLP(nn.Module):
         return out
 
 
-class GptOssDecoderLayer(nn.Module):
-    """Pre-norm block: attention with sinks, then the mixture of experts."""
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block with gpt-oss's parts: attention with sinks (from the config),
+    then the mixture of experts."""
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_idx: int,
-        *,
-        device: torch.device | None,
-        dtype: torch.dtype | None,
-    ) -> None:
-        super().__init__()
-        self.self_attn = SelfAttention(config, layer_idx, device=device, dtype=dtype)
-        self.mlp = GptOssMLP(config, device=device, dtype=dtype)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
-        """One decoder block over ``x`` ``[num_tokens, hidden]``."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+    mlp_class = GptOssMLP
 
 
 class GptOssForCausalLM(CausalLM):
     """A gpt-oss causal language model (unquantized weights)."""
 
-    def build_layers(
-        self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
-    ) -> list[nn.Module]:
-        """One :class:`GptOssDecoderLayer` per layer."""
-        return [
-            GptOssDecoderLayer(config, i, device=device, dtype=dtype)
-            for i in range(config.num_hidden_layers)
-        ]
+    decoder_layer = GptOssDecoderLayer

@@ -22,6 +22,9 @@ __all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "Olmo3DecoderLayer", "Olmo3F
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm decoder block: attention and MLP, each with a residual connection."""
 
+    #: The feed-forward block (a family with the same block and another MLP sets its own).
+    mlp_class: type[nn.Module] = GatedMLP
+
     def __init__(
         self,
         config: ModelConfig,
@@ -35,7 +38,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(
             config, layer_idx, qk_norm=qk_norm, device=device, dtype=dtype
         )
-        self.mlp = GatedMLP(config, device=device, dtype=dtype)
+        self.mlp = self.mlp_class(config, device=device, dtype=dtype)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, device=device, dtype=dtype)
@@ -57,14 +60,7 @@ class LlamaForCausalLM(CausalLM):
             seeded draw fills them), so building even a large model is instant.
     """
 
-    def build_layers(
-        self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
-    ) -> list[nn.Module]:
-        """One :class:`LlamaDecoderLayer` per layer."""
-        return [
-            LlamaDecoderLayer(config, i, device=device, dtype=dtype)
-            for i in range(config.num_hidden_layers)
-        ]
+    decoder_layer = LlamaDecoderLayer
 
 
 class Olmo3DecoderLayer(nn.Module):
@@ -99,11 +95,4 @@ class Olmo3DecoderLayer(nn.Module):
 class Olmo3ForCausalLM(CausalLM):
     """An OLMo 3 causal language model (3 sliding-window layers per full one by default)."""
 
-    def build_layers(
-        self, config: ModelConfig, *, device: torch.device | None, dtype: torch.dtype | None
-    ) -> list[nn.Module]:
-        """One :class:`Olmo3DecoderLayer` per layer."""
-        return [
-            Olmo3DecoderLayer(config, i, device=device, dtype=dtype)
-            for i in range(config.num_hidden_layers)
-        ]
+    decoder_layer = Olmo3DecoderLayer
