@@ -78,10 +78,10 @@ class WaitBound:
         """``request`` enters the waiting queue at ``step`` (before it is pushed)."""
         request.wait_since = step
         entry = (step, request)
-        entries = self._entries
-        entries.append(entry)
-        while entries and _left(*entries[0]):
-            entries.popleft()
+        self._entries.append(entry)
+        # Entries hold the request: drop those that left at once (the usual case: the
+        # front left first), and all of them when one long wait at the front keeps them.
+        entries = self._trim_front()
         if len(entries) > 2 * self._compacted + 1024:
             self._entries = entries = deque(e for e in entries if not _left(*e))
             self._compacted = len(entries)
@@ -108,10 +108,15 @@ class WaitBound:
 
     def longest_wait(self, step: int) -> int:
         """Steps the longest-waiting request has waited at ``step`` (0: none waits)."""
+        entries = self._trim_front()
+        return step - entries[0][0] if entries else 0
+
+    def _trim_front(self) -> deque[tuple[int, Waiting]]:
+        """Drop the stale entries at the front; the first one left is the longest wait."""
         entries = self._entries
         while entries and _left(*entries[0]):
             entries.popleft()
-        return step - entries[0][0] if entries else 0
+        return entries
 
 
 def _left(since: int, request: Waiting) -> bool:
