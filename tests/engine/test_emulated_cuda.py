@@ -138,25 +138,22 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     # seq_lens_host for its split plan).
     hints: dict[str, Any] = {}
 
-    # The CUDA dispatch refuses sinks before reaching the backend; none reach it here.
     def decode(q, kc, vc, bt, sl, *, scale=None, sliding_window=None, soft_cap=None, sinks=None):
-        assert sinks is None
         return cuda_backend.paged_attention(
             q, kc, vc, bt, sl, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, max_seq_len=hints.get("max_seq_len"),
-            seq_lens_host=hints.get("seq_lens_host"),
+            seq_lens_host=hints.get("seq_lens_host"), sinks=sinks,
         )  # fmt: skip
 
     def prefill(
         q, kc, vc, bt, qsl, sl, *, scale=None, sliding_window=None, soft_cap=None, sinks=None
     ):
-        assert sinks is None
         max_query_len = hints.get("max_query_len")
         if max_query_len is None:
             max_query_len = int((qsl[1:] - qsl[:-1]).max())
         return cuda_backend.paged_prefill_attention(
             q, kc, vc, bt, qsl, sl, scale=scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, max_query_len=max_query_len,
+            soft_cap=soft_cap, max_query_len=max_query_len, sinks=sinks,
         )  # fmt: skip
 
     monkeypatch.setattr(reference, "paged_attention", decode)
