@@ -1,6 +1,7 @@
 """The tensor-core prefill kernel compiles with NVRTC for sm_80 and sm_90, every
-instantiation, without spills (no GPU needed: ptxas' report gives registers and spills).
-The fixture of test_ops_nvrtc.py covers the other sources; this one the prefill source."""
+instantiation (with and without attention sinks), without spills (no GPU needed: ptxas'
+report gives registers and spills). The fixture of test_ops_nvrtc.py covers the other
+sources; this one the prefill source."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_every_instantiation_compiles_without_spills(compiled):
     arch, result = compiled
     assert result.cubin_bytes > 0
     assert set(result.kernels) == set(kernel_names(PREFILL_SOURCE))
-    assert len(result.kernels) == 2 * len(SUPPORTED_HEAD_SIZES)  # fp16, bf16
+    assert len(result.kernels) == 2 * 2 * len(SUPPORTED_HEAD_SIZES)  # fp16, bf16; sinks
     for kernel in result.kernels.values():
         assert kernel.spill_stores == 0 and kernel.spill_loads == 0, f"{arch} {kernel}"
         assert kernel.stack_bytes == 0, f"{arch} {kernel}"

@@ -274,12 +274,22 @@ def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device
         )
     if sinks.device != device:
         raise InvalidArgumentError(f"sinks is on {sinks.device}, expected {device}")
+    version = _version(sinks)
     known = _FINITE_SINKS.get(id(sinks))
-    if known is not None and known[0]() is sinks and known[1] == sinks._version:
+    if known is not None and known[0]() is sinks and version is not None and known[1] == version:
         return
     if not bool(torch.isfinite(sinks).all()):
         raise InvalidArgumentError("sinks must be finite")
-    if sinks.device.type != "cpu":
+    if sinks.device.type != "cpu" and version is not None:
         if len(_FINITE_SINKS) >= 4096:  # callers cycling through fresh tensors
             _FINITE_SINKS.clear()
-        _FINITE_SINKS[id(sinks)] = (weakref.ref(sinks), sinks._version)
+        _FINITE_SINKS[id(sinks)] = (weakref.ref(sinks), version)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """torch's write counter of ``tensor``; None for an inference-mode tensor (untracked:
+    such sinks are checked on every call)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None
