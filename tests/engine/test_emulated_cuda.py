@@ -236,12 +236,13 @@ def _check_step(got: TokenLogprobs, ref: TokenLogprobs, tol: float, where: str) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
 def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     emulated_kernels: list[str], monkeypatch, family: str, dtype: torch.dtype
 ) -> None:
     # Mistral's window (past one 128-key split) releases the long prompt's first blocks
-    # and clips its first decode split.
+    # and clips its first decode split; gpt-oss adds attention sinks (and its 8-token
+    # windows on every other layer).
     model = build_tiny_model(
         tiny_config(family, sliding_window=160 if family == "mistral" else None)
     )
@@ -254,6 +255,8 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     outputs = llm.generate(prompts, params)
 
     assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
+    with_sinks = any(name.endswith(", true>") for name in emulated_kernels)
+    assert with_sinks == (family == "gpt_oss"), "the prefill kernel's SINKS instantiation"
     assert any(name.startswith("decode_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
     assert not any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
