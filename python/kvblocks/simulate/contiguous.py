@@ -20,7 +20,7 @@ from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest
 
 if TYPE_CHECKING:
-    from kvblocks.simulate.runner import SimulationConfig
+    from kvblocks.simulate.config import SimulationConfig
 
 __all__ = [
     "CONTIGUOUS_RULES",
