@@ -274,9 +274,10 @@ class EventPublisher(Protocol):
     def publish(self, events: Sequence[Any]) -> None:
         """Queue one step's events (``KVCacheManager.take_events()`` output)."""
 
-    def close(self) -> object:
-        """Flush and release the publisher (what it returns, e.g. whether its thread
-        ended in time, is the caller's to read or ignore)."""
+    def close(self) -> bool:
+        """Flush and release the publisher; whether everything it ran in the background
+        ended in time."""
+        ...
 
 
 @runtime_checkable
@@ -335,9 +336,10 @@ class TierStore(Protocol):
         """A snapshot of the tier's counters."""
         ...
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Release the tier's resources (files, connections); contents persist where the
-        medium does."""
+        medium does. Whether everything it ran in the background ended in time (True for
+        a tier with no background work)."""
         ...
 
 

@@ -206,7 +206,7 @@ class Scheduler:
         plan = self._in_flight
         return bool(self._registry.requests) or (plan is not None and bool(plan.ended))
 
-    def get_num_unfinished_requests(self) -> int:
+    def num_unfinished_requests(self) -> int:
         """Requests waiting, running or swapped."""
         return len(self._registry)
 

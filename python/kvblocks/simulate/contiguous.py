@@ -237,7 +237,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
                 arrivals.push(follow)
         running = still
         window.step(clock - step_start, finished_now, bool(waiting or follow_ups))
-        if config.stop_at_window and window.closed:
+        if config.stop_at_window and window.is_closed():
             break
     return ContiguousResult(
         rule=rule,

@@ -387,11 +387,11 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 follow = sim.next_turn(out.outputs[0].token_ids, clock)
                 if follow is not None:
                     arrivals.push(follow)
-            queued = scheduler.get_num_unfinished_requests() - len(running)
+            queued = scheduler.num_unfinished_requests() - len(running)
             window.step(dt, len(done), queued > 0)
             if done:
                 bar.update(len(done))
-                if config.stop_at_window and window.closed:
+                if config.stop_at_window and window.is_closed():
                     break
             usage = float(manager.usage())
             timeline.add(
