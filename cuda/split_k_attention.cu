@@ -288,6 +288,13 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
         for (int e = 0; e < VEC; ++e) red_s[i * VEC + e] = acc[k][e];
       }
     }
+    // An unsplit row's sink joins its sum here, one thread per row (the accumulators are
+    // dead, so the per-slice loop below keeps its registers): l + 2^(sink - m), an
+    // overflow giving 1 / l = 0, the dominant sink's limit. Split rows: in the merge.
+    if (sinks != nullptr && num_splits == 1 && tid < rows && l_s[tid] > 0.f) {
+      const int hg = chunk * heads_per_cta + tid % heads_per_cta;
+      if (hg < group) l_s[tid] += exp2f(sinks[kv_head * group + hg] * kvb::kLog2e - m_s[tid]);
+    }
     __syncthreads();
     for (int i = tid; i < rows * VPR; i += NT) {
       const int r = i / VPR;
@@ -307,8 +314,7 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
           (static_cast<long long>(q_begin) + qi) * num_heads + kv_head * group + hg;
       if (num_splits == 1) {
         const float l = l_s[r];
-        float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, not NaN
-        if (sinks != nullptr && l > 0.f) inv = kvb::sink_inv(m_s[r], l, sinks[row % num_heads]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // no visible key: zeros, not NaN
   #pragma unroll
         for (int e = 0; e < VEC; ++e) sum[e] *= inv;
         kvb::store16(out + row * D + v * VEC, kvb::pack<T>(sum));
@@ -349,7 +355,9 @@ __global__ void __launch_bounds__(kvb::kThreads) merge_splits_kernel(
     }
   }
   float inv = denom > 0.f ? 1.f / denom : 0.f;
-  if (sinks != nullptr && denom > 0.f) inv = kvb::sink_inv(m_max, denom, sinks[row % num_heads]);
+  if (sinks != nullptr && denom > 0.f) {
+    inv = kvb::sink_inv(m_max, denom, sinks[blockIdx.x % static_cast<unsigned>(num_heads)]);
+  }
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
     if (denom > 0.f) {
