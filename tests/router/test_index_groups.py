@@ -80,6 +80,16 @@ def test_a_recurrent_group_needs_the_state_at_the_hit_boundary() -> None:
     assert idx.overlaps(H[:7]) == {}
 
 
+def test_a_group_below_a_known_one_serves_nothing_until_it_stores() -> None:
+    """Group 1 stored blocks, group 0 (a recurrent group, say) nothing yet: the instance
+    serves no hit, and the index says so."""
+    idx = PrefixIndex()
+    idx.apply(_stored(0, H[:4], 1, "full_attention"))
+    assert idx.overlaps(H[:4]) == {}
+    idx.apply(_stored(0, [H[1]], 0, "mamba"))
+    assert idx.overlaps(H[:4]) == {0: 2}
+
+
 def test_a_chunked_group_is_served_by_its_chunk_once_told_the_chunk_size() -> None:
     """Events name no chunk size: until told, a chunked group needs every block (a
     shorter hit, never a longer one)."""
@@ -153,7 +163,8 @@ def test_the_index_predicts_a_real_managers_hit_on_random_streams(seed: int) -> 
     rng = np.random.default_rng(seed)
     bs = int(rng.choice([2, 3, 4]))
     groups = _random_groups(rng)
-    m = KVCacheManager(int(rng.integers(24, 60)), bs, groups=groups)
+    tier = int(rng.choice([0, 0, 16]))  # a host tier (offload at eviction) in a third
+    m = KVCacheManager(int(rng.integers(24, 60)), bs, groups=groups, host_cache_blocks=tier)
     idx = PrefixIndex()
     told = any(g.kind == "chunked_local_attention" for g in groups) or rng.random() < 0.5
     if told:
@@ -170,8 +181,10 @@ def test_the_index_predicts_a_real_managers_hit_on_random_streams(seed: int) -> 
         hashes = hasher.block_hashes(prompt)[:cap]
         want = m.num_cached_tokens(sid)
         got = idx.overlaps(hashes).get(5, 0) * bs
-        assert got == want, (sid, groups, bs, got, want)
-        checked += 1
+        # Untold, the index knows a group once it (or a later one) stored a block.
+        if told or len(idx.group_rules(5)) == len(groups):
+            assert got == want, (sid, groups, bs, got, want)
+            checked += 1
         hits += want > 0
         if m.allocate_slots(sid, len(prompt) - want) is not None:
             m.commit(sid, len(prompt) - want, [int(rng.integers(1, 99))])
@@ -180,5 +193,8 @@ def test_the_index_predicts_a_real_managers_hit_on_random_streams(seed: int) -> 
                     break
                 m.commit(sid, 1, [int(rng.integers(1, 99))])
         m.free(sid)
+        # The engine copies the step's tier blocks before the next one (confirmed).
+        m.take_memory_ops()
+        m.confirm_memory_ops()
         idx.apply_all(records_from_manager(5, m.take_events()))
-    assert checked == 80 and hits > 0
+    assert checked >= 60 and hits > 0

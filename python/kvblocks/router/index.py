@@ -39,8 +39,10 @@ class PrefixIndex:
     (:mod:`kvblocks.router.group_hit`: a window group needs only the blocks of its last
     window, so an instance whose window group evicted old blocks still serves the whole
     prefix). Each group's rule comes from its ``BlockStored`` events (kind, window, block
-    size) or from :meth:`set_group_specs`; a group that never stored a block and was not
-    given is unknown to the index and not required.
+    size) or from :meth:`set_group_specs`. A group below a known one that has stored
+    nothing yet needs every block (it serves no hit until it stores); a group above every
+    known one that never stored a block and was not given is unknown to the index and
+    not required.
     """
 
     def __init__(self) -> None:
@@ -106,8 +108,16 @@ class PrefixIndex:
             # Full attention, no kind (older events), or one the index does not know:
             # every block of the prefix is needed (never over-reports).
             rule = _FULL
-        if rules.get(g) != rule:
-            rules[g] = rule
+        changed = rules.get(g) != rule
+        rules[g] = rule
+        for earlier in range(g):
+            # Groups are numbered from 0: an earlier group exists even if it has stored
+            # nothing yet (it serves nothing then); until its events name its kind, it
+            # needs every block, which never over-reports.
+            if earlier not in rules:
+                rules[earlier] = _FULL
+                changed = True
+        if changed:
             self._classify(inst)
 
     def _classify(self, instance: Hashable) -> None:
