@@ -198,3 +198,17 @@ def test_the_index_predicts_a_real_managers_hit_on_random_streams(seed: int) -> 
         m.confirm_memory_ops()
         idx.apply_all(records_from_manager(5, m.take_events()))
     assert checked >= 60 and hits > 0
+
+
+def test_bad_stored_records_raise_and_change_nothing() -> None:
+    idx = _hybrid_index()
+    before = (idx.overlaps(H[:10]), idx.group_rules(0), len(idx))
+    for bad in (
+        BlockStoredRecord(0, (H[20],), None, "GPU", 1, "sliding_window", 0, 4),
+        BlockStoredRecord(0, (H[20],), None, "GPU", 1, "sliding_window", 8, -4),
+        BlockStoredRecord(0, (H[20],), None, "GPU", 10**9, "full_attention", None, 4),
+        BlockStoredRecord(0, (H[20],), None, "GPU", -1, "full_attention", None, 4),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            idx.apply(bad)
+    assert (idx.overlaps(H[:10]), idx.group_rules(0), len(idx)) == before

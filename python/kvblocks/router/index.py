@@ -18,9 +18,13 @@ from kvblocks.router.events import (
 from kvblocks.router.group_hit import GroupRule, longest_hit, needed_groups
 from kvblocks.validation import check_int
 
-__all__ = ["PrefixIndex"]
+__all__ = ["MAX_GROUPS", "PrefixIndex"]
 
 _FULL = GroupRule()
+
+MAX_GROUPS = 4096
+"""Groups an instance may have (``group_idx`` below it): the index keeps a rule per group
+up to the highest one seen."""
 
 
 class PrefixIndex:
@@ -91,23 +95,32 @@ class PrefixIndex:
         """``instance``'s groups as the index knows them (group -> rule)."""
         return dict(self._rules.get(instance, {}))
 
-    def _learn(self, record: BlockStoredRecord) -> None:
-        inst = record.instance
+    @staticmethod
+    def _rule_of(record: BlockStoredRecord) -> GroupRule:
+        """The record's group rule; checks what the index computes with, before any
+        change."""
+        check_int(record.group_idx, "group_idx", minimum=0, maximum=MAX_GROUPS - 1)
         if record.block_size is not None:
+            # 0: not said (host-tier events of blocks offloaded at eviction carry none).
+            check_int(record.block_size, "block_size", minimum=0)
+        kind = record.kv_cache_spec_kind
+        if kind == "sliding_window" and record.kv_cache_spec_sliding_window is not None:
+            window = check_int(record.kv_cache_spec_sliding_window, "sliding window", minimum=1)
+            return GroupRule(kind, window=window)
+        if kind in ("chunked_local_attention", "mamba"):
+            return GroupRule(kind)
+        # Full attention, no kind (older events), or one the index does not know: every
+        # block of the prefix is needed (never over-reports).
+        return _FULL
+
+    def _learn(self, record: BlockStoredRecord, rule: GroupRule) -> None:
+        inst = record.instance
+        if record.block_size:
             self._block_size.setdefault(inst, record.block_size)
         rules = self._rules.setdefault(inst, {})
         g = record.group_idx
         if g in self._given.get(inst, ()):
             return
-        kind = record.kv_cache_spec_kind
-        if kind == "sliding_window" and record.kv_cache_spec_sliding_window is not None:
-            rule = GroupRule(kind, window=record.kv_cache_spec_sliding_window)
-        elif kind in ("chunked_local_attention", "mamba"):
-            rule = GroupRule(kind)
-        else:
-            # Full attention, no kind (older events), or one the index does not know:
-            # every block of the prefix is needed (never over-reports).
-            rule = _FULL
         changed = rules.get(g) != rule
         rules[g] = rule
         for earlier in range(g):
@@ -132,10 +145,13 @@ class PrefixIndex:
 
         Raises:
             TypeError: not a record, or a block hash that is not ``bytes`` or ``int``.
+            InvalidArgumentError: a stored record's group (``>= MAX_GROUPS``), block size
+                or window out of range. Nothing changes.
         """
         if isinstance(record, BlockStoredRecord):
+            rule = self._rule_of(record)
             self._store(record.instance, record.medium, record.group_idx, record.block_hashes)
-            self._learn(record)
+            self._learn(record, rule)
         elif isinstance(record, BlockRemovedRecord):
             self._remove(record.instance, record.medium, record.group_idx, record.block_hashes)
         elif isinstance(record, AllBlocksClearedRecord):
@@ -282,7 +298,7 @@ class PrefixIndex:
             for g, blocks in needed:
                 if i not in blocks:
                     continue
-                best = max(credit(m) for m, t in held.items() if g in t.get(h, ()))
+                best = max((credit(m) for m, t in held.items() if g in t.get(h, ())), default=0.0)
                 worst = best if worst is None else min(worst, best)
             total += credit(DEFAULT_MEDIUM) if worst is None else worst
         return total

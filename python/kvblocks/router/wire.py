@@ -106,7 +106,8 @@ def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]
             window = _optional_positive(
                 f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
             )
-            block_size = _optional_positive(f.get("block_size"), "block_size")
+            # 0 (host-tier events of blocks offloaded at eviction) says nothing.
+            block_size = _optional_positive(f.get("block_size") or None, "block_size")
             out.append(
                 BlockStoredRecord(
                     instance, hashes, parent, medium, group, spec_kind, window, block_size
