@@ -25,7 +25,7 @@ from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel, tier_ops
 from kvblocks.simulate.layer_mix import LayerMix, LayerMixTotals
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig, mean_turns
 
 __all__ = [
     "SimulationConfig",
@@ -329,7 +329,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     vocab = config.workload.vocab_size
     cost = config.cost_model
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests)
+    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
     window = ThroughputWindow(num_requests)
     clock = 0.0
     sched_wall = 0.0
@@ -404,7 +404,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             if awaiting_step and dt:
                 for rid in awaiting_step.keys() & set(running).union(output.sample_request_ids):
                     entry = awaiting_step.pop(rid)
-                    metrics.scheduled(entry.index, step_start - entry.sim.arrival_time)
+                    metrics.scheduled(
+                        entry.sim.conversation, entry.sim.turn, step_start - entry.sim.arrival_time
+                    )
                     awaiting_token[rid] = entry
             if awaiting_token and output.sample_request_ids:
                 for rid in awaiting_token.keys() & set(output.sample_request_ids):
