@@ -135,7 +135,7 @@ class PrefixIndex:
 
     def _classify(self, instance: Hashable) -> None:
         rules = self._rules.get(instance, {})
-        if any(g != 0 or not r.is_full or r.kind != "full_attention" for g, r in rules.items()):
+        if any(g != 0 or r.kind != "full_attention" for g, r in rules.items()):
             self._grouped.add(instance)
         else:
             self._grouped.discard(instance)
