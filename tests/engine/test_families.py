@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvblocks.engine import LLM
-from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.hf_config import config_from_file
 from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
@@ -112,7 +112,7 @@ def test_hf_checkpoint_runs_token_for_token(hf_checkpoint) -> None:
     preemption (a 13-block pool for four sequences of up to 9 blocks), chunked prefill,
     and again from the prefix cache; its log-probs are transformers' teacher-forced ones."""
     model_type, path, hf = hf_checkpoint
-    config = ModelConfig.from_file(path)
+    config = config_from_file(path)
     assert config.model_type == model_type
     windows = config.layer_sliding_windows()
     assert 8 in windows and None in windows  # mixed: uniform allocation, windows per layer

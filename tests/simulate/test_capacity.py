@@ -9,9 +9,9 @@ import pytest
 
 from kvblocks.simulate import run_simulation
 from kvblocks.simulate.capacity import estimate_capacity, saturated_config, search_capacity
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
-from kvblocks.simulate.runner import SimulationConfig
 from kvblocks.simulate.workload import WorkloadConfig
 
 from .toy import SERVICE_S, toy_config

@@ -92,9 +92,9 @@ def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
     window.step(2.0, 40, saturated=True)
     window.step(5.0, 0, saturated=False)  # idle, waiting for arrivals: ignored
     window.step(2.0, 40, saturated=True)
-    assert window.closed
+    assert window.is_closed()
     window.step(9.0, 10, saturated=True)  # after the 90% mark: ignored
     assert window.rate(clock=19.0) == 80 / 4.0
     never = ThroughputWindow(100)
     never.step(2.0, 5, saturated=False)
-    assert not never.closed and never.rate(clock=2.0) == 2.5  # falls back to the run
+    assert not never.is_closed() and never.rate(clock=2.0) == 2.5  # falls back to the run

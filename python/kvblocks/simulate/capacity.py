@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
-from kvblocks.simulate.runner import SimulationConfig
 
 __all__ = [
     "CAPACITY_MODES",

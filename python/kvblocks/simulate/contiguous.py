@@ -20,7 +20,7 @@ from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
 
 if TYPE_CHECKING:
-    from kvblocks.simulate.runner import SimulationConfig
+    from kvblocks.simulate.config import SimulationConfig
 
 __all__ = [
     "CONTIGUOUS_RULES",
@@ -237,7 +237,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
                 arrivals.push(follow)
         running = still
         window.step(clock - step_start, finished_now, bool(waiting or follow_ups))
-        if config.stop_at_window and window.closed:
+        if config.stop_at_window and window.is_closed():
             break
     return ContiguousResult(
         rule=rule,

@@ -149,8 +149,7 @@ class ThroughputWindow:
             self._time += dt
             self._count += finished_now
 
-    @property
-    def closed(self) -> bool:
+    def is_closed(self) -> bool:
         """The 90% mark has been reached."""
         return self._finished >= self._high
 
