@@ -298,3 +298,35 @@ def test_cuda_call_shapes_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
     for a, b in zip(outs[True], outs[False], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert np.isfinite(outs[True][0].numpy()).all()
+
+
+@pytest.mark.parametrize("policy", ["evict", "commit"])
+def test_host_tier_reloads_each_groups_blocks(policy: str) -> None:
+    """Gemma 3's three groups (2 window, 1 full) over a host tier: a prompt pushed out of
+    a small pool by others comes back by loads of each group's own blocks (keyed by
+    group), and its tokens are the dense reference's."""
+    from kvblocks.engine.dense import dense_greedy_generate
+
+    model = build_tiny_model(tiny_config("gemma3_text"))
+    gen = torch.Generator().manual_seed(21)
+    target, *others = (torch.randint(1, 256, (64,), generator=gen).tolist() for _ in range(4))
+    expected = dense_greedy_generate(model, [target], 4)[0]
+    llm = LLM(
+        model,
+        num_blocks=20,
+        block_size=16,
+        num_cpu_blocks=0,
+        host_cache_blocks=48,
+        host_offload=policy,  # type: ignore[arg-type]
+        device="cpu",
+    )
+    assert len(llm.manager.groups) == 3 and len(llm.runner.kv_caches) == 1
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert llm.generate([target], params)[0].token_ids == expected
+    for prompt in others:
+        llm.generate([prompt], params)
+    again = llm.generate([target], params)[0]
+    assert again.token_ids == expected
+    cache = llm.stats()["cache"]
+    assert cache["host_loads"] > 0 and again.num_cached_tokens == 48, cache
+    llm.manager.check_invariants()
