@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvblocks.engine import LLM
-from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.hf_config import config_from_file
 from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
@@ -122,7 +122,7 @@ def test_hf_checkpoint_runs_token_for_token(hf_checkpoint, kv_cache_groups: bool
     Once with every layer in one full-attention group, once with a group per attention
     kind (the default)."""
     model_type, path, hf = hf_checkpoint
-    config = ModelConfig.from_file(path)
+    config = config_from_file(path)
     assert config.model_type == model_type
     windows = config.layer_sliding_windows()
     assert 8 in windows and None in windows  # mixed: uniform allocation, windows per layer

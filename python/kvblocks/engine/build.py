@@ -111,7 +111,7 @@ def build_model(
         return build_tiny_model(
             seed=seed, device=device, dtype=dtype or _default_dtype(None, device)
         )
-    from kvblocks.engine.config import ModelConfig
+    from kvblocks.engine.hf_config import config_from_file
 
     if not Path(model).is_dir():
         raise InvalidArgumentError(
@@ -119,7 +119,7 @@ def build_model(
             "directory (config.json + *.safetensors)"
         )
     if dtype is None:
-        dtype = _default_dtype(ModelConfig.from_file(model).torch_dtype, device)
+        dtype = _default_dtype(config_from_file(model).torch_dtype, device)
     return load_checkpoint(model, device=device, dtype=dtype)
 
 

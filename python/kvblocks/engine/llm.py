@@ -317,27 +317,26 @@ class LLM:
         runs = self._inputs.prepare(prompts, sampling_params, priority)
         return self._run(runs)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``).
+    def abort_request(self, request_id: str) -> GenerationOutput | None:
+        """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``)
+        and return its last record, with ``finish_reason="abort"`` for its unfinished
+        completions; None for an unknown or already finished request.
 
-        Call it from the loop that consumes the stream: the request's last record, with
-        ``finish_reason="abort"`` for its unfinished completions, is the stream's next
-        record. Returns False for an unknown or already finished request. A request still
-        held for its remote-tier read never reaches the scheduler: its record has every
-        completion empty.
+        Call it from the loop that consumes the stream: the same record is also the
+        stream's next one. A request still held for its remote-tier read never reaches the
+        scheduler: its record has every completion empty.
         """
         run = self._outputs.active(request_id)
         if run is None:
-            return False
+            return None
         if self._core.withdraw(request_id) is not None:
             record = OutputProcessor.unscheduled_abort(run)
         else:
-            aborted = self._core.abort(request_id)
+            aborted = self._core.abort_request(request_id)
             if aborted is None:
-                return False
+                return None
             record = aborted
-        self._outputs.add_aborted(record)
-        return True
+        return self._outputs.add_aborted(record, self.scheduler)
 
     def _run(self, runs: list[RequestRun]) -> Iterator[GenerationOutput]:
         """Queue ``runs`` and step until they finish, yielding each step's records."""
@@ -353,8 +352,7 @@ class LLM:
         try:
             core.add_requests(run.request for run in runs)
             while any(not run.finished for run in runs):
-                for record in outputs.take_aborted():
-                    yield from outputs.emit(record, {}, self.scheduler)
+                yield from outputs.take_aborted()
                 step = core.step(outputs)
                 if step is None:
                     break
@@ -364,8 +362,7 @@ class LLM:
                     yield from outputs.emit(record, step.logprobs, self.scheduler)
                 if step.preempted:
                     core.track_preempted(outputs)
-            for record in outputs.take_aborted():
-                yield from outputs.emit(record, {}, self.scheduler)
+            yield from outputs.take_aborted()
             missing = [r.request.request_id for r in runs if not r.finished]
             if missing:
                 raise OutOfBlocksError(f"requests {missing} never finished")
