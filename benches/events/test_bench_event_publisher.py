@@ -80,7 +80,7 @@ def _setup(mode: str) -> tuple[Scheduler, Any, Any]:
     )
 
     def refill() -> None:
-        while sched.get_num_unfinished_requests() < NUM_SEQS + 64:
+        while sched.num_unfinished_requests() < NUM_SEQS + 64:
             i = next(_ids)
             prompt = np.concatenate([system[i % 8], rng.integers(0, 32000, size=16)])
             max_tokens = int(rng.integers(16, 96))

@@ -31,7 +31,7 @@ def test_admission_step_with_many_waiting(benchmark: Any, policy: str, waiting: 
     )
 
     def refill() -> None:
-        while sched.get_num_unfinished_requests() < waiting + 256:
+        while sched.num_unfinished_requests() < waiting + 256:
             i = next(_ids)
             prompt = np.concatenate([system[: (i % 8) * 64], rng.integers(0, 32000, size=128)])
             sched.add_request(Request(f"q{i}", prompt, SamplingParams(max_tokens=16)))

@@ -478,7 +478,6 @@ class KVCacheManager:
         """
     def retention_priority(self, seq_id: int) -> int:
         """The sequence's retention priority (see :meth:`set_retention_priority`)."""
-    def has_sequence(self, seq_id: int) -> bool: ...
     def num_tokens(self, seq_id: int) -> int:
         """Known tokens of the sequence: prompt plus committed sampled tokens."""
     def num_computed_tokens(self, seq_id: int) -> int:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # annotations only: importing this module needs none of them
         BlockRemoved,
         BlockStored,
         BlockTableDelta,
+        GroupSpec,
+        StateMapping,
     )
     from kvblocks.tiers.codec import Payload
     from kvblocks.tiers.layout import KVLayout
@@ -70,6 +72,16 @@ class BlockManager(Protocol):
         """Slots of the host tier (0: no tier)."""
         ...
 
+    @property
+    def groups(self) -> list[GroupSpec]:
+        """The KV cache groups, in order (one unless built with several)."""
+        ...
+
+    @property
+    def num_groups(self) -> int:
+        """How many KV cache groups (``len(groups)``)."""
+        ...
+
     def seq_ids(self) -> npt.NDArray[np.int64]:
         """The ids of the sequences held."""
         ...
@@ -108,6 +120,14 @@ class BlockManager(Protocol):
 
     def num_tier_tokens(self, seq_id: int) -> int:
         """The sequence's tokens to be loaded from the host tier."""
+        ...
+
+    def num_tier_loads(self, seq_id: int) -> int:
+        """The host-tier blocks a waiting sequence's claim would load, over all groups."""
+        ...
+
+    def token_ids(self, seq_id: int) -> npt.NDArray[np.uint32]:
+        """The sequence's tokens (prompt, then the committed outputs)."""
         ...
 
     def limit_tier_loads(self, seq_id: int, max_loads: int) -> int:
@@ -208,10 +228,34 @@ class BlockManager(Protocol):
         """Write the sequences' changed block-table entries into ``block_table``."""
         ...
 
+    def update_group_block_tables(
+        self,
+        block_tables: npt.NDArray[np.int32],
+        seq_ids: _Ids,
+        rows: _Ids,
+        *,
+        full: bool | None = None,
+    ) -> list[BlockTableDelta]:
+        """``update_block_table`` of every group in one call, on a ``[num_groups,
+        max_rows, max_blocks]`` table; one delta per group."""
+        ...
+
     def slot_mapping(
         self, seq_ids: _Ids, num_tokens: _IntOrArray | None = None, *, group: int = 0
     ) -> npt.NDArray[np.int64]:
         """The slots of the sequences' last ``num_tokens`` tokens."""
+        ...
+
+    def group_slot_mappings(
+        self, seq_ids: _Ids, num_tokens: _IntOrArray | None = None
+    ) -> npt.NDArray[np.int64]:
+        """``slot_mapping`` of every group in one call, ``[num_groups, num_tokens]`` (a
+        recurrent-state group's row is ``-1``)."""
+        ...
+
+    def state_mapping(self, seq_ids: _Ids, *, group: int) -> StateMapping:
+        """Where the pending step of each sequence reads and writes the states of
+        recurrent-state group ``group``."""
         ...
 
     def reset_prefix_cache(self) -> bool:
@@ -230,9 +274,10 @@ class EventPublisher(Protocol):
     def publish(self, events: Sequence[Any]) -> None:
         """Queue one step's events (``KVCacheManager.take_events()`` output)."""
 
-    def close(self) -> object:
-        """Flush and release the publisher (what it returns, e.g. whether its thread
-        ended in time, is the caller's to read or ignore)."""
+    def close(self) -> bool:
+        """Flush and release the publisher; whether everything it ran in the background
+        ended in time."""
+        ...
 
 
 @runtime_checkable
@@ -291,9 +336,10 @@ class TierStore(Protocol):
         """A snapshot of the tier's counters."""
         ...
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Release the tier's resources (files, connections); contents persist where the
-        medium does."""
+        medium does. Whether everything it ran in the background ended in time (True for
+        a tier with no background work)."""
         ...
 
 

@@ -57,7 +57,7 @@ def test_add_sequence_and_queries(make: Make) -> None:
     assert m.add_sequence(7, [1, 2, 3, 4, 5]) == 0
     assert m.add_sequence(3, np.array([9, 9], dtype=np.uint16)) == 0
     assert len(m) == 2 and 7 in m and 3 in m and 4 not in m and -1 not in m and "x" not in m
-    assert m.has_sequence(7) and not m.has_sequence(8)
+    assert 7 in m and 8 not in m
     assert m.seq_ids().tolist() == [3, 7]
     assert m.num_tokens(7) == 5
     assert m.num_computed_tokens(7) == 0

@@ -110,7 +110,6 @@ def test_constructor_message_says_what_was_expected(make: Make) -> None:
         (InvalidArgumentError, lambda m: m.add_sequence(-1, [1, 2])),
         (InvalidArgumentError, lambda m: m.add_sequence(2**63, [1, 2])),
         (InvalidArgumentError, lambda m: m.add_sequence(True, [1, 2])),
-        (InvalidArgumentError, lambda m: m.has_sequence(-3)),
         (UnknownSequenceError, lambda m: m.num_tokens(UNKNOWN)),
         (UnknownSequenceError, lambda m: m.num_computed_tokens(UNKNOWN)),
         (UnknownSequenceError, lambda m: m.num_cached_tokens(UNKNOWN)),

@@ -83,7 +83,7 @@ def test_set_retention_priority_rejects_bad_values_and_changes_nothing() -> None
     m = KVCacheManager(8, BLOCK, host_cache_blocks=4)
     with pytest.raises(kvblocks.InvalidArgumentError, match=r"\[0, 100\]"):
         m.add_sequence(1, [1, 2, 3], retention_priority=101)
-    assert not m.has_sequence(1)
+    assert 1 not in m
     m.add_sequence(1, [1, 2, 3], retention_priority=70)
     assert m.retention_priority(1) == 70
     for bad in (-1, 101, 2**70, True, 3.0, "5"):

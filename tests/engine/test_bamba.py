@@ -21,8 +21,8 @@ import torch
 
 from kvblocks import GroupSpec, InvalidArgumentError
 from kvblocks.engine import LLM
-from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.hf_config import config_from_file
 from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ def test_hf_checkpoint_runs_token_for_token(
     between checkpoints), transformers' teacher-forced log-probs, and the same tokens
     again from the prefix cache, which restores the state after 16 shared tokens."""
     path, hf = hf_checkpoint
-    config = ModelConfig.from_file(path)
+    config = config_from_file(path)
     assert config.model_type == "bamba" and config.recurrent_layers == (0, 2, 4)
     llm = _llm(path, 20, preemption_mode=mode)
     state = GroupSpec.recurrent(CHECKPOINT_BLOCKS)

@@ -12,6 +12,7 @@ import torch
 
 from kvblocks.engine import LLM, CausalLM
 from kvblocks.engine.config import SUPPORTED_MODEL_TYPES, AttentionSpec, ModelConfig, RopeScaling
+from kvblocks.engine.hf_config import config_from_file, config_from_hf_dict, config_to_hf_dict
 from kvblocks.engine.models import model_class
 from kvblocks.engine.models.layers import _inverse_frequencies
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
@@ -111,7 +112,7 @@ GPT_OSS_20B = {
 
 
 def test_gemma2_2b() -> None:
-    c = ModelConfig.from_hf_dict(GEMMA2_2B)
+    c = config_from_hf_dict(GEMMA2_2B)
     assert c.architecture == "Gemma2ForCausalLM"
     assert c.layer_types_resolved() == [SLIDE, FULL] * 13
     assert c.layer_sliding_windows()[:4] == [4096, None, 4096, None]
@@ -123,12 +124,12 @@ def test_gemma2_2b() -> None:
     assert model_class(c).__name__ == "GemmaForCausalLM"
     # Gemma 2's soft-cap defaults apply when the fields are absent.
     bare = {k: v for k, v in GEMMA2_2B.items() if "softcapping" not in k}
-    c = ModelConfig.from_hf_dict(bare)
+    c = config_from_hf_dict(bare)
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
 
 
 def test_gemma3_1b() -> None:
-    c = ModelConfig.from_hf_dict(GEMMA3_1B)
+    c = config_from_hf_dict(GEMMA3_1B)
     assert c.architecture == "Gemma3ForCausalLM"
     full = [i for i, kind in enumerate(c.layer_types_resolved()) if kind == FULL]
     assert full == [5, 11, 17, 23]  # 5 local layers per global one
@@ -137,31 +138,27 @@ def test_gemma3_1b() -> None:
     assert c.layer_rope(0) == (10000.0, None) and c.layer_rope(5) == (1_000_000.0, None)
     # transformers 5's layout of the same model: one rope dict per layer type.
     v5 = {k: v for k, v in GEMMA3_1B.items() if k not in ("rope_theta", "rope_local_base_freq")}
-    v5["layer_types"] = ModelConfig.from_hf_dict(GEMMA3_1B).layer_types_resolved()
+    v5["layer_types"] = config_from_hf_dict(GEMMA3_1B).layer_types_resolved()
     del v5["sliding_window_pattern"]
     v5["rope_parameters"] = {
         FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
         SLIDE: {"rope_type": "default", "rope_theta": 10_000.0},
     }
-    c5 = ModelConfig.from_hf_dict(v5)
+    c5 = config_from_hf_dict(v5)
     assert c5.layer_rope(5) == (1_000_000.0, RopeScaling("linear", 8.0))
     assert c5.layer_rope(0) == (10_000.0, None)
     # v4's rope_scaling applies to the global layers only.
-    c4 = ModelConfig.from_hf_dict(
-        {**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
-    )
+    c4 = config_from_hf_dict({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert c4.layer_rope(5) == c5.layer_rope(5) and c4.layer_rope(0) == c5.layer_rope(0)
     # A sliding_window_pattern other than 6 sets the kinds.
-    c = ModelConfig.from_hf_dict({**GEMMA3_1B, "sliding_window_pattern": 2})
+    c = config_from_hf_dict({**GEMMA3_1B, "sliding_window_pattern": 2})
     assert c.layer_types_resolved()[:4] == [SLIDE, FULL, SLIDE, FULL]
 
 
 def test_gpt_oss_20b() -> None:
     with pytest.raises(InvalidArgumentError, match=r"quantized checkpoints.*'mxfp4'"):
-        ModelConfig.from_hf_dict(GPT_OSS_20B)
-    c = ModelConfig.from_hf_dict(
-        {k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
-    )
+        config_from_hf_dict(GPT_OSS_20B)
+    c = config_from_hf_dict({k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
     assert c.architecture == "GptOssForCausalLM"
     assert (c.num_local_experts, c.num_experts_per_tok, c.swiglu_limit) == (32, 4, 7.0)
     assert c.attention_bias and c.out_proj_bias and c.has_attention_sinks
@@ -175,7 +172,7 @@ def test_gpt_oss_20b() -> None:
     bare = {
         k: v for k, v in GPT_OSS_20B.items() if k not in ("quantization_config", "rope_scaling")
     }
-    assert ModelConfig.from_hf_dict(bare).rope_scaling == c.rope_scaling
+    assert config_from_hf_dict(bare).rope_scaling == c.rope_scaling
 
 
 @pytest.mark.parametrize(
@@ -240,7 +237,7 @@ def test_llama_family_layer_types() -> None:
         "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
     }  # fmt: skip
-    qwen3 = ModelConfig.from_hf_dict(
+    qwen3 = config_from_hf_dict(
         {
             **base,
             "model_type": "qwen3",
@@ -250,13 +247,13 @@ def test_llama_family_layer_types() -> None:
         }
     )
     assert qwen3.layer_sliding_windows() == [None] * 6 + [64] * 2
-    off = ModelConfig.from_hf_dict({**base, "model_type": "qwen3", "sliding_window": 64})
+    off = config_from_hf_dict({**base, "model_type": "qwen3", "sliding_window": 64})
     assert off.layer_sliding_windows() == [None] * 8  # use_sliding_window is off
-    olmo3 = ModelConfig.from_hf_dict({**base, "model_type": "olmo3", "sliding_window": 64})
+    olmo3 = config_from_hf_dict({**base, "model_type": "olmo3", "sliding_window": 64})
     assert olmo3.layer_sliding_windows() == [64, 64, 64, None] * 2
     assert olmo3.rope_theta == 500000.0 and olmo3.sliding_rope_theta is None
     kinds = [SLIDE, FULL, FULL, SLIDE] * 2
-    ministral = ModelConfig.from_hf_dict(
+    ministral = config_from_hf_dict(
         {
             **base,
             "model_type": "ministral",
@@ -267,7 +264,7 @@ def test_llama_family_layer_types() -> None:
     )
     assert ministral.layer_types_resolved() == kinds
     assert not ministral.attention_bias  # transformers builds Ministral without biases
-    assert ModelConfig.from_hf_dict({**base, "model_type": "ministral"}).sliding_window == 4096
+    assert config_from_hf_dict({**base, "model_type": "ministral"}).sliding_window == 4096
 
 
 @pytest.mark.parametrize(
@@ -331,7 +328,7 @@ def test_llama_family_layer_types() -> None:
 )
 def test_unsupported_switches_are_refused_by_name(raw: dict, message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
-        ModelConfig.from_hf_dict(raw)
+        config_from_hf_dict(raw)
 
 
 def test_constructor_refuses_layer_types_where_transformers_ignores_them() -> None:
@@ -344,8 +341,8 @@ def test_constructor_refuses_layer_types_where_transformers_ignores_them() -> No
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_every_family_round_trips(model_type: str, tmp_path: Path) -> None:
     config = tiny_config(model_type, eos_token_ids=(3, 4))
-    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
-    assert ModelConfig.from_file(tmp_path) == config
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf_dict(config)))
+    assert config_from_file(tmp_path) == config
 
 
 def test_llm_takes_a_model_object_of_any_family() -> None:

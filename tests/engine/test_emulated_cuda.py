@@ -201,6 +201,20 @@ def test_greedy_on_emulated_kernels_equals_dense(emulated_kernels: list[str], fa
     assert any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
 
+def test_kv_cache_groups_on_emulated_kernels_equal_dense(emulated_kernels: list[str]):
+    """Gemma 3's sliding-window and full layers in their own groups (3 groups of one
+    slot): every layer's CUDA launch gets its group's table and slot mapping (window
+    groups with released, null entries)."""
+    model = build_tiny_model(tiny_config("gemma3_text"))
+    prompts = [_prompt(5, 1), _prompt(37, 2)]
+    expected = dense_greedy_generate(model, prompts, 10)
+    llm = LLM(model, num_blocks=32, block_size=8, max_num_batched_tokens=16, device="cpu")
+    assert len(llm.manager.groups) > 1 and len(llm.runner.kv_caches) == 1
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    assert [o.token_ids for o in outputs] == expected
+    assert "reshape_and_cache_kernel" in emulated_kernels
+
+
 def test_beams_with_copies_on_emulated_kernels(
     emulated_kernels: list[str], tiny_llama: LlamaForCausalLM
 ) -> None:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from kvblocks.engine import LLM
-from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.hf_config import config_from_file
 from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
@@ -107,12 +107,22 @@ PROMPTS = [SHARED + _prompt(9, 1), SHARED + _prompt(17, 2), SHARED + _prompt(3, 
 MAX_TOKENS = 24
 
 
-def test_hf_checkpoint_runs_token_for_token(hf_checkpoint) -> None:
+# With KV cache groups a block holds L layer slots (L = 1 in these configs, so 3 and 4
+# groups for Gemma 3's and OLMo 3's layers): 14 such blocks starve the window groups of
+# Gemma 3 and OLMo 3 (a repeated prompt finds its window blocks evicted, and no sibling is
+# admitted while the first computes the shared prefix). These pools still preempt.
+GROUPED_BLOCKS = {"gemma3_text": 22, "olmo3": 28}
+
+
+@pytest.mark.parametrize("kv_cache_groups", [False, True], ids=["one-group", "groups"])
+def test_hf_checkpoint_runs_token_for_token(hf_checkpoint, kv_cache_groups: bool) -> None:
     """``LLM(path)`` on transformers' checkpoint: transformers' greedy tokens, under
     preemption (a 13-block pool for four sequences of up to 9 blocks), chunked prefill,
-    and again from the prefix cache; its log-probs are transformers' teacher-forced ones."""
+    and again from the prefix cache; its log-probs are transformers' teacher-forced ones.
+    Once with every layer in one full-attention group, once with a group per attention
+    kind (the default)."""
     model_type, path, hf = hf_checkpoint
-    config = ModelConfig.from_file(path)
+    config = config_from_file(path)
     assert config.model_type == model_type
     windows = config.layer_sliding_windows()
     assert 8 in windows and None in windows  # mixed: uniform allocation, windows per layer
@@ -121,13 +131,15 @@ def test_hf_checkpoint_runs_token_for_token(hf_checkpoint) -> None:
         warnings.simplefilter("error")  # loading must not warn about anything dropped
         llm = LLM(
             str(path),
-            num_blocks=14,
+            num_blocks=GROUPED_BLOCKS.get(model_type, 14) if kv_cache_groups else 14,
             block_size=8,
             num_cpu_blocks=64,
             max_num_batched_tokens=32,
             device="cpu",
+            kv_cache_groups=kv_cache_groups,
         )
     assert llm.manager.sliding_window is None
+    assert (len(llm.manager.groups) > 1) == kv_cache_groups
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
     first = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in first] == expected

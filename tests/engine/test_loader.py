@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvblocks.engine.dense import dense_logits
+from kvblocks.engine.hf_config import config_to_hf_dict
 from kvblocks.engine.loader import load_checkpoint, save_checkpoint, weight_files
 from kvblocks.engine.model import LlamaForCausalLM
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
@@ -109,7 +110,7 @@ def test_qwen2_checkpoint_without_biases_is_rejected(tmp_path: Path) -> None:
 def test_bad_directories(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="not a directory"):
         load_checkpoint(tmp_path / "nope")
-    (tmp_path / "config.json").write_text(json.dumps(tiny_config().to_hf_dict()))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf_dict(tiny_config())))
     with pytest.raises(InvalidArgumentError, match=r"no \*\.safetensors"):
         load_checkpoint(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(

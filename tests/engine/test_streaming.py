@@ -258,21 +258,25 @@ def test_abort_from_inside_the_stream(llm: LLM) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0)
     expected = llm.generate(PROMPTS, params)
     records = []
-    victim = None
+    victim = returned = None
     for rec in llm.stream(PROMPTS, params):
+        if returned is not None and rec.request_id == victim:
+            assert rec is returned  # the abort's answer is the stream's next record for it
         records.append(rec)
         if victim is None and rec.prompt_index == 1 and len(rec.outputs[0].token_ids) >= 3:
             victim = rec.request_id
-            assert llm.abort(victim)
-            assert not llm.abort(victim)  # already aborted
+            returned = llm.abort_request(victim)
+            assert returned is not None and returned.finished
+            assert llm.abort_request(victim) is None  # already aborted
     _, _, final = _collect(records)
+    assert final[victim] is returned
     assert set(final) == {r.request_id for r in records}
     aborted = final[victim]
     assert aborted.outputs[0].finish_reason == FinishReason.ABORT
     assert aborted.outputs[0].token_ids == expected[1].token_ids[:3]
     others = [o for o in final.values() if o.request_id != victim]
     assert sorted(o.token_ids for o in others) == sorted(expected[i].token_ids for i in (0, 2))
-    assert not llm.abort("no-such-request")
+    assert llm.abort_request("no-such-request") is None
 
 
 def test_leaving_a_stream_early_leaves_the_engine_idle(llm: LLM) -> None:

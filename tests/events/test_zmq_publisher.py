@@ -304,7 +304,7 @@ def test_close_checks_its_timeout_and_says_whether_the_thread_ended() -> None:
         for bad in (float("inf"), float("nan"), -1.0, "5", True):
             with pytest.raises(InvalidArgumentError):
                 p.close(bad)  # type: ignore[arg-type]
-            assert not p.closed  # a bad call changes nothing
+            assert not p.is_closed()  # a bad call changes nothing
     finally:
         assert p.close() is True
     assert p.close() is True  # idempotent

@@ -497,11 +497,6 @@ class ReferenceKVCacheManager:
         self._seqs[sid] = seq
         return seq.num_cached_tokens
 
-    def has_sequence(self, seq_id: int) -> bool:
-        """Whether the manager holds ``seq_id``."""
-        sid = _check_int(seq_id, "seq_id", 0, _MAX_SEQ_ID)
-        return sid in self._seqs
-
     def num_tokens(self, seq_id: int) -> int:
         """Known tokens: prompt plus committed sampled tokens."""
         return len(self._get(seq_id)[1].token_ids)

@@ -15,7 +15,8 @@ from kvblocks.engine import LLM
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.simulate import runner
-from kvblocks.simulate.runner import SimulationConfig, run_simulation
+from kvblocks.simulate.config import SimulationConfig
+from kvblocks.simulate.runner import run_simulation
 from kvblocks.simulate.workload import WorkloadConfig
 
 

@@ -87,7 +87,7 @@ def test_bad_requests_raise_and_leave_the_scheduler_unchanged(make_manager) -> N
     narrow = Scheduler(mgr, SchedulerConfig(max_num_seqs=4))
     with pytest.raises(InvalidArgumentError, match="sequences at once"):
         narrow.add_request(Request("wide", PROMPT, SamplingParams(beam_width=5)))
-    assert sched.get_num_unfinished_requests() == 1 and len(mgr) == 0
+    assert sched.num_unfinished_requests() == 1 and len(mgr) == 0
     outputs, _ = run_to_completion(sched)
     assert list(outputs) == ["a"]
     with pytest.raises(InvalidArgumentError):

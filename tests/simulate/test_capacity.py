@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from kvblocks.simulate import run_simulation
 from kvblocks.simulate.capacity import estimate_capacity, saturated_config, search_capacity
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
-from kvblocks.simulate.runner import SimulationConfig
+from kvblocks.simulate.workload import WorkloadConfig
 
 from .toy import SERVICE_S, toy_config
 
@@ -113,3 +115,20 @@ def test_saturated_runs_serve_follow_ups_before_new_conversations(probe) -> None
     assert probe(first)[0].queue_delay.mean == pytest.approx(0.18 / 4)
     assert probe(plain)[0].queue_delay.mean == pytest.approx(0.27 / 4)
     assert saturated_config(plain, 4).follow_ups_first
+
+
+def test_search_on_a_short_multi_turn_trace_finds_an_overload() -> None:
+    # The CLI's default trace (200 requests, a quarter of the conversations multi-turn).
+    # Quartered by arrival order, the follow-up turns (closed loop, after think times) filled
+    # the last quarter and every rate read as stable: the search doubled its rate up to
+    # 22,000 req/s. Quartered by the conversations' first turns, a burst is an overload.
+    config = SimulationConfig(workload=WorkloadConfig(num_requests=200), progress=False)
+    burst = dataclasses.replace(config.workload, request_rate=1e4)
+    metrics, _ = _paged(dataclasses.replace(config, workload=burst))
+    assert not metrics.is_stable()
+    result = search_capacity(_paged, config, 7.0, max_probes=8)
+    assert any(not ok for _, ok in result.probes)
+    # Still, 200 requests fit the server's batch at almost any rate: the search finds a
+    # stable rate above the saturated throughput, which no server sustains, and says the
+    # trace is too short rather than calling it a capacity.
+    assert result.requests_per_s > 7.0 and result.trace_too_short

@@ -61,15 +61,29 @@ def test_stability_rule_arithmetic() -> None:
 def test_is_stable_compares_the_second_and_last_arrival_quarters() -> None:
     growing = RequestMetrics(8)
     for i in range(8):  # queue delay grows by 1 s per request: an overloaded server
-        growing.scheduled(i, float(i))
+        growing.scheduled(i, 0, float(i))
     assert growing.quarter_delay(1) == 2.5 and growing.quarter_delay(3) == 6.5
     assert not growing.is_stable()
     flat = RequestMetrics(8)
     for i in range(8):  # a warm-up, then a steady delay
-        flat.scheduled(i, 0.0 if i < 2 else 1.0)
+        flat.scheduled(i, 0, 0.0 if i < 2 else 1.0)
     assert flat.is_stable()
     # Nothing ever scheduled in a quarter: not stable.
     assert not RequestMetrics(8).is_stable()
+
+
+def test_follow_up_turns_do_not_hide_a_growing_queue() -> None:
+    # A burst: 8 conversations start at once and their first turns queue up (delay grows);
+    # their follow-ups arrive later, after think times, to an idle server. Counted by
+    # arrival order the follow-ups filled the last quarter with no delay and the run read
+    # as stable at any rate (the capacity search doubled its rate to its probe limit).
+    burst = RequestMetrics(16, num_conversations=8)
+    for conv in range(8):
+        burst.scheduled(conv, 0, float(conv))
+    for conv in range(8):
+        burst.scheduled(conv, 1, 0.0)
+    assert burst.queue_delay.count == 16
+    assert burst.quarter_delay(3) == 6.5 and not burst.is_stable()
 
 
 def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
@@ -78,9 +92,9 @@ def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
     window.step(2.0, 40, saturated=True)
     window.step(5.0, 0, saturated=False)  # idle, waiting for arrivals: ignored
     window.step(2.0, 40, saturated=True)
-    assert window.closed
+    assert window.is_closed()
     window.step(9.0, 10, saturated=True)  # after the 90% mark: ignored
     assert window.rate(clock=19.0) == 80 / 4.0
     never = ThroughputWindow(100)
     never.step(2.0, 5, saturated=False)
-    assert not never.closed and never.rate(clock=2.0) == 2.5  # falls back to the run
+    assert not never.is_closed() and never.rate(clock=2.0) == 2.5  # falls back to the run

@@ -153,10 +153,10 @@ def test_reconnects_after_the_server_returns(
     valkey_server.kill()
     with logs_warning(caplog, "unreachable"):
         assert not tier.put(block_hash(0), random_payload(layout, 0))
-    assert not tier.available
+    assert not tier.is_available()
     valkey_server.start()  # same port, empty (no persistence)
     time.sleep(0.3)
-    assert tier.available
+    assert tier.is_available()
     assert tier.put(block_hash(0), random_payload(layout, 0))
     (out,) = tier.get_many([block_hash(0)])
     assert out is not None and torch.equal(out, random_payload(layout, 0))

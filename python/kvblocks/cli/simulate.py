@@ -258,7 +258,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="estimate",
         help="estimate: each server's throughput when saturated (cheap, an upper bound); "
         "search: also bisect the highest rate whose queueing delay stays bounded (runs the "
-        "trace ~6 times per server); off: neither (default: estimate)",
+        "trace ~7 times per server; a short trace can be too short to tell); off: neither "
+        "(default: estimate)",
     )
     k.add_argument(
         "--saturation-requests",

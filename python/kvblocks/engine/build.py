@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 from kvblocks._core import KVCacheManager
-from kvblocks.engine.layer_groups import HybridLayout, hybrid_layout
+from kvblocks.engine.layer_groups import (
+    AttentionLayout,
+    HybridLayout,
+    attention_layout,
+    hybrid_layout,
+)
 from kvblocks.engine.loader import load_checkpoint
 from kvblocks.engine.models import CausalLM
 from kvblocks.engine.runner import ModelRunner
@@ -28,6 +33,7 @@ from kvblocks.tiers.weights import CheckpointDigest
 from kvblocks.validation import check_int
 
 __all__ = [
+    "attention_groups",
     "build_model",
     "cache_sizes",
     "check_max_model_len",
@@ -105,7 +111,7 @@ def build_model(
         return build_tiny_model(
             seed=seed, device=device, dtype=dtype or _default_dtype(None, device)
         )
-    from kvblocks.engine.config import ModelConfig
+    from kvblocks.engine.hf_config import config_from_file
 
     if not Path(model).is_dir():
         raise InvalidArgumentError(
@@ -113,7 +119,7 @@ def build_model(
             "directory (config.json + *.safetensors)"
         )
     if dtype is None:
-        dtype = _default_dtype(ModelConfig.from_file(model).torch_dtype, device)
+        dtype = _default_dtype(config_from_file(model).torch_dtype, device)
     return load_checkpoint(model, device=device, dtype=dtype)
 
 
@@ -176,6 +182,19 @@ def recurrent_layout(
             "hold KV, not states)"
         )
     return layout
+
+
+def attention_groups(
+    model: CausalLM, enabled: bool, remote_tier: RemoteTier | None
+) -> AttentionLayout | None:
+    """The KV cache groups of a model mixing attention kinds, or ``None`` (one group of
+    every layer): a model of one kind, ``enabled=False``, or a remote tier (its store
+    keys blocks by hash alone, so two groups' blocks of the same tokens would collide)."""
+    if not isinstance(enabled, bool):
+        raise InvalidArgumentError(f"kv_cache_groups must be a bool, got {enabled!r}")
+    if not enabled or remote_tier is not None:
+        return None
+    return attention_layout(model.config)
 
 
 def state_bytes(model: CausalLM, layout: HybridLayout | None) -> int:

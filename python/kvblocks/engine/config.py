@@ -22,16 +22,14 @@ One record covers every supported family; they differ in a handful of switches:
 Anything else (another ``model_type``, a quantized checkpoint, a rope type or switch
 that is not implemented) raises :class:`~kvblocks.errors.InvalidArgumentError` naming
 it; nothing is silently run as something else. The ``config.json`` parsing and writing
-live in :mod:`kvblocks.engine.hf_config`.
+live in :mod:`kvblocks.engine.hf_config` (``config_from_file``, ``config_from_hf_dict``,
+``config_to_hf_dict``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from kvblocks.engine.mamba_config import MambaConfig
 from kvblocks.engine.rope_config import RopeScaling
@@ -340,32 +338,3 @@ class ModelConfig:
         if kind == _SLIDE and self.sliding_rope_theta is not None:
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from the parsed contents of an HF ``config.json``."""
-        from kvblocks.engine.hf_config import config_from_hf
-
-        return config_from_hf(cls, raw)
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        """Read a ``config.json`` file (or the one inside a checkpoint directory)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise InvalidArgumentError(f"no config.json at {path}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise InvalidArgumentError(f"{path} does not hold a JSON object")
-        return cls.from_hf_dict(raw)
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The HF ``config.json`` contents describing this model."""
-        from kvblocks.engine.hf_config import config_to_hf
-
-        return config_to_hf(self)

@@ -92,7 +92,7 @@ class EngineCore:
             else:
                 self.admission.hold(request)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request the scheduler holds; its record so far (None: not held)."""
         return self.scheduler.abort_request(request_id)
 

@@ -1,5 +1,8 @@
 """Reading and writing Hugging Face ``config.json`` files for :class:`ModelConfig`.
 
+The conversions are functions here rather than ``ModelConfig`` methods so that the record
+(:mod:`kvblocks.engine.config`) does not import its parser back.
+
 Each family's defaults follow its transformers configuration class (checked against
 transformers 5.24): a field missing from the file takes the value transformers would
 give it, and a switch this engine does not implement is refused by name
@@ -8,16 +11,16 @@ give it, and a switch this engine does not implement is refused by name
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from pathlib import Path
+from typing import Any
 
+from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.mamba_config import bamba_rope_parameters, mamba_from_hf, mamba_to_hf
 from kvblocks.engine.rope_config import RopeScaling, rope_from_hf
 from kvblocks.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from kvblocks.engine.config import ModelConfig
-
-__all__ = ["config_from_hf", "config_to_hf"]
+__all__ = ["config_from_file", "config_from_hf_dict", "config_to_hf_dict"]
 
 # model_types people reach for that are not text decoders this engine runs, with why.
 _HINTS = {
@@ -110,7 +113,23 @@ def _layer_types(model_type: str, raw: dict[str, Any], n: int) -> tuple[str, ...
     return None
 
 
-def config_from_hf(cls: type[ModelConfig], raw: dict[str, Any]) -> ModelConfig:
+def config_from_file(path: str | Path) -> ModelConfig:
+    """Read a ``config.json`` file (or the one inside a checkpoint directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise InvalidArgumentError(f"no config.json at {path}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InvalidArgumentError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgumentError(f"{path} does not hold a JSON object")
+    return config_from_hf_dict(raw)
+
+
+def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from the parsed contents of an HF ``config.json``."""
     model_type = raw.get("model_type")
     if model_type is None:
@@ -168,7 +187,7 @@ def config_from_hf(cls: type[ModelConfig], raw: dict[str, Any]) -> ModelConfig:
                 "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
                 "swiglu_limit": float(raw.get("swiglu_limit", 7.0)),
             }
-        return cls(
+        return ModelConfig(
             model_type=model_type,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
@@ -220,7 +239,7 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
     return {**params, "rope_theta": theta}
 
 
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+def config_to_hf_dict(config: ModelConfig) -> dict[str, Any]:
     """The HF ``config.json`` contents describing ``config``."""
     c = config
     raw: dict[str, Any] = {

@@ -1,13 +1,29 @@
-"""Which KV cache group each layer of a hybrid recurrent model belongs to.
+"""Which KV cache group each layer belongs to, and which layer slot it uses.
 
-A hybrid model (Bamba) has attention layers, which keep KV, and recurrent mixers, which
-keep one state per sequence. The block manager's groups hold equally many layers each
-(``docs/hybrid-groups.md``): with ``L`` attention layers, the engine makes one full
-attention group of all ``L`` (group 0: the table and slot mapping the scheduler hands to
-every attention layer) and ``ceil(mixers / L)`` recurrent-state groups of ``L`` layer
-slots each, mixer ``m`` in group ``1 + m // L`` at slot ``m % L`` (the last group's
-unused slots are padding). Each state group caches its state every
-``checkpoint_every_blocks`` blocks.
+The block manager's groups hold equally many layers each (``docs/hybrid-groups.md``, "The
+page-size design"): a block id names ``L`` layer slots' pages in every group, the engine
+keeps one K/V tensor pair per slot, and layer ``j`` of group ``g`` reads and writes slot
+``j`` through group ``g``'s block table and slot mapping.
+
+**Attention kinds** (:func:`attention_layout`). A model mixing sliding-window and full
+attention layers (Gemma 2 and 3, gpt-oss, Ministral, Qwen3, OLMo 3) gets one group per
+kind and per ``L`` layers of it: with ``c_k`` layers of kind ``k``, ``L = min(c_k)``
+(every layer of the rarest kind in one group, usually the full-attention layers), or
+``max(c_k)`` when the kinds are nearly balanced (``max < 1.25 * min``: two groups with a
+little padding instead of many small ones), as vLLM's hybrid allocator picks it. Kind
+``k`` then has ``ceil(c_k / L)`` groups, full attention first; its ``m``-th layer is in
+that kind's group ``m // L`` at slot ``m % L``; the last group's unused slots are padding
+(allocated, never read). Gemma 3's 5:1 pattern of 6 layers is ``L = 1``: one full and
+five window groups; gpt-oss's 1:1 is ``L = n / 2``: two groups. A model with one kind of
+layer (all full, or one window everywhere) needs no layout: one group of every layer.
+
+**Recurrent hybrids** (:func:`hybrid_layout`). A hybrid model (Bamba) has attention
+layers, which keep KV, and recurrent mixers, which keep one state per sequence: with
+``L`` attention layers, the engine makes one full attention group of all ``L`` (group 0:
+the table and slot mapping the scheduler hands to every attention layer) and
+``ceil(mixers / L)`` recurrent-state groups of ``L`` layer slots each, mixer ``m`` in
+group ``1 + m // L`` at slot ``m % L`` (the last group's unused slots are padding). Each
+state group caches its state every ``checkpoint_every_blocks`` blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +34,13 @@ from kvblocks import GroupSpec
 from kvblocks.engine.config import ModelConfig
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_CHECKPOINT_TOKENS", "HybridLayout", "hybrid_layout"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_TOKENS",
+    "AttentionLayout",
+    "HybridLayout",
+    "attention_layout",
+    "hybrid_layout",
+]
 
 #: Tokens between cached states when the caller names no interval: a prefix hit of a
 #: recurrent model is a multiple of this (rounded to whole blocks).
@@ -94,3 +116,76 @@ def hybrid_layout(
             f"{1 + layout.num_state_groups} KV cache groups; the manager takes {_MAX_GROUPS}"
         )
     return layout
+
+
+# Kinds this close in count share one L (vLLM's rule): a few padding slots, fewer groups.
+_BALANCED = 1.25
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The KV cache groups of a model mixing attention kinds (see the module docstring).
+
+    ``group_windows[g]`` is group ``g``'s window (``None``: full attention);
+    ``layer_group[i]`` and ``layer_slot[i]`` place decoder layer ``i``.
+    """
+
+    layers_per_group: int
+    group_windows: tuple[int | None, ...]
+    layer_group: tuple[int, ...]
+    layer_slot: tuple[int, ...]
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (one table per sequence each)."""
+        return len(self.group_windows)
+
+    @property
+    def num_padding_slots(self) -> int:
+        """Layer slots allocated in some group but used by no layer."""
+        return self.num_groups * self.layers_per_group - len(self.layer_group)
+
+    def groups(self) -> list[GroupSpec]:
+        """The manager's groups, in order."""
+        return [
+            GroupSpec.full_attention() if w is None else GroupSpec.sliding_window(w)
+            for w in self.group_windows
+        ]
+
+
+def attention_layout(config: ModelConfig) -> AttentionLayout | None:
+    """One group per attention kind and ``L`` layers, ``None`` for a model whose layers
+    are all one kind (or a recurrent hybrid: :func:`hybrid_layout`).
+
+    Raises:
+        InvalidArgumentError: more groups than the manager takes.
+    """
+    if config.recurrent_layers:
+        return None
+    windows = config.layer_sliding_windows()
+    # Full attention first, then the windows in increasing size (one in every family).
+    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
+    if len(kinds) < 2:
+        return None
+    members = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
+    counts = [len(m) for m in members.values()]
+    per_group = min(counts)
+    if max(counts) < _BALANCED * per_group:
+        per_group = max(counts)
+    group_windows: list[int | None] = []
+    layer_group = [0] * len(windows)
+    layer_slot = [0] * len(windows)
+    for kind in kinds:
+        first = len(group_windows)
+        layers = members[kind]
+        group_windows += [kind] * -(-len(layers) // per_group)
+        for m, layer in enumerate(layers):
+            layer_group[layer] = first + m // per_group
+            layer_slot[layer] = m % per_group
+    if len(group_windows) > _MAX_GROUPS:
+        raise InvalidArgumentError(
+            f"{len(windows)} attention layers in groups of {per_group} make "
+            f"{len(group_windows)} KV cache groups; the manager takes {_MAX_GROUPS} "
+            "(use kv_cache_groups=False)"
+        )
+    return AttentionLayout(per_group, tuple(group_windows), tuple(layer_group), tuple(layer_slot))

@@ -50,6 +50,9 @@ class LLM:
             directory; bytes for the tiny model).
         num_blocks: device KV-cache blocks, the null block included. Default: 85% of the
             free GPU memory on CUDA; up to 256 MiB of cache (at most 4096 blocks) on CPU.
+            With KV cache groups (``kv_cache_groups``) a block holds ``L`` layer slots,
+            not every layer: the same ``num_blocks`` is ``L / n_layers`` of the memory
+            (the default, sized in bytes, is ``n_layers / L`` times as many blocks).
         block_size: tokens per block: 8, 16 or 32.
         num_cpu_blocks: CPU swap-space blocks for swap preemption. Default: as many
             as ``num_blocks`` but at most 4 GiB.
@@ -105,6 +108,15 @@ class LLM:
             default 512 tokens' worth. Its manager has one attention group and
             recurrent-state groups (:mod:`~kvblocks.engine.layer_groups`); host and
             remote tiers are not supported for it.
+        kv_cache_groups: a model mixing sliding-window and full-attention layers (Gemma
+            2/3, gpt-oss, Ministral, Qwen3, OLMo 3) gets one KV cache group per attention
+            kind (:func:`~kvblocks.engine.layer_groups.attention_layout`): a window
+            group's blocks that slid out of view go back to the pool, and the cache keeps
+            ``L`` layer slots per block, not one per layer (a block then costs ``L``
+            layers' KV, see ``num_blocks``). ``False``, or a remote tier
+            (its store keys a block by hash alone, not by group), keeps one
+            full-attention group of every layer, each window layer masking its window.
+            A model of one attention kind always has one group.
 
     Raises:
         InvalidArgumentError: a bad argument, or a device torch cannot use (unknown, no
@@ -135,6 +147,7 @@ class LLM:
         remote_tier: RemoteTier | None = None,
         remote_tier_options: RemoteTierOptions | None = None,
         state_checkpoint_blocks: int | None = None,
+        kv_cache_groups: bool = True,
     ) -> None:
         if block_size not in ops.SUPPORTED_BLOCK_SIZES:
             raise InvalidArgumentError(
@@ -167,20 +180,29 @@ class LLM:
         layout = build.recurrent_layout(
             self.model, block_size, state_checkpoint_blocks, host_cache_blocks, remote_tier
         )
+        attention = build.attention_groups(self.model, kv_cache_groups, remote_tier)
         num_blocks, num_cpu_blocks = build.cache_sizes(
             num_blocks,
             num_cpu_blocks,
             self.device,
-            kv_block_bytes(self.model, block_size, self.dtype)
+            kv_block_bytes(
+                self.model,
+                block_size,
+                self.dtype,
+                None if attention is None else attention.layers_per_group,
+            )
             + build.state_bytes(self.model, layout),
         )
+        groups = layout.groups() if layout is not None else None
+        if attention is not None:
+            groups = attention.groups()
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            sliding_window=None if layout is not None else config.uniform_sliding_window(),
-            groups=None if layout is None else layout.groups(),
+            sliding_window=None if groups is not None else config.uniform_sliding_window(),
+            groups=groups,
             # Without a publisher nothing drains them: they would pile up.
             record_events=event_publisher is not None,
             host_cache_blocks=host_cache_blocks,
@@ -195,6 +217,7 @@ class LLM:
             host_cache_blocks=self.manager.host_cache_blocks,
             seed=seed,
             layout=layout,
+            attention_layout=attention,
         )
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:
@@ -294,27 +317,26 @@ class LLM:
         runs = self._inputs.prepare(prompts, sampling_params, priority)
         return self._run(runs)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``).
+    def abort_request(self, request_id: str) -> GenerationOutput | None:
+        """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``)
+        and return its last record, with ``finish_reason="abort"`` for its unfinished
+        completions; None for an unknown or already finished request.
 
-        Call it from the loop that consumes the stream: the request's last record, with
-        ``finish_reason="abort"`` for its unfinished completions, is the stream's next
-        record. Returns False for an unknown or already finished request. A request still
-        held for its remote-tier read never reaches the scheduler: its record has every
-        completion empty.
+        Call it from the loop that consumes the stream: the same record is also the
+        stream's next one. A request still held for its remote-tier read never reaches the
+        scheduler: its record has every completion empty.
         """
         run = self._outputs.active(request_id)
         if run is None:
-            return False
+            return None
         if self._core.withdraw(request_id) is not None:
             record = OutputProcessor.unscheduled_abort(run)
         else:
-            aborted = self._core.abort(request_id)
+            aborted = self._core.abort_request(request_id)
             if aborted is None:
-                return False
+                return None
             record = aborted
-        self._outputs.add_aborted(record)
-        return True
+        return self._outputs.add_aborted(record, self.scheduler)
 
     def _run(self, runs: list[RequestRun]) -> Iterator[GenerationOutput]:
         """Queue ``runs`` and step until they finish, yielding each step's records."""
@@ -330,8 +352,7 @@ class LLM:
         try:
             core.add_requests(run.request for run in runs)
             while any(not run.finished for run in runs):
-                for record in outputs.take_aborted():
-                    yield from outputs.emit(record, {}, self.scheduler)
+                yield from outputs.take_aborted()
                 step = core.step(outputs)
                 if step is None:
                     break
@@ -341,8 +362,7 @@ class LLM:
                     yield from outputs.emit(record, step.logprobs, self.scheduler)
                 if step.preempted:
                     core.track_preempted(outputs)
-            for record in outputs.take_aborted():
-                yield from outputs.emit(record, {}, self.scheduler)
+            yield from outputs.take_aborted()
             missing = [r.request.request_id for r in runs if not r.finished]
             if missing:
                 raise OutOfBlocksError(f"requests {missing} never finished")

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.hf_config import config_from_file, config_to_hf_dict
 from kvblocks.engine.models import CausalLM, build_model
 from kvblocks.errors import InvalidArgumentError
 
@@ -87,7 +87,7 @@ def load_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise InvalidArgumentError(f"model path {path} is not a directory")
-    config = ModelConfig.from_file(path)
+    config = config_from_file(path)
     if dtype is None:
         dtype = getattr(torch, config.torch_dtype or "float32", torch.float32)
         if not isinstance(dtype, torch.dtype):
@@ -148,7 +148,7 @@ def save_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     config = model.config
     (path / "config.json").write_text(
-        json.dumps({**config.to_hf_dict(), "torch_dtype": _dtype_name(model)}, indent=2)
+        json.dumps({**config_to_hf_dict(config), "torch_dtype": _dtype_name(model)}, indent=2)
     )
     tensors = {
         name: param.detach().to("cpu").contiguous().clone()

@@ -19,7 +19,7 @@ from kvblocks.engine.models import (
     Olmo3ForCausalLM,
     build_model,
 )
-from kvblocks.engine.models.base import AttentionBackend
+from kvblocks.engine.models.attention_backend import AttentionBackend
 from kvblocks.engine.models.layers import (
     GemmaRMSNorm,
     RMSNorm,

@@ -38,7 +38,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.runs: dict[str, RequestRun] = {}
-        self._aborted: list[RequestOutput] = []  # abort records not yielded yet
+        self._aborted: list[GenerationOutput] = []  # abort records not yielded yet
 
     # -- the call --------------------------------------------------------------------------
     def begin(self, runs: list[RequestRun]) -> None:
@@ -61,11 +61,18 @@ class OutputProcessor:
         return [rid for rid, run in self.runs.items() if not run.finished]
 
     # -- aborts ----------------------------------------------------------------------------
-    def add_aborted(self, record: RequestOutput) -> None:
-        """An abort record to yield next."""
-        self._aborted.append(record)
+    def add_aborted(self, record: RequestOutput, scheduler: Scheduler) -> GenerationOutput:
+        """Turn an abort's scheduler record into the stream's record, to yield next; it is
+        also the abort's answer (the request's record as it stands, should the abort have
+        changed nothing to yield)."""
+        run = self.runs[record.request_id]
+        output = next(self.emit(record, {}, scheduler), None)
+        if output is None:
+            return run.output()
+        self._aborted.append(output)
+        return output
 
-    def take_aborted(self) -> list[RequestOutput]:
+    def take_aborted(self) -> list[GenerationOutput]:
         """The abort records not yielded yet."""
         records, self._aborted = self._aborted, []
         return records

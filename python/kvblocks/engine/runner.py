@@ -13,6 +13,7 @@ logits only at the sampling rows and samples.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from kvblocks import ops
 from kvblocks.engine.config import AttentionSpec
-from kvblocks.engine.layer_groups import HybridLayout
+from kvblocks.engine.layer_groups import AttentionLayout, HybridLayout
 from kvblocks.engine.models import CausalLM
 from kvblocks.engine.sampler import Sampler
 from kvblocks.engine.state_cache import StateCache
@@ -38,11 +39,26 @@ __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
 KVCaches = list[tuple[Tensor, Tensor]]
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across the layers that keep KV, K and V."""
+def kv_block_bytes(
+    model: CausalLM, block_size: int, dtype: torch.dtype, num_slots: int | None = None
+) -> int:
+    """Bytes one block takes across its layer slots, K and V: ``num_slots`` slots
+    (an :class:`~kvblocks.engine.layer_groups.AttentionLayout`'s ``L``), or by default
+    every layer that keeps KV (one group)."""
     c = model.config
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * model.num_kv_layers * c.num_key_value_heads * block_size * c.head_dim * elem
+    slots = model.num_kv_layers if num_slots is None else num_slots
+    return 2 * slots * c.num_key_value_heads * block_size * c.head_dim * elem
+
+
+@dataclass(frozen=True)
+class _GroupStep:
+    """What one KV cache group's layers read and write this step."""
+
+    slot_mapping: Tensor  # int64 [T]
+    block_tables: Tensor  # int32 [S, B]
+    cpu_plan: CpuAttentionPlan | None
+    cpu_slots: CpuCacheSlots | None
 
 
 class PagedAttention:
@@ -52,20 +68,26 @@ class PagedAttention:
     sequence's cached context through the block tables. A batch of decodes only uses
     the decode kernel; anything with a prefill chunk uses the varlen prefill kernel,
     which also serves the decodes in the same launch. Each layer brings its own window,
-    scale, soft-cap and sinks (its :class:`~kvblocks.engine.config.AttentionSpec`); with
-    today's uniform allocation a windowed layer reads its window through the same full
-    block table as every other layer.
+    scale, soft-cap and sinks (its :class:`~kvblocks.engine.config.AttentionSpec`).
 
-    On the CPU the step's gathers and cache rows are computed once, here, and each layer
-    runs them (``cpu_plan``/``cpu_slots``, built when ``kv_caches`` live on the CPU);
-    the model's own tensors need no per-layer re-validation.
+    With KV cache groups (``slot_mappings`` ``[G, T]``, ``block_tables`` ``[G, S, B]``),
+    layer ``i`` is in group ``layer_group[i]`` and uses the cache of slot
+    ``layer_slot[i]``, reading and writing through its group's table and slot mapping
+    (a window group's table holds only the blocks its window still sees, the null
+    block 0 before them; the null block is never written and stays zero, so a key
+    gathered from it and masked adds exactly nothing). Without a placement, layer ``i``
+    is group 0's slot ``i``.
+
+    On the CPU the step's gathers and cache rows are computed once per group, here, and
+    each layer of the group runs them; the model's own tensors need no per-layer
+    re-validation.
     """
 
     def __init__(
         self,
         kv_caches: KVCaches,
         *,
-        slot_mapping: Tensor,
+        slot_mappings: Tensor,
         block_tables: Tensor,
         query_start_loc: Tensor,
         seq_lens: Tensor,
@@ -73,10 +95,14 @@ class PagedAttention:
         decode_only: bool,
         max_seq_len: int,
         max_query_len: int,
+        layer_group: Sequence[int] | None = None,
+        layer_slot: Sequence[int] | None = None,
+        cpu_plans: bool = True,
     ) -> None:
         self.kv_caches = kv_caches
-        self.slot_mapping = slot_mapping
-        self.block_tables = block_tables
+        # False runs CPU tensors through the ops front-ends layer by layer, as on CUDA
+        # (tests check the CUDA path's arguments that way).
+        self.cpu_plans = cpu_plans
         self.query_start_loc = query_start_loc
         self.seq_lens = seq_lens
         # The host copy lets fp16/bf16 decode plan its splits by length without a sync.
@@ -85,26 +111,36 @@ class PagedAttention:
         # Host-side maxima spare the CUDA path a device sync per layer when planning launches.
         self.max_seq_len = max_seq_len
         self.max_query_len = max_query_len
-        self.cpu_plan: CpuAttentionPlan | None = None
-        self.cpu_slots: CpuCacheSlots | None = None
+        self.layer_group = layer_group
+        self.layer_slot = layer_slot
+        if slot_mappings.dim() == 1:
+            slot_mappings = slot_mappings[None]
+        if block_tables.dim() == 2:
+            block_tables = block_tables[None]
+        if slot_mappings.shape[0] != block_tables.shape[0]:
+            raise InvalidArgumentError(
+                f"{slot_mappings.shape[0]} slot mappings for {block_tables.shape[0]} block "
+                "tables; expected one of each per KV cache group"
+            )
         key_cache = kv_caches[0][0]
-        if not key_cache.is_cuda:
-            num_blocks, num_kv_heads, block_size, _ = key_cache.shape
-            shape = {
-                "num_blocks": num_blocks,
-                "num_kv_heads": num_kv_heads,
-                "block_size": block_size,
-            }
-            self.cpu_slots = CpuCacheSlots.build(slot_mapping, **shape)
-            native = key_cache.dtype == torch.float32
-            if decode_only:
-                self.cpu_plan = CpuAttentionPlan.for_decode(
-                    block_tables, seq_lens, native_decode=native, **shape
-                )
-            else:
-                self.cpu_plan = CpuAttentionPlan.for_prefill(
-                    block_tables, query_start_loc, seq_lens, native_decode=native, **shape
-                )
+        self.groups = [
+            self._group_step(key_cache, slots, tables)
+            for slots, tables in zip(slot_mappings, block_tables, strict=True)
+        ]
+
+    def _group_step(self, key_cache: Tensor, slot_mapping: Tensor, tables: Tensor) -> _GroupStep:
+        if key_cache.is_cuda or not self.cpu_plans:
+            return _GroupStep(slot_mapping, tables, None, None)
+        num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+        shape = {"num_blocks": num_blocks, "num_kv_heads": num_kv_heads, "block_size": block_size}
+        native = key_cache.dtype == torch.float32
+        if self.decode_only:
+            plan = CpuAttentionPlan.for_decode(tables, self.seq_lens, native_decode=native, **shape)
+        else:
+            plan = CpuAttentionPlan.for_prefill(
+                tables, self.query_start_loc, self.seq_lens, native_decode=native, **shape
+            )
+        return _GroupStep(slot_mapping, tables, plan, CpuCacheSlots.build(slot_mapping, **shape))
 
     def __call__(
         self,
@@ -116,10 +152,14 @@ class PagedAttention:
         sinks: Tensor | None = None,
     ) -> Tensor:
         """Cache the new K/V and attend (see :class:`~kvblocks.engine.models.AttentionBackend`)."""
-        key_cache, value_cache = self.kv_caches[layer_idx]
-        if self.cpu_plan is not None and self.cpu_slots is not None:
-            self.cpu_slots.write(key, value, key_cache, value_cache)
-            return self.cpu_plan.run(
+        if self.layer_group is None or self.layer_slot is None:
+            group, slot = self.groups[0], layer_idx
+        else:
+            group, slot = self.groups[self.layer_group[layer_idx]], self.layer_slot[layer_idx]
+        key_cache, value_cache = self.kv_caches[slot]
+        if group.cpu_plan is not None and group.cpu_slots is not None:
+            group.cpu_slots.write(key, value, key_cache, value_cache)
+            return group.cpu_plan.run(
                 query,
                 key_cache,
                 value_cache,
@@ -128,13 +168,13 @@ class PagedAttention:
                 soft_cap=spec.soft_cap,
                 sinks=sinks,
             )
-        ops.reshape_and_cache(key, value, key_cache, value_cache, self.slot_mapping)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, group.slot_mapping)
         if self.decode_only:
             return ops.paged_attention(
                 query,
                 key_cache,
                 value_cache,
-                self.block_tables,
+                group.block_tables,
                 self.seq_lens,
                 scale=spec.scale,
                 sliding_window=spec.sliding_window,
@@ -147,7 +187,7 @@ class PagedAttention:
             query,
             key_cache,
             value_cache,
-            self.block_tables,
+            group.block_tables,
             self.query_start_loc,
             self.seq_lens,
             scale=spec.scale,
@@ -175,6 +215,11 @@ class ModelRunner:
             (:func:`~kvblocks.engine.layer_groups.hybrid_layout`): its mixers' states are
             kept in a :class:`~kvblocks.engine.state_cache.StateCache` and each step reads
             and saves them where ``SchedulerOutput.state_mappings`` says. No host tier then.
+        attention_layout: a model mixing attention kinds
+            (:func:`~kvblocks.engine.layer_groups.attention_layout`): the runner keeps
+            one K/V tensor pair per layer slot (``L``, not one per layer) and each layer
+            reads and writes its slot through its group's table and slot mapping. The
+            manager must have the layout's groups.
     """
 
     def __init__(
@@ -187,6 +232,7 @@ class ModelRunner:
         host_cache_blocks: int = 0,
         seed: int = 0,
         layout: HybridLayout | None = None,
+        attention_layout: AttentionLayout | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -197,6 +243,15 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
         layers, heads, dim = model.num_kv_layers, c.num_key_value_heads, c.head_dim
+        self.attention_layout = attention_layout
+        if attention_layout is not None:
+            if len(attention_layout.layer_group) != layers or layout is not None:
+                raise InvalidArgumentError(
+                    f"the attention layout places {len(attention_layout.layer_group)} layers "
+                    f"but the model has {layers} attention layers"
+                    + (" and recurrent ones" if layout is not None else "")
+                )
+            layers = attention_layout.layers_per_group
         # ops.allocate_kv_cache validates the block size and the other shapes.
         self.kv_caches: KVCaches = ops.allocate_kv_cache(
             layers, num_blocks, block_size, heads, dim, self.dtype, self.device
@@ -231,9 +286,9 @@ class ModelRunner:
                 self.host_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
             )
         self.sampler = Sampler(self.device, seed)
-        # The device copy of the scheduler's persistent block table (None until the first
-        # step that carries one); kept by applying each step's delta, so every output
-        # must be executed, in order.
+        # The device copy of the scheduler's persistent block tables, [G, rows, blocks]
+        # (None until the first step that carries one); kept by applying each step's
+        # deltas, so every output must be executed, in order.
         self.device_block_table: Tensor | None = None
 
     def apply_memory_ops(self, out: SchedulerOutput) -> None:
@@ -300,33 +355,44 @@ class ModelRunner:
                 ops.swap_blocks(cv, v, pairs)
 
     def step_block_tables(self, out: SchedulerOutput) -> Tensor:
-        """The step's ``[S, max_blocks]`` int32 block tables on the device.
+        """The step's ``[S, max_blocks]`` int32 block tables of group 0 on the device
+        (see :meth:`step_group_block_tables`)."""
+        return self.step_group_block_tables(out)[0]
+
+    def step_group_block_tables(self, out: SchedulerOutput) -> Tensor:
+        """The step's ``[G, S, max_blocks]`` int32 block tables of every group on the device.
 
         Gathered (one ``index_select``) from the runner's device copy of the scheduler's
-        persistent table, which is uploaded whole only when the scheduler reports a new
-        array and otherwise patched with the step's delta (one scatter). A hand-built
-        output without ``block_table`` uploads its ``block_tables``.
+        persistent tables, which is uploaded whole only when the scheduler reports a new
+        array and otherwise patched with each group's delta (one scatter per group that
+        changed). A hand-built output without ``block_table`` uploads its
+        ``group_block_tables``.
         """
         if out.block_table is None or out.block_table_rows is None:
-            return self._to_device(out.block_tables, torch.int32)
+            return self._to_device(out.group_block_tables, torch.int32)
+        host = out.group_block_table
+        if host is None:
+            host = out.block_table[None]
+        deltas = out.group_block_table_deltas
+        if deltas is None:
+            deltas = [out.block_table_delta] if out.block_table_delta is not None else []
         table = self.device_block_table
-        if (
-            out.block_table_reallocated
-            or table is None
-            or tuple(table.shape) != out.block_table.shape
-        ):
-            table = torch.tensor(out.block_table, dtype=torch.int32, device=self.device)
+        if out.block_table_reallocated or table is None or tuple(table.shape) != host.shape:
+            table = torch.tensor(host, dtype=torch.int32, device=self.device)
             self.device_block_table = table
-        elif out.block_table_delta is not None and len(out.block_table_delta):
-            delta = out.block_table_delta
-            reset = np.asarray(delta.reset, dtype=bool)
-            if reset.any():
-                table[self._to_device(np.asarray(delta.rows)[reset], torch.long)] = 0
-            rows, cols = delta_indices(delta)
-            table[self._to_device(rows, torch.long), self._to_device(cols, torch.long)] = (
-                self._to_device(np.asarray(delta.block_ids), torch.int32)
-            )
-        return table.index_select(0, self._to_device(out.block_table_rows, torch.long))
+        else:
+            for group, delta in enumerate(deltas):
+                if delta is None or not len(delta):
+                    continue
+                rows_of = table[group]
+                reset = np.asarray(delta.reset, dtype=bool)
+                if reset.any():
+                    rows_of[self._to_device(np.asarray(delta.rows)[reset], torch.long)] = 0
+                rows, cols = delta_indices(delta)
+                rows_of[self._to_device(rows, torch.long), self._to_device(cols, torch.long)] = (
+                    self._to_device(np.asarray(delta.block_ids), torch.int32)
+                )
+        return table.index_select(1, self._to_device(out.block_table_rows, torch.long))
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
@@ -356,10 +422,26 @@ class ModelRunner:
             return None
         input_ids = self._to_device(out.input_token_ids, torch.long)
         positions = self._to_device(out.positions, torch.long)
+        layout = self.attention_layout
+        slot_mappings = out.group_slot_mappings
+        if slot_mappings is None:
+            slot_mappings = np.asarray(out.slot_mapping)[None]
+        block_tables = self.step_group_block_tables(out)
+        if layout is None:
+            # One group's layers (a model of one attention kind, or Bamba's attention
+            # group 0; its state groups' slot mappings are all -1).
+            slot_mappings, block_tables = slot_mappings[:1], block_tables[:1]
+        elif block_tables.shape[0] != layout.num_groups:
+            raise InvalidArgumentError(
+                f"the step carries {block_tables.shape[0]} KV cache groups but the runner's "
+                f"layout has {layout.num_groups}"
+            )
         attention = PagedAttention(
             self.kv_caches,
-            slot_mapping=self._to_device(out.slot_mapping, torch.long),
-            block_tables=self.step_block_tables(out),
+            slot_mappings=self._to_device(slot_mappings, torch.long),
+            block_tables=block_tables,
+            layer_group=None if layout is None else layout.layer_group,
+            layer_slot=None if layout is None else layout.layer_slot,
             query_start_loc=self._to_device(out.query_start_loc, torch.int32),
             seq_lens=self._to_device(out.seq_lens, torch.int32),
             seq_lens_host=np.asarray(out.seq_lens),

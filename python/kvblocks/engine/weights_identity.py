@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvblocks.engine.hf_config import config_to_hf_dict
 from kvblocks.engine.loader import weight_files
 from kvblocks.engine.models import CausalLM
 from kvblocks.errors import InvalidArgumentError
@@ -20,7 +21,7 @@ __all__ = ["checkpoint_weights", "model_weights_digest", "weights_digest"]
 
 def model_weights_digest(model: CausalLM) -> str:
     """The weights digest of a model object: its state dict and its config."""
-    return tensors_digest(dict(model.state_dict()), model.config.to_hf_dict())
+    return tensors_digest(dict(model.state_dict()), config_to_hf_dict(model.config))
 
 
 def checkpoint_weights(path: str | Path) -> CheckpointDigest:

@@ -58,8 +58,9 @@ class NullEventPublisher:
     def publish(self, events: Sequence[Any]) -> None:
         """Do nothing."""
 
-    def close(self) -> None:
-        """Do nothing."""
+    def close(self) -> bool:
+        """Do nothing; True."""
+        return True
 
     def __enter__(self) -> NullEventPublisher:
         return self
@@ -255,8 +256,7 @@ class ZmqEventPublisher:
         self._closed = True
         return ended
 
-    @property
-    def closed(self) -> bool:
+    def is_closed(self) -> bool:
         """Whether :meth:`close` was called."""
         return self._closing
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from kvblocks._core import AllocStatus
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.placement import Placement, insort
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
@@ -56,7 +56,7 @@ class Admission:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         config: SchedulerConfig,
         placement: Placement,
         records: Records,

@@ -11,12 +11,11 @@ it, no stop condition fires before ``min_tokens`` tokens
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.batch import StepPlan
 from kvblocks.scheduler.beam_search import BeamSearch
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
@@ -77,7 +76,7 @@ class ResultApplier:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         placement: Placement,
         records: Records,
         beams: BeamSearch,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.block_table import PersistentBlockTable, TableDelta, TableWrites
 from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
@@ -97,7 +98,7 @@ class StepBatch:
 
 
 def build_step(
-    manager: Any,
+    manager: BlockManager,
     batch: StepBatch,
     beam_width_of: Callable[[int], int],
     block_table: PersistentBlockTable | None = None,

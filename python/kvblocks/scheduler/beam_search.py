@@ -10,11 +10,11 @@ the new beams' rows.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.beam import Hypothesis, select_beams
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.scheduler.placement import Placement
@@ -32,7 +32,7 @@ class BeamSearch:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         placement: Placement,
         records: Records,
         counters: SchedulerCounters,

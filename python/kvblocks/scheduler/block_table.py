@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.protocols import BlockManager
 
 __all__ = ["PersistentBlockTable", "TableDelta", "TableWrites", "apply_delta", "delta_indices"]
 
@@ -109,7 +110,7 @@ class PersistentBlockTable:
     """
 
     def __init__(
-        self, manager: Any, num_rows: int, block_size: int, num_lookahead_tokens: int = 0
+        self, manager: BlockManager, num_rows: int, block_size: int, num_lookahead_tokens: int = 0
     ) -> None:
         self.manager = manager
         self.block_size = block_size

@@ -3,10 +3,12 @@ scheduler's other arguments."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.protocols import BlockManager, EventPublisher
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.request import Request
@@ -149,7 +151,10 @@ class SchedulerConfig:
 
 
 def check_scheduler_args(
-    manager: Any, config: SchedulerConfig | None, clock: Any, event_publisher: Any
+    manager: BlockManager,
+    config: SchedulerConfig | None,
+    clock: Callable[[], float],
+    event_publisher: EventPublisher | None,
 ) -> SchedulerConfig:
     """The scheduler's config (the default for ``None``), checked with its other
     arguments against ``manager``.
@@ -183,7 +188,7 @@ def check_scheduler_args(
     return config
 
 
-def state_groups(manager: Any) -> list[int]:
+def state_groups(manager: BlockManager) -> list[int]:
     """The manager's recurrent-state groups (``GroupSpec.recurrent``), in group order:
     each step carries where their states are read and saved."""
     return [g for g, spec in enumerate(getattr(manager, "groups", ())) if spec.kind == "mamba"]

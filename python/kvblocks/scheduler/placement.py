@@ -12,12 +12,12 @@ frees its blocks in the manager and its row of the persistent block table togeth
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
 from kvblocks._core import AllocStatus
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.block_table import PersistentBlockTable
 from kvblocks.scheduler.queues.policy import SchedulingPolicy, WaitingQueue
 from kvblocks.scheduler.queues.wait_bound import WaitBound
@@ -42,7 +42,7 @@ class Placement:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         block_table: PersistentBlockTable,
         registry: RequestRegistry,
         policy: SchedulingPolicy,

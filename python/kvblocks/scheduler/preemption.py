@@ -17,10 +17,9 @@ blocks: then it cannot grow and ends with reason ``"length"``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.config import SchedulerConfig
 from kvblocks.scheduler.placement import Placement, insort
 from kvblocks.scheduler.records import Records
@@ -37,7 +36,7 @@ class Preemption:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         config: SchedulerConfig,
         placement: Placement,
         records: Records,

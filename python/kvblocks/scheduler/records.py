@@ -8,10 +8,10 @@ and the latency statistics are made in one way.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
+from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.beam import Hypothesis, rank_hypotheses
 from kvblocks.scheduler.placement import Placement
 from kvblocks.scheduler.request import CompletionOutput, FinishReason, RequestOutput
@@ -34,7 +34,7 @@ class Records:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         placement: Placement,
         counters: SchedulerCounters,
         latency: LatencyStats,

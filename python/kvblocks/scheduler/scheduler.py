@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kvblocks.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     SequenceStateError,
 )
+from kvblocks.protocols import BlockManager, EventPublisher
 from kvblocks.scheduler.admission import Admission, Admitted, Deferred
 from kvblocks.scheduler.apply import ResultApplier, check_result
 from kvblocks.scheduler.batch import DecodeRows, StepBatch, StepPlan, build_step
@@ -85,12 +85,12 @@ class Scheduler:
 
     def __init__(
         self,
-        manager: Any,
+        manager: BlockManager,
         config: SchedulerConfig | None = None,
         *,
         record_history: bool = True,
         clock: Callable[[], float] = time.monotonic,
-        event_publisher: Any | None = None,
+        event_publisher: EventPublisher | None = None,
     ) -> None:
         cfg = self.config = check_scheduler_args(manager, config, clock, event_publisher)
         self.event_publisher = event_publisher
@@ -206,7 +206,7 @@ class Scheduler:
         plan = self._in_flight
         return bool(self._registry.requests) or (plan is not None and bool(plan.ended))
 
-    def get_num_unfinished_requests(self) -> int:
+    def num_unfinished_requests(self) -> int:
         """Requests waiting, running or swapped."""
         return len(self._registry)
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import numpy.typing as npt
+
+from kvblocks.protocols import BlockManager
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.output import SchedulerOutput
@@ -157,7 +159,7 @@ class LatencyStats:
 
 
 def gauges(
-    placement: Placement, num_requests: int, manager: Any, step: int
+    placement: Placement, num_requests: int, manager: BlockManager, step: int
 ) -> dict[str, int | float]:
     """The scheduler's gauges at ``step``: requests running, waiting and swapped (a split
     request counts as running until its last part finishes), sequences running, KV usage

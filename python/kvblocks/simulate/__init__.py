@@ -4,13 +4,13 @@ capacity, and contiguous-reservation baselines on the same trace; a fleet of ins
 behind a (cache-aware) router (:func:`run_fleet`)."""
 
 from kvblocks.simulate.capacity import CapacityResult, estimate_capacity, search_capacity
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import ContiguousReservation, ContiguousResult, run_contiguous
 from kvblocks.simulate.cost_model import CostModel
 from kvblocks.simulate.fleet import FleetConfig, FleetResult, run_fleet
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
 from kvblocks.simulate.planner import PlanResult, run_plan
 from kvblocks.simulate.runner import (
-    SimulationConfig,
     SimulationError,
     SimulationResult,
     TierTotals,

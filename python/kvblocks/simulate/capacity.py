@@ -12,7 +12,10 @@ configured trace at that rate. Two ways to find it:
   when batching is what limits throughput.
 - ``search``: bisection on the rate between a stable and an unstable probe, starting
   from 1.5x the estimate, until the bracket is within ``tolerance``; each probe runs the
-  whole configured trace. Reports the highest rate found stable.
+  whole configured trace. Reports the highest rate found stable. A stable rate above the
+  saturation estimate means the trace is too short to show an overload (the server
+  absorbs the whole trace in its batch before a queue builds up): the result says so
+  (``trace_too_short``) instead of passing the rate off as a capacity.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
-from kvblocks.simulate.runner import SimulationConfig
 
 __all__ = [
     "CAPACITY_MODES",
@@ -51,12 +54,16 @@ class CapacityResult:
         requests_per_s: the capacity (the estimate, or the highest stable probe).
         estimate_requests_per_s: the saturation estimate (both modes compute it).
         probes: ``(rate, stable)`` of every search probe, in order.
+        trace_too_short: the search found a rate above the saturation estimate stable,
+            which no server sustains: the trace ended before its queue could grow, so
+            ``requests_per_s`` is not a capacity (run a longer trace).
     """
 
     mode: str
     requests_per_s: float
     estimate_requests_per_s: float
     probes: list[tuple[float, bool]] = field(default_factory=list)
+    trace_too_short: bool = False
 
 
 def saturated_config(config: SimulationConfig, num_requests: int) -> SimulationConfig:
@@ -132,4 +139,5 @@ def search_capacity(
         else:
             hi = mid
     result.requests_per_s = lo
+    result.trace_too_short = lo > estimate
     return result

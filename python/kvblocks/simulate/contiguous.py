@@ -17,10 +17,10 @@ import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
 
 if TYPE_CHECKING:
-    from kvblocks.simulate.runner import SimulationConfig
+    from kvblocks.simulate.config import SimulationConfig
 
 __all__ = [
     "CONTIGUOUS_RULES",
@@ -134,7 +134,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
     cost = config.cost_model
     num_requests = config.workload.num_requests
     arrivals = ArrivalQueue(config.workload)
-    metrics = RequestMetrics(num_requests)
+    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
     window = ThroughputWindow(num_requests)
     waiting: deque[tuple[SimRequest, int]] = deque()
     follow_ups: deque[tuple[SimRequest, int]] = deque()  # ahead of waiting, if asked
@@ -188,7 +188,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
             queue.popleft()
             reserved += need
             seqs += sim.n
-            metrics.scheduled(index, step_start - sim.arrival_time)
+            metrics.scheduled(sim.conversation, sim.turn, step_start - sim.arrival_time)
             r = _Running(sim, need, len(sim.prompt_token_ids))
             running.append(r)
             chunk = min(r.prefill_left, budget)
@@ -237,7 +237,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
                 arrivals.push(follow)
         running = still
         window.step(clock - step_start, finished_now, bool(waiting or follow_ups))
-        if config.stop_at_window and window.closed:
+        if config.stop_at_window and window.is_closed():
             break
     return ContiguousResult(
         rule=rule,

@@ -54,7 +54,7 @@ from kvblocks.simulate.runner import (
     _progress_bar,
     request_for,
 )
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig, mean_turns
 
 __all__ = ["FleetConfig", "FleetResult", "run_fleet"]
 
@@ -315,7 +315,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     rng = np.random.default_rng(config.workload.seed + 1)
     vocab = config.workload.vocab_size
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests)
+    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
     window = _CompletionWindow(num_requests)
     # (end time, instance) of the steps in flight
     ends: list[tuple[float, int]] = []
@@ -436,7 +436,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
                 continue
             _started.add(rid)
             e = entries[rid]
-            metrics.scheduled(e.index, inst.step_start - e.sim.arrival_time)
+            metrics.scheduled(e.sim.conversation, e.sim.turn, inst.step_start - e.sim.arrival_time)
             inst.queued_blocks -= e.queued_blocks
         for rid in inst.pending_first:
             if rid in _first or rid not in entries:

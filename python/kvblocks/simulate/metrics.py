@@ -11,7 +11,10 @@ Definitions (all in the cost model's simulated seconds):
 - **latency**: arrival until its last sequence finishes.
 
 The stability rule of the capacity search (:meth:`RequestMetrics.is_stable`) compares the
-queueing delay of the requests admitted last with that of the requests admitted earlier.
+queueing delay of the conversations that started last with that of those that started
+earlier. Only first turns count: they arrive at the trace's rate whatever the server does,
+while a follow-up turn arrives a think time after its previous turn finished (closed loop),
+so an overloaded server also delays the follow-ups' arrivals and they queue little.
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ PERCENTILES = (50, 90, 99)
 class StabilityRule:
     """When a run's latency counts as stable (the queue does not grow with the trace).
 
-    Requests are split into quarters by the order they arrived in. Under a rate the
-    server sustains, queueing delay settles after a warm-up, so the last quarter waits
-    about as long as the second; above capacity the queue grows by a fixed amount per
-    request, so the last quarter waits about ``(7/8) / (3/8) = 2.3x`` as long as the
-    second. A run is stable when
+    Conversations are split into quarters by the order they started in, and each
+    quarter's mean is over its first turns' queueing delays (follow-up turns are closed
+    loop: see the module docstring). Under a rate the server sustains, queueing delay
+    settles after a warm-up, so the last quarter waits about as long as the second;
+    above capacity the queue grows by a fixed amount per request, so the last quarter
+    waits about ``(7/8) / (3/8) = 2.3x`` as long as the second. A run is stable when
 
         ``mean_delay(last quarter) <= growth * mean_delay(second quarter) + slack_s``
 
@@ -57,11 +61,17 @@ class RequestMetrics:
     """Distributions of queueing delay, TTFT, TPOT and latency, plus per-quarter delays.
 
     Args:
-        num_requests: requests expected, to assign the arrival-order quarters.
+        num_requests: requests expected.
+        num_conversations: conversations expected (``num_requests`` over the mean turns
+            per conversation), to assign the start-order quarters; default
+            ``num_requests`` (every request a conversation of one turn).
     """
 
-    def __init__(self, num_requests: int) -> None:
+    def __init__(self, num_requests: int, num_conversations: float | None = None) -> None:
         self.num_requests = max(num_requests, 1)
+        self.num_conversations = max(
+            float(num_requests if num_conversations is None else num_conversations), 1.0
+        )
         self.queue_delay = Distribution()
         self.ttft = Distribution()
         self.tpot = Distribution()
@@ -69,12 +79,14 @@ class RequestMetrics:
         self._quarter_sum = [0.0] * 4
         self._quarter_count = [0] * 4
 
-    def scheduled(self, arrival_index: int, delay_s: float) -> None:
-        """A request (the ``arrival_index``-th to arrive, from 0) got its first step."""
+    def scheduled(self, conversation: int, turn: int, delay_s: float) -> None:
+        """Turn ``turn`` (0: the first) of conversation ``conversation`` (the index in start
+        order, from 0) got its first step ``delay_s`` after it arrived."""
         self.queue_delay.add(delay_s)
-        quarter = min(4 * arrival_index // self.num_requests, 3)
-        self._quarter_sum[quarter] += delay_s
-        self._quarter_count[quarter] += 1
+        if turn == 0:
+            quarter = min(int(4 * conversation // self.num_conversations), 3)
+            self._quarter_sum[quarter] += delay_s
+            self._quarter_count[quarter] += 1
 
     def first_token(self, ttft_s: float) -> None:
         """A request sampled its first token ``ttft_s`` after arriving."""
@@ -87,18 +99,19 @@ class RequestMetrics:
             self.tpot.add(decode_s / (output_len - 1))
 
     def quarter_delay(self, quarter: int) -> float:
-        """Mean queueing delay of the requests in arrival quarter ``quarter`` (0..3)."""
+        """Mean queueing delay of the first turns in start quarter ``quarter`` (0..3)."""
         count = self._quarter_count[quarter]
         return self._quarter_sum[quarter] / count if count else 0.0
 
     def is_stable(self, rule: StabilityRule | None = None) -> bool:
         """Whether the queue stayed bounded over the trace (see :class:`StabilityRule`).
 
-        A run in which not every quarter got scheduled (nothing ran) is not stable.
+        A run in which not every quarter got a first turn scheduled is not stable (too
+        few conversations to tell, or nothing ran).
         """
         rule = rule or StabilityRule()
         if not all(self._quarter_count[1:]):
-            return self.num_requests < 4 and self.queue_delay.count > 0
+            return self.num_conversations < 4 and self.queue_delay.count > 0
         return rule.holds(self.quarter_delay(1), self.quarter_delay(3))
 
     def summary(self) -> dict[str, float]:
@@ -136,8 +149,7 @@ class ThroughputWindow:
             self._time += dt
             self._count += finished_now
 
-    @property
-    def closed(self) -> bool:
+    def is_closed(self) -> bool:
         """The 90% mark has been reached."""
         return self._finished >= self._high
 

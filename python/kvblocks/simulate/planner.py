@@ -30,9 +30,10 @@ from kvblocks.simulate.capacity import (
     saturated_config,
     search_capacity,
 )
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import CONTIGUOUS_RULES, run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics
-from kvblocks.simulate.runner import SimulationConfig, SimulationResult, run_simulation
+from kvblocks.simulate.runner import SimulationResult, run_simulation
 
 __all__ = [
     "DEFAULT_SATURATION_REQUESTS",

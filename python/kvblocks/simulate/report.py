@@ -23,6 +23,11 @@ def _capacity_text(server: ServerReport) -> str:
     cap = server.capacity
     if cap is None:
         return "not measured (--capacity off)"
+    if cap.mode == "search" and cap.trace_too_short:
+        return (
+            f"not found: the trace is too short (stable up to {cap.requests_per_s:.2f} req/s, "
+            f"above the saturation {cap.estimate_requests_per_s:.2f}; raise --num-requests)"
+        )
     if cap.mode == "search":
         return (
             f"{cap.requests_per_s:.2f} req/s (search; saturation {cap.estimate_requests_per_s:.2f})"
@@ -261,11 +266,19 @@ def _comparison(plan: PlanResult) -> list[str]:
             col += ["-", "-"]
         else:
             ratio = ""
-            if server is not plan.servers[0] and base is not None and cap.requests_per_s > 0:
+            if (
+                server is not plan.servers[0]
+                and base is not None
+                and cap.requests_per_s > 0
+                and not (base.trace_too_short or cap.trace_too_short)
+            ):
                 ratio = f" (paged {base.requests_per_s / cap.requests_per_s:.2f}x)"
+            capacity = (
+                "trace too short" if cap.trace_too_short else f"{cap.requests_per_s:.2f}{ratio}"
+            )
             col += [
                 f"{float(sat['mean_batch_seqs']):.1f} / {float(sat['peak_batch_seqs']):.0f}",
-                f"{cap.requests_per_s:.2f}{ratio}",
+                capacity,
             ]
         cells.append(col)
     label_w = max(len(x) for x in labels)
@@ -306,6 +319,7 @@ def format_json(plan: PlanResult) -> str:
                     "requests_per_s": cap.requests_per_s,
                     "estimate_requests_per_s": cap.estimate_requests_per_s,
                     "probes": [{"rate": r, "stable": ok} for r, ok in cap.probes],
+                    "trace_too_short": cap.trace_too_short,
                 },
             }
         )

@@ -18,17 +18,17 @@ import numpy as np
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError, KVBlocksError
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.scheduler import ModelStepResult, Request, Scheduler, SchedulerConfig
+from kvblocks.scheduler import ModelStepResult, Request, Scheduler
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.simulate.aggregates import Distribution, Timeline
+from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel, tier_ops
-from kvblocks.simulate.layer_mix import LayerMix, LayerMixTotals
+from kvblocks.simulate.layer_mix import LayerMixTotals
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
 
 __all__ = [
-    "SimulationConfig",
     "SimulationError",
     "SimulationResult",
     "TierTotals",
@@ -60,45 +60,6 @@ def request_for(sim: SimRequest, follow_ups_first: bool) -> Request:
 
 class SimulationError(KVBlocksError):
     """The simulation cannot make progress (a configuration that can never serve a request)."""
-
-
-@dataclass(frozen=True)
-class SimulationConfig:
-    """Everything a simulation run depends on.
-
-    Attributes:
-        workload: the synthetic trace.
-        scheduler: scheduler limits and policy.
-        num_blocks, block_size, num_cpu_blocks, enable_prefix_caching: the block manager.
-        host_cache_blocks: blocks of the manager's host tier below the GPU pool (0: none;
-            needs prefix caching); the cost model charges its loads and offloads.
-        host_offload: the tier's offload policy, ``"evict"`` or ``"commit"``.
-        cost_model: simulated step time.
-        progress: show a tqdm progress bar on stderr.
-        stop_at_window: end the run as soon as the throughput window closes (90% of the
-            requests finished): a capacity estimate needs no drain.
-        follow_ups_first: queue a conversation's later turns ahead of conversations that
-            have not started (saturated runs: with every conversation queued at t=0, plain
-            arrival order would serve all the short first turns before any long follow-up,
-            so the measured mix would not be the trace's).
-        layer_mix: the model's sliding-window and full-attention layers; each step's
-            batch is then also counted under per-layer-kind allocation
-            (:mod:`kvblocks.simulate.layer_mix`, an accounting model).
-    """
-
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_blocks: int = 4096
-    block_size: int = 16
-    num_cpu_blocks: int = 1024
-    enable_prefix_caching: bool = True
-    host_cache_blocks: int = 0
-    host_offload: str = "evict"
-    cost_model: CostModel = field(default_factory=CostModel)
-    progress: bool = True
-    stop_at_window: bool = False
-    follow_ups_first: bool = False
-    layer_mix: LayerMix | None = None
 
 
 _TIMELINE_COLUMNS = (
@@ -329,7 +290,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     vocab = config.workload.vocab_size
     cost = config.cost_model
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests)
+    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
     window = ThroughputWindow(num_requests)
     clock = 0.0
     sched_wall = 0.0
@@ -404,7 +365,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             if awaiting_step and dt:
                 for rid in awaiting_step.keys() & set(running).union(output.sample_request_ids):
                     entry = awaiting_step.pop(rid)
-                    metrics.scheduled(entry.index, step_start - entry.sim.arrival_time)
+                    metrics.scheduled(
+                        entry.sim.conversation, entry.sim.turn, step_start - entry.sim.arrival_time
+                    )
                     awaiting_token[rid] = entry
             if awaiting_token and output.sample_request_ids:
                 for rid in awaiting_token.keys() & set(output.sample_request_ids):
@@ -426,11 +389,11 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 follow = sim.next_turn(out.outputs[0].token_ids, clock)
                 if follow is not None:
                     arrivals.push(follow)
-            queued = scheduler.get_num_unfinished_requests() - len(running)
+            queued = scheduler.num_unfinished_requests() - len(running)
             window.step(dt, len(done), queued > 0)
             if done:
                 bar.update(len(done))
-                if config.stop_at_window and window.closed:
+                if config.stop_at_window and window.is_closed():
                     break
             usage = float(manager.usage())
             timeline.add(

@@ -249,6 +249,8 @@ class SimRequest:
         turn: 0 for a first turn.
         next_turns: the conversation's remaining turns.
         history_len: prompt tokens carried over from earlier turns.
+        conversation: the conversation's index in the order conversations start (the
+            ``C`` of ``req-C``).
     """
 
     request_id: str
@@ -261,6 +263,7 @@ class SimRequest:
     turn: int = 0
     next_turns: tuple[Turn, ...] = ()
     history_len: int = 0
+    conversation: int = 0
 
     def next_turn(self, output_token_ids: npt.ArrayLike, finish_time: float) -> SimRequest | None:
         """The conversation's next request, or ``None`` after its last turn.
@@ -286,6 +289,7 @@ class SimRequest:
             turn=self.turn + 1,
             next_turns=rest,
             history_len=len(history),
+            conversation=self.conversation,
         )
 
 
@@ -405,6 +409,7 @@ def iter_workload(config: WorkloadConfig) -> Iterator[SimRequest]:
                 n=int(parallel[i]) if not later else 1,
                 priority=int(priorities[i]),
                 next_turns=later,
+                conversation=conv,
             )
             conv += 1
 

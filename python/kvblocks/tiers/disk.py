@@ -367,6 +367,8 @@ class DiskTier:
         """A snapshot of the counters."""
         return self._stats.copy()
 
-    def close(self) -> None:
-        """Forget the in-memory index; the files stay for the next open."""
+    def close(self) -> bool:
+        """Forget the in-memory index; the files stay for the next open. True (no
+        background work can outlive it)."""
         self._index = RetentionLRU()
+        return True

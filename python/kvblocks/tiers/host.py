@@ -135,7 +135,9 @@ class HostTier:
         """A snapshot of the counters."""
         return self._stats.copy()
 
-    def close(self) -> None:
-        """Forget every block (the pool memory goes with the object)."""
+    def close(self) -> bool:
+        """Forget every block (the pool memory goes with the object); True (no background
+        work can outlive it)."""
         self._free = list(range(self._capacity - 1, -1, -1))
         self._slots = RetentionLRU()
+        return True

@@ -138,8 +138,7 @@ class ValkeyTier:
         """The ``valkey.Valkey`` client (for administration and tests)."""
         return self._client
 
-    @property
-    def available(self) -> bool:
+    def is_available(self) -> bool:
         """False while the tier is backing off after the server was unreachable."""
         return time.monotonic() >= self._down_until
 
@@ -149,7 +148,7 @@ class ValkeyTier:
 
     def __len__(self) -> int:
         """Blocks of this layout on the server (a SCAN: O(keys); 0 when unreachable)."""
-        if not self.available:
+        if not self.is_available():
             return 0
         try:
             count = sum(1 for _ in self._client.scan_iter(match=self._prefix + b"*", count=1000))
@@ -189,7 +188,7 @@ class ValkeyTier:
         int(priority)
         if not block_hashes:
             return 0
-        if not self.available:
+        if not self.is_available():
             # Validate as a live put would, but spend no encoding on blocks about to be dropped.
             for h, kv in zip(block_hashes, kvs, strict=True):
                 check_block_hash(h)
@@ -227,7 +226,7 @@ class ValkeyTier:
         hashes = [check_block_hash(h) for h in block_hashes]
         if not hashes:
             return []
-        if not self.available:
+        if not self.is_available():
             self._stats.misses += len(hashes)
             return [None] * len(hashes)
         keys = [self._prefix + h.hex().encode() for h in hashes]
@@ -264,7 +263,7 @@ class ValkeyTier:
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each block's key exists (one pipeline; all False when unreachable)."""
         keys = [self.key_of(h) for h in block_hashes]
-        if not keys or not self.available:
+        if not keys or not self.is_available():
             return [False] * len(keys)
         try:
             pipe = self._client.pipeline(transaction=False)
@@ -280,7 +279,7 @@ class ValkeyTier:
     def evict(self, block_hash: bytes) -> bool:
         """Delete one block's key; False when absent or unreachable."""
         key = self.key_of(block_hash)
-        if not self.available:
+        if not self.is_available():
             return False
         try:
             removed = self._client.delete(key)
@@ -296,7 +295,9 @@ class ValkeyTier:
         """A snapshot of this client's counters."""
         return self._stats.copy()
 
-    def close(self) -> None:
-        """Close the client's connections (the blocks stay on the server)."""
+    def close(self) -> bool:
+        """Close the client's connections (the blocks stay on the server); True (a
+        connection that fails to close is gone either way)."""
         with contextlib.suppress(*_FAILURES):
             self._client.close()
+        return True

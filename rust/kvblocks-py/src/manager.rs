@@ -519,12 +519,6 @@ impl KVCacheManager {
         })
     }
 
-    /// Whether the manager holds ``seq_id``.
-    fn has_sequence(&self, py: Python<'_>, seq_id: SeqId) -> bool {
-        let id = seq_id.0;
-        self.read(py, |m| m.has_sequence(id))
-    }
-
     /// Known tokens of the sequence: prompt plus committed sampled tokens.
     fn num_tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<usize> {
         self.on_seq(py, seq_id, Work::Short, |m, id| m.num_tokens(id))

@@ -1,9 +1,10 @@
 """The model families, one module each, and the registry that picks one by ``model_type``.
 
-:mod:`~kvblocks.engine.models.layers` holds the shared building blocks,
-:mod:`~kvblocks.engine.models.base` the attention-backend protocol and the causal-LM
-shell; :mod:`~kvblocks.engine.models.llama` (Llama, Mistral, Ministral, Qwen2, Qwen3,
-OLMo 3), :mod:`~kvblocks.engine.models.gemma` (Gemma 2, Gemma 3 text) and
+:mod:`~kvblocks.engine.models.attention_backend` holds the protocol every layer's attention
+calls, :mod:`~kvblocks.engine.models.layers` the shared building blocks,
+:mod:`~kvblocks.engine.models.base` the causal-LM shell;
+:mod:`~kvblocks.engine.models.llama` (Llama, Mistral, Ministral, Qwen2, Qwen3, OLMo 3),
+:mod:`~kvblocks.engine.models.gemma` (Gemma 2, Gemma 3 text) and
 :mod:`~kvblocks.engine.models.gpt_oss` and :mod:`~kvblocks.engine.models.bamba` (with the
 Mamba 2 mixer of :mod:`~kvblocks.engine.models.mamba2`) the families.
 """
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from kvblocks.engine.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from kvblocks.engine.models.attention_backend import AttentionBackend
 from kvblocks.engine.models.bamba import BambaForCausalLM
-from kvblocks.engine.models.base import AttentionBackend, CausalLM
+from kvblocks.engine.models.base import CausalLM
 from kvblocks.engine.models.gemma import GemmaForCausalLM
 from kvblocks.engine.models.gpt_oss import GptOssForCausalLM
 from kvblocks.engine.models.llama import LlamaForCausalLM, Olmo3ForCausalLM

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.mamba_config import BAMBA_PARTIAL_ROTARY_FACTOR
-from kvblocks.engine.models.base import AttentionBackend, CausalLM
+from kvblocks.engine.models.attention_backend import AttentionBackend
+from kvblocks.engine.models.base import CausalLM
 from kvblocks.engine.models.layers import (
     GatedMLP,
     RMSNorm,

@@ -22,7 +22,7 @@ from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from kvblocks.engine.models.base import AttentionBackend
+    from kvblocks.engine.models.attention_backend import AttentionBackend
 
 __all__ = [
     "Embedding",

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from kvblocks.engine.config import ModelConfig
-from kvblocks.engine.models.base import AttentionBackend, CausalLM
+from kvblocks.engine.models.attention_backend import AttentionBackend
+from kvblocks.engine.models.base import CausalLM
 from kvblocks.engine.models.layers import GatedMLP, RMSNorm, SelfAttention
 
 __all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "Olmo3DecoderLayer", "Olmo3ForCausalLM"]

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvblocks.protocols import BlockManager
+
 __all__ = ["Key", "Keyed", "QueueKey", "SchedulingPolicy", "WaitingQueue", "make_policy"]
 
 Key = tuple[int, float, int]
@@ -55,7 +57,7 @@ class SchedulingPolicy:
         """The ordering key of a request (smaller is more important)."""
         return (0, arrival, counter)
 
-    def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
+    def admission_order(self, queue: WaitingQueue, manager: BlockManager) -> Iterator[Any]:
         """Waiting requests in the order to try admitting them."""
         return iter(list(queue.items()))
 
@@ -76,7 +78,7 @@ class LongestPrefixMatchPolicy(SchedulingPolicy):
     name = "lpm"
     probes_waiting = True
 
-    def admission_order(self, queue: WaitingQueue, manager: Any) -> Iterator[Any]:
+    def admission_order(self, queue: WaitingQueue, manager: BlockManager) -> Iterator[Any]:
         """Order by the cached prefix each request would claim now (one batch refresh).
 
         ``refresh_prefixes`` re-probes every waiting sequence against the cache as it is
