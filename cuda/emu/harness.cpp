@@ -4,6 +4,9 @@
 // CuPy (python/kvblocks/ops/launch_plan.py), so the planner is tested too.
 #include "cuda_emu.h"
 
+#include <cstdio>
+#include <cstdlib>
+#include <set>
 #include <string>
 
 #include "../cache_ops.cu"
@@ -33,38 +36,48 @@ struct Entry {
         SMEM                                                                        \
   }
 
-#define KVB_ATTN(T, D)                                                                   \
-  KVB_ENTRY((kvb::SplitKShape<T, D, 8>::kSmemBytes), split_k_attention_kernel<T, D, 8>), \
-      KVB_ENTRY((kvb::SplitKShape<T, D, 16>::kSmemBytes),                                \
-                split_k_attention_kernel<T, D, 16>),                                     \
-      KVB_ENTRY(0, merge_splits_kernel<T, D>)
+// A templated kernel's own shared-memory need, from its template arguments.
+#define KVB_SMEM_decode_attention_kernel(...) (kvb::DecodeShape<__VA_ARGS__>::kSmemBytes)
+#define KVB_SMEM_merge_partials_kernel(...) 0
+#define KVB_SMEM_split_k_attention_kernel(...) (kvb::SplitKShape<__VA_ARGS__>::kSmemBytes)
+#define KVB_SMEM_merge_splits_kernel(...) 0
+#define KVB_SMEM_prefill_attention_kernel(T, D, ...) (kvb::PrefillShape<T, D>::kSmemBytes)
+// The entry of NAME<args...> (NAME one of the KVB_SMEM_ families above).
+#define KVB_KERNEL(NAME, ...) KVB_ENTRY(KVB_SMEM_##NAME(__VA_ARGS__), NAME<__VA_ARGS__>)
+
+#ifdef KVB_EMU_ENTRIES
+// A sanitizer build (tests/ops/emu_runtime.py): only the attention instantiations its tests
+// launch, listed in tests/ops/sanitized_kernels.py and written as KVB_KERNEL(...) lines to
+// the header this names. Compiling all of them under ASan or TSan took minutes of CPU for
+// a handful of launches. The header goes into kEntries below.
+#define KVB_ATTENTION_ENTRIES
+#else
+#define KVB_ATTN(T, D)                                                            \
+  KVB_KERNEL(split_k_attention_kernel, T, D, 8),                                  \
+      KVB_KERNEL(split_k_attention_kernel, T, D, 16), KVB_KERNEL(merge_splits_kernel, T, D)
 
 #define KVB_ATTN_ALL_D(T) \
   KVB_ATTN(T, 64), KVB_ATTN(T, 80), KVB_ATTN(T, 96), KVB_ATTN(T, 112), KVB_ATTN(T, 128), \
       KVB_ATTN(T, 256)
 
-#define KVB_PREFILL(T, D)                                                        \
-  KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D>), \
-      KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D, true>)
+#define KVB_PREFILL(T, D) \
+  KVB_KERNEL(prefill_attention_kernel, T, D), KVB_KERNEL(prefill_attention_kernel, T, D, true)
 
 #define KVB_PREFILL_ALL_D(T)                                                               \
   KVB_PREFILL(T, 64), KVB_PREFILL(T, 80), KVB_PREFILL(T, 96), KVB_PREFILL(T, 112),         \
       KVB_PREFILL(T, 128), KVB_PREFILL(T, 256)
 
 // Tensor-core decode (fp16/bf16): every block size and GROUP the planner picks.
-#define KVB_DECODE(T, D, B, G) \
-  KVB_ENTRY((kvb::DecodeShape<T, D, B, G>::kSmemBytes), decode_attention_kernel<T, D, B, G>)
+#define KVB_DECODE(T, D, B, G) KVB_KERNEL(decode_attention_kernel, T, D, B, G)
 #define KVB_DECODE_G(T, D, B) \
   KVB_DECODE(T, D, B, 1), KVB_DECODE(T, D, B, 2), KVB_DECODE(T, D, B, 4), KVB_DECODE(T, D, B, 8)
 #define KVB_DECODE_D(T, D)                                                                 \
   KVB_DECODE_G(T, D, 8), KVB_DECODE_G(T, D, 16), KVB_DECODE_G(T, D, 32),                   \
       KVB_DECODE(T, D, 8, 16), KVB_DECODE(T, D, 16, 16), KVB_DECODE(T, D, 32, 16),         \
-      KVB_ENTRY(0, merge_partials_kernel<T, D>)
+      KVB_KERNEL(merge_partials_kernel, T, D)
 // One K/V buffer per warp (STAGES 1): where two exceed the smallest per-CTA opt-in limit
 // (kvblocks.ops.cuda_sources.decode_stages_instantiated: head 256).
-#define KVB_DECODE1(T, D, B, G)                             \
-  KVB_ENTRY((kvb::DecodeShape<T, D, B, G, 1>::kSmemBytes), \
-            decode_attention_kernel<T, D, B, G, 1>)
+#define KVB_DECODE1(T, D, B, G) KVB_KERNEL(decode_attention_kernel, T, D, B, G, 1)
 #define KVB_DECODE1_G(T, D, B)                                                     \
   KVB_DECODE1(T, D, B, 1), KVB_DECODE1(T, D, B, 2), KVB_DECODE1(T, D, B, 4), \
       KVB_DECODE1(T, D, B, 8)
@@ -72,7 +85,13 @@ struct Entry {
   KVB_DECODE_D(T, 64), KVB_DECODE_D(T, 80), KVB_DECODE_D(T, 96), KVB_DECODE_D(T, 112),      \
       KVB_DECODE_D(T, 128), KVB_DECODE_G(T, 256, 8), KVB_DECODE_G(T, 256, 16),              \
       KVB_DECODE_G(T, 256, 32), KVB_DECODE1_G(T, 256, 8), KVB_DECODE1_G(T, 256, 16),        \
-      KVB_DECODE1_G(T, 256, 32), KVB_ENTRY(0, merge_partials_kernel<T, 256>)
+      KVB_DECODE1_G(T, 256, 32), KVB_KERNEL(merge_partials_kernel, T, 256)
+
+#define KVB_ATTENTION_ENTRIES                                                         \
+  KVB_DECODE_ALL(__half), KVB_DECODE_ALL(__nv_bfloat16), KVB_ATTN_ALL_D(float),      \
+      KVB_ATTN_ALL_D(__half), KVB_ATTN_ALL_D(__nv_bfloat16), KVB_PREFILL_ALL_D(__half), \
+      KVB_PREFILL_ALL_D(__nv_bfloat16),
+#endif
 
 const Entry kEntries[] = {
     KVB_ENTRY(0, reshape_and_cache_kernel),
@@ -96,13 +115,10 @@ const Entry kEntries[] = {
     KVB_ENTRY(0, emu_ldmatrix_kernel<2, true>),
     KVB_ENTRY(0, emu_mma_tile_kernel<__half>),
     KVB_ENTRY(0, emu_mma_tile_kernel<__nv_bfloat16>),
-    KVB_DECODE_ALL(__half),
-    KVB_DECODE_ALL(__nv_bfloat16),
-    KVB_ATTN_ALL_D(float),
-    KVB_ATTN_ALL_D(__half),
-    KVB_ATTN_ALL_D(__nv_bfloat16),
-    KVB_PREFILL_ALL_D(__half),
-    KVB_PREFILL_ALL_D(__nv_bfloat16),
+    KVB_ATTENTION_ENTRIES
+#ifdef KVB_EMU_ENTRIES
+#include KVB_EMU_ENTRIES
+#endif
 };
 
 std::string squeeze(const char* s) {
@@ -113,11 +129,35 @@ std::string squeeze(const char* s) {
   return out;
 }
 
+// With KVB_EMU_USED_LOG set, each kernel found is appended (once, squeezed) to that file:
+// tests/ops/sanitized_pytest.py checks a sanitizer build's list against what its tests use.
+void log_use(const std::string& name) {
+  static const char* const path = std::getenv("KVB_EMU_USED_LOG");
+  static std::set<std::string> logged;
+  if (path == nullptr || !logged.insert(name).second) return;
+  if (std::FILE* f = std::fopen(path, "a")) {
+    std::fprintf(f, "%s\n", name.c_str());
+    std::fclose(f);
+  }
+}
+
 const Entry* find(const char* name) {
   const std::string want = squeeze(name);
   for (const Entry& e : kEntries) {
-    if (squeeze(e.name) == want) return &e;
+    if (squeeze(e.name) == want) {
+      log_use(want);
+      return &e;
+    }
   }
+#ifdef KVB_EMU_ENTRIES
+  // Not a -1 the caller may read as "no such kernel" (or a skip): this build left it out.
+  std::fprintf(stderr,
+               "kvb_emu: the " KVB_EMU_SELECTION " build of the emulation harness does not "
+               "instantiate %s; add it to the " KVB_EMU_SELECTION
+               " list in tests/ops/sanitized_kernels.py\n",
+               name);
+  std::abort();
+#endif
   return nullptr;
 }
 

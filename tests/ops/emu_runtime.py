@@ -2,7 +2,9 @@
 
 The library is g++-compiled once per source hash into ``cuda/emu/build`` (gitignored)
 and loaded with ctypes. ``KVB_EMU_FLAVOR=asan`` selects the AddressSanitizer +
-UBSan build (the process must then preload libasan; see sanitized_pytest.py).
+UBSan build (the process must then preload libasan; see sanitized_pytest.py). The ``opt``
+build instantiates every kernel; a sanitizer build only the attention kernels its tests
+launch (sanitized_kernels.py), which is most of its compile time saved.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from sanitized_kernels import entries_header
 
 from kvblocks.ops.launch_plan import KernelLaunch
 
@@ -56,9 +59,14 @@ def _sources() -> list[Path]:
 def build_library(flavor: str) -> Path:
     """Compile the harness (if its sources changed) and return the shared library path."""
     flags = FLAVOR_FLAGS[flavor]
+    header = entries_header(flavor)  # None: every instantiation
     digest = hashlib.sha256(" ".join(flags).encode())
     for path in _sources():
         digest.update(path.name.encode() + path.read_bytes())
+    if header is not None:
+        digest.update(header.encode())
+        entries = BUILD_DIR / f"entries_{flavor}.h"
+        flags = [*flags, f'-DKVB_EMU_ENTRIES="{entries}"', f'-DKVB_EMU_SELECTION="{flavor}"']
     target = BUILD_DIR / f"libkvb_emu_{flavor}_{digest.hexdigest()[:16]}.so"
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     # One build per flavor even with concurrent test processes; a lock per flavor, so a
@@ -66,6 +74,8 @@ def build_library(flavor: str) -> Path:
     with open(BUILD_DIR / f".lock-{flavor}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
+            if header is not None:
+                entries.write_text(header)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")
             cmd = [
                 os.environ.get("CXX", "g++"), "-std=c++17", *flags, "-shared", "-fPIC",

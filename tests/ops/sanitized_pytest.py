@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from emu_runtime import build_library
+from sanitized_kernels import KERNELS, is_attention, squeeze
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,18 +48,32 @@ def run_sanitized(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``-k selection`` of ``tests/ops/test_file`` under ``flavor`` ("asan"/"tsan").
 
-    Asserts that the run passed (the tail of its output as the message) and returns it.
+    Asserts that the run passed (the tail of its output as the message) and that the
+    attention kernels it looked up are the ones sanitized_kernels.py lists for it (the
+    build holds only those), and returns it.
     """
     runtime, options = SANITIZERS[flavor]
     build_library(flavor)
-    env = dict(os.environ, KVB_EMU_FLAVOR=flavor, LD_PRELOAD=_runtime(runtime), **options)
-    env.update(extra_env or {})
-    proc = subprocess.run(
-        # -s: the sanitizer report goes to stderr, which capture would swallow on abort.
-        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
-         str(HERE / test_file), "-k", selection],
-        env=env, capture_output=True, text=True, timeout=3600, cwd=HERE.parents[1],
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    assert " passed" in proc.stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        used_log = Path(tmp) / "used.txt"
+        env = dict(os.environ, KVB_EMU_FLAVOR=flavor, LD_PRELOAD=_runtime(runtime), **options)
+        env.update(extra_env or {}, KVB_EMU_USED_LOG=str(used_log))
+        proc = subprocess.run(
+            # -s: the sanitizer report goes to stderr, which capture would swallow on abort.
+            [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",
+             str(HERE / test_file), "-k", selection],
+            env=env, capture_output=True, text=True, timeout=3600, cwd=HERE.parents[1],
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+        assert " passed" in proc.stdout
+        used = sorted(
+            {name for name in used_log.read_text().split() if is_attention(name)}
+            if used_log.exists()
+            else set()
+        )
+    listed = sorted(squeeze(name) for name in KERNELS[flavor].get(test_file, ()))
+    assert used == listed, (
+        f"the {flavor} run of {test_file} looks up other attention kernels than "
+        f"tests/ops/sanitized_kernels.py lists for it; make its entry {tuple(used)!r}"
+    )
     return proc
