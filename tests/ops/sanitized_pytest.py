@@ -72,8 +72,9 @@ def run_sanitized(
             else set()
         )
     listed = sorted(squeeze(name) for name in KERNELS[flavor].get(test_file, ()))
+    entry = tuple(name.replace(",", ", ") for name in used)
     assert used == listed, (
         f"the {flavor} run of {test_file} looks up other attention kernels than "
-        f"tests/ops/sanitized_kernels.py lists for it; make its entry {tuple(used)!r}"
+        f"tests/ops/sanitized_kernels.py lists for it; make its entry {entry!r}"
     )
     return proc
