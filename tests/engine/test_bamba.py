@@ -206,7 +206,8 @@ def test_recurrent_models_refuse_what_they_cannot_do(
     hf_checkpoint: tuple[Path, Any], tmp_path: Path
 ) -> None:
     path, _ = hf_checkpoint
-    with pytest.raises(InvalidArgumentError, match="remote tier is not supported with a recurrent"):
+    # A store whose records are KV payloads only cannot hold the states.
+    with pytest.raises(InvalidArgumentError, match="does not match the engine"):
         _llm(path, 20, host_cache_blocks=8, remote_tier=DiskTier(tmp_path, _disk_layout(), 8))
     with pytest.raises(InvalidArgumentError, match="recurrent layers only"):
         LLM(num_blocks=16, block_size=8, device="cpu", state_checkpoint_blocks=2)
@@ -325,3 +326,38 @@ def test_tier_rows_keep_states_and_kv_apart(hf_checkpoint: tuple[Path, Any]) -> 
         runner.apply_block_ops([("load", np.array([[9, 2]]))])
     with pytest.raises(InvalidArgumentError, match="tier_slot_groups"):
         ModelRunner(model, num_blocks=8, block_size=BLOCK, host_cache_blocks=3, layout=layout)
+
+
+def test_remote_tier_shares_states(
+    hf_checkpoint: tuple[Path, Any], expected: list[list[int]], tmp_path: Path
+) -> None:
+    """Engine A computes a prompt with a disk directory as its remote tier (write-through);
+    a fresh engine B on the directory loads the prefix up to the last checkpoint: the KV
+    blocks and, in each state group, the checkpoint's states (keyed by group and hash),
+    the bytes A saved, and B's tokens and log-probs are transformers'."""
+    path, hf = hf_checkpoint
+    stores: dict[KVLayout, DiskTier] = {}
+
+    def store(layout: KVLayout) -> DiskTier:
+        assert layout.state_nbytes > 0  # the records hold a state block's states
+        return stores.setdefault(layout, DiskTier(tmp_path, layout, 256))
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
+    a = _llm(path, 40, host_cache_blocks=32, host_offload="commit", remote_tier=store)
+    a_spy = _TierSpy(a)
+    assert a.generate(PROMPTS[:1], params)[0].token_ids == expected[0]
+    a.close()
+    b = _llm(path, 40, host_cache_blocks=32, host_offload="commit", remote_tier=store)
+    b_spy = _TierSpy(b)
+    b_spy.saved = a_spy.saved  # B's loads must put back exactly what A offloaded
+    out = b.generate(PROMPTS[:1], params)[0]
+    assert out.token_ids == expected[0]
+    assert out.num_cached_tokens == 32  # the last checkpoint inside the 33-token prompt
+    assert out.outputs[0].logprobs is not None
+    _check_logprobs(hf, PROMPTS[0], out.token_ids, [t.logprob for t in out.outputs[0].logprobs])
+    # Four KV blocks and the checkpoint's states of both state groups.
+    assert b.stats()["remote"]["imported_blocks"] == 4 + 2
+    assert b_spy.loaded == {0: 4, 1: 1, 2: 1}
+    b.close()
+    for s in stores.values():
+        s.close()

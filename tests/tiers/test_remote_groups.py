@@ -69,3 +69,19 @@ def test_the_cap_cuts_at_the_end_of_a_run() -> None:
     plan = plan_fetch([FULL, WINDOW], tags, B, HASHES, 0, 5)
     assert len(plan.keys) == 5 and plan.limit == 3
     assert plan.hit([True] * 5) == 2  # block 2 of the window group was cut
+
+
+def test_a_layout_with_states_is_another_layout() -> None:
+    """A recurrent hybrid's records are as wide as the wider of a block's KV and its
+    states, and its fingerprint names the states (other layouts' fingerprints stay)."""
+    import torch
+
+    from kvblocks.tiers import KVLayout
+
+    kv = KVLayout(2, 1, 8, 64, torch.float32, weights_digest="0" * 64)
+    assert kv.payload_nbytes == kv.kv_nbytes == 2 * 2 * 8 * 64 * 4
+    wide = KVLayout(2, 1, 8, 64, torch.float32, weights_digest="0" * 64, state_nbytes=50_000)
+    assert wide.payload_nbytes == 50_000 and wide.kv_nbytes == kv.kv_nbytes
+    narrow = KVLayout(2, 1, 8, 64, torch.float32, weights_digest="0" * 64, state_nbytes=100)
+    assert narrow.payload_nbytes == kv.payload_nbytes
+    assert len({kv.fingerprint, wide.fingerprint, narrow.fingerprint}) == 3

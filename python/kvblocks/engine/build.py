@@ -164,11 +164,10 @@ def recurrent_layout(
     model: CausalLM,
     block_size: int,
     checkpoint_blocks: int | None,
-    remote_tier: RemoteTier | None,
 ) -> HybridLayout | None:
     """The KV cache groups of a hybrid recurrent model (``None`` for an attention-only
-    one, which takes no ``checkpoint_blocks``); such a model has a host tier (its rows hold
-    a state group's block's states) but no remote tier."""
+    one, which takes no ``checkpoint_blocks``). Its host tier's rows, and a remote
+    tier's records, hold a state group's block's states (``KVLayout.state_nbytes``)."""
     layout = hybrid_layout(model.config, block_size, checkpoint_blocks)
     if layout is None:
         if checkpoint_blocks is not None:
@@ -176,11 +175,6 @@ def recurrent_layout(
                 "state_checkpoint_blocks applies to models with recurrent layers only"
             )
         return None
-    if remote_tier is not None:
-        raise InvalidArgumentError(
-            "a remote tier is not supported with a recurrent model (its store keeps KV "
-            "blocks, not states); a host tier is"
-        )
     return layout
 
 
@@ -260,7 +254,7 @@ def connect_remote_tier(
         digest = on_disk.digest
     elif _needs_digest(remote_tier):
         digest = model_weights_digest(model)
-    layout = dataclasses.replace(runner.host_layout, weights_digest=digest)
+    layout = dataclasses.replace(runner.tier_layout, weights_digest=digest)
     if callable(remote_tier) and not isinstance(remote_tier, TierStore):
         # A factory: the store's layout is only known once the model is built.
         remote_tier = remote_tier(layout)

@@ -108,8 +108,8 @@ class LLM:
             default 512 tokens' worth. Its manager has one attention group and
             recurrent-state groups (:mod:`~kvblocks.engine.layer_groups`); its host
             tier keeps the states of cached checkpoints like KV blocks (a row holds a
-            block's KV or its states, by the block's group); a remote tier is not
-            supported for it.
+            block's KV or its states, by the block's group), and so do the records of
+            its remote tier (``KVLayout.state_nbytes``).
         kv_cache_groups: a model mixing sliding-window and full-attention layers (Gemma
             2/3, gpt-oss, Ministral, Qwen3, OLMo 3) gets one KV cache group per attention
             kind (:func:`~kvblocks.engine.layer_groups.attention_layout`): a window
@@ -179,9 +179,7 @@ class LLM:
         self.max_model_len = build.check_max_model_len(
             max_model_len, config.max_position_embeddings
         )
-        layout = build.recurrent_layout(
-            self.model, block_size, state_checkpoint_blocks, remote_tier
-        )
+        layout = build.recurrent_layout(self.model, block_size, state_checkpoint_blocks)
         attention = build.attention_groups(self.model, kv_cache_groups)
         num_blocks, num_cpu_blocks = build.cache_sizes(
             num_blocks,

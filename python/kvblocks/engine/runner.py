@@ -13,7 +13,7 @@ logits only at the sampling rows and samples.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.scheduler.block_table import delta_indices
 from kvblocks.scheduler.output import ModelStepResult, SchedulerOutput
 from kvblocks.tiers.layout import KVLayout
-from kvblocks.tiers.transfer import load_blocks, offload_blocks
+from kvblocks.tiers.transfer import allocate_host_pool, load_blocks, offload_blocks
 from kvblocks.validation import check_int
 
 __all__ = ["ModelRunner", "PagedAttention", "kv_block_bytes"]
@@ -208,7 +208,8 @@ class ModelRunner:
         num_cpu_blocks: CPU swap-space blocks (pinned memory when the model is on CUDA).
         host_cache_blocks: slots of the host tier's pool (the manager's
             ``host_cache_blocks``; 0: no tier). One uint8 row per slot holds a block's K and
-            V for every layer (:class:`~kvblocks.tiers.layout.KVLayout`), pinned when the
+            V for every layer slot (``host_layout``; a recurrent hybrid's state group's
+            block: its states, the row as wide as ``tier_layout`` says), pinned when the
             model is on CUDA; ``"offload"`` and ``"load"`` ops move blocks in and out.
         seed: seed of the sampler's shared generator.
         layout: a hybrid recurrent model's KV cache groups
@@ -285,16 +286,17 @@ class ModelRunner:
                 device=self.device,
                 pin_memory=self.device.type != "cpu" and num_cpu_blocks > 0,
             )
+        # The KV tiles of a block (what the transfer functions move) ...
         self.host_layout = KVLayout.from_caches(self.kv_caches)
+        # ... and a host-pool row: as wide as the wider of those and a block's states.
+        self.tier_layout = self.host_layout
+        if self.states is not None:
+            self.tier_layout = replace(self.host_layout, state_nbytes=self.states.row_nbytes)
         self.tier_slot_groups = tier_slot_groups
         self.host_pool: Tensor | None = None
         if host_cache_blocks > 0:
-            width = self.host_layout.payload_nbytes
-            if self.states is not None:
-                width = max(width, self.states.row_nbytes)
-            pin = self.device.type != "cpu"
-            self.host_pool = torch.zeros(
-                (host_cache_blocks, width), dtype=torch.uint8, pin_memory=pin
+            self.host_pool = allocate_host_pool(
+                self.tier_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
             )
         self.sampler = Sampler(self.device, seed)
         # The device copy of the scheduler's persistent block tables, [G, rows, blocks]

@@ -2,11 +2,13 @@
 :class:`~kvblocks.tiers.disk.DiskTier` directory) below the engine's host tier.
 
 The core decides, this module moves bytes. Every block the core offloads to the host tier
-is also written to the remote store, keyed by its block hash, once the step's ops have
+is also written to the remote store, keyed by its block hash (with several KV cache
+groups, by group and hash: :mod:`kvblocks.tiers.remote_groups`), once the step's ops have
 copied it into the host pool (write-through, ``host_offload="commit"``, makes every
 computed block reach the store). Before a request is scheduled, the blocks of its prompt
 past what the instance holds (GPU prefix cache + host tier) are read from the store; the
-leading run of hits is imported into host-tier slots (``KVCacheManager.import_tier_blocks``),
+longest hit they give (one group: the leading run of hits; several: by the core's hit
+rule) is imported into host-tier slots (``KVCacheManager.import_tier_blocks``),
 their payloads written into the host pool and confirmed, so the scheduler's claim loads
 them instead of recomputing them. A request preempted by recompute is probed again before
 it is re-admitted (its blocks may have reached the store meanwhile).
