@@ -21,18 +21,22 @@ class PrefixIndex:
 
     An instance's blocks are kept per tier, so ``AllBlocksCleared`` drops one instance's
     entries only. A block is held while any of the instance's KV cache groups
-    (``group_idx``) holds it in that tier: a removal from one group keeps another group's
-    copy. A ``BlockRemoved`` for a hash the instance never reported is ignored (streams
-    may start mid-way, or replay what was seen). Memory is one dict entry per distinct
-    (hash, tier) plus one entry per (hash, tier, instance).
+    (``group_idx``) holds a copy of it in that tier: a removal from one group keeps
+    another group's copy, and a group may hold several copies (a prefix computed again
+    while the first copy was cached: each copy is stored and removed with its own event,
+    as vLLM's block pool publishes them), so one group's removal keeps its other copies.
+    A ``BlockRemoved`` for a hash the instance never reported is ignored (streams may start
+    mid-way); an event must be applied once (a replay of batches already seen would count
+    their copies twice). Memory is one dict entry per distinct (hash, tier) plus one entry
+    per (hash, tier, instance, group).
     """
 
     def __init__(self) -> None:
         # medium -> hash -> instances
         self._owners: dict[str, dict[BlockHash, set[Hashable]]] = {}
-        # instance -> medium -> hash -> the groups holding it (for removals per group,
-        # AllBlocksCleared and stats)
-        self._held: dict[Hashable, dict[str, dict[BlockHash, set[int]]]] = {}
+        # instance -> medium -> hash -> group -> copies the group holds (for removals per
+        # group and copy, AllBlocksCleared and stats)
+        self._held: dict[Hashable, dict[str, dict[BlockHash, dict[int, int]]]] = {}
 
     def apply(self, record: EventRecord) -> None:
         """Apply one event record.
@@ -64,7 +68,8 @@ class PrefixIndex:
         held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:
             owners.setdefault(h, set()).add(instance)
-            held.setdefault(h, set()).add(group)
+            copies = held.setdefault(h, {})
+            copies[group] = copies.get(group, 0) + 1
 
     def _remove(
         self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
@@ -76,7 +81,10 @@ class PrefixIndex:
         for h in hashes:
             groups = held.get(h)
             if groups is not None and group in groups:
-                groups.discard(group)
+                if groups[group] > 1:
+                    groups[group] -= 1  # the group still holds another copy
+                    continue
+                del groups[group]
                 if groups:
                     continue  # another group still holds the block
                 del held[h]
