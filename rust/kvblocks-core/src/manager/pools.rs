@@ -93,18 +93,27 @@ impl Pools {
     /// The cached block of `group` holding `hash` that a claim takes, if any: of several
     /// copies, one some sequence already uses (sharing it takes nothing from the free
     /// queue), else the head of the copies (vLLM's choice: its first cached copy).
-    #[inline]
+    #[inline(always)]
     pub fn cached_block(&self, group: usize, hash: &BlockHash) -> Option<u32> {
         let head = self.cache.lookup(group, hash)?;
-        if self.gpu.ref_count(head) > 0 || !self.cache.has_next_copy(head) {
-            return Some(head);
+        // The only copy (the common case) is answered inline, on the claim's hot path.
+        if self.cache.has_next_copy(head) {
+            return Some(self.copy_to_claim(group, hash, head));
         }
-        Some(
-            self.cache
-                .copies(group, hash)
-                .find(|&b| self.gpu.ref_count(b) > 0)
-                .unwrap_or(head),
-        )
+        Some(head)
+    }
+
+    /// [`Pools::cached_block`] of a hash with several copies.
+    #[cold]
+    #[inline(never)]
+    fn copy_to_claim(&self, group: usize, hash: &BlockHash, head: u32) -> u32 {
+        if self.gpu.ref_count(head) > 0 {
+            return head;
+        }
+        self.cache
+            .copies(group, hash)
+            .find(|&b| self.gpu.ref_count(b) > 0)
+            .unwrap_or(head)
     }
 
     /// Copy cached GPU block `id` (content `hash` of `group`) to the host tier at
