@@ -14,7 +14,8 @@
 //       const int4* items,       // [max_items]: (seq, kv_begin, kv_end, partial_slot)
 //       const int* num_items,    // device scalar: CTAs with blockIdx.x >= *num_items return
 //       int num_seqs, int num_heads, int num_kv_heads, int max_blocks, int num_blocks,
-//       float scale, float soft_cap)
+//       float scale, float soft_cap,
+//       const float* sinks)      // [num_heads] attention-sink logits (natural units), or null
 //   grid  = (max_items, num_kv_heads * ceil(group / GROUP)), block = kvb::kDecodeThreads (128),
 //   dynamic shared memory = kvb::DecodeShape<T, D, BLOCK, GROUP, STAGES>::kSmemBytes (above
 //   48 KiB for head 128 and up: the launcher opts in with
@@ -25,7 +26,8 @@
 //
 //   merge_partials_kernel<T, D>(T* out, const float* part_out, const float* part_ml,
 //       const int* merge_indptr,   // [num_seqs + 1]: seq s merges slots [indptr[s], indptr[s+1])
-//       int num_seqs, int num_heads)
+//       int num_seqs, int num_heads,
+//       const float* sinks)        // as above, or null
 //   grid = (num_seqs, num_heads), block = kvb::kDecodeThreads, no shared memory.
 //
 // T is __half or __nv_bfloat16 (fp32 caches keep split_k_attention_kernel); D a multiple of 16
@@ -36,6 +38,12 @@
 // [0, num_blocks) by block 0, so a bad plan gives wrong numbers but never an out-of-bounds
 // access; partial slots and merge_indptr are trusted (the planner sizes the workspace). An
 // empty item writes zeros (out) or (max = -inf, sum = 0) and zero partials.
+//
+// Attention sinks (gpt-oss): sinks[h] joins head h's softmax denominator once, with no value
+// (kvblocks.ops.reference). Partials never include it; it is added where a row is
+// normalized: in the attention kernel for an item that writes out itself (slot < 0), in
+// merge_partials_kernel for a split sequence. A runtime branch after the tile loop (null:
+// no sinks), so no instantiation is added and the loop is unchanged.
 //
 // Design. The four warps of a CTA split the item's keys: warp w takes the 32-key tiles
 // w, w + 4, w + 8, ... of the item (tiles aligned to 32 keys, so a tile covers whole cache
@@ -205,7 +213,7 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int4* __restrict__ items, const int* __restrict__ num_items, int num_seqs,
     int num_heads, int num_kv_heads, int max_blocks, int num_blocks, float scale,
-    float soft_cap) {
+    float soft_cap, const float* __restrict__ sinks) {
   namespace wmma = nvcuda::wmma;
   using S = kvb::DecodeShape<T, D, BLOCK, GROUP, STAGES>;
   constexpr int NT = kvb::kDecodeThreads;
@@ -527,7 +535,8 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
     }
     const long long row = static_cast<long long>(head0 + r);
     if (slot < 0) {
-      const float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;  // no visible key: zeros
+      float inv = total > 0.f ? __fdividef(1.f, total) : 0.f;  // no visible key: zeros
+      if (sinks != nullptr && big != KVB_NEG_INF) inv = kvb::sink_inv(big, total, sinks[row]);
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;
       kvb::store16(out + (seq * static_cast<long long>(num_heads) + row) * D + c * 8,
@@ -550,12 +559,14 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads, 1) decode_attention_kerne
   }
 }
 
-// Combine a sequence's partials: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
+// Combine a sequence's partials: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p,
+// with the sequence's one sink term in the denominator when sinks are given (kvb::sink_inv).
 // One CTA per (sequence, head); threads stride over the head dimension.
 template <typename T, int D>
 __global__ void __launch_bounds__(kvb::kDecodeThreads) merge_partials_kernel(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_ml,
-    const int* __restrict__ merge_indptr, int num_seqs, int num_heads) {
+    const int* __restrict__ merge_indptr, int num_seqs, int num_heads,
+    const float* __restrict__ sinks) {
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   if (seq >= num_seqs || head >= num_heads) return;
@@ -573,7 +584,8 @@ __global__ void __launch_bounds__(kvb::kDecodeThreads) merge_partials_kernel(
       if (ml[0] != KVB_NEG_INF) total += exp2f(ml[0] - big) * ml[1];
     }
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
+  float inv = total > 0.f ? 1.f / total : 0.f;
+  if (sinks != nullptr && big != KVB_NEG_INF) inv = kvb::sink_inv(big, total, sinks[head]);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
     if (total > 0.f) {

@@ -25,6 +25,19 @@ constexpr int kThreads = 128;
 // log2(e): scores are kept in base 2 so the softmax uses exp2f.
 constexpr float kLog2e = 1.4426950408889634f;
 
+// Attention sinks (gpt-oss): the factor that normalizes a row whose unnormalized output
+// and sum `l` are taken against the finite max `m` (log2 units) when the learned logit
+// `sink` (natural units, not scaled or capped) joins the denominator with no value:
+// out = acc * 2^(m - M) / (l 2^(m - M) + 2^(sink' - M)), M = max(m, sink'). One of the two
+// exponentials is 1, so the denominator is never 0. Called once per output row, after
+// every tile loop; a row without a visible key (m = -inf) stays zeros and never calls it.
+__device__ __forceinline__ float sink_inv(float m, float l, float sink) {
+  const float s = sink * kLog2e;
+  const float top = fmaxf(m, s);
+  const float w = exp2f(m - top);
+  return w / (l * w + exp2f(s - top));
+}
+
 // A 16-byte vector: the unit of every global and shared K/V access.
 struct alignas(16) Vec16 {
   unsigned int w[4];

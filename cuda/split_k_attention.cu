@@ -16,7 +16,9 @@
 //      slice of the tile's tokens); fp32 accumulators live in registers.
 // With num_splits > 1 a CTA covers one split_tokens chunk of positions (the last split:
 // everything after it) and writes an unnormalized fp32 partial plus (max, sum);
-// merge_splits_kernel combines them. A CTA loops over query tiles when the grid has fewer
+// merge_splits_kernel combines them. Attention sinks (sinks[h], null: none) join a row's
+// denominator where it is normalized: here when unsplit, in merge_splits_kernel otherwise.
+// A CTA loops over query tiles when the grid has fewer
 // tiles than a chunk needs, so the host's max_seq_len / max_query_len are planning hints
 // that never drop a key or leave an output row unwritten.
 //
@@ -70,7 +72,8 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1], or null: decode
     int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks, int num_blocks,
     int heads_per_cta, int queries_per_cta, int num_splits, int split_tokens, float scale,
-    float soft_cap, int sliding_window) {
+    float soft_cap, int sliding_window,
+    const float* __restrict__ sinks) {  // [num_heads] attention-sink logits, or null: none
   using S = kvb::SplitKShape<T, D, RMAX>;
   constexpr int NT = kvb::kThreads;
   constexpr int VPR = S::kVecsPerRow;
@@ -285,6 +288,13 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
         for (int e = 0; e < VEC; ++e) red_s[i * VEC + e] = acc[k][e];
       }
     }
+    // An unsplit row's sink joins its sum here, one thread per row (the accumulators are
+    // dead, so the per-slice loop below keeps its registers): l + 2^(sink - m), an
+    // overflow giving 1 / l = 0, the dominant sink's limit. Split rows: in the merge.
+    if (sinks != nullptr && num_splits == 1 && tid < rows && l_s[tid] > 0.f) {
+      const int hg = chunk * heads_per_cta + tid % heads_per_cta;
+      if (hg < group) l_s[tid] += exp2f(sinks[kv_head * group + hg] * kvb::kLog2e - m_s[tid]);
+    }
     __syncthreads();
     for (int i = tid; i < rows * VPR; i += NT) {
       const int r = i / VPR;
@@ -326,12 +336,14 @@ __global__ void __launch_bounds__(kvb::kThreads, 4) split_k_attention_kernel(
   }
 }
 
-// Combine split partials: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
+// Combine split partials: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, plus the
+// row's sink term in the denominator when sinks are given (the splits' partials omit it).
 // Grid: one CTA per (token, head) row; threads stride over the head dimension.
 template <typename T, int D>
 __global__ void __launch_bounds__(kvb::kThreads) merge_splits_kernel(
     T* __restrict__ out, const float* __restrict__ part_out,
-    const float* __restrict__ part_ml, int num_splits) {
+    const float* __restrict__ part_ml, int num_splits, int num_heads,
+    const float* __restrict__ sinks) {
   const long long row = blockIdx.x;
   const float* ml = part_ml + row * num_splits * 2;
   float m_max = KVB_NEG_INF;
@@ -342,7 +354,10 @@ __global__ void __launch_bounds__(kvb::kThreads) merge_splits_kernel(
       if (ml[2 * p] != KVB_NEG_INF) denom += exp2f(ml[2 * p] - m_max) * ml[2 * p + 1];
     }
   }
-  const float inv = denom > 0.f ? 1.f / denom : 0.f;
+  float inv = denom > 0.f ? 1.f / denom : 0.f;
+  if (sinks != nullptr && denom > 0.f) {
+    inv = kvb::sink_inv(m_max, denom, sinks[blockIdx.x % static_cast<unsigned>(num_heads)]);
+  }
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
     if (denom > 0.f) {

@@ -149,6 +149,9 @@ class Instantiation:
     group: int  # query heads per KV head (GQA ratio)
     block_size: int
     arch: str
+    sinks: bool = False
+    """With attention sinks: the prefill kernel's ``SINKS`` instantiation; the decode
+    kernels take them at run time (the same code: :attr:`ModelRow.sink_instructions`)."""
 
     @property
     def template_rows(self) -> int:
@@ -166,7 +169,8 @@ class Instantiation:
     def kernel_name(self) -> str:
         """Name expression of the instantiation."""
         if self.kind == "prefill":
-            return f"prefill_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}>"
+            tail = ", true" if self.sinks else ""
+            return f"prefill_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}{tail}>"
         if self.kind == "decode_tc":
             return (
                 f"decode_attention_kernel<{_CTYPES[self.dtype][0]}, {self.head}, "
@@ -181,6 +185,7 @@ class Instantiation:
         """Short row label."""
         return (
             f"{self.kind} {self.dtype} h{self.head} gqa{self.group} bs{self.block_size} {self.arch}"
+            + (" sinks" if self.sinks else "")
         )
 
 
@@ -480,6 +485,11 @@ class ModelRow:
     notes: list[str] = field(default_factory=list)
     async_copy_bytes: float = 0.0
     """Of ``global_load_bytes``, the bytes cp.async (LDGSTS) copies into shared memory."""
+    sink_instructions: int = 0
+    """SASS instructions of the attention-sink path (:func:`sink_path`), all outside the
+    main loop: the kernel's whole delta for sinks, run once per output row."""
+    sink_in_loop: int = 0
+    """Of those, the ones inside the main loop (0: a tile costs the same with sinks)."""
 
     def to_json(self) -> dict[str, object]:
         """A JSON-ready dict."""
@@ -496,6 +506,35 @@ def _header_lines(name: str) -> dict[int, str]:
 
     path = cuda_dir() / name
     return dict(enumerate(path.read_text().splitlines(), start=1)) if path.is_file() else {}
+
+
+@functools.cache
+def _sink_lines(name: str) -> frozenset[int]:
+    """Lines of ``cuda/<name>`` on the attention-sink path: those that name a sink (the
+    null test, the load, the call) and the body of ``kvb::sink_inv``."""
+    out: set[int] = set()
+    inside = False
+    for number, text in sorted(_header_lines(name).items()):
+        inside = inside or "float sink_inv(" in text
+        if inside or "sink" in text:
+            out.add(number)
+        if inside and text.startswith("}"):
+            inside = False
+    return frozenset(out)
+
+
+def sink_path(listing: sass.Listing, loop: sass.Loop) -> tuple[int, int]:
+    """``(instructions, of which in loop)``: the static SASS instructions whose source line
+    (``-lineinfo``) is on the attention-sink path (:func:`_sink_lines`; the inlined math
+    library's own lines, e.g. ``exp2f``'s, are not counted)."""
+    total = inside = 0
+    for ins in listing.instructions:
+        if ins.file is None or ins.line is None:
+            continue
+        if ins.line in _sink_lines(Path(ins.file).name):
+            total += 1
+            inside += loop.contains(ins.index)
+    return total, inside
 
 
 def _rule(kind: str, rules_source: str = _RULES_SOURCE):
@@ -650,6 +689,7 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
     listing = sass.parse_listing(compiled.sass_text)[lowered]
     source = dict(enumerate(read_source(inst.source).splitlines(), start=1))
     tile = count_tile(listing, shape, source, inst.source)
+    sinks, sinks_in_loop = sink_path(listing, _main_loop(listing, inst.source))
     by_class, moved, notes = tile.by_class, tile.moved, tile.notes
     total = sum(by_class.values())
     res = compiled.resources[inst.kernel_name]
@@ -714,11 +754,14 @@ def model(inst: Instantiation, compiled: Compiled) -> ModelRow:
         formula=formula,
         notes=notes,
         async_copy_bytes=moved.get("async_copy", 0.0),
+        sink_instructions=sinks,
+        sink_in_loop=sinks_in_loop,
     )
 
 
 def default_instantiations(archs: list[str]) -> list[Instantiation]:
-    """Decode at GQA 1/4/8, head 64/128/256, fp16/bf16, block 16/32; prefill at GQA 8."""
+    """Decode at GQA 1/4/8, head 64/128/256, fp16/bf16, block 16/32; prefill at GQA 8,
+    without and with attention sinks."""
     out = []
     for arch in archs:
         for dtype in ("fp16", "bf16"):
@@ -728,6 +771,7 @@ def default_instantiations(archs: list[str]) -> list[Instantiation]:
                         out.append(Instantiation("decode", dtype, head, group, block, arch))
                         out.append(Instantiation("decode_tc", dtype, head, group, block, arch))
                 out.append(Instantiation("prefill", dtype, head, 8, 16, arch))
+                out.append(Instantiation("prefill", dtype, head, 8, 16, arch, sinks=True))
     return out
 
 
@@ -761,7 +805,7 @@ def render_table(rows: list[ModelRow]) -> str:
         + " | ".join(_SHORT.values())
         + " | LDG B | shared B | HMMA | regs | CTAs/SM | "
         + " | ".join(ceilings.CEILINGS)
-        + " | binding | estimate |"
+        + " | binding | estimate | sink instr (in loop) |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
@@ -773,7 +817,8 @@ def render_table(rows: list[ModelRow]) -> str:
             f"| {r.inst.label} | {r.rows} | {r.tile_tokens} | {r.warp_instructions:.0f} | {cls} | "
             f"{r.global_load_bytes:.0f} | {r.shared_bytes:.0f} | {r.hmma:.0f} | {r.registers} | "
             f"{r.ctas_per_sm} ({r.occupancy_limiter}) | {ceil} | {r.binding} | "
-            f"{100 * r.fraction:.1f}% of {r.gpu} {r.metric} |"
+            f"{100 * r.fraction:.1f}% of {r.gpu} {r.metric} | "
+            f"{r.sink_instructions} ({r.sink_in_loop}) |"
         )
     return "\n".join(lines)
 
@@ -802,7 +847,8 @@ def render_summary(rows: list[ModelRow]) -> str:
     by_shape: dict[tuple[str, str, int, int, str], dict[int, ModelRow]] = {}
     for r in rows:
         i = r.inst
-        by_shape.setdefault((i.kind, i.dtype, i.head, i.group, i.arch), {})[i.block_size] = r
+        kind = f"{i.kind} sinks" if i.sinks else i.kind
+        by_shape.setdefault((kind, i.dtype, i.head, i.group, i.arch), {})[i.block_size] = r
     lines = [
         "| kernel | GPU | warp-instr/tile | "
         + " | ".join(ceilings.CEILINGS)
@@ -826,7 +872,8 @@ def render_summary(rows: list[ModelRow]) -> str:
             measured = f"{100 * got[0]:.1f}% ({got[1]})" if got else "-"
             lines.append(
                 f"| {label} | {r.gpu} | {r.warp_instructions:.0f} | {ceil} | {r.binding} | "
-                f"**{100 * r.fraction:.1f}%** {r.metric} | {measured} | {_ANCHORS[kind]} |"
+                f"**{100 * r.fraction:.1f}%** {r.metric} | {measured} | "
+                f"{_ANCHORS[kind.removesuffix(' sinks')]} |"
             )
     return "\n".join(lines)
 

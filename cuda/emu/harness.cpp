@@ -43,8 +43,9 @@ struct Entry {
   KVB_ATTN(T, 64), KVB_ATTN(T, 80), KVB_ATTN(T, 96), KVB_ATTN(T, 112), KVB_ATTN(T, 128), \
       KVB_ATTN(T, 256)
 
-#define KVB_PREFILL(T, D) \
-  KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D>)
+#define KVB_PREFILL(T, D)                                                        \
+  KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D>), \
+      KVB_ENTRY((kvb::PrefillShape<T, D>::kSmemBytes), prefill_attention_kernel<T, D, true>)
 
 #define KVB_PREFILL_ALL_D(T)                                                               \
   KVB_PREFILL(T, 64), KVB_PREFILL(T, 80), KVB_PREFILL(T, 96), KVB_PREFILL(T, 112),         \

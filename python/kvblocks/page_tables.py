@@ -27,6 +27,15 @@ are shared and only the page ids are per group: ``kv_indices`` is ``[G, nnz]`` a
 FlashAttention's ``block_table`` ``[G, S, B]``, row ``g`` for the layers of group ``g``
 (a window or chunked group's released entries are the null block, which its kernels,
 run with the group's window, never read).
+
+For one window or chunked group's table, ``flashinfer_page_table(...,
+skip_released=True)`` exports only the pages from each sequence's first held block on
+(its leading null entries, the blocks no query of the step sees, are dropped) and
+records where they start in ``kv_start``: FlashInfer then reads ``seq_len - kv_start``
+tokens per sequence. Its causal and ``window_left`` masks depend only on the distance
+between a query and a key, and both shift by ``kv_start``, so the kernel computes the
+same attention over fewer pages (kvblocks writes K after RoPE, at absolute positions; a
+kernel applying RoPE itself would need ``kv_start`` as the offset).
 """
 
 from __future__ import annotations
@@ -75,10 +84,17 @@ class FlashInferPageTable:
             prefill wrapper; ``None`` when none was given (decode: one query each).
         page_size: tokens per page (the manager's ``block_size``).
 
+        kv_start: int32 [S] the position of each sequence's first exported token (a
+            multiple of ``page_size``) when built with ``skip_released=True``: sequence
+            ``i``'s pages hold its tokens ``[kv_start[i], seq_len[i])``, and FlashInfer
+            sees ``seq_len[i] - kv_start[i]`` of them. ``None`` when every sequence's
+            pages start at position 0.
+
     With a sliding window, blocks the manager released stay in the table as the null block
-    and are exported in place (positions must not shift): run the kernel with the window
-    (FlashInfer's ``window_left``) so that it never reads them. The same holds for
-    FlashAttention's ``window_size``.
+    and are exported in place by default (positions must not shift): run the kernel with
+    the window (FlashInfer's ``window_left``) so that it never reads them. The same holds
+    for FlashAttention's ``window_size``. ``skip_released=True`` drops them instead (see
+    the module docs).
     """
 
     kv_indptr: _I32
@@ -86,6 +102,7 @@ class FlashInferPageTable:
     kv_last_page_len: _I32
     qo_indptr: _I32 | None
     page_size: int
+    kv_start: _I32 | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -233,6 +250,7 @@ def flashinfer_page_table(
     query_start_loc: npt.NDArray[np.integer[Any]] | None = None,
     *,
     rows: npt.NDArray[np.integer[Any]] | None = None,
+    skip_released: bool = False,
 ) -> FlashInferPageTable:
     """Build FlashInfer's CSR page table from 2-D block tables.
 
@@ -248,12 +266,22 @@ def flashinfer_page_table(
         query_start_loc: integer ``[S+1]`` query prefix sums, exported as ``qo_indptr``
             (each sequence's query length must not exceed its ``seq_len``).
         rows: integer ``[S]`` row of each sequence in a persistent ``block_tables``.
+        skip_released: export each sequence's pages from its first non-null entry on and
+            set ``kv_start`` (a window or chunked group's table: its leading null
+            entries are blocks no query of the step sees). One group's 2-D table only:
+            the groups' page counts differ.
 
     Raises:
         InvalidArgumentError: wrong type, dtype or shape, a length outside the table's
-            capacity, a row outside the table, or a malformed ``query_start_loc``.
+            capacity, a row outside the table, or a malformed ``query_start_loc``; with
+            ``skip_released``, stacked tables or a sequence of positive length whose
+            pages are all the null block.
     """
+    if not isinstance(skip_released, bool):
+        raise InvalidArgumentError(f"skip_released must be a bool, got {skip_released!r}")
     c = _check(block_tables, seq_lens, block_size, query_start_loc, rows)
+    if skip_released:
+        return _visible_pages(c, int(block_size))
     num_seqs = c.seq_lens.shape[0]
     nnz = int(c.num_blocks.sum())
     if nnz > _INT32_MAX:
@@ -288,6 +316,56 @@ def flashinfer_page_table(
         kv_last_page_len=last.astype(np.int32, copy=False),
         qo_indptr=c.query_start_loc,
         page_size=int(block_size),
+    )
+
+
+def _visible_pages(c: _Checked, block_size: int) -> FlashInferPageTable:
+    """FlashInfer's CSR form of one group's table without each row's leading nulls."""
+    if c.table.ndim != 2:
+        raise InvalidArgumentError(
+            "skip_released takes one group's 2-D table (the groups' page counts differ): "
+            f"got shape {c.table.shape}"
+        )
+    num_seqs = c.seq_lens.shape[0]
+    used = int(c.num_blocks.max()) if num_seqs else 0
+    rows = np.arange(num_seqs, dtype=np.intp) if c.rows is None else c.rows
+    pages = c.table[rows, :used]  # [S, used], a gathered copy
+    cols = np.arange(used, dtype=np.int64)[None, :]
+    in_use = cols < c.num_blocks[:, None]
+    held = (pages != 0) & in_use
+    has_page = held.any(axis=1)
+    empty = np.flatnonzero(~has_page & (c.num_blocks > 0))
+    if empty.size:
+        s = int(empty[0])
+        raise InvalidArgumentError(
+            f"sequence {s} has {int(c.seq_lens[s])} tokens but only null pages: not a "
+            "KV table (a recurrent-state group's?)"
+        )
+    # argmax of a row with no column (every length 0) is an error: nothing to skip there.
+    first_held = held.argmax(axis=1) if used else np.zeros(num_seqs, dtype=np.int64)
+    first = np.where(has_page, first_held, c.num_blocks)
+    if c.query_start_loc is not None:
+        seen = c.seq_lens - first * block_size
+        over = np.flatnonzero(np.diff(c.query_start_loc) > seen)
+        if over.size:
+            s = int(over[0])
+            raise InvalidArgumentError(
+                f"sequence {s}'s query tokens reach into its leading null pages: the table "
+                "released blocks the step writes"
+            )
+    # Row-major boolean indexing keeps sequence order: the CSR list.
+    kv_indices = np.ascontiguousarray(pages[in_use & (cols >= first[:, None])], dtype=np.int32)
+    kv_indptr = np.zeros(num_seqs + 1, dtype=np.int32)
+    np.cumsum(c.num_blocks - first, out=kv_indptr[1:], dtype=np.int32)
+    last = (c.seq_lens - 1) % np.int32(block_size) + 1
+    last[c.seq_lens == 0] = 0
+    return FlashInferPageTable(
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        kv_last_page_len=last.astype(np.int32, copy=False),
+        qo_indptr=c.query_start_loc,
+        page_size=block_size,
+        kv_start=(first * block_size).astype(np.int32),
     )
 
 

@@ -138,25 +138,22 @@ def emulated_kernels(monkeypatch, kernel_cache_dir: Path) -> list[str]:
     # seq_lens_host for its split plan).
     hints: dict[str, Any] = {}
 
-    # The CUDA dispatch refuses sinks before reaching the backend; none reach it here.
     def decode(q, kc, vc, bt, sl, *, scale=None, sliding_window=None, soft_cap=None, sinks=None):
-        assert sinks is None
         return cuda_backend.paged_attention(
             q, kc, vc, bt, sl, scale=scale, sliding_window=sliding_window,
             soft_cap=soft_cap, max_seq_len=hints.get("max_seq_len"),
-            seq_lens_host=hints.get("seq_lens_host"),
+            seq_lens_host=hints.get("seq_lens_host"), sinks=sinks,
         )  # fmt: skip
 
     def prefill(
         q, kc, vc, bt, qsl, sl, *, scale=None, sliding_window=None, soft_cap=None, sinks=None
     ):
-        assert sinks is None
         max_query_len = hints.get("max_query_len")
         if max_query_len is None:
             max_query_len = int((qsl[1:] - qsl[:-1]).max())
         return cuda_backend.paged_prefill_attention(
             q, kc, vc, bt, qsl, sl, scale=scale, sliding_window=sliding_window,
-            soft_cap=soft_cap, max_query_len=max_query_len,
+            soft_cap=soft_cap, max_query_len=max_query_len, sinks=sinks,
         )  # fmt: skip
 
     monkeypatch.setattr(reference, "paged_attention", decode)
@@ -253,12 +250,13 @@ def _check_step(got: TokenLogprobs, ref: TokenLogprobs, tol: float, where: str) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
 def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     emulated_kernels: list[str], monkeypatch, family: str, dtype: torch.dtype
 ) -> None:
     # Mistral's window (past one 128-key split) releases the long prompt's first blocks
-    # and clips its first decode split.
+    # and clips its first decode split; gpt-oss adds attention sinks (and its 8-token
+    # windows on every other layer).
     model = build_tiny_model(
         tiny_config(family, sliding_window=160 if family == "mistral" else None)
     )
@@ -271,6 +269,8 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     outputs = llm.generate(prompts, params)
 
     assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
+    with_sinks = any(name.endswith(", true>") for name in emulated_kernels)
+    assert with_sinks == (family == "gpt_oss"), "the prefill kernel's SINKS instantiation"
     assert any(name.startswith("decode_attention_kernel<") for name in emulated_kernels)
     assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
     assert not any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)

@@ -56,15 +56,36 @@ def partial_state(
     return torch.einsum("hn,nhd->hd", p, values.float()), m, p.sum(dim=1)
 
 
+def normalize(
+    acc: torch.Tensor, m: torch.Tensor, total: torch.Tensor, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """``acc [H, D]`` with max ``m`` (log2 units) and sum ``total`` normalized, the sink
+    logits (natural units, or None) in the denominator; rows without a key give zeros."""
+    seen = torch.isfinite(m) & (total > 0)
+    m0 = torch.where(seen, m, 0.0)
+    denom = total
+    weight = torch.ones_like(total)
+    if sinks is not None:
+        top = torch.maximum(m0, sinks * LOG2E)
+        weight = torch.exp2(m0 - top)
+        denom = total * weight + torch.exp2(sinks * LOG2E - top)
+    return torch.where(seen[:, None], acc * (weight / denom.clamp_min(1e-30))[:, None], 0.0)
+
+
+def _sinks(address: int, num_heads: int) -> torch.Tensor | None:
+    return None if int(address) == 0 else view(address, torch.float32, (num_heads,)).clone()
+
+
 def run_split_k_attention(launch: KernelLaunch) -> None:
     """``decode_attention_kernel<T, D, BLOCK, GROUP>`` per the ABI."""
     dtype_name, dim_s, block_s, _group = _template(launch.name)
     dtype, dim, block = _TYPES[dtype_name], int(dim_s), int(block_s)
     (
         out, part_out, part_ml, query, key_cache, value_cache, tables, items_ptr, count_ptr,
-        num_seqs, num_heads, num_kv_heads, max_blocks, num_blocks, scale, soft_cap,
+        num_seqs, num_heads, num_kv_heads, max_blocks, num_blocks, scale, soft_cap, sinks_ptr,
     ) = launch.args  # fmt: skip
     num_seqs, num_heads, num_kv_heads = int(num_seqs), int(num_heads), int(num_kv_heads)
+    sinks = _sinks(sinks_ptr, num_heads)
     max_blocks, num_blocks = int(max_blocks), int(num_blocks)
     grid_x = launch.grid[0]
     count = max(0, min(int(view(count_ptr, torch.int32, (1,))[0]), grid_x))
@@ -86,7 +107,7 @@ def run_split_k_attention(launch: KernelLaunch) -> None:
         vals = vc[blocks, :, pos % block].repeat_interleave(group, dim=1)
         acc, m, s = partial_state(q[seq], keys, vals, float(scale), float(soft_cap))
         if slot < 0:
-            o[seq] = torch.where(s[:, None] > 0, acc / s.clamp_min(1e-30)[:, None], 0).to(dtype)
+            o[seq] = normalize(acc, m, s, sinks).to(dtype)
         else:
             view(part_out + slot * num_heads * dim * 4, torch.float32, (num_heads, dim))[:] = acc
             ml = view(part_ml + slot * num_heads * 2 * 4, torch.float32, (num_heads, 2))
@@ -97,8 +118,9 @@ def run_merge(launch: KernelLaunch) -> None:
     """``merge_partials_kernel<T, D>`` per the ABI."""
     dtype_name, dim_s = _template(launch.name)
     dtype, dim = _TYPES[dtype_name], int(dim_s)
-    out, part_out, part_ml, indptr_ptr, num_seqs, num_heads = launch.args
+    out, part_out, part_ml, indptr_ptr, num_seqs, num_heads, sinks_ptr = launch.args
     num_seqs, num_heads = int(num_seqs), int(num_heads)
+    sinks = _sinks(sinks_ptr, num_heads)
     indptr = view(indptr_ptr, torch.int32, (num_seqs + 1,)).tolist()
     o = view(out, dtype, (num_seqs, num_heads, dim))
     for seq in range(num_seqs):
@@ -111,9 +133,7 @@ def run_merge(launch: KernelLaunch) -> None:
         weight = torch.exp2(ml[:, :, 0] - torch.where(torch.isinf(top), 0, top))
         total = (weight * ml[:, :, 1]).sum(dim=0)
         merged = (weight[:, :, None] * acc).sum(dim=0)
-        o[seq] = torch.where(total[:, None] > 0, merged / total.clamp_min(1e-30)[:, None], 0).to(
-            dtype
-        )
+        o[seq] = normalize(merged, top, total, sinks).to(dtype)
 
 
 class AbiLauncher:

@@ -44,10 +44,12 @@ def run_decode(
     spare_ctas: int = 1,
     garbage_items: bool = True,
     stages: int = 2,
+    sinks: torch.Tensor | None = None,
 ) -> DecodeRun:
     """One ``decode_attention_kernel`` launch over ``items`` (seq, kv_begin, kv_end, slot).
 
-    ``stages`` picks the K/V buffering variant (``STAGES``). The grid has ``spare_ctas``
+    ``stages`` picks the K/V buffering variant (``STAGES``); ``sinks`` (fp32
+    ``[num_heads]``) are passed by address, None as a null pointer. The grid has ``spare_ctas``
     more CTAs than items; their item slots hold garbage (an
     out-of-range sequence and range) that the kernel must never look at.
     """
@@ -72,20 +74,30 @@ def run_decode(
         ptr(case.value_cache), ptr(case.block_tables), ptr(buf), ptr(count),
         np.int32(num_seqs), np.int32(num_heads), np.int32(num_kv_heads),
         np.int32(case.block_tables.shape[1]), np.int32(case.key_cache.shape[0]),
-        np.float32(scale), np.float32(soft_cap),
+        np.float32(scale), np.float32(soft_cap), sinks_ptr(sinks),
     )  # fmt: skip
     grid = (max(grid_x, 1), num_kv_heads * math.ceil(group / group_t), 1)
     emu_launch(KernelLaunch(name, grid, (THREADS, 1, 1), smem, args))
     return DecodeRun(out, part_out, part_ml)
 
 
-def run_merge(case: PagedCase, run: DecodeRun, indptr: list[int]) -> None:
+def sinks_ptr(sinks: torch.Tensor | None) -> np.uint64:
+    """The kernel argument for ``sinks``: its address, or a null pointer."""
+    if sinks is None:
+        return np.uint64(0)
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous()
+    return ptr(sinks)
+
+
+def run_merge(
+    case: PagedCase, run: DecodeRun, indptr: list[int], sinks: torch.Tensor | None = None
+) -> None:
     """``merge_partials_kernel`` over ``run``'s partials into ``run.out``."""
     num_seqs, num_heads, dim = case.query.shape
     ind = torch.tensor(indptr, dtype=torch.int32)
     args = (
         ptr(run.out), ptr(run.part_out), ptr(run.part_ml), ptr(ind), np.int32(num_seqs),
-        np.int32(num_heads),
+        np.int32(num_heads), sinks_ptr(sinks),
     )  # fmt: skip
     name = merge_partials_name(case.query.dtype, dim)
     emu_launch(KernelLaunch(name, (num_seqs, num_heads, 1), (THREADS, 1, 1), 0, args))

@@ -242,5 +242,5 @@ def test_a_launch_with_too_little_shared_memory_is_refused():
     need = lib.kvb_emu_smem_bytes(name.encode())
     grid = (ctypes.c_uint * 3)(1, 1, 1)
     block = (ctypes.c_uint * 3)(128, 1, 1)
-    args = (ctypes.c_void_p * 17)()
+    args = (ctypes.c_void_p * 18)()
     assert lib.kvb_emu_launch(name.encode(), grid, block, need - 16, args) == -2

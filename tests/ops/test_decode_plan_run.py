@@ -277,3 +277,26 @@ def test_plan_keeps_a_temporary_block_table_alive():
     got = dec.run(case.query, case.key_cache, case.value_cache)
     torch.testing.assert_close(got, want(case), **tolerance(torch.bfloat16))
     assert len(junk) == 8
+
+
+def test_run_takes_sinks_per_layer_and_checks_them():
+    """``run(sinks=...)``: the layer's fp32 sink logits reach both launches by address (the
+    ABI executor adds them where a row is normalized: merged rows and whole items alike);
+    another layer's sinks or none share the step's plan; a bad tensor is refused by name."""
+    lens = [2000, 37, 0]
+    case = make_case(9, lens, [1] * 3, num_kv_heads=2, group=4, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    launcher = AbiLauncher()
+    dec = make_decoder(case, launcher)
+    dec.plan(np.array(lens), case.block_tables)
+    for seed in (1, 2):
+        sinks = torch.randn(8, generator=torch.Generator().manual_seed(seed)) * 3
+        got = dec.run(case.query, case.key_cache, case.value_cache, sinks=sinks)
+        torch.testing.assert_close(got, want(case, sinks=sinks), **tolerance(torch.bfloat16))
+        assert launcher.launches[-2].args[-1] == launcher.launches[-1].args[-1] == sinks.data_ptr()
+    torch.testing.assert_close(dec.run(case.query, case.key_cache, case.value_cache),
+                               want(case), **tolerance(torch.bfloat16))  # fmt: skip
+    assert launcher.launches[-1].args[-1] == 0  # a null pointer: no sinks
+    for bad in (sinks.half(), torch.zeros(4), torch.zeros(16)[::2], sinks.numpy()):
+        with pytest.raises(InvalidArgumentError, match="sinks must be a contiguous float32"):
+            dec.run(case.query, case.key_cache, case.value_cache, sinks=bad)

@@ -334,3 +334,46 @@ def test_a_dependent_chain_is_bound_by_latency(bottlenecks):
     # One warp per SMSP waits out each FFMA's 4 cycles: a quarter of the issue rate.
     assert ceil.values["issue"] == pytest.approx(4 * ceil.values["latency"], rel=0.1)
     assert 0.9 * ceil.values["latency"] <= ceil.estimate <= 1.01 * ceil.values["latency"]
+
+
+# The prefill kernel's SINKS instantiation, modeled like the rows above: (dtype, head,
+# arch): floor   today (the same shape without sinks: FLOORS)
+SINK_FLOORS = {
+    ("fp16", 128, "sm_90"): 0.32,  # 0.344 (0.363)
+    ("bf16", 64, "sm_90"): 0.28,  # 0.309 (0.323)
+    ("bf16", 128, "sm_80"): 0.57,  # 0.608 (0.615)
+}
+
+
+def test_attention_sinks_stay_out_of_the_main_loops(modeled):
+    """Sinks in the decode kernels are a runtime pointer tested after the tile loop: each
+    has instructions on the sink path (the null test, the load, ``kvb::sink_inv``), none in
+    the main loop, so its tile costs the same with and without sinks. The prefill kernel
+    has none at all without sinks (a template parameter); its SINKS instantiation is
+    modeled on its own (the slow test below)."""
+    for row in modeled.values():
+        if row.inst.kind == "prefill":
+            assert row.sink_instructions == 0, row.inst.label
+        else:
+            assert row.sink_instructions > 0, row.inst.label
+        assert row.sink_in_loop == 0, row.inst.label
+    # The sink-line matcher sees the helper's body, not only lines naming a sink.
+    lines = kernel_model._header_lines("kv_common.cuh")
+    body = [n for n in kernel_model._sink_lines("kv_common.cuh") if "exp2f(m - top)" in lines[n]]
+    assert len(body) == 1
+
+
+@pytest.mark.slow
+def test_prefill_with_sinks_is_modeled_above_its_floors(modeled):
+    """The prefill kernel's SINKS instantiation (compiled here: two more NVRTC programs):
+    its sink path outside the main loop, no spills, the modeled figure above a floor."""
+    insts = [
+        kernel_model.Instantiation("prefill", dtype, head, 8, 16, arch, sinks=True)
+        for dtype, head, arch in SINK_FLOORS
+    ]
+    for row in kernel_model.run_model(insts):
+        key = (row.inst.dtype, row.inst.head, row.inst.arch)
+        assert row.inst.kernel_name.endswith(", true>")
+        assert row.sink_instructions > 0 and row.sink_in_loop == 0, row.inst.label
+        assert row.notes == [] and row.spill_bytes == 0, row.inst.label
+        assert row.fraction >= SINK_FLOORS[key], f"{row.inst.label}: {row.fraction:.3f}"

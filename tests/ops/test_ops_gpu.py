@@ -8,6 +8,7 @@ import torch
 from ops_cases import make_case, tolerance
 
 import kvblocks.ops as ops
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops import reference
 
 pytestmark = pytest.mark.gpu
@@ -178,6 +179,56 @@ def test_prefill_tensor_core_kernel_shapes(dtype, head_size, group, sliding_wind
         short.query_start_loc, short.seq_lens, **kw,
     )  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+
+
+def gpu_sinks(num_heads: int, seed: int) -> torch.Tensor:
+    """Per-head sink logits: one dominant, one vanishing, one comparable to the scores."""
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2.0
+    sinks[:3] = torch.tensor([40.0, -1e4, 3.0])
+    return sinks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, None), (1000, 30.0)])
+def test_attention_sinks(dtype, head_size, sliding_window, soft_cap):
+    """gpt-oss's sinks in every attention kernel: decode through the planner (long
+    sequences split and merged: the sink counted once), decode with only max_seq_len (the
+    split-K kernel and its merge), prefill (tensor-core for fp16/bf16, split-K for fp32)."""
+    lens = MIXED_LENS
+    case = make_case(40 + head_size, lens, [1] * len(lens), num_kv_heads=2, group=4,
+                     head_size=head_size, dtype=dtype)  # fmt: skip
+    sinks = gpu_sinks(8, head_size)
+    dev = to_cuda(case)
+    kw = {"sliding_window": sliding_window, "soft_cap": soft_cap}
+    want = reference.paged_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+        sinks=sinks, **kw,
+    )  # fmt: skip
+    args = (dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+            dev["seq_lens"])  # fmt: skip
+    on_gpu = sinks.cuda()
+    for hint in ({"seq_lens_host": np.array(lens, dtype=np.int32)}, {"max_seq_len": 8192}):
+        got = ops.paged_attention(*args, sinks=on_gpu, **hint, **kw)
+        torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+    # Found finite once (no sync on later calls), checked again after torch writes to it.
+    on_gpu[3] = float("inf")
+    with pytest.raises(InvalidArgumentError, match="sinks must be finite"):
+        ops.paged_attention(*args, sinks=on_gpu, **kw)
+    seq_lens, q_lens = [1100, 1500, 9, 40, 700], [1100, 260, 9, 0, 1]
+    case = make_case(41 + head_size, seq_lens, q_lens, num_kv_heads=2, group=4,
+                     head_size=head_size, block_size=16, dtype=dtype)  # fmt: skip
+    dev = to_cuda(case)
+    got = ops.paged_prefill_attention(
+        dev["query"], dev["key_cache"], dev["value_cache"], dev["block_tables"],
+        dev["query_start_loc"], dev["seq_lens"], sinks=sinks.cuda(), **kw,
+    )  # fmt: skip
+    want = reference.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, sinks=sinks, **kw,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, **tolerance(dtype))
+    assert got[:, 0].abs().max() < 1e-6, "a dominant sink leaves no output"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

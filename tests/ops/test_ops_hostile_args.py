@@ -201,6 +201,14 @@ ROWS = [
     ("prefill_launch sliding_window True", lambda: _launch(sliding_window=True), "sliding_window"),
     ("prefill_launch sliding_window -1", lambda: _launch(sliding_window=-1), "sliding_window"),
     ("prefill_launch block_size 7", lambda: _launch(block_size=7), "block_size"),
+    ("prefill_launch sinks -1", lambda: _launch(sinks=-1), "sinks"),
+    ("prefill_launch sinks tensor", lambda: _launch(sinks=torch.zeros(4)), "sinks"),
+    ("prefill_launch sinks, plan without", lambda: _launch(sinks=16), "sinks"),
+    (
+        "prefill_launch plan with sinks, none",
+        lambda: pl.prefill_launch(pl.plan_prefill(**_PLAN, sinks=True), **_LAUNCH),
+        "sinks",
+    ),
     # precompile: every row fails before anything is compiled
     ("precompile archs str", lambda: ops.precompile("sm_90"), "archs"),
     (
@@ -228,7 +236,7 @@ def test_valid_edges_still_accepted():
     torch.testing.assert_close(
         _prefill(sliding_window=2**31 - 1), ref_prefill(PREFILL), **tolerance(torch.float16)
     )
-    assert _launch(out=0, sliding_window=2**31 - 1).args[-1] == 2**31 - 1
+    assert _launch(out=0, sliding_window=2**31 - 1).args[-2] == 2**31 - 1
     assert pl.plan_prefill(**{**_PLAN, "max_query_len": BIG}).q_tiles == pl.MAX_GRID_YZ
 
 

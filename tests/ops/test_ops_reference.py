@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import numpy as np
@@ -154,21 +155,36 @@ class _FakeCudaTensor(torch.Tensor):
         return True
 
 
-def test_cuda_dispatch_refuses_sinks_by_name():
+def test_cuda_dispatch_hands_sinks_to_the_kernels(monkeypatch):
+    """The CUDA front-ends validate sinks and pass them to the backend (the kernels add
+    them: tests/ops/test_attention_sinks_emulation.py); bad ones are refused first."""
     case = make_case(14, [20], [1], group=2)
     key_cache = case.key_cache.as_subclass(_FakeCudaTensor)
     value_cache = case.value_cache.as_subclass(_FakeCudaTensor)
     assert key_cache.is_cuda
+    seen: list[Any] = []
+
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs["sinks"])
+        return case.query
+
+    backend = types.SimpleNamespace(paged_attention=record, paged_prefill_attention=record)
+    monkeypatch.setattr(ops, "_cuda_backend", lambda: backend)
     sinks = torch.zeros(case.query.shape[1])
-    with pytest.raises(InvalidArgumentError, match="sinks are not supported by the CUDA"):
+    ops.paged_attention(
+        case.query, key_cache, value_cache, case.block_tables, case.seq_lens, sinks=sinks
+    )
+    ops.paged_prefill_attention(
+        case.query, key_cache, value_cache, case.block_tables, case.query_start_loc,
+        case.seq_lens, sinks=sinks,
+    )  # fmt: skip
+    assert seen == [sinks, sinks]
+    with pytest.raises(InvalidArgumentError, match="sinks must be finite"):
         ops.paged_attention(
-            case.query, key_cache, value_cache, case.block_tables, case.seq_lens, sinks=sinks
-        )
-    with pytest.raises(InvalidArgumentError, match="sinks are not supported by the CUDA"):
-        ops.paged_prefill_attention(
-            case.query, key_cache, value_cache, case.block_tables, case.query_start_loc,
-            case.seq_lens, sinks=sinks,
+            case.query, key_cache, value_cache, case.block_tables, case.seq_lens,
+            sinks=torch.full_like(sinks, math.inf),
         )  # fmt: skip
+    assert len(seen) == 2
 
 
 def test_decode_is_prefill_with_one_query_and_pads_zero():

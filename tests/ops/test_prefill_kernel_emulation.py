@@ -36,7 +36,7 @@ def test_every_instantiation_is_in_the_harness_with_the_planned_smem():
     lib = library()
     for name in kernel_names(PREFILL_SOURCE):
         smem = lib.kvb_emu_smem_bytes(name.encode())
-        head = int(name[name.index(", ") + 2 : -1])
+        head = int(name[name.index("<") + 1 : -1].split(", ")[1])
         assert smem == prefill_launch.prefill_smem_bytes(head), name
         assert smem <= MIN_SMEM_OPTIN, f"{name} does not fit an sm_86/sm_89 CTA"
 

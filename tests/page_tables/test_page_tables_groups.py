@@ -1,13 +1,24 @@
-"""Page-table exports of stacked KV cache group tables: one call for every group, each
-group's pages exactly what the one-group export of its own table gives."""
+"""Page-table exports per KV cache group: stacked tables in one call (each group's pages
+exactly what the one-group export of its own table gives), a window group's pages
+without its released ones (``skip_released``), and ``SchedulerOutput``'s per-group
+exports. What a kernel reads through them is checked by content in the scheduler's
+oracle (``oracle.page_table_reads``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvblocks import GroupSpec, KVCacheManager
+from kvblocks import GroupSpec, InvalidArgumentError, KVCacheManager
 from kvblocks.page_tables import flash_attention_page_table, flashinfer_page_table
+from kvblocks.scheduler import (
+    ModelStepResult,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 
 BS = 4
 
@@ -72,3 +83,111 @@ def test_uniform_stacked_rows_are_cut_per_group() -> None:
     np.testing.assert_array_equal(fi.kv_indices, tables[:, :, :2].reshape(2, -1))
     fa = flash_attention_page_table(tables, lens, BS)
     assert fa.block_table is tables
+
+
+def test_skip_released_exports_each_rows_pages_from_its_first_held_block() -> None:
+    table = np.array([[0, 0, 5, 6, 9], [3, 4, 0, 0, 0], [0, 7, 8, 0, 0]], dtype=np.int32)
+    lens = np.array([15, 8, 9], dtype=np.int32)  # 4, 2 and 3 pages
+    qsl = np.array([0, 1, 3, 4], dtype=np.int32)
+    fi = flashinfer_page_table(table, lens, BS, qsl, skip_released=True)
+    np.testing.assert_array_equal(fi.kv_indices, [5, 6, 3, 4, 7, 8])
+    np.testing.assert_array_equal(fi.kv_indptr, [0, 2, 4, 6])
+    np.testing.assert_array_equal(fi.kv_start, [8, 0, 4])
+    np.testing.assert_array_equal(fi.kv_last_page_len, [3, 4, 1])
+    assert fi.kv_start is not None and fi.kv_start.dtype == np.int32
+    # FlashInfer reads seq_len - kv_start tokens: the pages' count and last length.
+    seen = (np.diff(fi.kv_indptr) - 1) * BS + fi.kv_last_page_len
+    np.testing.assert_array_equal(seen, lens - fi.kv_start)
+    # The same through rows of a persistent table; and in place, no kv_start.
+    persistent = np.zeros((6, 5), dtype=np.int32)
+    rows = np.array([4, 0, 2])
+    persistent[rows] = table
+    again = flashinfer_page_table(persistent, lens, BS, qsl, rows=rows, skip_released=True)
+    np.testing.assert_array_equal(again.kv_indices, fi.kv_indices)
+    np.testing.assert_array_equal(again.kv_start, fi.kv_start)
+    assert flashinfer_page_table(table, lens, BS).kv_start is None
+
+
+def test_skip_released_rejects_what_it_cannot_export() -> None:
+    tables = np.ones((2, 1, 2), dtype=np.int32)
+    lens = np.array([5], dtype=np.int32)
+    with pytest.raises(InvalidArgumentError, match="2-D"):
+        flashinfer_page_table(tables, lens, BS, skip_released=True)
+    with pytest.raises(InvalidArgumentError, match="null pages"):
+        flashinfer_page_table(np.zeros((1, 2), np.int32), lens, BS, skip_released=True)
+    # Query tokens in a released page: the table is not one the step can run with.
+    with pytest.raises(InvalidArgumentError, match="query tokens"):
+        flashinfer_page_table(
+            np.array([[0, 2]], np.int32), lens, BS, np.array([0, 3]), skip_released=True
+        )
+    with pytest.raises(InvalidArgumentError, match="skip_released"):
+        flashinfer_page_table(tables[0], lens, BS, skip_released=1)  # type: ignore[arg-type]
+
+
+def _hybrid_step() -> tuple[KVCacheManager, SchedulerOutput]:
+    m = KVCacheManager(64, BS, groups=[GroupSpec.full_attention(), GroupSpec.sliding_window(6)])
+    sched = Scheduler(m, SchedulerConfig(max_num_batched_tokens=64))
+    for i, n in enumerate([13, 22, 5]):
+        sched.add_request(Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4)))
+    out = sched.schedule()
+    sched.update(out, ModelStepResult(np.full(int(out.sample_counts.sum()), 7, np.int64)))
+    return m, sched.schedule()
+
+
+def test_scheduler_output_exports_every_group() -> None:
+    _, out = _hybrid_step()
+    assert out.num_groups == 2 and out.num_seqs == 3
+    tables = out.group_block_tables
+    all_fi = out.group_flashinfer_page_tables(BS)
+    all_fa = out.group_flash_attention_page_tables(BS)
+    for g in range(2):
+        want = flashinfer_page_table(tables[g], out.seq_lens, BS, out.query_start_loc)
+        for got in (out.flashinfer_page_table(BS, g), all_fi[g]):
+            np.testing.assert_array_equal(got.kv_indices, want.kv_indices)
+            np.testing.assert_array_equal(got.kv_indptr, want.kv_indptr)
+            np.testing.assert_array_equal(got.qo_indptr, want.qo_indptr)
+        want_fa = flash_attention_page_table(tables[g], out.seq_lens, BS, out.query_start_loc)
+        for got_fa in (out.flash_attention_page_table(BS, g), all_fa[g]):
+            used = want_fa.block_table.shape[1]
+            np.testing.assert_array_equal(got_fa.block_table[:, :used], want_fa.block_table)
+            assert not got_fa.block_table[:, used:].any()
+            np.testing.assert_array_equal(got_fa.cache_seqlens, want_fa.cache_seqlens)
+        skipped = out.flashinfer_page_table(BS, g, skip_released=True)
+        assert skipped.kv_start is not None
+        assert (skipped.kv_start > 0).any() == (g == 1)
+    # Group 1's pages are the window's: no null block once the released ones are skipped.
+    assert (all_fi[1].kv_indices == 0).any()
+    assert not (out.group_flashinfer_page_tables(BS, skip_released=True)[1].kv_indices == 0).any()
+    # Group 0 is what the single-group calls gave.
+    np.testing.assert_array_equal(out.flash_attention_page_table(BS).block_table, out.block_tables)
+
+
+@pytest.mark.parametrize("group", [-1, 2, True, "1", 1.0])
+def test_a_group_outside_the_step_is_rejected(group: object) -> None:
+    _, out = _hybrid_step()
+    for call in (out.flashinfer_page_table, out.flash_attention_page_table):
+        with pytest.raises(InvalidArgumentError, match="group"):
+            call(BS, group)  # type: ignore[arg-type]
+
+
+def test_a_single_group_step_has_group_zero_only() -> None:
+    m = KVCacheManager(32, BS)
+    sched = Scheduler(m, SchedulerConfig())
+    sched.add_request(Request("r", list(range(1, 10)), SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    assert out.num_groups == 1
+    assert len(out.group_flashinfer_page_tables(BS)) == 1
+    np.testing.assert_array_equal(
+        out.group_flash_attention_page_tables(BS)[0].block_table, out.block_tables
+    )
+    with pytest.raises(InvalidArgumentError, match="group"):
+        out.flashinfer_page_table(BS, 1)
+
+
+def test_skip_released_of_empty_sequences_and_batches() -> None:
+    for lens in (np.zeros(2, np.int32), np.zeros(0, np.int32)):
+        table = np.zeros((len(lens), 3), np.int32)
+        fi = flashinfer_page_table(table, lens, BS, skip_released=True)
+        assert fi.kv_indices.size == 0 and fi.kv_start is not None
+        np.testing.assert_array_equal(fi.kv_indptr, np.zeros(len(lens) + 1))
+        np.testing.assert_array_equal(fi.kv_start, np.zeros(len(lens)))

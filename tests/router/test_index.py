@@ -74,10 +74,13 @@ def test_all_blocks_cleared_drops_one_instance_in_every_tier() -> None:
 
 def test_a_removal_from_one_group_keeps_another_group_s_copy() -> None:
     """vLLM 0.33 events name their KV cache group: a sliding-window group dropping a block
-    the full-attention group still holds must not erase it from the index."""
+    the full-attention group still holds must not erase it from the index (and the
+    window group, a 4-token window over blocks of 4, serves a 3-block hit from its last
+    block)."""
     idx = PrefixIndex()
     idx.apply(BlockStoredRecord(0, tuple(H[:3]), group_idx=0))
-    idx.apply(BlockStoredRecord(0, tuple(H[:3]), group_idx=1))
+    window = {"kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4}
+    idx.apply(BlockStoredRecord(0, tuple(H[:3]), group_idx=1, block_size=4, **window))
     idx.apply(BlockRemovedRecord(0, (H[0], H[1]), group_idx=1))
     assert idx.overlaps(H[:3]) == {0: 3}
     assert idx.num_blocks(0) == 3

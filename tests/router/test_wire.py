@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -98,6 +99,8 @@ def test_decoded_forms_and_bad_events() -> None:
         AllBlocksClearedRecord(4),
     ]
     assert records_from_wire(4, as_map) == expected
+    # The array form carries the block size (the map above names none).
+    expected[0] = dataclasses.replace(expected[0], block_size=16)
     assert records_from_wire(4, as_array) == expected
     for bad in (
         [{"type": "BlockMoved"}],
@@ -136,7 +139,7 @@ def test_vllm_0_33_fields_are_accepted_and_the_group_kept() -> None:
     removed = {"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU", "group_idx": 1,
                "locality": "LOCAL", "ownership": "tier-a"}  # fmt: skip
     assert records_from_wire(3, [stored, removed]) == [
-        BlockStoredRecord(3, (11, 12), None, "GPU", group_idx=1),
+        BlockStoredRecord(3, (11, 12), None, "GPU", 1, "sliding_window", 8, 4),
         BlockRemovedRecord(3, (11,), "GPU", group_idx=1),
     ]
     # Decoded into structs (vLLM's own or kvblocks'): the group is kept too.
@@ -149,6 +152,15 @@ def test_vllm_0_33_fields_are_accepted_and_the_group_kept() -> None:
     for bad in (-1, True, "0", 1.0):
         with pytest.raises(InvalidArgumentError, match="group_idx"):
             records_from_wire(0, [{**removed, "group_idx": bad}])
+    # The group's spec and the block size are type-checked where the record keeps them.
+    for name, bad in (
+        ("kv_cache_spec_kind", 3),
+        ("kv_cache_spec_sliding_window", 0),
+        ("kv_cache_spec_sliding_window", "8"),
+        ("block_size", -4),
+    ):
+        with pytest.raises(InvalidArgumentError, match=name):
+            records_from_wire(0, [{**stored, name: bad}])
 
 
 def test_hash_format_int_is_the_digests_low_64_bits() -> None:

@@ -20,7 +20,10 @@ early with ``finish_sequence``) run against an emulated KV memory
    of every sequence is written through its row of ``group_slot_mappings`` and read
    through its own table (``group_block_table``, kept by ``group_block_table_deltas``)
    under the group's attention rule (the oracle's :class:`Attention`), each group's KV
-   distinct from every other's; group 0 must be the single-group fields exactly;
+   distinct from every other's; group 0 must be the single-group fields exactly; and
+   every group's FlashInfer (pages in place, and without released ones) and
+   FlashAttention page tables must make a kernel read exactly what the step's queries
+   of that group may attend to (:mod:`oracle.page_table_reads`);
 4. samples with the deterministic fake model and calls ``update``, collecting every
    record it returns: each sequence's ``new_token_ids`` over the steps must add up to its
    final ``token_ids``.
@@ -54,6 +57,7 @@ from kvblocks.scheduler import (
 )
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
 from oracle.kv_memory import GARBAGE, Attention, ContentError, KVMemory, PrefixIds
+from oracle.page_table_reads import check_step_exports
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
 NUM_BATCHES = 10
@@ -210,6 +214,7 @@ class Harness:
         )
         self.tier_ops: Counter[str] = Counter()
         self.group_reads: Counter[str] = Counter()
+        self.export_reads: Counter[str] = Counter()
         self.prefix_ids = PrefixIds()
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
@@ -282,6 +287,7 @@ class Harness:
         bs = cfg.block_size
         writes = []
         contexts = []
+        exports = []
         qsl = out.query_start_loc
         tables = self.sync_table(out)
         for i, seq in enumerate(out.seq_ids.tolist()):
@@ -310,7 +316,13 @@ class Harness:
                     values = values + [GARBAGE] * len(look)
                 writes.append(((seq, g), slots, values))
                 contexts.append(((seq, g), table, ids, seq_len, rule))
+                exports.append(((seq, g), g, i, ids, rule))
         mem.write_step(writes)
+        # What each group's FlashInfer / FlashAttention page tables make a kernel read,
+        # where a table may have released entries to place or skip (a window, or groups;
+        # the plain full-attention table's exports are read by tests/page_tables).
+        if cfg.window is not None or cfg.groups is not None:
+            check_step_exports(mem, out, exports, self.export_reads)
         for name, table, ids, seq_len, rule in contexts:
             mem.check(name, table, ids, seq_len, attention=rule)
             if cfg.groups is not None and len(cfg.groups) > 1:
@@ -547,7 +559,8 @@ def test_the_oracle_reaches_groups() -> None:
     for seed in range(2 * CONFIGS_PER_BATCH):
         harness = run_config(seed)
         seen.update(harness.group_reads)
+        seen.update(harness.export_reads)
         if harness.group_reads:
             seen["preempted"] += harness.sched.counters.num_preemptions_recompute
             seen["swapped"] += harness.sched.counters.num_preemptions_swap
-    assert all(seen[k] > 0 for k in ("released", "whole", "preempted", "swapped")), seen
+    assert all(seen[k] > 0 for k in ("released", "whole", "preempted", "swapped", "skipped")), seen

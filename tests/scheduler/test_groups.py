@@ -110,6 +110,25 @@ def test_a_prompt_whose_worst_window_never_fits_is_refused() -> None:
     assert len(done["ok"]) == 1
 
 
+def test_a_prompt_peaking_outside_the_larger_chunks_period_is_refused() -> None:
+    """A window of 12 and chunks of 12 and 8 over blocks of 1: the query at position 23
+    holds 12 + 12 + 8 = 32 blocks, more than the 30 usable. The admission check read only
+    the last 12 positions (the larger chunk's period, peak 28) and admitted the 38-token
+    prompt, which then could not pass position 23 with the pool to itself."""
+    groups = [
+        GroupSpec.sliding_window(12),
+        GroupSpec.chunked_local_attention(12),
+        GroupSpec.chunked_local_attention(8),
+    ]
+    sched = Scheduler(KVCacheManager(31, 1, groups=groups, watermark=0.0), SchedulerConfig())
+    with pytest.raises(InvalidArgumentError, match="can ever give"):
+        sched.add_request(Request("r", list(range(1, 39)), SamplingParams(max_tokens=2)))
+    roomy = Scheduler(KVCacheManager(33, 1, groups=groups, watermark=0.0), SchedulerConfig())
+    roomy.add_request(Request("r", list(range(1, 39)), SamplingParams(max_tokens=2)))
+    _, done = _run(roomy)
+    assert len(done["r"]) == 2
+
+
 def test_can_allocate_counts_the_steps_real_need_per_group() -> None:
     """``can_allocate(num_new_tokens=n)``: the blocks the step's ``allocate_slots`` takes
     in every group, against the whole-sequence form that counts every group's every

@@ -208,13 +208,6 @@ def _check_attention_args(
     check_sliding_window(sliding_window)
     check_optional_positive(soft_cap, "soft_cap")
     check_sinks(sinks, query.shape[1], key_cache.device)
-    if sinks is not None and key_cache.is_cuda:
-        # The kernels do not take the extra denominator term yet; refusing beats
-        # silently attending without it.
-        raise InvalidArgumentError(
-            "attention sinks are not supported by the CUDA kernels yet; only the CPU path "
-            "(CPU tensors) implements them"
-        )
 
 
 def _check_hint(value: int | None, name: str) -> None:
@@ -243,7 +236,7 @@ def paged_attention(
     ``[num_seqs, max_blocks]`` (padding = null block 0); ``seq_lens``: int32 ``[num_seqs]``.
     ``scale`` defaults to ``1/sqrt(head_size)``; key ``j`` is visible to position ``p``
     iff ``p - sliding_window < j <= p``; ``soft_cap`` applies ``cap * tanh(s / cap)``
-    after scaling; ``sinks`` (``[num_heads]`` float, CPU tensors only for now) adds
+    after scaling; ``sinks`` (``[num_heads]`` float, on the caches' device) adds
     one learned logit per query head to the softmax denominator, gpt-oss's attention
     sinks (the exact formula is in :mod:`kvblocks.ops.reference`). A sequence with
     ``seq_len == 0`` (batch padding) yields zeros.
@@ -293,6 +286,7 @@ def paged_attention(
             soft_cap=soft_cap,
             max_seq_len=max_seq_len,
             seq_lens_host=seq_lens_host,
+            sinks=sinks,
         )
         return out
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
@@ -388,6 +382,7 @@ def paged_prefill_attention(
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             max_query_len=max_query_len,
+            sinks=sinks,
         )
         return out
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -246,10 +247,17 @@ def check_block_ids(mapping: torch.Tensor, num_src: int, num_dst: int, name: str
         )
 
 
+_FINITE_SINKS: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+"""Device sink tensors already checked finite: id -> (the tensor, its version then)."""
+
+
 def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
     """Raise unless ``sinks`` is None or a finite float tensor ``[num_heads]`` on ``device``.
 
-    One attention-sink logit per query head (see :mod:`kvblocks.ops.reference`).
+    One attention-sink logit per query head (see :mod:`kvblocks.ops.reference`). Reading
+    the values of a GPU tensor waits for the device, so a tensor found finite is
+    remembered until torch writes to it (its version counter moves) or it dies: a layer's
+    sink weights are checked once, not on every call.
     """
     if sinks is None:
         return
@@ -266,5 +274,22 @@ def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device
         )
     if sinks.device != device:
         raise InvalidArgumentError(f"sinks is on {sinks.device}, expected {device}")
+    version = _version(sinks)
+    known = _FINITE_SINKS.get(id(sinks))
+    if known is not None and known[0]() is sinks and version is not None and known[1] == version:
+        return
     if not bool(torch.isfinite(sinks).all()):
         raise InvalidArgumentError("sinks must be finite")
+    if sinks.device.type != "cpu" and version is not None:
+        if len(_FINITE_SINKS) >= 4096:  # callers cycling through fresh tensors
+            _FINITE_SINKS.clear()
+        _FINITE_SINKS[id(sinks)] = (weakref.ref(sinks), version)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """torch's write counter of ``tensor``; None for an inference-mode tensor (untracked:
+    such sinks are checked on every call)."""
+    try:
+        return int(tensor._version)
+    except RuntimeError:
+        return None

@@ -59,6 +59,7 @@ def paged_attention(
     soft_cap: float | None,
     max_seq_len: int | None,
     seq_lens_host: np.ndarray | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvblocks.ops.paged_attention` (validated arguments): the kernel is
     :func:`kernel_driver.run_paged_attention`'s choice for this device's shared memory."""
@@ -68,7 +69,7 @@ def paged_attention(
         decode_launcher(index), query, key_cache, value_cache, block_tables, seq_lens,
         scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, max_seq_len=max_seq_len,
         seq_lens_host=seq_lens_host, split_k_ctas=split_k_target_ctas(device.index or 0),
-        smem_limit=smem_optin(index),
+        smem_limit=smem_optin(index), sinks=sinks,
     )  # fmt: skip
 
 
@@ -84,6 +85,7 @@ def paged_prefill_attention(
     sliding_window: int | None,
     soft_cap: float | None,
     max_query_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See :func:`kvblocks.ops.paged_prefill_attention` (validated arguments): the kernel
     is :func:`kernel_driver.run_prefill`'s choice (the tensor-core one for fp16/bf16, whose
@@ -93,7 +95,7 @@ def paged_prefill_attention(
         decode_launcher(device_index(device)), query, key_cache, value_cache, block_tables,
         query_start_loc, seq_lens, scale=scale, sliding_window=sliding_window,
         soft_cap=soft_cap, max_query_len=max_query_len,
-        target_ctas=split_k_target_ctas(device.index or 0),
+        target_ctas=split_k_target_ctas(device.index or 0), sinks=sinks,
     )  # fmt: skip
 
 

@@ -167,9 +167,11 @@ def merge_kernel_name(dtype: torch.dtype, head_size: int) -> str:
     return f"merge_splits_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
 
 
-def prefill_kernel_name(dtype: torch.dtype, head_size: int) -> str:
-    """Name expression of the tensor-core prefill instantiation (fp16/bf16 only)."""
-    return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}>"
+def prefill_kernel_name(dtype: torch.dtype, head_size: int, *, sinks: bool = False) -> str:
+    """Name expression of the tensor-core prefill instantiation (fp16/bf16 only; ``sinks``:
+    the one that adds attention sinks)."""
+    tail = ", true" if sinks else ""
+    return f"prefill_attention_kernel<{CTYPE_NAMES[dtype]}, {head_size}{tail}>"
 
 
 def decode_kernel_name(
@@ -234,9 +236,10 @@ def kernel_names(source: str) -> list[str]:
         return names
     if source == PREFILL_SOURCE:
         return [
-            prefill_kernel_name(dtype, head_size)
+            prefill_kernel_name(dtype, head_size, sinks=sinks)
             for dtype in (torch.float16, torch.bfloat16)
             for head_size in SUPPORTED_HEAD_SIZES
+            for sinks in (False, True)
         ]
     if source == DECODE_SOURCE:
         names = []

@@ -70,6 +70,7 @@ __all__ = [
 
 DECODE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 """Element types ``decode_attention_kernel`` is instantiated for (fp32 keeps the old kernel)."""
+_NULL = np.uint64(0)  # a null kernel pointer: no attention sinks
 _PLAN_CACHE = 16  # plans kept per object: a step's lengths plus a few alternating batches
 
 
@@ -152,8 +153,8 @@ class DecodeAttention:
 
     ``plan`` and ``run`` must be issued on the same stream. In graph mode the kernel
     arguments are captured, so each ``run`` replayed must use the same ``query``,
-    ``out`` and cache tensors, and ``plan`` the same ``block_tables`` buffer and batch
-    size as at capture (pad the batch with zero lengths).
+    ``out``, ``sinks`` and cache tensors, and ``plan`` the same ``block_tables`` buffer
+    and batch size as at capture (pad the batch with zero lengths).
     """
 
     def __init__(
@@ -466,6 +467,26 @@ class DecodeAttention:
         if not query.is_contiguous():
             raise InvalidArgumentError("query must be contiguous")
 
+    def _sinks_address(self, sinks: torch.Tensor) -> np.uint64:
+        if not (
+            type(sinks) is torch.Tensor
+            and sinks.dtype is torch.float32
+            and sinks.shape == (self.num_heads,)
+            and sinks.device == self.device
+            and sinks.is_contiguous()
+        ):
+            raise InvalidArgumentError(
+                f"sinks must be a contiguous float32 tensor [{self.num_heads}] on "
+                f"{self.device} (one logit per query head), got "
+                + (
+                    f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}"
+                    if isinstance(sinks, torch.Tensor)
+                    else type(sinks).__name__
+                )
+            )
+        address: np.uint64 = np.uint64(sinks.data_ptr())
+        return address
+
     def run(
         self,
         query: torch.Tensor,
@@ -473,9 +494,17 @@ class DecodeAttention:
         value_cache: torch.Tensor,
         *,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``query [num_seqs, num_heads, head_size]`` over one layer's caches with
-        the current plan; returns ``out`` (allocated when not given)."""
+        the current plan; returns ``out`` (allocated when not given).
+
+        ``sinks``: the layer's attention-sink logits, contiguous fp32 ``[num_heads]`` on
+        the device (gpt-oss; see :mod:`kvblocks.ops.reference`), added once per row where
+        it is normalized (by the attention kernel for an unsplit sequence, by the merge
+        for a split one). Their values are read by the kernel, not checked here (that
+        would sync): :func:`kvblocks.ops.paged_attention` refuses non-finite ones.
+        """
         launches = self._launches
         if launches is None:
             raise InvalidArgumentError("DecodeAttention.run needs a plan(): call plan() first")
@@ -521,13 +550,14 @@ class DecodeAttention:
                 "out must be a contiguous, 16-byte aligned tensor like the query "
                 f"{list(launches.query_shape)} {self.dtype} on {self.device}"
             )
+        sinks_ptr = _NULL if sinks is None else self._sinks_address(sinks)
         if launches.num_seqs == 0:
             return out
         out_ptr = np.uint64(out.data_ptr())
         args = (
             out_ptr, *self._workspace_args, np.uint64(query.data_ptr()),
             np.uint64(key_cache.data_ptr()), np.uint64(value_cache.data_ptr()), *launches.tail,
-            cache[1], *self._scalar_args,
+            cache[1], *self._scalar_args, sinks_ptr,
         )  # fmt: skip
         self._launch(
             KernelLaunch(
@@ -542,7 +572,7 @@ class DecodeAttention:
             self._launch(
                 KernelLaunch(
                     self.merge_kernel, (launches.num_seqs, self.num_heads, 1),
-                    (DECODE_THREADS, 1, 1), 0, (out_ptr, *launches.merge_tail),
+                    (DECODE_THREADS, 1, 1), 0, (out_ptr, *launches.merge_tail, sinks_ptr),
                 )
             )  # fmt: skip
         return out

@@ -47,6 +47,18 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 
+def _sinks_f32(sinks: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The attention-sink logits as the kernels read them: contiguous fp32 on ``device``
+    (the front-ends validated shape and values; None: no sinks, a null pointer)."""
+    if sinks is None:
+        return None
+    return sinks.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
 def _check_caches(*caches: torch.Tensor) -> None:
     """Refuse caches the kernels cannot address with 16-byte vectors (they are written
     in place, so a copy would not do); the front-ends check this too."""
@@ -95,6 +107,7 @@ def run_split_k_attention(
     max_seq_len: int | None,
     target_ctas: int,
     partition_tokens: int = PARTITION_TOKENS,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode (``query_start_loc is None``) or prefill attention through the split-K
     kernel (``split_k_attention_kernel`` of ``cuda/split_k_attention.cu``): fp32, and fp16/bf16
@@ -102,9 +115,11 @@ def run_split_k_attention(
 
     ``max_query_len`` and ``max_seq_len`` only shape the launch (query tiles, split-K):
     values below the real ones cost parallelism, never correctness (the kernel loops
-    over query tiles and its last split covers the rest of a sequence).
+    over query tiles and its last split covers the rest of a sequence). ``sinks``
+    (``[num_heads]``, None: none) join each row's softmax denominator.
     """
     _check_caches(key_cache, value_cache)
+    sinks = _sinks_f32(sinks, query.device)
     num_tokens, num_heads, head_size = query.shape
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -152,6 +167,7 @@ def run_split_k_attention(
         scale=1.0 / math.sqrt(head_size) if scale is None else scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=_address(sinks),
     )
     for item in launches:
         launch(item)
@@ -213,11 +229,13 @@ def run_decode(
     soft_cap: float | None,
     target_ctas: int | None,
     smem_limit: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp16/bf16 decode through ``decode_attention_kernel`` and the length-aware plan
     (validated front-end arguments; ``seq_lens_host`` = the device ``seq_lens``;
     ``target_ctas`` and ``smem_limit`` None: from the device, see
-    :class:`DecodeAttention`)."""
+    :class:`DecodeAttention`; ``sinks`` as in :meth:`DecodeAttention.run`, any float
+    dtype)."""
     _, num_kv_heads, block_size, head_size = key_cache.shape
     decoder = decode_attention_for(
         launch, device=key_cache.device, dtype=query.dtype, num_heads=query.shape[1],
@@ -226,7 +244,7 @@ def run_decode(
         soft_cap=soft_cap, target_ctas=target_ctas, smem_limit=smem_limit,
     )  # fmt: skip
     decoder.plan(seq_lens_host, block_tables)
-    return decoder.run(query, key_cache, value_cache)
+    return decoder.run(query, key_cache, value_cache, sinks=_sinks_f32(sinks, query.device))
 
 
 def run_paged_attention(
@@ -244,6 +262,7 @@ def run_paged_attention(
     seq_lens_host: np.ndarray | None,
     split_k_ctas: int,
     smem_limit: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention (validated arguments), the kernel chosen here: fp16/bf16 run
     ``decode_attention_kernel`` through the length-aware planner when a variant fits
@@ -259,12 +278,12 @@ def run_paged_attention(
         return run_decode(
             launch, query, key_cache, value_cache, block_tables, seq_lens_host, scale=scale,
             sliding_window=sliding_window, soft_cap=soft_cap, target_ctas=None,
-            smem_limit=smem_limit,
+            smem_limit=smem_limit, sinks=sinks,
         )  # fmt: skip
     return run_split_k_attention(
         launch, query, key_cache, value_cache, block_tables, seq_lens, None, scale=scale,
         sliding_window=sliding_window, soft_cap=soft_cap, max_query_len=1,
-        max_seq_len=max_seq_len, target_ctas=split_k_ctas,
+        max_seq_len=max_seq_len, target_ctas=split_k_ctas, sinks=sinks,
     )  # fmt: skip
 
 
@@ -282,15 +301,18 @@ def run_prefill(
     soft_cap: float | None,
     max_query_len: int,
     target_ctas: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill/extend attention (validated arguments), the kernel chosen here: the
     tensor-core kernel for fp16/bf16 (:mod:`kvblocks.ops.prefill_launch`), the split-K
-    kernel for fp32 (:func:`run_split_k_attention`; ``target_ctas`` is its)."""
+    kernel for fp32 (:func:`run_split_k_attention`; ``target_ctas`` is its). ``sinks``
+    (``[num_heads]``, None: none) join each row's softmax denominator."""
     if query.dtype not in (torch.float16, torch.bfloat16):
         return run_split_k_attention(
             launch, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
             max_query_len=max_query_len, max_seq_len=None, target_ctas=target_ctas,
+            sinks=sinks,
         )  # fmt: skip
     _check_caches(key_cache, value_cache)
     num_tokens, num_heads, head_size = query.shape
@@ -300,6 +322,7 @@ def run_prefill(
     out = torch.empty_like(query)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    sinks = _sinks_f32(sinks, query.device)
     plan = plan_prefill(
         dtype=query.dtype,
         head_size=head_size,
@@ -307,6 +330,7 @@ def run_prefill(
         num_kv_heads=num_kv_heads,
         num_seqs=num_seqs,
         max_query_len=max_query_len,
+        sinks=sinks is not None,
     )
     launch(
         prefill_launch(
@@ -327,6 +351,7 @@ def run_prefill(
             scale=1.0 / math.sqrt(head_size) if scale is None else scale,
             soft_cap=soft_cap,
             sliding_window=sliding_window,
+            sinks=_address(sinks),
         )
     )
     return out

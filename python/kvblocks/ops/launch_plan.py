@@ -173,10 +173,13 @@ def split_k_launches(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    sinks: int = 0,
 ) -> list[KernelLaunch]:
     """The attention launch (plus the merge launch when split); addresses as ints.
 
-    ``query_start_loc`` is 0 for decode; ``num_rows`` is num_tokens x num_heads.
+    ``query_start_loc`` is 0 for decode; ``num_rows`` is num_tokens x num_heads;
+    ``sinks`` is the address of fp32 ``[num_heads]`` attention-sink logits, 0 for none
+    (the kernel that normalizes a row adds its sink: the merge when split).
     """
     args = (
         _ptr(out), _ptr(part_out), _ptr(part_ml), _ptr(query), _ptr(key_cache),
@@ -186,14 +189,15 @@ def split_k_launches(
         np.int32(plan.heads_per_cta),
         np.int32(plan.queries_per_cta), np.int32(plan.num_splits),
         np.int32(plan.split_tokens), np.float32(scale), np.float32(soft_cap or 0.0),
-        np.int32(sliding_window or 0),
+        np.int32(sliding_window or 0), _ptr(sinks),
     )  # fmt: skip
     launches = [KernelLaunch(plan.kernel, plan.grid, (THREADS, 1, 1), plan.smem_bytes, args)]
     if plan.num_splits > 1 and num_rows > 0:
         launches.append(
             KernelLaunch(
                 plan.merge_kernel, (num_rows, 1, 1), (THREADS, 1, 1), 0,
-                (_ptr(out), _ptr(part_out), _ptr(part_ml), np.int32(plan.num_splits)),
+                (_ptr(out), _ptr(part_out), _ptr(part_ml), np.int32(plan.num_splits),
+                 np.int32(num_heads), _ptr(sinks)),
             )
         )  # fmt: skip
     return launches

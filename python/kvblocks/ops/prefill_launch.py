@@ -85,6 +85,9 @@ class PrefillPlan:
     grid: tuple[int, int, int]
     threads: int = THREADS
     """Threads per CTA (the block)."""
+    sinks: bool = False
+    """The kernel adds attention sinks (its ``SINKS`` instantiation: the launch must pass
+    their address)."""
 
 
 def _heads_per_cta(group: int, rows: int, max_query_len: int) -> int:
@@ -103,9 +106,11 @@ def plan_prefill(
     num_kv_heads: int,
     num_seqs: int,
     max_query_len: int,
+    sinks: bool = False,
 ) -> PrefillPlan:
     """Plan a tensor-core prefill launch. ``max_query_len`` is a hint: below the real
-    longest chunk it costs parallelism (the kernel loops over query tiles), never rows."""
+    longest chunk it costs parallelism (the kernel loops over query tiles), never rows.
+    ``sinks``: the layer has attention sinks (the kernel's ``SINKS`` instantiation)."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise InvalidArgumentError(f"the tensor-core prefill kernel takes fp16/bf16, not {dtype}")
     check_head_size(head_size)
@@ -130,7 +135,7 @@ def plan_prefill(
             "per launch; split the batch"
         )
     return PrefillPlan(
-        kernel=prefill_kernel_name(dtype, head_size),
+        kernel=prefill_kernel_name(dtype, head_size, sinks=bool(sinks)),
         rows=rows,
         heads_per_cta=heads_per_cta,
         queries_per_cta=queries_per_cta,
@@ -140,6 +145,7 @@ def plan_prefill(
         # z (query tiles, issued slowest and reversed in the kernel: longest first).
         grid=(num_kv_heads * head_chunks, num_seqs, q_tiles),
         threads=prefill_threads(head_size),
+        sinks=bool(sinks),
     )
 
 
@@ -162,8 +168,10 @@ def prefill_launch(
     scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    sinks: int = 0,
 ) -> KernelLaunch:
-    """The kernel launch for ``plan``; addresses as ints.
+    """The kernel launch for ``plan``; addresses as ints (``sinks``: fp32 ``[num_heads]``
+    attention-sink logits, nonzero exactly when the plan's kernel adds them).
 
     Raises :class:`~kvblocks.errors.InvalidArgumentError` for a value the kernel's
     argument types cannot hold (a negative address, a size past int32) or that it cannot
@@ -174,10 +182,15 @@ def prefill_launch(
     for name, address in (
         ("out", out), ("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
         ("block_tables", block_tables), ("seq_lens", seq_lens),
-        ("query_start_loc", query_start_loc),
+        ("query_start_loc", query_start_loc), ("sinks", sinks),
     ):  # fmt: skip
         if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 2**64:
             raise InvalidArgumentError(f"{name} must be a device address (an int), got {address!r}")
+    if (sinks != 0) != plan.sinks:
+        raise InvalidArgumentError(
+            "sinks must be given exactly when the plan was made with sinks=True (the "
+            f"kernel {plan.kernel} {'reads' if plan.sinks else 'ignores'} them)"
+        )
     check_ints(num_tokens=num_tokens, max_blocks=max_blocks, minimum=0)
     check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, num_blocks=num_blocks, minimum=1)
     check_block_size(block_size)
@@ -193,6 +206,6 @@ def prefill_launch(
         np.int32(num_tokens), np.int32(num_heads), np.int32(num_kv_heads),
         np.int32(block_size), np.int32(max_blocks), np.int32(num_blocks),
         np.int32(plan.heads_per_cta), np.float32(scale), np.float32(soft_cap or 0.0),
-        np.int32(sliding_window or 0),
+        np.int32(sliding_window or 0), np.uint64(sinks),
     )  # fmt: skip
     return KernelLaunch(plan.kernel, plan.grid, (plan.threads, 1, 1), plan.smem_bytes, args)

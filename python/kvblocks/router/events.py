@@ -9,7 +9,9 @@ three records.
 
 A record keeps the event's KV cache group (``group_idx``, vLLM 0.33): a block leaving one
 group (a sliding-window group drops blocks a full-attention group keeps) must not erase
-another group's copy from the index.
+another group's copy from the index. A ``BlockStored`` record also keeps the group's kind
+and window (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) and the block size,
+from which the index learns what the group needs to serve a hit.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class BlockStoredRecord:
         parent_block_hash: hash of the block before the first one, ``None`` at the start.
         medium: the tier (``"GPU"``, ``"CPU"``, ``"DISK"``, ...).
         group_idx: the KV cache group (0 for a single-group model, vLLM's ``None``).
+        kv_cache_spec_kind: what the group's layers attend to (vLLM 0.33's
+            ``"full_attention"``, ``"sliding_window"``, ``"chunked_local_attention"``,
+            ``"mamba"``); ``None`` when the event names none (taken as full attention).
+        kv_cache_spec_sliding_window: the group's window in tokens (window groups).
+        block_size: tokens per block (the index needs it for a window group's rule).
     """
 
     instance: int
@@ -55,6 +62,9 @@ class BlockStoredRecord:
     parent_block_hash: BlockHash | None = None
     medium: str = DEFAULT_MEDIUM
     group_idx: int = 0
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ def records_from_manager(
                     ev.parent_block_hash,
                     ev.medium if medium is None else medium,
                     ev.group_idx,
+                    ev.kv_cache_spec_kind,
+                    ev.kv_cache_spec_sliding_window,
+                    ev.block_size,
                 )
             )
         elif isinstance(ev, BlockRemoved):

@@ -1,51 +1,161 @@
-"""The router's prefix index: which instances hold which block hashes, per tier."""
+"""The router's prefix index: which instances hold which block hashes, per tier and KV
+cache group, and the prefix hit each instance can serve."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
-from kvblocks.errors import InvalidTypeError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.router.events import (
+    DEFAULT_MEDIUM,
     AllBlocksClearedRecord,
     BlockHash,
     BlockRemovedRecord,
     BlockStoredRecord,
     EventRecord,
 )
+from kvblocks.router.group_hit import GroupRule, longest_hit, needed_groups
+from kvblocks.validation import check_int
 
-__all__ = ["PrefixIndex"]
+__all__ = ["MAX_GROUPS", "PrefixIndex"]
+
+_FULL = GroupRule()
+
+MAX_GROUPS = 4096
+"""Groups an instance may have (``group_idx`` below it): the index keeps a rule per group
+up to the highest one seen."""
 
 
 class PrefixIndex:
-    """Block hash -> instances holding it, per tier (``medium``), fed by KV event records.
+    """Block hash -> instances holding it, per tier (``medium``) and KV cache group,
+    fed by KV event records.
 
     An instance's blocks are kept per tier, so ``AllBlocksCleared`` drops one instance's
-    entries only. A block is held while any of the instance's KV cache groups
-    (``group_idx``) holds a copy of it in that tier: a removal from one group keeps
-    another group's copy, and a group may hold several copies (a prefix computed again
+    entries only, and per group (``group_idx``): a removal from one group keeps another
+    group's copy. A group may hold several copies of a block (a prefix computed again
     while the first copy was cached: each copy is stored and removed with its own event,
-    as vLLM's block pool publishes them), so one group's removal keeps its other copies.
-    A ``BlockRemoved`` for a hash the instance never reported is ignored (streams may start
-    mid-way); an event must be applied once (a replay of batches already seen would count
-    their copies twice). Memory is one dict entry per distinct (hash, tier) plus one entry
-    per (hash, tier, instance, group).
+    as vLLM's block pool publishes them), so copies are counted and a group holds the
+    block until its last copy's removal. A ``BlockRemoved`` for a hash the instance never
+    reported is ignored (streams may start mid-way); an event must be applied once (a
+    replay of batches already seen would count their copies twice). Memory is one dict
+    entry per distinct (hash, tier) plus one entry per (hash, tier, instance, group).
+
+    An instance's hit (:meth:`overlaps`) is what it can serve: with one full-attention
+    group (every instance of a single-group fleet), the leading blocks it holds; with KV
+    cache groups, the longest prefix every group serves under the core's hit rule
+    (:mod:`kvblocks.router.group_hit`: a window group needs only the blocks of its last
+    window, so an instance whose window group evicted old blocks still serves the whole
+    prefix). Each group's rule comes from its ``BlockStored`` events (kind, window, block
+    size) or from :meth:`set_group_specs`. A group below a known one that has stored
+    nothing yet needs every block (it serves no hit until it stores); a group above every
+    known one that never stored a block and was not given is unknown to the index and
+    not required.
     """
 
     def __init__(self) -> None:
         # medium -> hash -> instances
         self._owners: dict[str, dict[BlockHash, set[Hashable]]] = {}
         # instance -> medium -> hash -> group -> copies the group holds (for removals per
-        # group and copy, AllBlocksCleared and stats)
+        # group and copy, AllBlocksCleared, stats and the group hit rule)
         self._held: dict[Hashable, dict[str, dict[BlockHash, dict[int, int]]]] = {}
+        # instance -> group -> its hit rule, learned from events or given
+        self._rules: dict[Hashable, dict[int, GroupRule]] = {}
+        self._given: dict[Hashable, set[int]] = {}
+        self._block_size: dict[Hashable, int] = {}
+        # Instances whose hit is not "leading blocks held": several groups, or one that
+        # is not full attention.
+        self._grouped: set[Hashable] = set()
+
+    def set_group_specs(self, instance: Hashable, groups: Sequence[Any], block_size: int) -> None:
+        """Tell the index ``instance``'s KV cache groups (``kvblocks.GroupSpec`` objects,
+        the manager's ``groups``, in group order) and block size, for what events do not
+        say: a chunked group's chunk size, a recurrent group's checkpoint interval, a
+        group that has not stored a block yet. Events do not override given groups.
+
+        Raises:
+            InvalidArgumentError: not group specs, or a bad ``block_size``.
+        """
+        block_size = check_int(block_size, "block_size", minimum=1)
+        rules = {}
+        for g, spec in enumerate(groups):
+            kind = getattr(spec, "kind", None)
+            if not isinstance(kind, str):
+                raise InvalidArgumentError(f"groups[{g}] is not a GroupSpec: {spec!r}")
+            rules[g] = GroupRule(
+                kind,
+                window=getattr(spec, "window", None),
+                chunk=getattr(spec, "chunk", None),
+                checkpoint_every_blocks=getattr(spec, "checkpoint_every_blocks", None),
+            )
+        if not rules:
+            raise InvalidArgumentError("groups must name at least one group")
+        self._rules[instance] = rules
+        self._given[instance] = set(rules)
+        self._block_size[instance] = block_size
+        self._classify(instance)
+
+    def group_rules(self, instance: Hashable) -> dict[int, GroupRule]:
+        """``instance``'s groups as the index knows them (group -> rule)."""
+        return dict(self._rules.get(instance, {}))
+
+    @staticmethod
+    def _rule_of(record: BlockStoredRecord) -> GroupRule:
+        """The record's group rule; checks what the index computes with, before any
+        change."""
+        check_int(record.group_idx, "group_idx", minimum=0, maximum=MAX_GROUPS - 1)
+        if record.block_size is not None:
+            # 0: not said (host-tier events of blocks offloaded at eviction carry none).
+            check_int(record.block_size, "block_size", minimum=0)
+        kind = record.kv_cache_spec_kind
+        if kind == "sliding_window" and record.kv_cache_spec_sliding_window is not None:
+            window = check_int(record.kv_cache_spec_sliding_window, "sliding window", minimum=1)
+            return GroupRule(kind, window=window)
+        if kind in ("chunked_local_attention", "mamba"):
+            return GroupRule(kind)
+        # Full attention, no kind (older events), or one the index does not know: every
+        # block of the prefix is needed (never over-reports).
+        return _FULL
+
+    def _learn(self, record: BlockStoredRecord, rule: GroupRule) -> None:
+        inst = record.instance
+        if record.block_size:
+            self._block_size.setdefault(inst, record.block_size)
+        rules = self._rules.setdefault(inst, {})
+        g = record.group_idx
+        if g in self._given.get(inst, ()):
+            return
+        changed = rules.get(g) != rule
+        rules[g] = rule
+        for earlier in range(g):
+            # Groups are numbered from 0: an earlier group exists even if it has stored
+            # nothing yet (it serves nothing then); until its events name its kind, it
+            # needs every block, which never over-reports.
+            if earlier not in rules:
+                rules[earlier] = _FULL
+                changed = True
+        if changed:
+            self._classify(inst)
+
+    def _classify(self, instance: Hashable) -> None:
+        rules = self._rules.get(instance, {})
+        if any(g != 0 or r.kind != "full_attention" for g, r in rules.items()):
+            self._grouped.add(instance)
+        else:
+            self._grouped.discard(instance)
 
     def apply(self, record: EventRecord) -> None:
         """Apply one event record.
 
         Raises:
             TypeError: not a record, or a block hash that is not ``bytes`` or ``int``.
+            InvalidArgumentError: a stored record's group (``>= MAX_GROUPS``), block size
+                or window out of range. Nothing changes.
         """
         if isinstance(record, BlockStoredRecord):
+            rule = self._rule_of(record)
             self._store(record.instance, record.medium, record.group_idx, record.block_hashes)
+            self._learn(record, rule)
         elif isinstance(record, BlockRemovedRecord):
             self._remove(record.instance, record.medium, record.group_idx, record.block_hashes)
         elif isinstance(record, AllBlocksClearedRecord):
@@ -128,8 +238,9 @@ class PrefixIndex:
         """Leading blocks of ``block_hashes`` each instance holds (its matched prefix).
 
         An instance's match stops at its first missing block, as its own prefix probe
-        does. Instances with no match are absent. ``medium=None`` counts a block held in
-        any tier.
+        does; with KV cache groups it is the longest prefix every group serves (see the
+        class docs). Instances with no match are absent. ``medium=None`` counts a block
+        held in any tier.
         """
         media = [medium] if medium is not None else list(self._owners)
         tables = [self._owners[m] for m in media if m in self._owners]
@@ -144,13 +255,69 @@ class PrefixIndex:
                 break
             for inst in alive:
                 matched[inst] = depth + 1
+        for inst in self._grouped:
+            k = self._grouped_hit(inst, block_hashes, medium)
+            if k:
+                matched[inst] = k
+            else:
+                matched.pop(inst, None)
         return matched
+
+    def _holds(
+        self, instance: Hashable, block_hashes: Sequence[BlockHash], medium: str | None
+    ) -> Callable[[int, int], bool]:
+        held = self._held.get(instance, {})
+        tables = [held[m] for m in ([medium] if medium is not None else held) if m in held]
+        return lambda g, i: any(g in t.get(block_hashes[i], ()) for t in tables)
+
+    def _rules_of(self, instance: Hashable) -> tuple[dict[int, GroupRule], int]:
+        rules = self._rules[instance]
+        bs = self._block_size.get(instance)
+        if bs is None:
+            # Without a block size a window or chunk cannot be placed: need every block.
+            rules = {g: _FULL if r.kind != "mamba" else r for g, r in rules.items()}
+            bs = 1
+        return rules, bs
+
+    def _grouped_hit(
+        self, instance: Hashable, block_hashes: Sequence[BlockHash], medium: str | None
+    ) -> int:
+        rules, bs = self._rules_of(instance)
+        return longest_hit(
+            rules, self._holds(instance, block_hashes, medium), len(block_hashes), bs
+        )
+
+    def _grouped_credit(
+        self,
+        instance: Hashable,
+        block_hashes: Sequence[BlockHash],
+        k: int,
+        credit: Callable[[str], float],
+    ) -> float:
+        """Each block of a hit of ``k`` counts the credit of the worst tier some group
+        needing it must read it from (each group reading its best tier)."""
+        rules, bs = self._rules_of(instance)
+        held = self._held.get(instance, {})
+        needed = needed_groups(rules, k, bs)
+        total = 0.0
+        for i in range(k):
+            h = block_hashes[i]
+            worst: float | None = None
+            for g, blocks in needed:
+                if i not in blocks:
+                    continue
+                best = max((credit(m) for m, t in held.items() if g in t.get(h, ())), default=0.0)
+                worst = best if worst is None else min(worst, best)
+            total += credit(DEFAULT_MEDIUM) if worst is None else worst
+        return total
 
     def credited_overlaps(
         self, block_hashes: Sequence[BlockHash], credit: Callable[[str], float]
     ) -> dict[Hashable, float]:
         """Like :meth:`overlaps` over all tiers, but each matched block counts
-        ``credit(medium)`` of the best tier the instance holds it in."""
+        ``credit(medium)`` of the best tier the instance holds it in (with KV cache
+        groups: the worst, over the groups the hit needs that block from, of each
+        group's best tier; a block no group needs counts ``credit(DEFAULT_MEDIUM)``)."""
         tables = list(self._owners.items())
         total: dict[Hashable, float] = {}
         alive: set[Hashable] | None = None
@@ -169,4 +336,10 @@ class PrefixIndex:
             alive = set(best)
             for inst, c in best.items():
                 total[inst] = total.get(inst, 0.0) + c
+        for inst in self._grouped:
+            k = self._grouped_hit(inst, block_hashes, None)
+            if k:
+                total[inst] = self._grouped_credit(inst, block_hashes, k, credit)
+            else:
+                total.pop(inst, None)
         return total

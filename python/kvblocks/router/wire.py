@@ -11,8 +11,9 @@ of one batch in any of the forms a subscriber holds them: decoded with plain
 ``PromptHasher.block_hashes(..., hash_format="int")`` to match the latter.
 
 vLLM 0.33's fields are read where the index needs them (``group_idx``, ``None`` meaning
-group 0) and type-checked where a record keeps them; the others (``extra_keys``,
-``kv_cache_spec_kind``, ``locality``, ``session_id``, ...) are accepted and not used.
+group 0; ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``, the group's hit
+rule; ``block_size``) and type-checked where a record keeps them; the others
+(``extra_keys``, ``locality``, ``session_id``, ...) are accepted and not used.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ _ARRAY_FIELDS = {
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }  # fmt: skip
+# vLLM 0.33's group fields (map and struct forms only).
+_GROUP_FIELDS = ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
 
 
 def _fields(event: Any) -> tuple[str, dict[str, Any]]:
@@ -52,13 +55,19 @@ def _fields(event: Any) -> tuple[str, dict[str, Any]]:
     kind = type(event).__name__.removeprefix("Array")
     if kind not in _ARRAY_FIELDS:
         raise InvalidArgumentError(f"not a KV cache event: {type(event).__name__}")
-    return kind, {n: getattr(event, n, None) for n in (*_ARRAY_FIELDS[kind], "group_idx")}
+    return kind, {n: getattr(event, n, None) for n in (*_ARRAY_FIELDS[kind], *_GROUP_FIELDS)}
 
 
 def _group_idx(value: Any) -> int:
     if value is None:
         return 0
     return check_int(value, "group_idx", minimum=0, expected="None or an int >= 0")
+
+
+def _optional_positive(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    return check_int(value, name, minimum=1, expected="None or an int >= 1")
 
 
 def _hashes(values: Any) -> tuple[bytes | int, ...]:
@@ -89,7 +98,21 @@ def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]
                 _hashes([parent])
             hashes = _hashes(f.get("block_hashes"))
             group = _group_idx(f.get("group_idx"))
-            out.append(BlockStoredRecord(instance, hashes, parent, medium, group))
+            spec_kind = f.get("kv_cache_spec_kind")
+            if spec_kind is not None and not isinstance(spec_kind, str):
+                raise InvalidArgumentError(
+                    f"kv_cache_spec_kind must be a string or None, got {spec_kind!r}"
+                )
+            window = _optional_positive(
+                f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
+            )
+            # 0 (host-tier events of blocks offloaded at eviction) says nothing.
+            block_size = _optional_positive(f.get("block_size") or None, "block_size")
+            out.append(
+                BlockStoredRecord(
+                    instance, hashes, parent, medium, group, spec_kind, window, block_size
+                )
+            )
         elif kind == "BlockRemoved":
             hashes = _hashes(f.get("block_hashes"))
             group = _group_idx(f.get("group_idx"))

@@ -11,6 +11,7 @@ produces logits this step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from kvblocks.page_tables import (
     flashinfer_page_table,
 )
 from kvblocks.scheduler.memory_ops import MemoryOps, pairs_of
+from kvblocks.validation import check_int
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.block_table import TableDelta
@@ -281,34 +283,115 @@ class SchedulerOutput:
         """Nothing to compute (there may still be swap/copy work)."""
         return self.num_seqs == 0
 
-    def flashinfer_page_table(self, block_size: int) -> FlashInferPageTable:
-        """This step's page table in FlashInfer's CSR form (``qo_indptr`` included).
+    def flashinfer_page_table(
+        self, block_size: int, group: int = 0, *, skip_released: bool = False
+    ) -> FlashInferPageTable:
+        """Group ``group``'s page table for this step in FlashInfer's CSR form
+        (``qo_indptr`` included), for the layers of that KV cache group.
 
         See :func:`kvblocks.page_tables.flashinfer_page_table`; ``block_size`` is the
-        manager's.
+        manager's. A window or chunked group's released entries are exported as the null
+        block in place (run the kernel with the group's window), or, with
+        ``skip_released=True``, left out, the pages starting at ``kv_start``.
+
+        Raises:
+            InvalidArgumentError: ``group`` is not in ``[0, num_groups)``, or a bad
+                ``block_size``.
         """
-        if self.block_table is not None and self.block_table_rows is not None:
-            # Straight from the persistent table: the [S, B] matrix is never built.
-            return flashinfer_page_table(
-                self.block_table,
-                self.seq_lens,
-                block_size,
-                self.query_start_loc,
-                rows=self.block_table_rows,
-            )
+        g = self._group(group)
+        table, rows = self._table_of(g)
         return flashinfer_page_table(
-            self.block_tables, self.seq_lens, block_size, self.query_start_loc
+            table,
+            self.seq_lens,
+            block_size,
+            self.query_start_loc,
+            rows=rows,
+            skip_released=skip_released,
         )
 
-    def flash_attention_page_table(self, block_size: int) -> FlashAttentionPageTable:
-        """This step's ``block_table`` / ``cache_seqlens`` / ``cu_seqlens_q`` for FlashAttention.
+    def group_flashinfer_page_tables(
+        self, block_size: int, *, skip_released: bool = False
+    ) -> list[FlashInferPageTable]:
+        """Every group's :meth:`flashinfer_page_table`, entry ``g`` for group ``g``.
+
+        Without ``skip_released`` the groups' pages come from one gather over the stacked
+        tables: the entries share ``kv_indptr``, ``kv_last_page_len`` and ``qo_indptr``
+        (the same arrays), and ``kv_indices`` are the rows of one ``[G, nnz]`` array.
+        With it each group has its own page counts (one export per group).
+        """
+        if skip_released or self.num_groups == 1:
+            return [
+                self.flashinfer_page_table(block_size, g, skip_released=skip_released)
+                for g in range(self.num_groups)
+            ]
+        table, rows = self._stacked_tables()
+        stacked = flashinfer_page_table(
+            table, self.seq_lens, block_size, self.query_start_loc, rows=rows
+        )
+        return [
+            dataclasses.replace(stacked, kv_indices=stacked.kv_indices[g])
+            for g in range(self.num_groups)
+        ]
+
+    def flash_attention_page_table(
+        self, block_size: int, group: int = 0
+    ) -> FlashAttentionPageTable:
+        """Group ``group``'s ``block_table`` / ``cache_seqlens`` / ``cu_seqlens_q`` for
+        FlashAttention, for the layers of that KV cache group.
 
         See :func:`kvblocks.page_tables.flash_attention_page_table`; ``block_size`` is
-        the manager's.
+        the manager's. A window or chunked group's released entries stay in place as the
+        null block (positions must not shift); the kernel, run with the group's
+        ``window_size``, never reads them.
+
+        Raises:
+            InvalidArgumentError: ``group`` is not in ``[0, num_groups)``, or a bad
+                ``block_size``.
         """
+        g = self._group(group)
+        if g == 0:
+            return flash_attention_page_table(
+                self.block_tables, self.seq_lens, block_size, self.query_start_loc
+            )
+        table, rows = self._table_of(g)
         return flash_attention_page_table(
-            self.block_tables, self.seq_lens, block_size, self.query_start_loc
+            table, self.seq_lens, block_size, self.query_start_loc, rows=rows
         )
+
+    def group_flash_attention_page_tables(self, block_size: int) -> list[FlashAttentionPageTable]:
+        """Every group's :meth:`flash_attention_page_table`, entry ``g`` for group ``g``:
+        one gather over the stacked tables, ``block_table`` of entry ``g`` row ``g`` of one
+        ``[G, S, B]`` array; the other fields are shared (the same arrays)."""
+        if self.num_groups == 1:
+            return [self.flash_attention_page_table(block_size)]
+        stacked = flash_attention_page_table(
+            self.group_block_tables, self.seq_lens, block_size, self.query_start_loc
+        )
+        return [
+            dataclasses.replace(stacked, block_table=stacked.block_table[g])
+            for g in range(self.num_groups)
+        ]
+
+    def _group(self, group: object) -> int:
+        return check_int(group, "group", minimum=0, maximum=self.num_groups - 1, numpy=True)
+
+    def _table_of(self, group: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
+        """Group ``group``'s table and the rows to read it with (``None``: one row per
+        scheduled sequence, in order)."""
+        if self.block_table_rows is not None:
+            if self.group_block_table is not None:
+                # Straight from the persistent table: the [S, B] matrix is never built.
+                return self.group_block_table[group], self.block_table_rows
+            if group == 0 and self.block_table is not None:
+                return self.block_table, self.block_table_rows
+        if group == 0:
+            return self.block_tables, None
+        return self.group_block_tables[group], None
+
+    def _stacked_tables(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32] | None]:
+        if self.group_block_table is not None and self.block_table_rows is not None:
+            return self.group_block_table, self.block_table_rows
+        return self.group_block_tables, None
 
     @classmethod
     def empty(cls, num_block_columns: int = 1) -> SchedulerOutput:

@@ -683,3 +683,40 @@ fn can_allocate_step_is_the_steps_real_need_in_every_group() {
         kvblocks_core::AllocStatus::Never
     );
 }
+
+/// Two chunk sizes: the peak need can lie outside the last `lcm(chunk, block_size)`
+/// positions of the larger chunk. A window of 12 and chunks of 12 and 8 over blocks of 1
+/// hold 12 + 12 + 8 = 32 blocks at the query at 23, more than the 30 usable; the last
+/// 12 positions peak at 28, which the check used to read, and said `Ok` for a prompt
+/// that stalls at 23 computed one token a step with the pool to itself.
+#[test]
+fn can_allocate_step_finds_the_peak_of_two_chunk_sizes() {
+    let groups = [window(12), chunked(12), chunked(8)];
+    let prompt: Vec<u32> = (1..=38).collect();
+    let mut m = grouped(31, 1, &groups);
+    m.add_sequence(1, &prompt, None, None).unwrap();
+    assert_eq!(
+        m.can_allocate_step(1, 1, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
+    let mut stalled = None;
+    for p in 0..prompt.len() {
+        if m.allocate_slots(1, 1, 0).unwrap().is_none() {
+            stalled = Some(p);
+            break;
+        }
+        m.commit(1, 1, &[]).unwrap();
+    }
+    assert_eq!(stalled, Some(23));
+    // With 32 usable blocks it fits, and runs to the end one token a step.
+    let mut m = grouped(33, 1, &groups);
+    m.add_sequence(1, &prompt, None, None).unwrap();
+    assert_eq!(
+        m.can_allocate_step(1, 1, 0).unwrap(),
+        kvblocks_core::AllocStatus::Ok
+    );
+    for _ in 0..prompt.len() {
+        assert!(m.allocate_slots(1, 1, 0).unwrap().is_some());
+        m.commit(1, 1, &[]).unwrap();
+    }
+}

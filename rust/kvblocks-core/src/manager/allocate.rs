@@ -6,7 +6,6 @@ use crate::batch_allocation::BatchAllocation;
 use crate::batch_arg::BatchArg;
 use crate::error::{KvError, Result};
 use crate::events::KvCacheEvent;
-use crate::group::GroupSpec;
 use crate::host_tier::{Medium, MemoryOp, MemoryOpKind};
 use crate::prefix_cache::CacheEntry;
 use crate::NULL_BLOCK;
@@ -132,41 +131,17 @@ impl KVCacheManager {
 
     /// The most blocks the (not yet allocated) sequence holds in all groups together
     /// while its known tokens are computed one at a time from its cached prefix: the
-    /// least any schedule of its steps needs. A full-attention group's count only grows;
-    /// a window or chunked group's repeats with a period of `block_size` (window) or
-    /// `lcm(chunk, block_size)` (chunked) positions, so the last period holds the peak.
+    /// least any schedule of its steps needs (found at a few candidate positions, see
+    /// the `peak` module).
     fn peak_held(&self, slot: usize, lookahead: usize) -> usize {
         let seq = &self.slots[slot];
         let bs = self.config.block_size;
         let known = seq.tokens.len();
         let cached = self.computed_of(seq).min(known.saturating_sub(1));
         let claim = cached / bs;
-        let groups = &self.pools.groups;
-        let period = groups
-            .iter()
-            .map(|spec| match *spec {
-                GroupSpec::ChunkedLocalAttention { chunk } => chunk / gcd(chunk, bs) * bs,
-                _ => bs,
-            })
-            .max()
-            .unwrap_or(bs);
-        let from = cached.max(known.saturating_sub(period));
-        let mut peak = 0;
-        // Single-token steps: the query at `p` reserves through `p + 1 + lookahead` and
-        // sees from `first_visible(p)` (or from the claim's first block).
-        for p in from..known {
-            let table_len = (p + 1 + lookahead).div_ceil(bs);
-            let held: usize = (0..groups.len())
-                .map(|g| {
-                    let first = groups[g]
-                        .released_blocks(p, bs)
-                        .max(self.pools.hit_range(g, claim).start);
-                    table_len - first.min(table_len)
-                })
-                .sum();
-            peak = peak.max(held);
-        }
-        peak
+        super::peak::peak_held(&self.pools.groups, bs, known, cached, lookahead, |g| {
+            self.pools.hit_range(g, claim).start
+        })
     }
 
     /// Reserve KV slots for `computed + num_new_tokens + num_lookahead_tokens` tokens in
@@ -505,14 +480,5 @@ impl KVCacheManager {
             pools.counters.prefix_cache_hits += ((plan.claim - plan.tier_positions) * bs) as u64;
         }
         Some(())
-    }
-}
-
-/// Greatest common divisor (`gcd(a, 0) = a`).
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }

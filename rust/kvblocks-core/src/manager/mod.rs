@@ -243,6 +243,7 @@ mod host_ops;
 mod in_flight;
 mod invariants;
 mod lora_keys;
+mod peak;
 mod pools;
 mod queries;
 mod sequences;
