@@ -170,7 +170,8 @@ def test_a_removed_copy_keeps_the_group_s_other_copies() -> None:
     idx.apply(BlockStoredRecord(0, (H[0],), group_idx=1))
     idx.apply(BlockRemovedRecord(0, (H[0],)))
     idx.apply(BlockRemovedRecord(0, (H[0],)))  # group 0's copies are gone, group 1's stays
-    assert idx.overlaps(H[:3]) == {0: 2}
+    assert idx.instances(H[0]) == {0}
+    assert idx.num_blocks(0) == 2
     idx.apply(BlockRemovedRecord(0, (H[0],), group_idx=1))
-    assert idx.overlaps(H[:3]) == {}
+    assert idx.instances(H[0]) == set()
     assert idx.num_blocks(0) == 1
