@@ -7,7 +7,8 @@ use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyArrayMethods, PyUntyped
 use pyo3::prelude::*;
 
 use crate::args::{
-    names, Count, Flag, PerSeqCounts, RowIndices, SeqId, SeqIds, WritableTable, WritableTables,
+    names, Count, Flag, Indices, PerSeqCounts, RowIndices, SeqId, SeqIds, WritableTable,
+    WritableTables,
 };
 use crate::block_table_delta::BlockTableDelta;
 use crate::errors::{invalid_argument, IntoPyResult};
@@ -151,6 +152,65 @@ impl KVCacheManager {
         // The core checked every written entry against this shape.
         delta.apply(data, num_rows, num_cols).py_err()?;
         Ok(BlockTableDelta::new(py, delta))
+    }
+
+    /// ``update_block_table`` of group 0 for a step of decodes, and the cache slot of
+    /// each sequence's token at ``positions[i]`` read from its row just written: one call
+    /// for what the scheduler's decode-only step otherwise gathers in NumPy.
+    fn update_decode_block_table<'py>(
+        &self,
+        py: Python<'py>,
+        block_table: WritableTable<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        positions: Indices<names::Positions>,
+    ) -> PyResult<(BlockTableDelta, Bound<'py, PyArray1<i64>>)> {
+        let table = block_table.0;
+        let (num_rows, num_cols) = {
+            let shape = table.shape();
+            (shape[0], shape[1])
+        };
+        let ids = seq_ids.0;
+        let rows = rows.parse(num_rows)?;
+        let positions = positions.0;
+        if positions.len() != ids.len() {
+            return Err(invalid_argument(format!(
+                "positions has {} entries, expected one per sequence ({})",
+                positions.len(),
+                ids.len()
+            )));
+        }
+        let bs = self.read(py, |m| m.block_size());
+        // The slots are read from the rows after the sync: check every position's column
+        // first, so that a bad position writes and consumes nothing.
+        if let Some((i, pos)) = positions
+            .iter()
+            .enumerate()
+            .find(|(_, &p)| p / bs >= num_cols)
+        {
+            return Err(invalid_argument(format!(
+                "positions[{i}] = {pos} is past the table's {num_cols} columns of {bs} tokens"
+            )));
+        }
+        let delta = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.sync_group_block_table(0, &ids, &rows, num_rows, num_cols, None, false)
+            })
+            .py_err()?;
+        // SAFETY: as in `update_block_table`: `WritableTable` checked that the array is
+        // C-contiguous and writeable, and the GIL is held until the reads are done.
+        let data = unsafe { table.as_slice_mut() }
+            .map_err(|e| invalid_argument(format!("block_table: {e}")))?;
+        delta.apply(data, num_rows, num_cols).py_err()?;
+        let slots: Vec<i64> = rows
+            .iter()
+            .zip(&positions)
+            .map(|(&row, &pos)| {
+                let block = data[row as usize * num_cols + pos / bs] as i64;
+                block * bs as i64 + (pos % bs) as i64
+            })
+            .collect();
+        Ok((BlockTableDelta::new(py, delta), to_numpy(py, slots)))
     }
 
     /// ``update_block_table`` of every group: ``block_tables`` is int32 ``[num_groups,
