@@ -12,6 +12,9 @@ EXTRAS  ?= dev,engine,cli
 DEMO_EXTRAS := cli
 DIST    ?= dist
 export PYO3_PYTHON := $(abspath $(PY))
+# What lint and test-python build first; `make test` empties it for its second stage, which
+# runs after one build.
+NEEDS_BUILD ?= build
 # Release build of the extension, installed editable; PIP_QUIET keeps the pip that maturin runs
 # to a line per problem instead of a line per package.
 DEVELOP := PIP_QUIET=1 VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
@@ -53,7 +56,7 @@ $(VENV)/.zig-stamp: $(STAMP)
 wheel: $(VENV)/.zig-stamp
 	PYTHON=$(abspath $(PY)) .ci/build-dist $(DIST)
 
-lint: build
+lint: $(NEEDS_BUILD)
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
@@ -73,7 +76,7 @@ test-rust:
 XDIST   ?= -n 2 --dist loadfile
 
 # The complete suite (what CI runs); the slowest tests are listed at the end.
-test-python: build
+test-python: $(NEEDS_BUILD)
 	$(PY) -m pytest -q $(XDIST) --durations=15
 
 # The fast tier, for iteration: all but the `slow` and `wheel` markers (the full NVRTC
@@ -81,7 +84,12 @@ test-python: build
 test-fast: build
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not wheel" --durations=10
 
-test: build test-rust lint test-python
+# After the build, cargo test and the linters run beside the Python suite (-j3): alone they
+# leave a core idle for long stretches (mypy and the last crates of each cargo build are one
+# process), and the suite has its own idle moments (a worker waiting for the other's build of
+# the emulator, the last file of the run). Each target's output is printed when it ends.
+test: build
+	$(MAKE) --no-print-directory -j3 --output-sync=target NEEDS_BUILD= test-rust lint test-python
 
 # Only the distribution test (also part of test-python): build, install in a fresh venv, run.
 test-wheel: build

@@ -9,8 +9,10 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+from pathlib import Path
 
 import pytest
+from nvrtc_results import compile_source, results_dir
 
 from kvblocks.ops.cuda_sources import (
     CACHE_OPS_SOURCE,
@@ -36,17 +38,19 @@ SOURCES = (CACHE_OPS_SOURCE, SPLIT_K_SOURCE, DECODE_SOURCE, PREFILL_SOURCE)
 CHUNK = 48
 
 
-def _compile(job: tuple[str, str, list[str]]):
-    source, arch, names = job
-    return source, arch, nvrtc_build.compile_source(source, arch, names)
+def _compile(job: tuple[Path | None, str, str, list[str]]):
+    directory, source, arch, names = job
+    return source, arch, compile_source(directory, source, arch, names)
 
 
 @pytest.fixture(scope="module")
-def all_compiled():
+def all_compiled(request):
     """{arch: {source: CompileResult}} for every instantiation, the programs compiled in
-    parallel processes (NVRTC holds no state between programs)."""
+    parallel processes (NVRTC holds no state between programs), each once per run
+    (nvrtc_results.py: test_prefill_kernel_nvrtc.py compiles the same prefill program)."""
+    directory = results_dir(request.config)
     jobs = [
-        (source, arch, names[i : i + CHUNK])
+        (directory, source, arch, names[i : i + CHUNK])
         for arch in ARCHS
         for source in SOURCES
         for names in [kernel_names(source)]

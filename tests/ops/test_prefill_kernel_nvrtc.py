@@ -6,19 +6,21 @@ sources; this one the prefill source."""
 from __future__ import annotations
 
 import pytest
+from nvrtc_results import compile_source, results_dir
 
 from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
 from kvblocks.ops.cuda_sources import MIN_SMEM_OPTIN, PREFILL_SOURCE, kernel_names
 from kvblocks.ops.prefill_launch import prefill_smem_bytes
 
-nvrtc_build = pytest.importorskip("kvblocks.ops.nvrtc_build")
 pytest.importorskip("cuda.bindings.nvrtc")
 
 
 @pytest.fixture(scope="module", params=["sm_80", "sm_90"])
 def compiled(request):
     arch = request.param
-    return arch, nvrtc_build.compile_source(PREFILL_SOURCE, arch, kernel_names(PREFILL_SOURCE))
+    # The same program as test_ops_nvrtc.py's matrix: compiled once per run (nvrtc_results).
+    names = kernel_names(PREFILL_SOURCE)
+    return arch, compile_source(results_dir(request.config), PREFILL_SOURCE, arch, names)
 
 
 def test_every_instantiation_compiles_without_spills(compiled):
