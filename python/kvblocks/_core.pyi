@@ -779,6 +779,19 @@ class KVCacheManager:
         :class:`InvalidArgumentError` / :class:`UnknownSequenceError` /
         :class:`SequenceStateError`, with nothing written and nothing consumed.
         """
+    def update_decode_block_table(
+        self,
+        block_table: npt.NDArray[np.int32],
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        positions: _SeqIds,
+    ) -> tuple[BlockTableDelta, npt.NDArray[np.int64]]:
+        """:meth:`update_block_table` of group 0 (``full=None``) for a step of decodes,
+        and the cache slot (``block * block_size + offset``) of each sequence's token at
+        ``positions[i]``, read from its row just written: the scheduler's decode-only step
+        in one call. A position past the table's columns, or ``positions`` not one per
+        sequence, is :class:`InvalidArgumentError` with nothing written; otherwise the
+        errors of :meth:`update_block_table`."""
     def update_group_block_tables(
         self,
         block_tables: npt.NDArray[np.int32],

@@ -184,3 +184,41 @@ def test_swapped_sequences_and_bad_shapes_are_refused(m: KVCacheManager) -> None
     with pytest.raises(kvblocks.InvalidArgumentError):
         m.update_block_table(table, [1], [0], full="yes")  # type: ignore[arg-type]
     assert m.update_block_table(table, [1], [0]).reset.tolist() == [True]
+
+
+def test_decode_sync_writes_as_update_block_table_and_gives_the_decode_slots(
+    m: KVCacheManager,
+) -> None:
+    twin = KVCacheManager(64, 4, num_cpu_blocks=32, watermark=0.0)
+    _running(twin, 1, list(range(10)))
+    _running(twin, 2, list(range(20, 26)))
+    table = np.zeros((4, 8), dtype=np.int32)
+    twin_table = np.zeros((4, 8), dtype=np.int32)
+    ids = np.array([2, 1], dtype=np.int64)
+    for step in range(7):
+        for mgr in (m, twin):
+            mgr.allocate_slots_batch(ids, 1)
+        rows = np.array([step % 2, 3], dtype=np.int32)
+        positions = np.array([m.num_tokens(int(s)) - 1 for s in ids], dtype=np.int64)
+        delta, slots = m.update_decode_block_table(table, ids, rows, positions)
+        want = twin.update_block_table(twin_table, ids, rows)
+        np.testing.assert_array_equal(table, twin_table)
+        for name in ("rows", "start_cols", "indptr", "block_ids", "reset"):
+            np.testing.assert_array_equal(getattr(delta, name), getattr(want, name))
+        # The slot of each token the step computes, as slot_mapping gives it.
+        assert slots.dtype == np.int64
+        np.testing.assert_array_equal(slots, twin.slot_mapping(ids, 1))
+        for mgr in (m, twin):
+            mgr.commit_batch(ids, 1, np.array([7, 8]))
+
+
+@pytest.mark.parametrize("positions", [[3], [3, 4, 5], [3, 32], [-1, 3]])
+def test_decode_sync_refuses_bad_positions_with_nothing_changed(
+    m: KVCacheManager, positions: list[int]
+) -> None:
+    table = np.full((4, 8), 5, dtype=np.int32)
+    with pytest.raises(kvblocks.InvalidArgumentError):
+        m.update_decode_block_table(table, [1, 2], [0, 1], positions)
+    assert (table == 5).all()
+    # Nothing was consumed: the next sync still writes both tables whole.
+    assert m.update_block_table(table, [1, 2], [0, 1]).reset.tolist() == [True, True]

@@ -502,6 +502,69 @@ class ContentOracle(RuleBasedStateMachine):
         COVERAGE["flood"] += 1
         COVERAGE["priority_kept"] += hit == len(a_tokens)
 
+    def _whole_hits(self) -> bool:
+        """Whether a prompt whose every block some sequence holds must hit whole (not with
+        a recurrent-state group: its hit ends on a checkpoint boundary)."""
+        return True
+
+    # Without caching nothing is duplicated in the cache.
+    @precondition(lambda self: self.m.enable_prefix_caching)
+    @rule(free_first=st.booleans())
+    def duplicate(self, free_first):
+        """Two sequences compute one prompt at once (neither can claim blocks the other has
+        not committed), so every block of it is cached twice. One of them is freed
+        (``free_first``: the one that committed first) and a prompt over the whole free
+        pool evicts its copies. While the other holds its copies, the prompt extended by a
+        token must hit whole, and the claimed blocks must hold its KV (the read check)."""
+        free = self.m.num_free_blocks() // self.num_groups
+        if free < 2:
+            return
+        ops = COVERAGE["ops"]
+        try:
+            self._duplicate(free // 2, free_first)
+        finally:
+            COVERAGE["ops"] = ops + 1
+
+    def _duplicate(self, blocks: int, free_first: bool) -> None:
+        tokens = [FLOOD_TOKEN + self.next_id, *range(12, 11 + blocks * self.bs)]
+        pair = []
+        for _ in range(2):
+            sid = self.next_id
+            self.next_id += 1
+            self.m.add_sequence(sid, tokens)
+            self.tokens[sid] = list(tokens)
+            self.ns[sid] = (None, None)
+            pair.append(sid)
+        served: dict[int, tuple[int, int]] = {}
+        for sid in pair:
+            new = len(tokens) - self.m.num_computed_tokens(sid)
+            if self.m.allocate_slots(sid, new) is None:
+                for s in pair:
+                    self._forget(s)
+                return
+            self._copy_on_writes()
+            self._after_allocate(sid, new, 0)
+            served[sid] = (new, 0)
+        self._write_reserved(served)
+        for sid, (new, _) in served.items():
+            self.m.commit(sid, new)
+            del self.pending[sid]
+            self.computed[sid] += new
+        self.every_sequence_reads_its_own_kv()
+        gone, kept = pair if free_first else pair[::-1]
+        self._forget(gone)
+        self._one_off(self.m.num_free_blocks() // self.num_groups, None)
+        _, hit = self._one_off(0, None, tokens=[*tokens, 0])
+        COVERAGE["duplicate"] += 1
+        if hit is not None and self._whole_hits():
+            if hit != len(tokens):
+                raise ContentError(
+                    f"sequence {kept} holds every block of its prompt, yet the prompt hit "
+                    f"{hit} of its {len(tokens)} tokens"
+                )
+            COVERAGE["duplicate_kept"] += 1
+        self._forget(kept)
+
     @precondition(lambda self: len(self.mem.cpu) > 0 and self._idle())
     @rule(data=st.data())
     def swap_out(self, data):
@@ -721,10 +784,25 @@ def _forced_flood() -> None:
     machine.teardown()
 
 
+def _forced_duplicate() -> None:
+    """One fixed example of the duplicate rule: two sequences compute one 10-token prompt
+    at once, the first to commit is freed and a prompt over the free pool evicts its
+    copies; the other's copies must keep the prompt a whole hit."""
+    machine = ContentOracle()
+    machine.setup(
+        num_blocks=12, block_size=2, num_cpu_blocks=0, caching=True, hash_algo="blake3", window=None
+    )
+    machine.duplicate(free_first=True)
+    machine.every_sequence_reads_its_own_kv()
+    machine.structure_holds()
+    machine.teardown()
+
+
 def test_every_sequence_reads_its_own_kv() -> None:
     """At least ``MIN_OPERATIONS`` random operations, every content effect reached."""
     COVERAGE.clear()
     _forced_flood()
+    _forced_duplicate()
     # Hypothesis decides how long each run is: repeat until the budget is spent.
     for _ in range(10):
         run_state_machine_as_test(
@@ -751,6 +829,7 @@ def test_every_sequence_reads_its_own_kv() -> None:
         "in_flight",
         "retention_priority",
         "priority_kept",
+        "duplicate_kept",
     )
     assert all(COVERAGE[what] > 0 for what in reached), COVERAGE
 

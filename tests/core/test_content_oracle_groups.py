@@ -194,6 +194,36 @@ def _forced_sparse_hit(machine: type[Any], **setup: Any) -> None:
     oracle.teardown()
 
 
+def _forced_group_duplicate() -> None:
+    """The duplicates KV cache groups make, for certain: a full-attention group still holds
+    a prompt's blocks but the window group's blocks of its end were evicted, so the prompt
+    is computed again and the full-attention group caches a second copy of each block.
+    The first copies are then freed and evicted: the second copies must keep the prompt a
+    whole hit (the read check judges what the claim reads)."""
+    oracle = GroupedContentOracle()
+    oracle.setup(
+        num_blocks=24,
+        block_size=2,
+        num_cpu_blocks=2,
+        caching=True,
+        hash_algo="blake3",
+        groups=[("full_attention", None), ("sliding_window", 2)],
+    )
+    first = oracle.next_id
+    tokens, _ = oracle._one_off(4, None, keep=True)  # holds window block 3 only
+    oracle._one_off(oracle.m.num_free_blocks() // 2, None)  # evicts window blocks 0-2
+    _, hit = oracle._one_off(0, None, tokens=tokens[:6], keep=True)
+    assert hit == 0, hit  # no window block before the query: computed again
+    oracle._forget(first)
+    oracle._one_off(oracle.m.num_free_blocks() // 2, None)  # evicts the first copies
+    _, hit = oracle._one_off(0, None, tokens=[*tokens[:6], 0])
+    if hit != 6:
+        raise ContentError(f"a prefix whose every block a sequence holds hit {hit} of 6 tokens")
+    oracle.every_sequence_reads_its_own_kv()
+    oracle.structure_holds()
+    oracle.teardown()
+
+
 def _run(
     machine: type[Any],
     budget: int,
@@ -218,6 +248,7 @@ def test_every_group_reads_its_own_kv() -> None:
     COVERAGE.clear()
     GROUP_COVERAGE.clear()
     _forced_sparse_hit(GroupedContentOracle, num_blocks=24, caching=True, hash_algo="blake3")
+    _forced_group_duplicate()
     _run(
         GroupedContentOracle,
         MIN_OPERATIONS // 2,

@@ -78,6 +78,9 @@ class _StateSteps:
         self.ran: dict[int, bool] = {}
         return specs + [GroupSpec.recurrent(k) for k in states]
 
+    def _whole_hits(self) -> bool:
+        return all(e is None for e in self.every)
+
     def _state(self, sid: int, group: int, position: int) -> int:
         """The id of the state after ``position`` tokens of ``sid`` in ``group``."""
         return self._expected(sid, group)[position - 1]  # type: ignore[attr-defined,no-any-return]

@@ -262,24 +262,71 @@ def test_str_salt_equals_its_utf8_bytes(make: Make) -> None:
     assert m.add_sequence(2, list(range(9)), cache_salt="tenant-é".encode()) == 8
 
 
-def test_duplicate_content_keeps_the_existing_cached_block(make: Make) -> None:
+def test_duplicate_content_is_cached_as_another_copy(make: Make) -> None:
     m = make(16, 4)
     m.add_sequence(1, list(range(5)))
     m.add_sequence(2, list(range(5)))  # probed before 1 cached anything: no claim
     run(m, 1, 5)
-    run(m, 2, 5)  # same content as 1's first block: stays uncached
+    run(m, 2, 5)  # same content as 1's first block: a second cached copy
     m.add_sequence(3, [7] * 5)
     m.add_sequence(4, [7] * 5)
     assert m.allocate_slots_batch([3, 4], 5).num_served == 2  # neither is cached yet
     m.commit_batch([3, 4], 5)
     events = m.take_events()
     stored = [e for e in events if type(e).__name__.endswith("BlockStored")]
-    # Block of 3 enters the cache; 4's identical block stays uncached: one event each.
-    assert [e.token_ids for e in stored] == [[0, 1, 2, 3], [7, 7, 7, 7]]
-    assert m.stats()["num_cached_blocks"] == 2
+    # Every copy is stored and published, as vLLM's block pool does.
+    assert [e.token_ids for e in stored] == [[0, 1, 2, 3]] * 2 + [[7, 7, 7, 7]] * 2
+    assert m.stats()["num_cached_blocks"] == 4
     m.add_sequence(5, [7] * 5)
     m.allocate_slots(5, 1)
     assert m.block_table(5).tolist()[0] == m.block_table(3).tolist()[0]
+    m.check_invariants()
+
+
+def test_a_hash_stays_cached_while_any_copy_lives(make: Make) -> None:
+    """A prefix computed again is a second copy of its blocks: evicting the first copy must
+    not drop the hashes while another sequence holds identical blocks (the cache indexed
+    the first copy only, so the hit shrank to the blocks before the evicted one)."""
+    m = make(10, 4)
+    a = list(range(100, 112))
+    b = [*a, 7]
+    m.add_sequence(1, a)
+    m.add_sequence(2, b)  # probed before 1 committed: no hit
+    m.allocate_slots(1, 12)
+    m.commit(1, 12, [])
+    m.allocate_slots(2, 13)
+    m.commit(2, 13, [])
+    m.free(1)  # its blocks wait at the back of the free queue, 3 first
+    m.add_sequence(3, list(range(500, 520)))
+    m.allocate_slots(3, 12)  # the 2 never used, then 1's last block
+    assert m.stats()["evictions"] == 1
+    # Sequence 2 still holds all three blocks.
+    assert m.add_sequence(4, b) == 12
+    free = m.num_free_blocks()
+    m.allocate_slots(4, 1)
+    # The claim shares sequence 2's copies instead of taking 1's free ones from the queue.
+    assert m.block_table(4).tolist()[:3] == m.block_table(2).tolist()[:3]
+    assert m.num_free_blocks() == free - 1
+    m.check_invariants()
+
+
+def test_the_cached_prefix_keeps_a_hash_a_live_copy_holds() -> None:
+    """The defect as reported, through the hash API of the core."""
+    m = kvblocks.KVCacheManager(10, 4, watermark=0.0)
+    a = list(range(100, 112))
+    b = [*a, 7]
+    m.add_sequence(1, a)
+    m.add_sequence(2, b)
+    m.allocate_slots(1, 12)
+    m.commit(1, 12, [])
+    m.allocate_slots(2, 13)
+    m.commit(2, 13, [])
+    hashes = m.block_hasher().block_hashes(b)
+    assert m.num_cached_prefix_blocks(hashes) == 3
+    m.free(1)
+    m.add_sequence(3, list(range(500, 520)))
+    m.allocate_slots(3, 12)
+    assert m.num_cached_prefix_blocks(hashes) == 3
 
 
 def test_eviction_order_tail_first_and_unhashed_reused_first(make: Make) -> None:

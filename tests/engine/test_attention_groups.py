@@ -120,16 +120,16 @@ def test_engine_builds_one_group_per_kind_and_slot_tensors(
     )
 
 
-def test_a_remote_tier_keeps_one_group() -> None:
-    """A shared store keys a block by its hash alone: the engine keeps one group then."""
+def test_kv_cache_groups_is_a_bool_switch() -> None:
+    """Groups unless ``kv_cache_groups=False`` (a remote tier keeps them too: its store
+    keys a block by group and hash, tests/engine/test_remote_tier_groups.py)."""
     from kvblocks.engine.build import attention_groups
 
     model = build_tiny_model(tiny_config("gemma3_text", num_hidden_layers=6, layer_types=None))
-    assert attention_groups(model, True, None) is not None
-    assert attention_groups(model, True, lambda layout: None) is None  # type: ignore[arg-type,return-value]
-    assert attention_groups(model, False, None) is None
+    assert attention_groups(model, True) is not None
+    assert attention_groups(model, False) is None
     with pytest.raises(InvalidArgumentError, match="kv_cache_groups"):
-        attention_groups(model, 1, None)  # type: ignore[arg-type]
+        attention_groups(model, 1)  # type: ignore[arg-type]
 
 
 def _held(total: int, window: int | None, block: int) -> int:

@@ -112,7 +112,7 @@ class _Sequence:
     allocated: bool = False
     swapped: bool = False
     num_cached_tokens: int = 0
-    # Leading blocks already offered to the prefix cache (cached, claimed or duplicate).
+    # Leading blocks already offered to the prefix cache (cached or claimed).
     num_committed_blocks: int = 0
     # Leading table entries released by the sliding window (all null).
     num_released: int = 0
@@ -259,7 +259,9 @@ class ReferenceKVCacheManager:
         self._refcount = [0] * self._num_blocks
         self._block_hash: list[bytes | None] = [None] * self._num_blocks
         self._free = _FreeQueue(range(1, self._num_blocks))
-        self._cache: dict[bytes, int] = {}
+        # hash -> every cached block holding it (a prefix computed again is one more
+        # copy), the head first; a new copy goes right after the head, as in the core.
+        self._cache: dict[bytes, list[int]] = {}
         self._cpu_refcount = [0] * self._num_cpu_blocks
         self._cpu_free = _FreeQueue(range(self._num_cpu_blocks))
         self._seqs: dict[int, _Sequence] = {}
@@ -410,13 +412,22 @@ class ReferenceKVCacheManager:
                 return n
             n = max(missing)
 
+    def _claimed_block(self, h: bytes) -> int:
+        """The cached block of ``h`` a claim takes: a copy in use if any (sharing it takes
+        nothing from the free queue), else the head."""
+        copies = self._cache[h]
+        return next((b for b in copies if self._refcount[b] > 0), copies[0])
+
     def _pop_free(self) -> int:
         """Take the front block of the free queue, evicting its cache entry if it has one."""
         block = self._free.pop_front()
         h = self._block_hash[block]
         if h is not None:
-            if self._cache.get(h) == block:
-                del self._cache[h]
+            copies = self._cache.get(h, [])
+            if block in copies:
+                copies.remove(block)
+                if not copies:
+                    del self._cache[h]
             self._block_hash[block] = None
             if self._record_events:
                 self._events.append(RefBlockRemoved([h]))
@@ -610,7 +621,9 @@ class ReferenceKVCacheManager:
                 return AllocStatus.LATER
             return AllocStatus.OK
         required = -(-(len(seq.token_ids) + lookahead) // bs) - start
-        shared = sum(1 for h in seq.hashes[start:hits] if self._refcount[self._cache[h]] > 0)
+        shared = sum(
+            1 for h in seq.hashes[start:hits] if self._refcount[self._claimed_block(h)] > 0
+        )
         needed = required - shared
         if required > self._num_blocks - 1 - self._watermark_blocks:
             return AllocStatus.NEVER
@@ -632,7 +645,7 @@ class ReferenceKVCacheManager:
         table_len = len(seq.block_table)
         if not seq.allocated:
             hits = self._probe_blocks(seq)
-            claim = [self._cache[h] for h in seq.hashes[self._claim_start(hits) : hits]]
+            claim = [self._claimed_block(h) for h in seq.hashes[self._claim_start(hits) : hits]]
             computed = hits * bs
             table_len = hits
         if computed + num_new > len(seq.token_ids):
@@ -781,11 +794,12 @@ class ReferenceKVCacheManager:
         for i in range(start, end):
             h = self._seq_hash(seq, i)
             block = seq.block_table[i]
-            if block == _NULL_BLOCK or self._block_hash[block] is not None or h in self._cache:
+            if block == _NULL_BLOCK or self._block_hash[block] is not None:
                 flush()
                 continue
             self._block_hash[block] = h
-            self._cache[h] = block
+            copies = self._cache.setdefault(h, [])
+            copies.insert(1, block)
             run.append(i)
         flush()
 
@@ -1035,8 +1049,9 @@ class ReferenceKVCacheManager:
         if len(self._free) != self._num_blocks - 1:
             return False
         if self._caching:
-            for block in self._cache.values():
-                self._block_hash[block] = None
+            for copies in self._cache.values():
+                for block in copies:
+                    self._block_hash[block] = None
             self._cache.clear()
             if self._record_events:
                 self._events.append(RefAllBlocksCleared())
@@ -1060,7 +1075,7 @@ class ReferenceKVCacheManager:
             "num_free_cpu_blocks": len(self._cpu_free),
             "num_sequences": len(self._seqs),
             "num_swapped_sequences": sum(1 for s in self._seqs.values() if s.swapped),
-            "num_cached_blocks": len(self._cache),
+            "num_cached_blocks": sum(len(c) for c in self._cache.values()),
             "prefix_cache_queries": queries,
             "prefix_cache_hits": self._prefix_hits,
             "prefix_cache_hit_rate": self._prefix_hits / queries if queries else 0.0,
@@ -1101,6 +1116,9 @@ class ReferenceKVCacheManager:
         for block in range(self._num_cpu_blocks):
             if (block in self._cpu_free) != (self._cpu_refcount[block] == 0):
                 raise InvariantViolationError(f"CPU block {block}: free iff refcount 0 is broken")
-        for h, block in self._cache.items():
+        cached = [b for copies in self._cache.values() for b in copies]
+        if sorted(cached) != [b for b, h in enumerate(self._block_hash) if h is not None]:
+            raise InvariantViolationError("the cached blocks are not the blocks with a hash")
+        for h, block in ((h, b) for h, copies in self._cache.items() for b in copies):
             if self._block_hash[block] != h:
                 raise InvariantViolationError(f"cache entry of block {block} has a stale hash")

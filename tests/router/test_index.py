@@ -152,3 +152,26 @@ def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:
 def test_records_from_manager_rejects_foreign_objects() -> None:
     with pytest.raises(TypeError):
         records_from_manager(0, [object()])  # type: ignore[list-item]
+
+
+def test_a_removed_copy_keeps_the_group_s_other_copies() -> None:
+    """A prefix computed again while its first copy is cached gives a group two blocks of
+    one hash, each stored and removed with its own event (vLLM's block pool publishes
+    both): evicting one copy must not drop a hash the instance still holds."""
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:3])))
+    idx.apply(BlockStoredRecord(0, tuple(H[:3])))  # the copies
+    idx.apply(BlockRemovedRecord(0, (H[2],)))
+    assert idx.overlaps(H[:3]) == {0: 3}
+    assert idx.num_blocks(0) == 3
+    idx.apply(BlockRemovedRecord(0, (H[2],)))
+    assert idx.overlaps(H[:3]) == {0: 2}
+    idx.apply(BlockRemovedRecord(0, (H[2],)))  # no copy left: ignored
+    idx.apply(BlockStoredRecord(0, (H[0],), group_idx=1))
+    idx.apply(BlockRemovedRecord(0, (H[0],)))
+    idx.apply(BlockRemovedRecord(0, (H[0],)))  # group 0's copies are gone, group 1's stays
+    assert idx.instances(H[0]) == {0}
+    assert idx.num_blocks(0) == 2
+    idx.apply(BlockRemovedRecord(0, (H[0],), group_idx=1))
+    assert idx.instances(H[0]) == set()
+    assert idx.num_blocks(0) == 1

@@ -164,11 +164,10 @@ def recurrent_layout(
     model: CausalLM,
     block_size: int,
     checkpoint_blocks: int | None,
-    host_cache_blocks: int,
-    remote_tier: RemoteTier | None,
 ) -> HybridLayout | None:
     """The KV cache groups of a hybrid recurrent model (``None`` for an attention-only
-    one, which takes no ``checkpoint_blocks``); such a model has no host or remote tier."""
+    one, which takes no ``checkpoint_blocks``). Its host tier's rows, and a remote
+    tier's records, hold a state group's block's states (``KVLayout.state_nbytes``)."""
     layout = hybrid_layout(model.config, block_size, checkpoint_blocks)
     if layout is None:
         if checkpoint_blocks is not None:
@@ -176,23 +175,16 @@ def recurrent_layout(
                 "state_checkpoint_blocks applies to models with recurrent layers only"
             )
         return None
-    if host_cache_blocks or remote_tier is not None:
-        raise InvalidArgumentError(
-            "host and remote tiers are not supported with a recurrent model (their rows "
-            "hold KV, not states)"
-        )
     return layout
 
 
-def attention_groups(
-    model: CausalLM, enabled: bool, remote_tier: RemoteTier | None
-) -> AttentionLayout | None:
+def attention_groups(model: CausalLM, enabled: bool) -> AttentionLayout | None:
     """The KV cache groups of a model mixing attention kinds, or ``None`` (one group of
-    every layer): a model of one kind, ``enabled=False``, or a remote tier (its store
-    keys blocks by hash alone, so two groups' blocks of the same tokens would collide)."""
+    every layer): a model of one kind, or ``enabled=False``. A remote tier keys each
+    group's blocks by group and hash (:mod:`kvblocks.tiers.remote_groups`)."""
     if not isinstance(enabled, bool):
         raise InvalidArgumentError(f"kv_cache_groups must be a bool, got {enabled!r}")
-    if not enabled or remote_tier is not None:
+    if not enabled:
         return None
     return attention_layout(model.config)
 
@@ -262,7 +254,7 @@ def connect_remote_tier(
         digest = on_disk.digest
     elif _needs_digest(remote_tier):
         digest = model_weights_digest(model)
-    layout = dataclasses.replace(runner.host_layout, weights_digest=digest)
+    layout = dataclasses.replace(runner.tier_layout, weights_digest=digest)
     if callable(remote_tier) and not isinstance(remote_tier, TierStore):
         # A factory: the store's layout is only known once the model is built.
         remote_tier = remote_tier(layout)

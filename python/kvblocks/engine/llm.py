@@ -106,16 +106,18 @@ class LLM:
         state_checkpoint_blocks: a hybrid recurrent model (Bamba) only: blocks between
             the cached states of its mixers (a prefix hit ends on such a boundary);
             default 512 tokens' worth. Its manager has one attention group and
-            recurrent-state groups (:mod:`~kvblocks.engine.layer_groups`); host and
-            remote tiers are not supported for it.
+            recurrent-state groups (:mod:`~kvblocks.engine.layer_groups`); its host
+            tier keeps the states of cached checkpoints like KV blocks (a row holds a
+            block's KV or its states, by the block's group), and so do the records of
+            its remote tier (``KVLayout.state_nbytes``).
         kv_cache_groups: a model mixing sliding-window and full-attention layers (Gemma
             2/3, gpt-oss, Ministral, Qwen3, OLMo 3) gets one KV cache group per attention
             kind (:func:`~kvblocks.engine.layer_groups.attention_layout`): a window
             group's blocks that slid out of view go back to the pool, and the cache keeps
             ``L`` layer slots per block, not one per layer (a block then costs ``L``
-            layers' KV, see ``num_blocks``). ``False``, or a remote tier
-            (its store keys a block by hash alone, not by group), keeps one
-            full-attention group of every layer, each window layer masking its window.
+            layers' KV, see ``num_blocks``); a remote tier keys each group's blocks by
+            group and hash. ``False`` keeps one full-attention group of every layer,
+            each window layer masking its window.
             A model of one attention kind always has one group.
 
     Raises:
@@ -177,10 +179,8 @@ class LLM:
         self.max_model_len = build.check_max_model_len(
             max_model_len, config.max_position_embeddings
         )
-        layout = build.recurrent_layout(
-            self.model, block_size, state_checkpoint_blocks, host_cache_blocks, remote_tier
-        )
-        attention = build.attention_groups(self.model, kv_cache_groups, remote_tier)
+        layout = build.recurrent_layout(self.model, block_size, state_checkpoint_blocks)
+        attention = build.attention_groups(self.model, kv_cache_groups)
         num_blocks, num_cpu_blocks = build.cache_sizes(
             num_blocks,
             num_cpu_blocks,
@@ -218,6 +218,7 @@ class LLM:
             seed=seed,
             layout=layout,
             attention_layout=attention,
+            tier_slot_groups=self.manager.tier_slot_groups,
         )
         self.remote: RemoteTierLink | None = None
         if remote_tier is not None:

@@ -12,8 +12,8 @@ logits only at the sampling rows and samples.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -208,13 +208,19 @@ class ModelRunner:
         num_cpu_blocks: CPU swap-space blocks (pinned memory when the model is on CUDA).
         host_cache_blocks: slots of the host tier's pool (the manager's
             ``host_cache_blocks``; 0: no tier). One uint8 row per slot holds a block's K and
-            V for every layer (:class:`~kvblocks.tiers.layout.KVLayout`), pinned when the
+            V for every layer slot (``host_layout``; a recurrent hybrid's state group's
+            block: its states, the row as wide as ``tier_layout`` says), pinned when the
             model is on CUDA; ``"offload"`` and ``"load"`` ops move blocks in and out.
         seed: seed of the sampler's shared generator.
         layout: a hybrid recurrent model's KV cache groups
             (:func:`~kvblocks.engine.layer_groups.hybrid_layout`): its mixers' states are
             kept in a :class:`~kvblocks.engine.state_cache.StateCache` and each step reads
-            and saves them where ``SchedulerOutput.state_mappings`` says. No host tier then.
+            and saves them where ``SchedulerOutput.state_mappings`` says. With a host tier
+            a pool row is as wide as the wider of a KV payload and a block's states, and
+            an offload or load moves the KV of an attention group's block (group 0) or the
+            states of a state group's block, by the group of each slot.
+        tier_slot_groups: the manager's ``tier_slot_groups`` (the group of the block each
+            host-tier slot holds); needed by a recurrent model with a host tier.
         attention_layout: a model mixing attention kinds
             (:func:`~kvblocks.engine.layer_groups.attention_layout`): the runner keeps
             one K/V tensor pair per layer slot (``L``, not one per layer) and each layer
@@ -233,6 +239,7 @@ class ModelRunner:
         seed: int = 0,
         layout: HybridLayout | None = None,
         attention_layout: AttentionLayout | None = None,
+        tier_slot_groups: Callable[[np.ndarray], Sequence[int | None]] | None = None,
     ) -> None:
         param = next(model.parameters())
         self.model = model
@@ -266,10 +273,10 @@ class ModelRunner:
         self.host_cache_blocks = check_int(host_cache_blocks, "host_cache_blocks", minimum=0)
         self.states: StateCache | None = None
         if layout is not None:
-            if host_cache_blocks > 0:
+            if host_cache_blocks > 0 and tier_slot_groups is None:
                 raise InvalidArgumentError(
-                    "a host tier is not supported with a recurrent model (its tier rows "
-                    "hold KV, not states); use host_cache_blocks=0"
+                    "a recurrent model's host tier needs tier_slot_groups (the manager's): "
+                    "a slot holds KV or states by its block's group"
                 )
             self.states = StateCache(
                 getattr(model, "mixers", []),
@@ -279,11 +286,17 @@ class ModelRunner:
                 device=self.device,
                 pin_memory=self.device.type != "cpu" and num_cpu_blocks > 0,
             )
+        # The KV tiles of a block (what the transfer functions move) ...
         self.host_layout = KVLayout.from_caches(self.kv_caches)
+        # ... and a host-pool row: as wide as the wider of those and a block's states.
+        self.tier_layout = self.host_layout
+        if self.states is not None:
+            self.tier_layout = replace(self.host_layout, state_nbytes=self.states.row_nbytes)
+        self.tier_slot_groups = tier_slot_groups
         self.host_pool: Tensor | None = None
         if host_cache_blocks > 0:
             self.host_pool = allocate_host_pool(
-                self.host_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
+                self.tier_layout, host_cache_blocks, pin_memory=self.device.type != "cpu"
             )
         self.sampler = Sampler(self.device, seed)
         # The device copy of the scheduler's persistent block tables, [G, rows, blocks]
@@ -336,10 +349,44 @@ class ModelRunner:
                 f"the scheduler asked for a host-tier {kind} but the runner has no host pool "
                 "(host_cache_blocks=0)"
             )
+        if self.states is None:
+            self._kv_tier_copy(kind, pairs)
+            return
+        # A recurrent hybrid: group 0's slots hold KV, the state groups' slots states.
+        slots = pairs[:, 1] if kind == "offload" else pairs[:, 0]
+        assert self.tier_slot_groups is not None  # checked in __init__
+        groups = np.asarray(
+            [-1 if g is None else g for g in self.tier_slot_groups(slots)], dtype=np.int64
+        )
+        if (groups < 0).any():
+            raise InvalidArgumentError(
+                f"host-tier {kind} names slots that hold no block: {slots[groups < 0].tolist()}"
+            )
+        kv = groups == 0
+        if kv.any():
+            self._kv_tier_copy(kind, pairs[kv])
+        if (~kv).any():
+            self._state_tier_copy(kind, pairs[~kv])
+
+    def _kv_tier_copy(self, kind: str, pairs: np.ndarray) -> None:
+        assert self.host_pool is not None
+        # The pool's rows may be wider than a KV payload (a recurrent model's states).
+        pool = self.host_pool[:, : self.host_layout.payload_nbytes]
         if kind == "offload":
-            offload_blocks(self.host_layout, self.kv_caches, self.host_pool, pairs)
+            offload_blocks(self.host_layout, self.kv_caches, pool, pairs)
         else:
-            load_blocks(self.host_layout, self.host_pool, self.kv_caches, pairs)
+            load_blocks(self.host_layout, pool, self.kv_caches, pairs)
+
+    def _state_tier_copy(self, kind: str, pairs: np.ndarray) -> None:
+        assert self.host_pool is not None and self.states is not None
+        width = self.states.row_nbytes
+        if kind == "offload":
+            rows = self.states.gather_rows(pairs[:, 0])
+            slots = torch.from_numpy(np.ascontiguousarray(pairs[:, 1]))
+            self.host_pool[:, :width].index_copy_(0, slots, rows)
+        else:
+            slots = torch.from_numpy(np.ascontiguousarray(pairs[:, 0]))
+            self.states.scatter_rows(self.host_pool[:, :width].index_select(0, slots), pairs[:, 1])
 
     def _swap(self, kind: str, pairs: np.ndarray) -> None:
         if not self.cpu_caches:

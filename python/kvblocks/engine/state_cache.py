@@ -8,6 +8,10 @@ its ``L`` layer slots (:mod:`kvblocks.engine.layer_groups`); the engine keeps, p
 slot, a convolution tensor ``[num_blocks, conv_dim, d_conv - 1]`` and a scan tensor
 ``[num_blocks, n_heads, d_head, d_state]`` (float32), indexed by the pool's block ids, next
 to the attention layers' KV caches. Copies and swaps move a block in both.
+
+A host-tier row of a state group's block (:meth:`StateCache.gather_rows`,
+:meth:`StateCache.scatter_rows`) holds that block's states, not KV: every slot's
+convolution state, then every slot's scan state, as float32 bytes (``row_nbytes``).
 """
 
 from __future__ import annotations
@@ -76,6 +80,39 @@ class StateCache:
                 gpu[:, self._index(pairs[:, 1])] = cpu[:, torch.from_numpy(pairs[:, 0])].to(
                     gpu.device
                 )
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one block's states as a host-tier row (every slot's conv, then scan)."""
+        return 4 * (self.conv[:, 0].numel() + self.ssm[:, 0].numel())
+
+    def gather_rows(self, block_ids: np.ndarray) -> Tensor:
+        """The states of ``block_ids`` as uint8 ``[n, row_nbytes]`` rows on the CPU."""
+        ids = self._index(block_ids)
+        n = ids.numel()
+        pieces = [
+            t.index_select(1, ids).transpose(0, 1).reshape(n, -1).view(torch.uint8)
+            for t in (self.conv, self.ssm)
+        ]
+        return torch.cat(pieces, dim=1).cpu()
+
+    def scatter_rows(self, rows: Tensor, block_ids: np.ndarray) -> None:
+        """Write uint8 ``[n, row_nbytes]`` rows (from :meth:`gather_rows`) into
+        ``block_ids``' states."""
+        ids = self._index(block_ids)
+        n = ids.numel()
+        if tuple(rows.shape) != (n, self.row_nbytes) or rows.dtype != torch.uint8:
+            raise InvalidArgumentError(
+                f"state rows must be uint8 [{n}, {self.row_nbytes}], got {rows.dtype} "
+                f"{tuple(rows.shape)}"
+            )
+        source = rows.to(self.conv.device)
+        column = 0
+        for t in (self.conv, self.ssm):
+            width = 4 * t[:, 0].numel()
+            piece = source[:, column : column + width].contiguous().view(torch.float32)
+            t.index_copy_(1, ids, piece.view(n, *t[:, 0].shape).transpose(0, 1))
+            column += width
 
     def _index(self, ids: np.ndarray) -> Tensor:
         return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(self.conv.device)

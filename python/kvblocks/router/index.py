@@ -33,9 +33,13 @@ class PrefixIndex:
 
     An instance's blocks are kept per tier, so ``AllBlocksCleared`` drops one instance's
     entries only, and per group (``group_idx``): a removal from one group keeps another
-    group's copy. A ``BlockRemoved`` for a hash the instance never reported is ignored
-    (streams may start mid-way, or replay what was seen). Memory is one dict entry per
-    distinct (hash, tier) plus one entry per (hash, tier, instance).
+    group's copy. A group may hold several copies of a block (a prefix computed again
+    while the first copy was cached: each copy is stored and removed with its own event,
+    as vLLM's block pool publishes them), so copies are counted and a group holds the
+    block until its last copy's removal. A ``BlockRemoved`` for a hash the instance never
+    reported is ignored (streams may start mid-way); an event must be applied once (a
+    replay of batches already seen would count their copies twice). Memory is one dict
+    entry per distinct (hash, tier) plus one entry per (hash, tier, instance, group).
 
     An instance's hit (:meth:`overlaps`) is what it can serve: with one full-attention
     group (every instance of a single-group fleet), the leading blocks it holds; with KV
@@ -52,9 +56,9 @@ class PrefixIndex:
     def __init__(self) -> None:
         # medium -> hash -> instances
         self._owners: dict[str, dict[BlockHash, set[Hashable]]] = {}
-        # instance -> medium -> hash -> the groups holding it (for removals per group,
-        # AllBlocksCleared, stats and the group hit rule)
-        self._held: dict[Hashable, dict[str, dict[BlockHash, set[int]]]] = {}
+        # instance -> medium -> hash -> group -> copies the group holds (for removals per
+        # group and copy, AllBlocksCleared, stats and the group hit rule)
+        self._held: dict[Hashable, dict[str, dict[BlockHash, dict[int, int]]]] = {}
         # instance -> group -> its hit rule, learned from events or given
         self._rules: dict[Hashable, dict[int, GroupRule]] = {}
         self._given: dict[Hashable, set[int]] = {}
@@ -174,7 +178,8 @@ class PrefixIndex:
         held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:
             owners.setdefault(h, set()).add(instance)
-            held.setdefault(h, set()).add(group)
+            copies = held.setdefault(h, {})
+            copies[group] = copies.get(group, 0) + 1
 
     def _remove(
         self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
@@ -186,7 +191,10 @@ class PrefixIndex:
         for h in hashes:
             groups = held.get(h)
             if groups is not None and group in groups:
-                groups.discard(group)
+                if groups[group] > 1:
+                    groups[group] -= 1  # the group still holds another copy
+                    continue
+                del groups[group]
                 if groups:
                     continue  # another group still holds the block
                 del held[h]

@@ -66,6 +66,7 @@ class DecodeRows:
     seeds: npt.NDArray[np.int64]
     seq_index: npt.NDArray[np.int32]
     request_ids: list[str]
+    any_beam: bool
     table_version: int
 
     @classmethod
@@ -82,7 +83,8 @@ class DecodeRows:
             top_k=cols["top_k"][:end].copy(),
             seeds=cols["seed"][:end].copy(),
             seq_index=cols["seq_index"][:end].copy(),
-            request_ids=cols["request_id"][:end].tolist(),
+            request_ids=table.request_ids(end),
+            any_beam=table.has_beam(end),
             table_version=table.version,
         )
 
@@ -127,7 +129,7 @@ def build_step(
         dec.seq_index,
     )
     dec_request_ids = dec.request_ids
-    special = bool(dec_beam.any())
+    special = dec.any_beam
     beam_width = 0
     if special:
         sample_counts = np.where(dec_beam, 0, 1).astype(np.int32)
@@ -218,10 +220,14 @@ def build_step(
             block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
         else:
             table_rows = block_table.assign(seq_ids)
-            table_deltas = block_table.sync_groups(seq_ids, table_rows, seq_lens)
             if group_slots is None and num_sched is None:
                 # Decodes only: one slot each, read from the rows just synced.
-                group_slots = block_table.decode_slots(table_rows, positions)[None]
+                table_deltas, slots = block_table.sync_decodes(
+                    seq_ids, table_rows, seq_lens, positions
+                )
+                group_slots = slots[None]
+            else:
+                table_deltas = block_table.sync_groups(seq_ids, table_rows, seq_lens)
         if group_slots is None:
             group_slots = np.asarray(mgr.slot_mapping(seq_ids, counts), dtype=np.int64)[None]
     else:

@@ -183,11 +183,7 @@ class PersistentBlockTable:
         seq_lens: npt.NDArray[np.int32],
     ) -> list[TableDelta]:
         """:meth:`sync` of every group in one manager call; one delta per group."""
-        if len(seq_lens):
-            longest = int(seq_lens.max()) + self.num_lookahead_tokens
-            need = -(-longest // self.block_size)
-            if need > self.table.shape[1]:
-                self._grow(cols=max(need, 2 * self.table.shape[1]))
+        self._fit(seq_lens)
         if not self._incremental:
             return [self._write_whole(seq_ids, rows)]
         try:
@@ -197,6 +193,37 @@ class PersistentBlockTable:
             # than its context: widen once and retry (nothing was written or consumed).
             self._grow(cols=2 * self.table.shape[1])
             return self._update(seq_ids, rows)
+
+    def sync_decodes(
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int64],
+    ) -> tuple[list[TableDelta], npt.NDArray[np.int64]]:
+        """:meth:`sync_groups` of a step of decodes (one token each) and the tokens' cache
+        slots (:meth:`decode_slots`), in one manager call when it has one."""
+        # KVCacheManager's fused call; other managers (the tests' reference) take two steps.
+        fused = getattr(self.manager, "update_decode_block_table", None)
+        if fused is None or self.num_groups != 1 or not self._incremental:
+            deltas = self.sync_groups(seq_ids, rows, seq_lens)
+            return deltas, self.decode_slots(rows, positions)
+        self._fit(seq_lens)
+        try:
+            delta, slots = fused(self.table, seq_ids, rows, positions)
+        except InvalidArgumentError:
+            # As in sync_groups: a table longer than its context (nothing was written).
+            self._grow(cols=2 * self.table.shape[1])
+            delta, slots = fused(self.table, seq_ids, rows, positions)
+        return [delta], slots
+
+    def _fit(self, seq_lens: npt.NDArray[np.int32]) -> None:
+        """Widen the table to hold tables of ``seq_lens`` tokens (plus lookahead)."""
+        if len(seq_lens):
+            longest = int(seq_lens.max()) + self.num_lookahead_tokens
+            need = -(-longest // self.block_size)
+            if need > self.table.shape[1]:
+                self._grow(cols=max(need, 2 * self.table.shape[1]))
 
     def _update(
         self, seq_ids: npt.NDArray[np.int64], rows: npt.NDArray[np.int32]

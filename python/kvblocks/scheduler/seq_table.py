@@ -59,6 +59,9 @@ class SequenceTable:
         self.cols: Rows = empty_rows()
         self.row_of: npt.NDArray[np.int64] = np.full(1024, -1, dtype=np.int64)
         self.version = 0
+        # Per-version derived values (the columns change shape only in update(), which
+        # bumps the version): the request ids as a list and the first beam row.
+        self._derived: tuple[int, list[str], int] | None = None
 
     def __len__(self) -> int:
         return int(self.cols["seq_id"].shape[0])
@@ -69,6 +72,23 @@ class SequenceTable:
     def rows_of(self, seq_ids: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Rows of the given sequences (all must be present)."""
         return self.row_of[seq_ids]
+
+    def request_ids(self, end: int) -> list[str]:
+        """The request ids of rows ``0..end-1``, as a new list."""
+        return self._derived_values()[1][:end]
+
+    def has_beam(self, end: int) -> bool:
+        """Whether a beam-search sequence is among rows ``0..end-1``."""
+        return self._derived_values()[2] < end
+
+    def _derived_values(self) -> tuple[int, list[str], int]:
+        derived = self._derived
+        if derived is None or derived[0] != self.version:
+            beam = self.cols["is_beam"]
+            first_beam = int(beam.argmax()) if beam.any() else len(beam)
+            derived = (self.version, self.cols["request_id"].tolist(), first_beam)
+            self._derived = derived
+        return derived
 
     def request_boundary(self, end: int) -> int:
         """The largest ``k <= end`` that does not split a multi-sequence request (rows

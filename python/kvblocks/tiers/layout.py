@@ -53,6 +53,11 @@ class KVLayout:
       converted or re-saved (another dtype on disk, another tensor order) and so hash
       differently. A wrong ``model_id`` then gives wrong tokens, without an error.
 
+    - ``state_nbytes``: a recurrent hybrid's (Bamba's) bytes of one block's states (its
+      ``L`` layer slots' conv then SSM state, float32); 0 for a model without recurrent
+      layers. With it, a payload is as wide as the wider of the KV tiles and the states
+      (a state group's block's payload is its states, padded), as the engine's host pool.
+
     A layout without a digest and without the opt-out describes bytes (a host pool, a
     transfer) but names no weights: shared tiers (:class:`~kvblocks.tiers.disk.DiskTier`,
     :class:`~kvblocks.tiers.valkey_tier.ValkeyTier`) refuse it.
@@ -66,6 +71,7 @@ class KVLayout:
     model_id: str = ""
     weights_digest: str = ""
     trust_model_id: bool = False
+    state_nbytes: int = 0
     fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +89,7 @@ class KVLayout:
                 f"empty, got {self.weights_digest!r}"
             )
         check_bool(self.trust_model_id, "trust_model_id")
+        check_int(self.state_nbytes, "state_nbytes", minimum=0, expected="an int >= 0")
         if self.trust_model_id and not self.model_id:
             raise InvalidArgumentError(
                 "trust_model_id=True names the weights by model_id alone: model_id must not "
@@ -100,6 +107,9 @@ class KVLayout:
             self.head_size,
             str(self.dtype),
         ]
+        if self.state_nbytes:
+            # Only a recurrent model's layout names states: the others' fingerprints stay.
+            fields.append(["states", self.state_nbytes])
         text = json.dumps(fields, separators=(",", ":"))
         digest = hashlib.blake2b(text.encode(), digest_size=FINGERPRINT_SIZE).digest()
         object.__setattr__(self, "fingerprint", digest)
@@ -181,5 +191,12 @@ class KVLayout:
 
     @property
     def payload_nbytes(self) -> int:
-        """Bytes of one block's payload: K and V tiles for every layer."""
+        """Bytes of one block's payload: K and V tiles for every layer (or a block's
+        states, when wider: ``state_nbytes``)."""
+        return max(2 * self.num_layers * self.tile_nbytes, self.state_nbytes)
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of one block's K and V tiles for every layer (the payload without the
+        padding a wider state adds)."""
         return 2 * self.num_layers * self.tile_nbytes

@@ -2,11 +2,13 @@
 :class:`~kvblocks.tiers.disk.DiskTier` directory) below the engine's host tier.
 
 The core decides, this module moves bytes. Every block the core offloads to the host tier
-is also written to the remote store, keyed by its block hash, once the step's ops have
+is also written to the remote store, keyed by its block hash (with several KV cache
+groups, by group and hash: :mod:`kvblocks.tiers.remote_groups`), once the step's ops have
 copied it into the host pool (write-through, ``host_offload="commit"``, makes every
 computed block reach the store). Before a request is scheduled, the blocks of its prompt
 past what the instance holds (GPU prefix cache + host tier) are read from the store; the
-leading run of hits is imported into host-tier slots (``KVCacheManager.import_tier_blocks``),
+longest hit they give (one group: the leading run of hits; several: by the core's hit
+rule) is imported into host-tier slots (``KVCacheManager.import_tier_blocks``),
 their payloads written into the host pool and confirmed, so the scheduler's claim loads
 them instead of recomputing them. A request preempted by recompute is probed again before
 it is re-admitted (its blocks may have reached the store meanwhile).
@@ -50,6 +52,7 @@ import torch
 from kvblocks._core import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.tiers.remote_groups import FetchPlan, group_tags, plan_fetch
 from kvblocks.tiers.remote_worker import PendingFetch, Worker
 from kvblocks.tiers.store import TierStore
 from kvblocks.validation import check_bool, check_int, check_number
@@ -250,6 +253,8 @@ class RemoteTierLink:
             )
         self.store = store
         self.manager = manager
+        self._groups = tuple(manager.groups)
+        self._tags = group_tags(self._groups)
         self.host_pool = host_pool
         self.options = options
         self._counters = _Counters()
@@ -312,12 +317,14 @@ class RemoteTierLink:
         if not ids.size:
             return
         hashes = self.manager.tier_slot_hashes(ids)
-        keep = [i for i, h in enumerate(hashes) if h is not None]
+        groups = self.manager.tier_slot_groups(ids) if len(self._tags) > 1 else [0] * len(ids)
+        keep = [i for i, h in enumerate(hashes) if h is not None and groups[i] is not None]
         if not keep:
             return
         # Advanced indexing copies: the staging rows own their bytes.
         rows = self.host_pool[torch.as_tensor(ids[keep], dtype=torch.long)]
-        chosen: list[bytes] = [hashes[i] for i in keep]  # type: ignore[misc]
+        # Keyed by group and hash: each group's block of the same tokens is its own.
+        chosen = [self._tags[groups[i]] + hashes[i] for i in keep]  # type: ignore[index,operator]
         if self._worker is None:
             self.write_store(chosen, rows)
         else:
@@ -325,14 +332,20 @@ class RemoteTierLink:
 
     # -- reads ---------------------------------------------------------------------------
     def missing(self, read: TierRead) -> list[bytes]:
-        """Hashes of the blocks of ``read``'s tokens a claim could use that this instance
-        does not hold (past its GPU and host-tier hit; at most the host tier's size),
-        hashed in ``read``'s namespace (cache salt, LoRA) as the manager hashes them."""
+        """Store keys of the blocks of ``read``'s tokens a claim could use that this
+        instance does not hold (past its GPU and host-tier hit; at most the host tier's
+        size), hashed in ``read``'s namespace (cache salt, LoRA) as the manager hashes
+        them; with several groups, each group's blocks the hit rule could need, keyed by
+        group and hash (:mod:`kvblocks.tiers.remote_groups`)."""
+        plan = self._plan(read)
+        return [] if plan is None else list(plan.keys)
+
+    def _plan(self, read: TierRead) -> FetchPlan | None:
         block_size = self.manager.block_size
         # A claim never covers the whole prompt: its last token is always computed.
         limit = (len(read.token_ids) - 1) // block_size
         if limit <= 0:
-            return []
+            return None
         # The manager's own hasher (algorithm, seed, LoRAs), copied now: a LoRA registered
         # since the last prefetch counts.
         prefix = np.asarray(read.token_ids, dtype=np.int64)[: limit * block_size]
@@ -340,16 +353,20 @@ class RemoteTierLink:
             prefix, cache_salt=read.cache_salt, lora_id=read.lora_id
         )
         start = self.manager.num_cached_prefix_blocks(hashes)
-        return list(hashes[start : start + self.manager.host_cache_blocks])
+        plan = plan_fetch(
+            self._groups, self._tags, block_size, hashes, start, self.manager.host_cache_blocks
+        )
+        return plan if plan.keys else None
 
     def prefetch(self, read: TierRead) -> PendingFetch | None:
         """Start reading the sequence's blocks past the local hit; None when there is
         nothing to read. Synchronous I/O reads here; background I/O queues the read.
         The imported blocks keep ``read.retention_priority`` in the host tier."""
-        wanted = self.missing(read)
-        if not wanted:
+        plan = self._plan(read)
+        if plan is None:
             return None
-        fetch = PendingFetch(wanted, read.retention_priority)
+        fetch = PendingFetch(plan, read.retention_priority)
+        wanted = fetch.hashes
         self._counters.add("fetches", 1)
         if self._worker is None:
             fetch.finish(self.read_store(wanted))
@@ -358,29 +375,41 @@ class RemoteTierLink:
         return fetch
 
     def complete(self, fetch: PendingFetch) -> int:
-        """Import a finished read's leading hits into host-tier slots; blocks imported.
+        """Import a finished read's hit into host-tier slots; blocks imported.
 
-        Call between steps with no op in flight: the imported slots are confirmed here.
-        A read that has not come back imports nothing (``fetch_timeouts``).
+        The hit is the longest prefix every group serves from what was found (one group:
+        the leading run of hits); each group's blocks it needs are imported under that
+        group. Call between steps with no op in flight: the imported slots are confirmed
+        here. A read that has not come back imports nothing (``fetch_timeouts``).
         """
         payloads = fetch.payloads if fetch.done() else None
         if not fetch.done():
             self._counters.add("fetch_timeouts", 1)
         if not payloads:
             return 0
-        found = 0
-        while found < len(payloads) and payloads[found] is not None:
-            found += 1
-        if not found:
+        plan = fetch.plan
+        hit = plan.hit([p is not None for p in payloads])
+        if hit <= plan.start:
             return 0
-        slots = self.manager.import_tier_blocks(
-            fetch.hashes[:found], retention_priority=fetch.retention_priority
-        )
-        rows = [i for i in range(found) if slots[i] >= 0]
+        entries: list[int] = []
+        slot_ids: list[int] = []
+        for group, chosen in enumerate(plan.imports(hit)):
+            if not chosen:
+                continue
+            got = self.manager.import_tier_blocks(
+                [plan.hashes[plan.entries[i][1]] for i in chosen],
+                retention_priority=fetch.retention_priority,
+                group=group,
+            )
+            for i, slot in zip(chosen, got.tolist(), strict=True):
+                if slot >= 0:
+                    entries.append(i)
+                    slot_ids.append(slot)
+        rows = entries
         try:
             if rows:
                 data = torch.stack([payloads[i] for i in rows])  # type: ignore[misc]
-                self.host_pool[torch.as_tensor(slots[rows], dtype=torch.long)] = data
+                self.host_pool[torch.as_tensor(slot_ids, dtype=torch.long)] = data
         except BaseException:
             # Nothing reserved may become a hit with unwritten bytes: drop the tier's
             # unpinned blocks once the reservations are released.

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from kvblocks.tiers.remote_groups import FetchPlan
+
 __all__ = ["PendingFetch", "StoreCalls", "Worker"]
 
 
@@ -27,8 +29,11 @@ class PendingFetch:
     turns true; the step thread reads them only after that.
     """
 
-    def __init__(self, hashes: list[bytes], retention_priority: int | None = None) -> None:
-        self.hashes = hashes
+    def __init__(self, plan: FetchPlan, retention_priority: int | None = None) -> None:
+        # Which group's block each key is, and the hit rule's inputs.
+        self.plan = plan
+        # The store keys read (with several KV cache groups: group tag + block hash).
+        self.hashes = list(plan.keys)
         # The blocks enter the host tier at the requesting sequence's priority.
         self.retention_priority = retention_priority
         self.payloads: list[torch.Tensor | None] | None = None

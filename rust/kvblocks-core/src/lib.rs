@@ -25,9 +25,12 @@
 //! * **Prefix cache.** Block hashes chain the parent hash and the extra keys (cache salt,
 //!   LoRA id); see [`BlockHasher`] for the exact, domain-separated encoding. Eviction is
 //!   lazy: a freed cached block keeps its hash (and counts as free) until it is popped
-//!   for reuse, which records a `BlockRemoved` event. `BlockStored` events cover runs of
-//!   consecutive blocks stored by one `commit` (a duplicate block ends a run);
-//!   `BlockRemoved` events carry one hash each. Blocks enter the cache only at `commit`;
+//!   for reuse, which records a `BlockRemoved` event. A block whose content is already
+//!   cached (a prefix computed again) is cached as one more copy, as vLLM does: the hash
+//!   stays a hit while any copy is cached, a claim prefers a copy in use, and an evicted
+//!   copy is offloaded to the host tier only if it was the last. `BlockStored` events
+//!   cover runs of consecutive blocks stored by one `commit` (copies included; a block
+//!   already cached or released ends a run); `BlockRemoved` events carry one hash each. Blocks enter the cache only at `commit`;
 //!   `probe_in_flight` reports the prompt blocks other sequences' pending reservations are
 //!   computing, so a scheduler can hold a request back a step instead of recomputing them.
 //! * **Host tier.** With `host_cache_blocks > 0`, prefix blocks evicted from the GPU

@@ -55,56 +55,84 @@ pub struct BlockOrigin {
     pub tokens: Box<[u32]>,
 }
 
-/// Maps from content hash to GPU block, one per KV cache group, with the entry of every
+/// The end of a hash's list of copies.
+const NO_COPY: u32 = u32::MAX;
+
+/// A cached block dropped from the cache ([`PrefixCache::remove`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Uncached {
+    /// The group whose KV the block held.
+    pub group: usize,
+    /// The block's hash.
+    pub hash: BlockHash,
+    /// Whether it was the last cached copy of `hash` in `group` (the hash is no longer
+    /// hittable from the GPU cache).
+    pub last_copy: bool,
+}
+
+/// Maps from content hash to GPU blocks, one per KV cache group, with the entry of every
 /// cached block.
 ///
 /// A block holds one group's KV, so the cache is keyed by group and hash: the same
-/// tokens have one block per group. Invariant: `maps[g][h] == b` iff `entries[b].hash ==
-/// h` and `group_of(b) == g`. A freed cached block keeps its entry (it stays reusable by
-/// a later prompt) until it is popped from the free queue. The hash maps are sparse; the
-/// entries are an arena indexed by block id that grows to the highest block ever cached
-/// (registering a long prompt writes each entry in place instead of hashing it into a
-/// second map), so memory follows the cached block ids. With one group no block's group
-/// is stored (it is 0); with several, one byte per block.
+/// tokens have one block per group. Several blocks of one group may hold the same
+/// content (a prefix computed again because it was not a whole hit, or by two sequences
+/// at once): every one of them is cached, so the hash stays hittable while any copy is.
+/// The map holds one copy of each (group, hash), the head of an intrusive list of all
+/// copies threaded through `next`, an arena indexed by block id (4 bytes per block, no
+/// allocation per copy). Invariant: `b` is on the list of `maps[g][h]` iff
+/// `entries[b].hash == h` and `group_of(b) == g`. A freed cached block keeps its entry
+/// (it stays reusable by a later prompt) until it is popped from the free queue. The hash
+/// maps are sparse; the entries are an arena indexed by block id that grows to the
+/// highest block ever cached (registering a long prompt writes each entry in place
+/// instead of hashing it into a second map), so memory follows the cached block ids.
+/// With one group no block's group is stored (it is 0); with several, one byte per block.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixCache {
     maps: Vec<FxHashMap<BlockHash, u32>>,
     entries: Vec<Option<CacheEntry>>,
+    /// The next cached copy of a block's (group, hash), `NO_COPY` at the list's end.
+    next: Vec<u32>,
     groups: Vec<u8>,
+    /// Cached blocks per group (copies included).
+    counts: Vec<usize>,
 }
 
 impl PrefixCache {
     /// An empty cache over a pool of `num_blocks` blocks.
     ///
-    /// The entry arena's capacity for the whole pool is reserved up front: address space
+    /// The arenas' capacity for the whole pool is reserved up front: address space
     /// only, pages are touched as blocks get cached, and a long prompt's registration
-    /// never moves the arena. If the reservation is refused (a huge pool on a host that
-    /// does not overcommit), the arena grows on demand instead.
+    /// never moves the arenas. If the reservation is refused (a huge pool on a host that
+    /// does not overcommit), the arenas grow on demand instead.
     pub fn with_blocks(num_blocks: usize, num_groups: usize) -> Self {
         let mut entries = Vec::new();
+        let mut next = Vec::new();
         // A refused reservation only costs the growth copies later.
         let _ = entries.try_reserve_exact(num_blocks);
+        let _ = next.try_reserve_exact(num_blocks);
         PrefixCache {
             maps: vec![FxHashMap::default(); num_groups.max(1)],
             entries,
+            next,
             groups: if num_groups > 1 {
                 vec![0; num_blocks]
             } else {
                 Vec::new()
             },
+            counts: vec![0; num_groups.max(1)],
         }
     }
 
-    /// Number of cached blocks (all groups).
+    /// Number of cached blocks (all groups, copies of one content included).
     #[inline]
     pub fn len(&self) -> usize {
-        self.maps.iter().map(|m| m.len()).sum()
+        self.counts.iter().sum()
     }
 
-    /// Number of cached blocks of `group`.
+    /// Number of cached blocks of `group` (copies included).
     #[inline]
     pub fn group_len(&self, group: usize) -> usize {
-        self.maps[group].len()
+        self.counts[group]
     }
 
     /// True when nothing is cached.
@@ -113,10 +141,30 @@ impl PrefixCache {
         self.maps.iter().all(|m| m.is_empty())
     }
 
-    /// The block of `group` holding content `hash`, if cached.
+    /// A block of `group` holding content `hash`, if cached: the head of its copies.
     #[inline]
     pub fn lookup(&self, group: usize, hash: &BlockHash) -> Option<u32> {
         self.maps[group].get(hash).copied()
+    }
+
+    /// Whether cached `block` has a later copy on its hash's list (a head without one is
+    /// the only copy).
+    #[inline]
+    pub fn has_next_copy(&self, block: u32) -> bool {
+        self.next.get(block as usize).is_some_and(|&n| n != NO_COPY)
+    }
+
+    /// Every cached copy of `group`'s `hash`, the head first.
+    pub fn copies(&self, group: usize, hash: &BlockHash) -> impl Iterator<Item = u32> + '_ {
+        let mut at = self.lookup(group, hash).unwrap_or(NO_COPY);
+        std::iter::from_fn(move || {
+            let b = at;
+            if b == NO_COPY {
+                return None;
+            }
+            at = self.next.get(b as usize).copied().unwrap_or(NO_COPY);
+            Some(b)
+        })
     }
 
     /// The group a cached block's KV belongs to (0 for an uncached block).
@@ -137,21 +185,38 @@ impl PrefixCache {
         self.entry(block).is_some()
     }
 
-    /// Cache `block` of `group` under `entry.hash`; the hash must not be cached in that
-    /// group yet.
+    /// Cache `block` of `group` under `entry.hash`: the hash's only copy, or one more
+    /// (after the head, so a lookup keeps answering the block it answered). The block
+    /// must not be cached yet.
     pub fn insert(&mut self, group: usize, block: u32, entry: CacheEntry) {
-        debug_assert!(!self.maps[group].contains_key(&entry.hash));
         debug_assert!(!self.is_cached(block));
-        self.maps[group].insert(entry.hash, block);
         let i = block as usize;
+        if i >= self.entries.len() {
+            self.grow(i + 1);
+        }
+        match self.maps[group].entry(entry.hash) {
+            std::collections::hash_map::Entry::Occupied(head) => {
+                let head = *head.get() as usize;
+                self.next[i] = self.next[head];
+                self.next[head] = block;
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(block);
+                self.next[i] = NO_COPY;
+            }
+        }
         if let Some(g) = self.groups.get_mut(i) {
             // Fewer than MAX_GROUPS (64) groups: fits a byte.
             *g = group as u8;
         }
-        if i >= self.entries.len() {
-            self.entries.resize_with(i + 1, || None);
-        }
+        self.counts[group] += 1;
         self.entries[i] = Some(entry);
+    }
+
+    /// Grow the arenas to `len` blocks.
+    fn grow(&mut self, len: usize) {
+        self.entries.resize_with(len, || None);
+        self.next.resize(len, NO_COPY);
     }
 
     /// Make room for `additional` more hashes and for entries up to block `max_block`:
@@ -161,20 +226,49 @@ impl PrefixCache {
         self.maps[group].reserve(additional);
         let needed = max_block as usize + 1;
         if needed > self.entries.len() {
-            self.entries.resize_with(needed, || None);
+            self.grow(needed);
         }
     }
 
-    /// Drop `block` from the cache; returns its group and hash if it was cached.
+    /// Drop `block` from the cache (the other copies of its content stay); returns what
+    /// it held if it was cached.
     #[inline]
-    pub fn remove(&mut self, block: u32) -> Option<(usize, BlockHash)> {
-        let entry = self.entries.get_mut(block as usize)?.take()?;
+    pub fn remove(&mut self, block: u32) -> Option<Uncached> {
+        let i = block as usize;
+        let entry = self.entries.get_mut(i)?.take()?;
         let group = self.group_of(block);
+        let after = std::mem::replace(&mut self.next[i], NO_COPY);
+        self.counts[group] -= 1;
         let map = &mut self.maps[group];
-        if map.get(&entry.hash) == Some(&block) {
-            map.remove(&entry.hash);
+        let mut last_copy = false;
+        match map.get_mut(&entry.hash) {
+            Some(head) if *head == block => {
+                if after == NO_COPY {
+                    map.remove(&entry.hash);
+                    last_copy = true;
+                } else {
+                    *head = after;
+                }
+            }
+            Some(head) => {
+                // Lists are short (copies of one content live at once only while
+                // prefixes are recomputed): a walk to the predecessor beats a
+                // back link per block.
+                let mut p = *head;
+                while p != NO_COPY && self.next[p as usize] != block {
+                    p = self.next[p as usize];
+                }
+                if p != NO_COPY {
+                    self.next[p as usize] = after;
+                }
+            }
+            None => last_copy = true,
         }
-        Some((group, entry.hash))
+        Some(Uncached {
+            group,
+            hash: entry.hash,
+            last_copy,
+        })
     }
 
     /// Forget every entry.
@@ -183,9 +277,11 @@ impl PrefixCache {
             m.clear();
         }
         self.entries.clear();
+        self.next.clear();
+        self.counts.iter_mut().for_each(|c| *c = 0);
     }
 
-    /// Iterate `(group, hash, block)` of every map.
+    /// Iterate `(group, hash, head block)` of every map.
     pub fn iter(&self) -> impl Iterator<Item = (usize, &BlockHash, u32)> + '_ {
         self.maps
             .iter()
@@ -247,7 +343,14 @@ mod tests {
         );
         let blocks: Vec<u32> = cache.entries().map(|(blk, _)| blk).collect();
         assert_eq!(blocks, vec![3, 7]);
-        assert_eq!(cache.remove(7), Some((0, a.hash)));
+        assert_eq!(
+            cache.remove(7),
+            Some(Uncached {
+                group: 0,
+                hash: a.hash,
+                last_copy: true
+            })
+        );
         assert!(!cache.is_cached(7) && cache.lookup(0, &a.hash).is_none());
         assert_eq!(cache.entry(3), Some(&b));
         cache.clear();
@@ -269,10 +372,51 @@ mod tests {
             (cache.group_of(2), cache.group_of(5), cache.group_len(1)),
             (0, 1, 1)
         );
-        assert_eq!(cache.remove(5), Some((1, a.hash)));
+        assert_eq!(
+            cache.remove(5).map(|u| (u.group, u.last_copy)),
+            Some((1, true))
+        );
         assert_eq!(
             (cache.lookup(0, &a.hash), cache.lookup(1, &a.hash)),
             (Some(2), None)
         );
+    }
+
+    /// Every copy of a content is cached; removing one (head, middle, last) keeps the
+    /// others reachable, and the hash leaves the map with its last copy only.
+    #[test]
+    fn copies_of_one_content_are_all_cached_until_the_last_goes() {
+        let mut h = BlockHasher::new(HashAlgo::Blake3);
+        let mut cache = PrefixCache::with_blocks(8, 2);
+        let a = entry(&mut h, 1);
+        for b in [2, 4, 6, 7] {
+            cache.insert(0, b, a.clone());
+        }
+        cache.insert(1, 5, a.clone());
+        let copies = |c: &PrefixCache| {
+            let mut v: Vec<u32> = c.copies(0, &a.hash).collect();
+            v.sort_unstable();
+            v
+        };
+        assert_eq!(copies(&cache), vec![2, 4, 6, 7]);
+        assert_eq!((cache.len(), cache.group_len(0)), (5, 4));
+        assert_eq!(cache.lookup(0, &a.hash), Some(2));
+        assert!(cache.has_next_copy(2));
+        let gone = |c: &mut PrefixCache, b| c.remove(b).map(|u| (u.group, u.last_copy));
+        assert_eq!(gone(&mut cache, 6), Some((0, false))); // a middle copy
+        assert_eq!(copies(&cache), vec![2, 4, 7]);
+        assert_eq!(gone(&mut cache, 2), Some((0, false))); // the head
+        assert_eq!(copies(&cache), vec![4, 7]);
+        assert!(cache.lookup(0, &a.hash).is_some());
+        assert_eq!(gone(&mut cache, 7), Some((0, false)));
+        assert_eq!(copies(&cache), vec![4]);
+        assert!(!cache.has_next_copy(4));
+        assert_eq!(gone(&mut cache, 4), Some((0, true)));
+        assert!(cache.lookup(0, &a.hash).is_none() && cache.copies(0, &a.hash).next().is_none());
+        // The other group's copy was never touched.
+        assert_eq!((cache.lookup(1, &a.hash), cache.len()), (Some(5), 1));
+        // A removed block can be cached again (its link was reset).
+        cache.insert(0, 6, a.clone());
+        assert_eq!(copies(&cache), vec![6]);
     }
 }

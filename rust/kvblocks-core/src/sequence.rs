@@ -82,7 +82,7 @@ pub struct Sequence {
     pub num_cached_tokens: usize,
     /// Of `num_cached_tokens`, the tokens loaded from the host tier.
     pub num_tier_tokens: usize,
-    /// Leading blocks already offered to the prefix cache (cached, claimed or duplicate),
+    /// Leading blocks already offered to the prefix cache (cached or claimed),
     /// in every group (all groups register at the same commit).
     pub num_registered_blocks: usize,
     /// Whether the blocks live in the CPU pool.

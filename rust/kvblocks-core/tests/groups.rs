@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use common::{manager_with, toks};
 use kvblocks_core::{
@@ -425,10 +425,11 @@ fn tier_loads_are_limited_over_every_group() {
     m.check_invariants().unwrap();
 }
 
-/// The GPU prefix cache as the events describe it: `(group, hash)` pairs.
+/// The GPU prefix cache as the events describe it: cached copies per `(group, hash)`
+/// (a recomputed block is one more copy, stored and removed on its own).
 #[derive(Default)]
 struct CacheModel {
-    blocks: HashSet<(u32, BlockHash)>,
+    blocks: HashMap<(u32, BlockHash), usize>,
 }
 
 impl CacheModel {
@@ -437,12 +438,17 @@ impl CacheModel {
             match e {
                 KvCacheEvent::BlockStored(s) if s.medium == Medium::Gpu => {
                     for h in &s.block_hashes {
-                        self.blocks.insert((s.group_idx, *h));
+                        *self.blocks.entry((s.group_idx, *h)).or_default() += 1;
                     }
                 }
                 KvCacheEvent::BlockRemoved(r) if r.medium == Medium::Gpu => {
                     for h in &r.block_hashes {
-                        self.blocks.remove(&(r.group_idx, *h));
+                        let key = (r.group_idx, *h);
+                        let copies = self.blocks.get_mut(&key).expect("removed a stored block");
+                        *copies -= 1;
+                        if *copies == 0 {
+                            self.blocks.remove(&key);
+                        }
                     }
                 }
                 KvCacheEvent::AllBlocksCleared => self.blocks.clear(),
@@ -469,7 +475,7 @@ impl CacheModel {
                     boundary
                         && hashes[start..n]
                             .iter()
-                            .all(|h| self.blocks.contains(&(g as u32, *h)))
+                            .all(|h| self.blocks.contains_key(&(g as u32, *h)))
                 })
             })
             .unwrap_or(0)

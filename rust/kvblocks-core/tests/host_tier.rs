@@ -482,3 +482,37 @@ fn slot_hashes_and_cached_prefix_follow_offloads_and_imports() {
     assert_eq!(b.num_cached_prefix_blocks(&refs), 2);
     assert_eq!(b.num_cached_prefix_blocks(&[&[1u8; 7][..]]), 0);
 }
+
+/// Two sequences computing one prompt at once cache two copies of each block: evicting
+/// one copy leaves the content on the GPU and offloads nothing (the tier would only be
+/// asked for a hash the GPU still serves); the last copy's eviction offloads it once.
+#[test]
+fn evicting_a_duplicate_offloads_only_the_last_copy() {
+    let mut m = tiered(9, 8, OffloadPolicy::OnEvict); // 8 usable GPU blocks
+    let prompt = toks(0, 8);
+    for id in [1, 2] {
+        m.add_sequence(id, &prompt, None, None).unwrap();
+        m.allocate_slots(id, 8, 0).unwrap().unwrap(); // 1,2 then 3,4
+    }
+    m.commit(1, 8, &[]).unwrap();
+    m.commit(2, 8, &[]).unwrap();
+    assert_eq!(m.stats().num_cached_blocks, 4);
+    m.free(1).unwrap();
+    m.free(2).unwrap(); // queue: 5..8, then 2, 1, 4, 3 at the back
+    prefill(&mut m, 3, &toks(1_000, 24)); // 5..8, then copies 2 and 1
+    assert_eq!(m.stats().evictions, 2);
+    assert!(m.take_memory_ops().is_empty(), "a copy was offloaded");
+    m.check_invariants().unwrap();
+    assert_eq!(m.add_sequence(4, &toks(0, 9), None, None).unwrap(), 8);
+    assert_eq!(m.num_tier_loads(4).unwrap(), 0);
+    m.free(4).unwrap();
+    prefill(&mut m, 5, &toks(2_000, 8)); // the last copies, 4 and 3
+    assert_eq!(m.stats().evictions, 4);
+    assert_eq!(kinds(&m.take_memory_ops()), vec![MemoryOpKind::Offload; 2]);
+    m.confirm_memory_ops();
+    m.free(3).unwrap();
+    m.free(5).unwrap();
+    assert_eq!(m.add_sequence(6, &toks(0, 9), None, None).unwrap(), 8);
+    assert_eq!(m.num_tier_loads(6).unwrap(), 2);
+    m.check_invariants().unwrap();
+}

@@ -189,17 +189,26 @@ fn gpu_eviction_takes_lower_priorities_first_and_lru_among_equals() {
 }
 
 #[test]
-fn a_duplicate_commit_raises_a_free_blocks_priority() {
+fn a_duplicate_commit_keeps_the_content_at_its_own_priority() {
     let mut m = manager(9, 4);
     prefill_at(&mut m, 1, &toks(0, 4), 10); // block 1 cached at 10, free
                                             // The same content committed again by a priority-80 sequence (a duplicate: a prompt
                                             // of one block never claims it, its last token is always computed).
     m.add_sequence(3, &toks(0, 4), None, None).unwrap();
     m.set_retention_priority(3, prio(80)).unwrap();
-    m.allocate_slots(3, 4, 0).unwrap().unwrap();
+    m.allocate_slots(3, 4, 0).unwrap().unwrap(); // block 2
     m.commit(3, 4, &[]).unwrap();
     m.free(3).unwrap();
     m.check_invariants().unwrap();
-    // Block 1 moved to the priority-80 level: last in the queue.
-    assert_eq!(m.free_block_ids().last(), Some(&1));
+    // The copy is cached at 80: last in the queue; block 1 stays at 10.
+    assert_eq!(m.free_block_ids().last(), Some(&2));
+    assert_eq!(m.stats().num_cached_blocks, 2);
+    // 7 blocks at priority 50: the 6 uncached ones, then the priority-10 copy.
+    prefill_at(&mut m, 4, &toks(500, 28), 50);
+    assert_eq!(m.stats().evictions, 1);
+    // The priority-80 copy keeps the content.
+    assert_eq!(m.add_sequence(5, &toks(0, 5), None, None).unwrap(), 4);
+    m.allocate_slots(5, 1, 0).unwrap().unwrap();
+    assert_eq!(m.block_table(5).unwrap()[0], 2);
+    m.check_invariants().unwrap();
 }

@@ -417,7 +417,7 @@ impl KVCacheManager {
             t.num_released = range.start;
             for i in range {
                 let h = &seq.hashes[i];
-                if let Some(b) = pools.cache.lookup(g, h) {
+                if let Some(b) = pools.cached_block(g, h) {
                     if pools.gpu.ref_count(b) == 0 {
                         pools.gpu.take_free(b);
                     } else {

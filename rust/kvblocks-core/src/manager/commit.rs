@@ -204,12 +204,9 @@ fn register_blocks(pools: &mut Pools, seq: &Sequence, g: usize, full: usize) {
         }
         let hash = seq.hashes[i];
         let block = t.blocks[i];
-        let fresh = block != NULL_BLOCK
-            && pools.cache.lookup(g, &hash).is_none()
-            && !pools.cache.is_cached(block);
-        if !fresh {
-            // Duplicate content: the cache keeps the block it already maps to; this one
-            // stays uncached. A gap ends the run of consecutive blocks.
+        if block == NULL_BLOCK || pools.cache.is_cached(block) {
+            // Released, or already cached (a claimed hit): a gap ends the run of
+            // consecutive blocks.
             if let Some(b) = pools.cache.lookup(g, &hash) {
                 pools.raise_retention(g, b, &hash, seq.retention);
             }
@@ -218,6 +215,9 @@ fn register_blocks(pools: &mut Pools, seq: &Sequence, g: usize, full: usize) {
             }
             continue;
         }
+        // A block whose content is cached already (computed again) is cached too, as one
+        // more copy, like vLLM's block pool: the hash stays hittable while any copy is,
+        // and its `BlockStored` is published like any other's.
         let parent: Option<BlockHash> = (i > 0).then(|| seq.hashes[i - 1]);
         let tokens = &seq.tokens[i * bs..(i + 1) * bs];
         pools.cache.insert(

@@ -156,8 +156,7 @@ impl Pools {
                 hashes[self.hit_range(g, n)]
                     .iter()
                     .filter(|h| {
-                        self.cache
-                            .lookup(g, h)
+                        self.cached_block(g, h)
                             .is_some_and(|b| self.gpu.ref_count(b) == 0)
                     })
                     .count()

@@ -303,7 +303,8 @@ impl KVCacheManager {
         Ok(())
     }
 
-    /// Map and per-block entries agree, and every entry hashes to its key.
+    /// Map and per-block entries agree (every cached block is on its group and hash's
+    /// list of copies, and only those are), and every entry hashes to its key.
     fn check_cache(&self) -> Result<()> {
         let cache = &self.pools.cache;
         if !self.pools.caching {
@@ -316,42 +317,61 @@ impl KVCacheManager {
         }
         #[cfg(debug_assertions)]
         let mut hasher = self.hasher.clone();
-        for (g, hash, b) in cache.iter() {
-            if cache.group_of(b) != g {
-                return Err(violation(format!(
-                    "group {g}'s cache maps {hash:?} to block {b}, of group {}",
-                    cache.group_of(b)
-                )));
-            }
-            if b == NULL_BLOCK {
-                return Err(violation("the null block is in the prefix cache".into()));
-            }
-            let Some(entry) = cache.entry(b) else {
-                return Err(violation(format!(
-                    "cache maps {hash:?} to block {b}, which carries no hash"
-                )));
-            };
-            if entry.hash != *hash {
-                return Err(violation(format!(
-                    "cache maps {hash:?} to block {b}, which carries {:?}",
-                    entry.hash
-                )));
-            }
-            // Release builds do not keep what a block hashes (see `CacheEntry`).
-            #[cfg(debug_assertions)]
-            {
-                let o = &entry.origin;
-                let recomputed = hasher.block(o.parent.as_ref(), &o.namespace, &o.tokens);
-                if recomputed != *hash {
+        // Every copy on each hash's list, once: together they must be every entry.
+        let mut on_list: Vec<bool> = vec![false; self.config.num_blocks];
+        let mut listed = 0usize;
+        for (g, hash, head) in cache.iter() {
+            for b in cache.copies(g, hash) {
+                if on_list.get(b as usize).copied().unwrap_or(true) {
                     return Err(violation(format!(
-                        "block {b}: stored content hashes to {recomputed:?}, not its key {hash:?}"
+                        "block {b} is on the copies of {hash:?} (head {head}) twice, or on \
+                         two lists, or is no pool block"
                     )));
+                }
+                on_list[b as usize] = true;
+                listed += 1;
+                if cache.group_of(b) != g {
+                    return Err(violation(format!(
+                        "group {g}'s cache maps {hash:?} to block {b}, of group {}",
+                        cache.group_of(b)
+                    )));
+                }
+                if b == NULL_BLOCK {
+                    return Err(violation("the null block is in the prefix cache".into()));
+                }
+                let Some(entry) = cache.entry(b) else {
+                    return Err(violation(format!(
+                        "cache maps {hash:?} to block {b}, which carries no hash"
+                    )));
+                };
+                if entry.hash != *hash {
+                    return Err(violation(format!(
+                        "cache maps {hash:?} to block {b}, which carries {:?}",
+                        entry.hash
+                    )));
+                }
+                // Release builds do not keep what a block hashes (see `CacheEntry`).
+                #[cfg(debug_assertions)]
+                {
+                    let o = &entry.origin;
+                    let recomputed = hasher.block(o.parent.as_ref(), &o.namespace, &o.tokens);
+                    if recomputed != *hash {
+                        return Err(violation(format!(
+                            "block {b}: stored content hashes to {recomputed:?}, not its key {hash:?}"
+                        )));
+                    }
                 }
             }
         }
+        if listed != cache.len() {
+            return Err(violation(format!(
+                "the cache lists {listed} cached blocks but counts {}",
+                cache.len()
+            )));
+        }
         let queue = self.pools.gpu.free_queue();
         for (b, entry) in cache.entries() {
-            if cache.lookup(cache.group_of(b), &entry.hash) != Some(b) {
+            if on_list.get(b as usize) != Some(&true) {
                 return Err(violation(format!(
                     "block {b} carries {:?} but the cache does not map it there",
                     entry.hash

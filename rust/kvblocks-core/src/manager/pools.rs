@@ -59,7 +59,8 @@ impl Pools {
     pub fn pop_gpu(&mut self) -> Option<u32> {
         let id = self.gpu.pop_free()?;
         if self.caching {
-            if let Some((old_group, hash)) = self.cache.remove(id) {
+            if let Some(gone) = self.cache.remove(id) {
+                let (old_group, hash) = (gone.group, gone.hash);
                 self.counters.evictions += 1;
                 if self.record_events {
                     self.events.push(KvCacheEvent::BlockRemoved(BlockRemoved {
@@ -70,10 +71,13 @@ impl Pools {
                 }
                 // The block's KV is still intact: the op is queued before anything that
                 // overwrites it (its new owner writes only after this step's ops).
-                if self
-                    .tier
-                    .as_ref()
-                    .is_some_and(|t| t.policy == OffloadPolicy::OnEvict)
+                // A copy whose content another cached block still holds is not offloaded:
+                // the hash stays hittable on the GPU, and its last copy goes to the tier.
+                if gone.last_copy
+                    && self
+                        .tier
+                        .as_ref()
+                        .is_some_and(|t| t.policy == OffloadPolicy::OnEvict)
                 {
                     let priority = self.retention_of(id);
                     // The GPU cache keeps no tokens nor keys: the event has the hash only.
@@ -84,6 +88,32 @@ impl Pools {
             }
         }
         Some(id)
+    }
+
+    /// The cached block of `group` holding `hash` that a claim takes, if any: of several
+    /// copies, one some sequence already uses (sharing it takes nothing from the free
+    /// queue), else the head of the copies (vLLM's choice: its first cached copy).
+    #[inline(always)]
+    pub fn cached_block(&self, group: usize, hash: &BlockHash) -> Option<u32> {
+        let head = self.cache.lookup(group, hash)?;
+        // The only copy (the common case) is answered inline, on the claim's hot path.
+        if self.cache.has_next_copy(head) {
+            return Some(self.copy_to_claim(group, hash, head));
+        }
+        Some(head)
+    }
+
+    /// [`Pools::cached_block`] of a hash with several copies.
+    #[cold]
+    #[inline(never)]
+    fn copy_to_claim(&self, group: usize, hash: &BlockHash, head: u32) -> u32 {
+        if self.gpu.ref_count(head) > 0 {
+            return head;
+        }
+        self.cache
+            .copies(group, hash)
+            .find(|&b| self.gpu.ref_count(b) > 0)
+            .unwrap_or(head)
     }
 
     /// Copy cached GPU block `id` (content `hash` of `group`) to the host tier at

@@ -59,6 +59,7 @@ pub(crate) mod names {
         NumTokens = "num_tokens",
         ParentId = "parent_id",
         Position = "position",
+        Positions = "positions",
         Priority = "priority",
         RecordEvents = "record_events",
         RetentionPriority = "retention_priority",
