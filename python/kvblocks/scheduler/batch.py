@@ -84,7 +84,7 @@ class DecodeRows:
             seeds=cols["seed"][:end].copy(),
             seq_index=cols["seq_index"][:end].copy(),
             request_ids=table.request_ids(end),
-            any_beam=table.has_beam(end),
+            any_beam=table.any_beam_before(end),
             table_version=table.version,
         )
 

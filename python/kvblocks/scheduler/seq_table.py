@@ -77,7 +77,7 @@ class SequenceTable:
         """The request ids of rows ``0..end-1``, as a new list."""
         return self._derived_values()[1][:end]
 
-    def has_beam(self, end: int) -> bool:
+    def any_beam_before(self, end: int) -> bool:
         """Whether a beam-search sequence is among rows ``0..end-1``."""
         return self._derived_values()[2] < end
 
