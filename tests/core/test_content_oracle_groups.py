@@ -231,8 +231,10 @@ def _run(
     reached: list[tuple[Counter[str], tuple[str, ...]]],
 ) -> None:
     """Run ``machine`` until ``budget`` operations ran and every named effect was reached."""
-    for _ in range(10):
-        run_state_machine_as_test(machine, settings=_oracle_settings(max_examples=examples))
+    for attempt in range(10):
+        run_state_machine_as_test(
+            machine, settings=_oracle_settings(max_examples=examples, attempt=attempt)
+        )
         if COVERAGE["ops"] >= budget and all(
             counter[what] > 0 for counter, names in reached for what in names
         ):

@@ -401,8 +401,10 @@ class StateTieredContentOracle(_StateSteps, TieredContentOracle):
 
 def _run(machine: type[Any], budget: int, examples: int, reached: dict[str, Counter[str]]):
     """Run ``machine`` until ``budget`` operations ran and every named effect was reached."""
-    for _ in range(10):
-        run_state_machine_as_test(machine, settings=_oracle_settings(max_examples=examples))
+    for attempt in range(10):
+        run_state_machine_as_test(
+            machine, settings=_oracle_settings(max_examples=examples, attempt=attempt)
+        )
         if COVERAGE["ops"] >= budget and all(c[what] > 0 for what, c in reached.items()):
             break
     assert COVERAGE["ops"] >= budget, COVERAGE
