@@ -1097,20 +1097,27 @@ class TieredContentOracle(ContentOracle):
 TIER_COVERAGE: Counter[str] = Counter()
 
 
+def _small_tiered_oracle(num_cpu_blocks: int) -> TieredContentOracle:
+    """A host-tier oracle small enough for a fixed example: 12 GPU blocks of 2 tokens and
+    a 4-block tier that offloads on eviction."""
+    machine = TieredContentOracle()
+    machine.setup(
+        num_blocks=12,
+        block_size=2,
+        num_cpu_blocks=num_cpu_blocks,
+        host_cache_blocks=4,
+        host_offload="evict",
+        window=None,
+    )
+    return machine
+
+
 def _forced_copy_on_write() -> None:
     """One fixed example over a host tier certain to journal a copy-on-write copy: a
     prompt of one and a half blocks stays held, is forked, and the child writes its next
     token into the shared partial block (Hypothesis derandomizes under ``CI=true``, and
     the fixed draws need not reach it)."""
-    machine = TieredContentOracle()
-    machine.setup(
-        num_blocks=12,
-        block_size=2,
-        num_cpu_blocks=2,
-        host_cache_blocks=4,
-        host_offload="evict",
-        window=None,
-    )
+    machine = _small_tiered_oracle(num_cpu_blocks=2)
     before = TIER_COVERAGE["copy"]
     _, hit = machine._one_off(0, None, tokens=[12, 13, 14], keep=True)
     assert hit == 0, hit
@@ -1127,15 +1134,7 @@ def _forced_swap_in() -> None:
     it must come back from CPU memory). Under ``CI=true`` the derandomized draws need not
     reach one: since every copy of a hash stays cached, the swap-ins they draw may find
     their blocks still cached on the GPU."""
-    machine = TieredContentOracle()
-    machine.setup(
-        num_blocks=12,
-        block_size=2,
-        num_cpu_blocks=4,
-        host_cache_blocks=4,
-        host_offload="evict",
-        window=None,
-    )
+    machine = _small_tiered_oracle(num_cpu_blocks=4)
     before = TIER_COVERAGE["swap_in"]
     machine._one_off(0, None, tokens=[12, 13, 14], keep=True)
     sid = machine.next_id - 1
