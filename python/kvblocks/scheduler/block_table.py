@@ -245,19 +245,20 @@ class PersistentBlockTable:
         sequence holds a row: the allocation, the sync of their rows and their tokens'
         slots. Returns ``(num_served, synced)``, ``synced`` ``None`` when the call synced
         nothing (the pool ran short, or the table must widen first: :meth:`sync_decodes`
-        does it later); ``None`` when the manager cannot, and nothing was done."""
+        does it later); ``None`` when the manager has no such call or a sequence holds no
+        row yet: nothing was done then."""
         fused = getattr(self.manager, "allocate_decode_step", None)
         if fused is None or self.num_groups != 1 or not self._incremental:
             return None
-        top = int(seq_ids.max()) if len(seq_ids) else -1
-        if top >= len(self._row_of):
-            return None
-        rows = self._row_of[seq_ids]
-        if (rows < 0).any():
-            return None  # a sequence's first row is given by assign(), in batch order
-        served, synced = fused(
-            self.table, seq_ids, rows, seq_lens - 1, num_lookahead_tokens=num_lookahead_tokens
-        )
+        try:
+            rows = self._row_of[seq_ids]
+            # A sequence without a row yet (-1, or an id past the map) is refused before
+            # anything changes: assign() gives first rows, in batch order, at build time.
+            served, synced = fused(
+                self.table, seq_ids, rows, seq_lens - 1, num_lookahead_tokens=num_lookahead_tokens
+            )
+        except (IndexError, InvalidArgumentError):
+            return None  # nothing changed; the caller's allocate_slots_batch reports errors
         if synced is None:
             return served, None
         delta, slots = synced
