@@ -792,6 +792,34 @@ class KVCacheManager:
         in one call. A position past the table's columns, or ``positions`` not one per
         sequence, is :class:`InvalidArgumentError` with nothing written; otherwise the
         errors of :meth:`update_block_table`."""
+    def allocate_decode_step(
+        self,
+        block_table: npt.NDArray[np.int32],
+        seq_ids: _SeqIds,
+        rows: _SeqIds,
+        positions: _SeqIds,
+        *,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[int, tuple[BlockTableDelta, npt.NDArray[np.int64]] | None]:
+        """A scheduler's steady decode step in one call: :meth:`allocate_slots_batch`
+        ``(seq_ids, 1, num_lookahead_tokens=...)`` and, when it served every sequence,
+        :meth:`update_decode_block_table` ``(block_table, seq_ids, rows, positions)``,
+        with the batch resolved and checked once.
+
+        Returns ``(num_served, synced)``: ``num_served`` as
+        :attr:`BatchAllocation.num_served` (the pool running short serves the leading
+        sequences it can, as :meth:`allocate_slots_batch` does), and ``synced`` the
+        table's delta and each sequence's cache slot of the token at ``positions[i]``;
+        ``None`` when not every sequence was served, or when a table (or a position's
+        block) does not fit ``block_table``'s columns: nothing was synced then (widen the
+        table and call :meth:`update_block_table`).
+
+        Raises:
+            InvalidArgumentError: a manager with more than one KV cache group;
+                ``rows`` or ``positions`` not one per sequence, a row outside the
+                table or listed twice; or what :meth:`allocate_slots_batch` raises.
+                Nothing changes then.
+        """
     def update_group_block_tables(
         self,
         block_tables: npt.NDArray[np.int32],

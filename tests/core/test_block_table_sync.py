@@ -222,3 +222,37 @@ def test_decode_sync_refuses_bad_positions_with_nothing_changed(
     assert (table == 5).all()
     # Nothing was consumed: the next sync still writes both tables whole.
     assert m.update_block_table(table, [1, 2], [0, 1]).reset.tolist() == [True, True]
+
+
+def test_decode_step_allocates_syncs_and_gives_the_slots_in_one_call(m: KVCacheManager) -> None:
+    twin = KVCacheManager(64, 4, num_cpu_blocks=32, watermark=0.0)
+    _running(twin, 1, list(range(10)))
+    _running(twin, 2, list(range(20, 26)))
+    table = np.zeros((4, 8), dtype=np.int32)
+    twin_table = np.zeros((4, 8), dtype=np.int32)
+    ids = np.array([2, 1], dtype=np.int64)
+    for step in range(7):
+        rows = np.array([step % 2, 3], dtype=np.int32)
+        positions = np.array([m.num_tokens(int(s)) - 1 for s in ids], dtype=np.int64)
+        served, synced = m.allocate_decode_step(table, ids, rows, positions)
+        assert twin.allocate_slots_batch(ids, 1).num_served == served == 2
+        assert synced is not None
+        delta, slots = synced
+        want = twin.update_block_table(twin_table, ids, rows)
+        np.testing.assert_array_equal(table, twin_table)
+        for name in ("rows", "start_cols", "indptr", "block_ids", "reset"):
+            np.testing.assert_array_equal(getattr(delta, name), getattr(want, name))
+        assert slots.dtype == np.int64
+        np.testing.assert_array_equal(slots, twin.slot_mapping(ids, 1))
+        for mgr in (m, twin):
+            mgr.commit_batch(ids, 1, np.array([7, 8]))
+
+
+def test_decode_step_syncs_nothing_when_the_table_is_too_narrow(m: KVCacheManager) -> None:
+    table = np.full((4, 2), 5, dtype=np.int32)  # 8 tokens: sequence 1 needs a third block
+    positions = [m.num_tokens(1) - 1, m.num_tokens(2) - 1]
+    served, synced = m.allocate_decode_step(table, [1, 2], [0, 1], positions)
+    assert (served, synced) == (2, None)
+    assert (table == 5).all()
+    with pytest.raises(kvblocks.InvalidArgumentError):
+        m.allocate_decode_step(table, [1, 2], [0, 0], positions)  # a row twice

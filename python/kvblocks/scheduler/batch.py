@@ -11,7 +11,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.protocols import BlockManager
-from kvblocks.scheduler.block_table import PersistentBlockTable, TableDelta, TableWrites
+from kvblocks.scheduler.block_table import (
+    DecodeSync,
+    PersistentBlockTable,
+    TableDelta,
+    TableWrites,
+)
 from kvblocks.scheduler.memory_ops import MemoryOps
 from kvblocks.scheduler.output import SchedulerOutput
 from kvblocks.scheduler.request import RequestOutput
@@ -54,7 +59,8 @@ class StepPlan:
 class DecodeRows:
     """A step's decode rows: the first ``len(seq_ids)`` rows of the decode table, batch
     order (``lens`` and ``is_beam`` are views, read before the table changes), cut at
-    the table's ``table_version``."""
+    the table's ``table_version``; ``synced``: their block-table rows, synced with the
+    allocation (a decode-only step, :meth:`PersistentBlockTable.allocate_decodes`)."""
 
     seq_ids: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
@@ -68,9 +74,12 @@ class DecodeRows:
     request_ids: list[str]
     any_beam: bool
     table_version: int
+    synced: DecodeSync | None = None
 
     @classmethod
-    def from_table(cls, table: SequenceTable, end: int) -> DecodeRows:
+    def from_table(
+        cls, table: SequenceTable, end: int, synced: DecodeSync | None = None
+    ) -> DecodeRows:
         """The first ``end`` rows of the table's columns."""
         cols = table.cols
         return cls(
@@ -86,6 +95,7 @@ class DecodeRows:
             request_ids=table.request_ids(end),
             any_beam=table.any_beam_before(end),
             table_version=table.version,
+            synced=synced,
         )
 
 
@@ -218,6 +228,10 @@ def build_step(
             group_slots = np.asarray(mgr.group_slot_mappings(seq_ids, counts), dtype=np.int64)
         if block_table is None:
             block_tables = np.asarray(mgr.block_tables(seq_ids), dtype=np.int32)
+        elif dec.synced is not None and not chunks and group_slots is None:
+            # Phase 1 synced the decode rows and read their slots with the allocation.
+            table_rows, table_deltas = dec.synced.rows, dec.synced.deltas
+            group_slots = dec.synced.slots[None]
         else:
             table_rows = block_table.assign(seq_ids)
             if group_slots is None and num_sched is None:

@@ -21,7 +21,14 @@ import numpy.typing as npt
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.protocols import BlockManager
 
-__all__ = ["PersistentBlockTable", "TableDelta", "TableWrites", "apply_delta", "delta_indices"]
+__all__ = [
+    "DecodeSync",
+    "PersistentBlockTable",
+    "TableDelta",
+    "TableWrites",
+    "apply_delta",
+    "delta_indices",
+]
 
 #: Columns of a new table; it grows (doubling) to the longest table scheduled.
 INITIAL_COLUMNS = 16
@@ -86,6 +93,16 @@ def apply_delta(table: npt.NDArray[np.int32], delta: TableDelta) -> None:
         table[np.asarray(delta.rows)[reset]] = 0
     rows, cols = delta_indices(delta)
     table[rows, cols] = delta.block_ids
+
+
+@dataclass(slots=True)
+class DecodeSync:
+    """What :meth:`PersistentBlockTable.allocate_decodes` synced: the sequences' rows,
+    the table's writes (one delta, group 0) and each token's cache slot."""
+
+    rows: npt.NDArray[np.int32]
+    deltas: list[TableDelta]
+    slots: npt.NDArray[np.int64]
 
 
 class PersistentBlockTable:
@@ -216,6 +233,36 @@ class PersistentBlockTable:
             self._grow(cols=2 * self.table.shape[1])
             delta, slots = fused(self.table, seq_ids, rows, positions)
         return [delta], slots
+
+    def allocate_decodes(
+        self,
+        seq_ids: npt.NDArray[np.int64],
+        seq_lens: npt.NDArray[np.int64],
+        num_lookahead_tokens: int,
+    ) -> tuple[int, DecodeSync | None] | None:
+        """A step of decodes only (one token each, ``seq_lens`` tokens known) in one
+        manager call when it has one (``KVCacheManager.allocate_decode_step``) and every
+        sequence holds a row: the allocation, the sync of their rows and their tokens'
+        slots. Returns ``(num_served, synced)``, ``synced`` ``None`` when the call synced
+        nothing (the pool ran short, or the table must widen first: :meth:`sync_decodes`
+        does it later); ``None`` when the manager has no such call or a sequence holds no
+        row yet: nothing was done then."""
+        fused = getattr(self.manager, "allocate_decode_step", None)
+        if fused is None or self.num_groups != 1 or not self._incremental:
+            return None
+        try:
+            rows = self._row_of[seq_ids]
+            # A sequence without a row yet (-1, or an id past the map) is refused before
+            # anything changes: assign() gives first rows, in batch order, at build time.
+            served, synced = fused(
+                self.table, seq_ids, rows, seq_lens - 1, num_lookahead_tokens=num_lookahead_tokens
+            )
+        except (IndexError, InvalidArgumentError):
+            return None  # nothing changed; the caller's allocate_slots_batch reports errors
+        if synced is None:
+            return served, None
+        delta, slots = synced
+        return served, DecodeSync(rows, [delta], slots)
 
     def _fit(self, seq_lens: npt.NDArray[np.int32]) -> None:
         """Widen the table to hold tables of ``seq_lens`` tokens (plus lookahead)."""

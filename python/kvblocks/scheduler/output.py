@@ -103,7 +103,8 @@ class SchedulerOutput:
             prompt does not sample). Rows are in batch order.
         sample_seq_ids: int64 [R] the sequence id of each row.
         sample_request_ids: list[str] [R] the request id of each row (for per-request
-            generator state such as seeded sampling).
+            generator state such as seeded sampling). Read-only: steps over the same
+            running requests may share one list.
         sample_counts: int32 [R] tokens to draw from each row: ``n`` for the prompt row of
             an ``n > 1`` sampling request, ``0`` for beam-search rows (they are ranked
             through ``topk_*`` instead), else ``1``.

@@ -265,6 +265,16 @@ class Scheduler:
         if end < len(table):
             end = table.request_boundary(end)  # never split a multi-sequence request
         start = 0
+        synced = None
+        placement = self._placement
+        if end and not (placement.prefilling or placement.swapped or placement.waiting):
+            # Decodes only (phases 2-4 have nothing to do): one manager call allocates,
+            # syncs the block-table rows and reads the slots, when it can.
+            fused = self._block_table.allocate_decodes(
+                table["seq_id"][:end], table["num_tokens"][:end], cfg.num_lookahead_tokens
+            )
+            if fused is not None:
+                start, synced = fused
         while start < end:
             ids = table["seq_id"]
             start += self.manager.allocate_slots_batch(
@@ -277,7 +287,7 @@ class Scheduler:
             end = min(end, len(table))
         step.budget -= end
         step.num_seqs = end
-        return DecodeRows.from_table(table, end)
+        return DecodeRows.from_table(table, end, synced)
 
     def _schedule_chunks(self, step: StepState) -> None:
         """Phase 2: the next chunk of each request being prefilled, in key order."""

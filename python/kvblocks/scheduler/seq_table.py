@@ -74,8 +74,11 @@ class SequenceTable:
         return self.row_of[seq_ids]
 
     def request_ids(self, end: int) -> list[str]:
-        """The request ids of rows ``0..end-1``, as a new list."""
-        return self._derived_values()[1][:end]
+        """The request ids of rows ``0..end-1`` (read-only: when ``end`` covers every row
+        this is the list cached for the table's version, shared by every step until the
+        table changes, because copying it touches a thousand string objects a step)."""
+        ids = self._derived_values()[1]
+        return ids if end == len(ids) else ids[:end]
 
     def any_beam_before(self, end: int) -> bool:
         """Whether a beam-search sequence is among rows ``0..end-1``."""

@@ -111,7 +111,7 @@ pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys};
 pub use group::{GroupSpec, MAX_GROUPS};
 pub use host_tier::{Medium, MemoryOp, MemoryOpKind, OffloadPolicy, TierStats};
-pub use manager::{BlockTables, KVCacheManager};
+pub use manager::{BlockTables, DecodeStep, KVCacheManager};
 pub use paged_attention::{
     exp_in_place, paged_decode_attention, AttentionParams, DecodeBatch, PagedShape,
 };

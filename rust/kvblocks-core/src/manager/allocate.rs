@@ -12,10 +12,10 @@ use crate::NULL_BLOCK;
 
 /// What serving one `allocate_slots` request takes, computed before anything changes.
 #[derive(Debug, Clone, Copy)]
-struct AllocPlan {
+pub(super) struct AllocPlan {
     /// Cached-prefix blocks to claim (first call only), host-tier hits included: the
     /// table positions of the hit; each group claims the ones its next query sees.
-    claim: usize,
+    pub(super) claim: usize,
     /// Of the claimed blocks (all groups), those loaded from the host tier.
     loads: usize,
     /// Of the claimed positions, those some group loads (tokens served by the tier).
@@ -24,7 +24,7 @@ struct AllocPlan {
     cow: u64,
     /// Entries to append to every group's table (each with a fresh block in attention
     /// groups; recurrent groups fill only the entries their states go to).
-    append: usize,
+    pub(super) append: usize,
     /// Fresh blocks the recurrent groups' state writes take (over all of them).
     fills: usize,
     /// Slots reserved once served.
@@ -216,7 +216,12 @@ impl KVCacheManager {
     }
 
     /// Check an allocation request without changing anything.
-    fn validate_allocation(&self, slot: usize, new: usize, lookahead: usize) -> Result<()> {
+    pub(super) fn validate_allocation(
+        &self,
+        slot: usize,
+        new: usize,
+        lookahead: usize,
+    ) -> Result<()> {
         let seq = &self.slots[slot];
         Self::require_resident(seq, "allocate_slots")?;
         let computed = self.computed_of(seq);
@@ -253,7 +258,12 @@ impl KVCacheManager {
     }
 
     /// What serving the (validated) request needs, given the pool as it is now.
-    fn plan_allocation(&self, slot: usize, new: usize, lookahead: usize) -> (AllocPlan, usize) {
+    pub(super) fn plan_allocation(
+        &self,
+        slot: usize,
+        new: usize,
+        lookahead: usize,
+    ) -> (AllocPlan, usize) {
         let seq = &self.slots[slot];
         let pools = &self.pools;
         let bs = self.config.block_size;
@@ -330,7 +340,7 @@ impl KVCacheManager {
     /// Serve a validated request if the pool can: appends the blocks it takes to
     /// `taken` and returns the cached tokens it claimed; `None` (nothing changed) if the
     /// pool is short.
-    fn serve_allocation(
+    pub(super) fn serve_allocation(
         &mut self,
         slot: usize,
         new: usize,

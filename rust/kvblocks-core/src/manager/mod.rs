@@ -12,6 +12,7 @@ use crate::prefix_cache::PrefixCache;
 use crate::sequence::Sequence;
 
 use self::batch_scratch::BatchScratch;
+pub use self::decode_step::DecodeStep;
 use self::in_flight::InFlight;
 use self::pools::{Counters, Pools};
 
@@ -237,6 +238,7 @@ impl KVCacheManager {
 mod allocate;
 mod batch_scratch;
 mod commit;
+mod decode_step;
 mod free;
 mod hit;
 mod host_ops;

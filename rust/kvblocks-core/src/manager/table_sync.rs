@@ -57,33 +57,16 @@ impl KVCacheManager {
         full: bool,
     ) -> Result<BlockTableDelta> {
         self.check_group(group)?;
-        if rows.len() != seq_ids.len() {
-            return Err(KvError::InvalidArgument(format!(
-                "rows has {} entries for {} sequence ids; expected one row per sequence",
-                rows.len(),
-                seq_ids.len()
-            )));
-        }
         if let Some(buf) = &buffer {
-            if Some(buf.len()) != num_rows.checked_mul(num_cols) {
+            // After the rows' length, before their values (the order of the checks).
+            if rows.len() == seq_ids.len() && Some(buf.len()) != num_rows.checked_mul(num_cols) {
                 return Err(KvError::InvalidArgument(format!(
                     "block table buffer holds {} ids; expected {num_rows} x {num_cols}",
                     buf.len()
                 )));
             }
         }
-        // Delta rows are int32.
-        let row_limit = num_rows.min(i32::MAX as usize);
-        let mut max_row = 0usize;
-        for &r in rows {
-            let Some(row) = usize::try_from(r).ok().filter(|&x| x < row_limit) else {
-                return Err(KvError::InvalidArgument(format!(
-                    "row {r} is outside the block table's rows [0, {row_limit}) (rows are int32)"
-                )));
-            };
-            max_row = max_row.max(row);
-        }
-        Self::check_distinct_rows(rows, max_row)?;
+        Self::check_table_rows(rows, seq_ids.len(), num_rows)?;
         let slots = self.batch_slots(seq_ids)?;
         let mut total = 0usize;
         for &slot in &slots {
@@ -100,39 +83,7 @@ impl KVCacheManager {
             }
             total += t.blocks.len() - t.dirty_from;
         }
-        let mut delta = BlockTableDelta {
-            rows: Vec::new(),
-            start_cols: Vec::new(),
-            indptr: Vec::with_capacity(slots.len() + 1),
-            block_ids: Vec::with_capacity(total),
-            reset: Vec::new(),
-        };
-        delta.indptr.push(0);
-        for (&slot, &r) in slots.iter().zip(rows) {
-            // Validated above: 0 <= r < num_rows <= u32::MAX.
-            let row = r as u32;
-            let seq = &mut self.slots[slot as usize];
-            let id = seq.id;
-            let t = &mut seq.tables[group];
-            let owners = &mut self.row_owner[group];
-            let whole = full || t.synced_row != Some(row) || owners.get(&row) != Some(&id);
-            let start = if whole { 0 } else { t.dirty_from };
-            let len = t.blocks.len();
-            if whole || start < len {
-                delta.rows.push(row as i32);
-                delta.start_cols.push(start as i32);
-                delta
-                    .block_ids
-                    .extend(t.blocks[start..len].iter().map(|&b| b as i32));
-                delta.indptr.push(delta.block_ids.len() as i64);
-                delta.reset.push(whole);
-            }
-            t.dirty_from = len;
-            if whole {
-                t.synced_row = Some(row);
-                owners.insert(row, id);
-            }
-        }
+        let delta = self.write_rows(group, &slots, rows, full, total, |_, _| {});
         if let Some(buf) = buffer {
             // Every entry was checked against the table's shape above.
             delta.apply(buf, num_rows, num_cols)?;
@@ -178,6 +129,81 @@ impl KVCacheManager {
             );
         }
         Ok(deltas)
+    }
+
+    /// `InvalidArgument` unless `rows` has `n` entries, each in `[0, num_rows)` (and an
+    /// int32) and none listed twice.
+    pub(super) fn check_table_rows(rows: &[i64], n: usize, num_rows: usize) -> Result<()> {
+        if rows.len() != n {
+            return Err(KvError::InvalidArgument(format!(
+                "rows has {} entries for {n} sequence ids; expected one row per sequence",
+                rows.len()
+            )));
+        }
+        // Delta rows are int32.
+        let row_limit = num_rows.min(i32::MAX as usize);
+        let mut max_row = 0usize;
+        for &r in rows {
+            let Some(row) = usize::try_from(r).ok().filter(|&x| x < row_limit) else {
+                return Err(KvError::InvalidArgument(format!(
+                    "row {r} is outside the block table's rows [0, {row_limit}) (rows are int32)"
+                )));
+            };
+            max_row = max_row.max(row);
+        }
+        Self::check_distinct_rows(rows, max_row)
+    }
+
+    /// The writes of a validated sync of `group` (sequences in `slots`, rows checked by
+    /// [`Self::check_table_rows`], tables no wider than the caller's): each sequence's
+    /// entries `[dirty_from, len)`, or its whole table when the row may hold another
+    /// table; the changes are consumed. `visit(i, blocks)` sees each sequence's whole
+    /// table after its write (what its row now holds), in batch order. `capacity`: the
+    /// ids expected, to size the delta.
+    pub(super) fn write_rows(
+        &mut self,
+        group: usize,
+        slots: &[u32],
+        rows: &[i64],
+        full: bool,
+        capacity: usize,
+        mut visit: impl FnMut(usize, &[u32]),
+    ) -> BlockTableDelta {
+        let mut delta = BlockTableDelta {
+            rows: Vec::new(),
+            start_cols: Vec::new(),
+            indptr: Vec::with_capacity(slots.len() + 1),
+            block_ids: Vec::with_capacity(capacity),
+            reset: Vec::new(),
+        };
+        delta.indptr.push(0);
+        for (i, (&slot, &r)) in slots.iter().zip(rows).enumerate() {
+            // Validated by the caller: 0 <= r < num_rows <= i32::MAX.
+            let row = r as u32;
+            let seq = &mut self.slots[slot as usize];
+            let id = seq.id;
+            let t = &mut seq.tables[group];
+            let owners = &mut self.row_owner[group];
+            let whole = full || t.synced_row != Some(row) || owners.get(&row) != Some(&id);
+            let start = if whole { 0 } else { t.dirty_from };
+            let len = t.blocks.len();
+            if whole || start < len {
+                delta.rows.push(row as i32);
+                delta.start_cols.push(start as i32);
+                delta
+                    .block_ids
+                    .extend(t.blocks[start..len].iter().map(|&b| b as i32));
+                delta.indptr.push(delta.block_ids.len() as i64);
+                delta.reset.push(whole);
+            }
+            t.dirty_from = len;
+            if whole {
+                t.synced_row = Some(row);
+                owners.insert(row, id);
+            }
+            visit(i, &t.blocks);
+        }
+        delta
     }
 
     /// `InvalidArgument` if a row is listed twice (rows are in `[0, max_row]`).

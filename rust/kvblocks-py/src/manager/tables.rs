@@ -213,6 +213,49 @@ impl KVCacheManager {
         Ok((BlockTableDelta::new(py, delta), to_numpy(py, slots)))
     }
 
+    /// ``allocate_slots_batch(seq_ids, 1)`` and, when it served every sequence,
+    /// ``update_decode_block_table``, in one call: a scheduler's steady decode step.
+    #[pyo3(
+        signature = (block_table, seq_ids, rows, positions, *, num_lookahead_tokens = None),
+        text_signature = "(self, block_table, seq_ids, rows, positions, *, num_lookahead_tokens=0)"
+    )]
+    #[allow(clippy::type_complexity)]
+    fn allocate_decode_step<'py>(
+        &self,
+        py: Python<'py>,
+        block_table: WritableTable<'_>,
+        seq_ids: SeqIds,
+        rows: RowIndices<'_, '_>,
+        positions: Indices<names::Positions>,
+        num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
+    ) -> PyResult<(usize, Option<(BlockTableDelta, Bound<'py, PyArray1<i64>>)>)> {
+        let table = block_table.0;
+        let (num_rows, num_cols) = {
+            let shape = table.shape();
+            (shape[0], shape[1])
+        };
+        let ids = seq_ids.0;
+        let rows = rows.parse(num_rows)?;
+        let positions = positions.0;
+        let lookahead = num_lookahead_tokens.map_or(0, |n| n.0);
+        let step = self
+            .run(py, Work::for_batch(ids.len()), |m| {
+                m.allocate_decode_step(&ids, lookahead, &rows, num_rows, num_cols, &positions)
+            })
+            .py_err()?;
+        let Some((delta, slots)) = step.synced else {
+            return Ok((step.num_served, None));
+        };
+        // SAFETY: as in `update_block_table`: `WritableTable` checked that the array is
+        // C-contiguous and writeable, and the GIL is held from here to the end of the write.
+        let data = unsafe { table.as_slice_mut() }
+            .map_err(|e| invalid_argument(format!("block_table: {e}")))?;
+        // The core checked every row and every table's width against this shape.
+        delta.apply(data, num_rows, num_cols).py_err()?;
+        let synced = (BlockTableDelta::new(py, delta), to_numpy(py, slots));
+        Ok((step.num_served, Some(synced)))
+    }
+
     /// ``update_block_table`` of every group: ``block_tables`` is int32 ``[num_groups,
     /// max_rows, max_blocks]``, one persistent table per group; one delta per group.
     #[pyo3(signature = (block_tables, seq_ids, rows, *, full = None))]
