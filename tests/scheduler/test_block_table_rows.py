@@ -52,7 +52,7 @@ def test_rows_grow_keep_content_and_are_reused() -> None:
     assert delta.rows.tolist() == rows[2:].tolist(), "rows 0 and 1 kept their content"
     _check(bt, m, ids)
     bt.release([1500, 7, 12345])  # an id without a row is ignored
-    assert bt.num_held == 3 and bt.row_of(1500) == -1
+    assert bt.num_held_rows() == 3 and bt.row_of(1500) == -1
     rows2 = bt.assign(np.array([7], np.int64))
     assert rows2[0] in (rows[1], rows[2])  # a released row is reused
 

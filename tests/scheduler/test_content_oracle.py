@@ -344,7 +344,7 @@ class Harness:
         mgr.check_invariants()
         # Only sequences on the GPU hold block-table rows (swapped or freed ones gave
         # theirs back).
-        assert sched._block_table.num_held <= sched._num_live_seqs()
+        assert sched._block_table.num_held_rows() <= sched._num_live_seqs()
 
     # -- requests -----------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -396,7 +396,7 @@ class Harness:
             raise AssertionError(f"no progress after {MAX_STEPS} steps (hang)")
         self.check_outputs()
         # Every block-table row came back (finished, aborted, preempted or swapped out).
-        assert self.sched._block_table.num_held == 0, self.sched._block_table.num_held
+        assert self.sched._block_table.num_held_rows() == 0, self.sched._block_table.num_held_rows()
 
     # -- end of run ---------------------------------------------------------------------
     def pool_is_full(self, request: Request, tokens: list[int]) -> bool:

@@ -142,8 +142,7 @@ class PersistentBlockTable:
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
         self._incremental = hasattr(manager, "update_block_table")
 
-    @property
-    def num_held(self) -> int:
+    def num_held_rows(self) -> int:
         """Rows held by sequences."""
         return int(self.table.shape[0]) - len(self._free)
 

@@ -41,7 +41,6 @@ class RequestRegistry:
         """The unfinished request ``request_id``, or ``None``."""
         return self.requests.get(request_id)
 
-    @property
     def next_counter(self) -> int:
         """The arrival counter the next added request gets."""
         return self._counter

@@ -141,7 +141,7 @@ class Scheduler:
         now = self._now()  # before the manager is touched: a failing clock changes nothing
         given = request.arrival_time
         arrival = float(given) if given is not None else float(self.counters.num_steps)
-        counter = registry.next_counter
+        counter = registry.next_counter()
         key = self.policy.key(request.priority, arrival, counter)
         metrics = RequestMetrics(float(given) if given is not None else now)
         state = RequestState(request, counter, key, registry.new_seq_id(), metrics)
