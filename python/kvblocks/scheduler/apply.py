@@ -141,12 +141,22 @@ class ResultApplier:
                 rows, tok, lp = rows[mask], tok[mask], lp[mask]
             cols = table.cols
             cols["last_token"][rows] = tok
-            cols["num_tokens"][rows] += 1
-            generated = cols["num_generated"][rows] + 1
-            cols["num_generated"][rows] = generated
-            cols["cum_logprob"][rows] += lp
+            if isinstance(rows, slice):
+                # Views of the columns: add in place (no gather and scatter back).
+                num_tokens, cum = cols["num_tokens"][rows], cols["cum_logprob"][rows]
+                num_tokens += 1
+                cum += lp
+                generated = cols["num_generated"][rows]
+                generated += 1
+                generated = generated.copy()
+            else:
+                cols["num_tokens"][rows] += 1
+                generated = cols["num_generated"][rows] + 1
+                cols["num_generated"][rows] = generated
+                cols["cum_logprob"][rows] += lp
             decode = self._decode_deltas(rows, tok, generated, plan.aborted)
-            done = (generated >= cols["max_tokens"][rows]) | (tok == cols["eos"][rows])
+            done = generated >= cols["max_tokens"][rows]
+            done |= tok == cols["eos"][rows]
             stop_tokens = self.placement.registry.stop_tokens
             if stop_tokens.size:
                 done |= cols["has_stop"][rows] & np.isin(tok, stop_tokens)
@@ -156,7 +166,28 @@ class ResultApplier:
                 self._finish_decode_rows(ended, tok[hits], upd)
             if beam_rows is not None and beam_rows.size:
                 self.beams.decode(beam_rows, output, result, upd)
-        # Prefill chunks: progress, and the first token(s) of completed prompts.
+        if plan.chunks:
+            self._apply_chunks(plan, sampled, logprobs, row_tok, row_lp, offsets, result, upd)
+        if upd.remove_rows or upd.add_rows:
+            remove = np.concatenate(upd.remove_rows) if upd.remove_rows else None
+            table.update(remove, upd.add_rows)
+        return decode
+
+    def _apply_chunks(
+        self,
+        plan: StepPlan,
+        sampled: npt.NDArray[np.int64],
+        logprobs: npt.NDArray[np.float64],
+        row_tok: npt.NDArray[np.int64],
+        row_lp: npt.NDArray[np.float64],
+        offsets: npt.NDArray[np.int64] | None,
+        result: ModelStepResult,
+        upd: UpdateState,
+    ) -> None:
+        """Prefill chunks: progress, and the first token(s) of completed prompts."""
+        output = plan.output
+        counts = output.sample_counts
+        num_decode = output.num_decode_seqs
         sample_row_of_chunk = {j: num_decode + i for i, j in enumerate(plan.row_chunk)}
         for j, (state, _start, length) in enumerate(plan.chunks):
             if state.aborted or state.status is not RequestStatus.PREFILL:
@@ -192,10 +223,6 @@ class ResultApplier:
                 self._start_decoding(
                     state, [state.seq_ids[0]], row_tok[row : row + 1], row_lp[row : row + 1], upd
                 )
-        if upd.remove_rows or upd.add_rows:
-            remove = np.concatenate(upd.remove_rows) if upd.remove_rows else None
-            table.update(remove, upd.add_rows)
-        return decode
 
     def suppress_early_stops(self, output: SchedulerOutput) -> None:
         """``min_tokens``: ban EOS and the stop tokens in the rows of sequences that have

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -129,6 +130,9 @@ def build_step(
     mgr = manager
     dec = batch.decodes
     chunks = batch.chunks
+    if dec.synced is not None and not (chunks or dec.any_beam or state_groups):
+        assert block_table is not None  # only its allocate_decodes syncs
+        return _synced_decodes(batch, dec.synced, block_table)
     num_decode = len(dec.seq_ids)
     dec_ids, dec_tokens, dec_lens, dec_beam = dec.seq_ids, dec.tokens, dec.lens, dec.is_beam
     temperature, top_p, top_k, seeds, seq_index = (
@@ -298,3 +302,70 @@ def build_step(
         table_version=dec.table_version,
     )
     return output, plan
+
+
+class _Ramps(NamedTuple):
+    """Read-only templates of a decode step's constant arrays (copied into each output)."""
+
+    ones: npt.NDArray[np.int32]  # [n] one token / one sample per sequence
+    starts: npt.NDArray[np.int32]  # [n + 1] query_start_loc
+    rows: npt.NDArray[np.int64]  # [n] logits_indices, row_seq_pos
+
+
+@functools.lru_cache(maxsize=8)
+def _ramps(n: int) -> _Ramps:
+    ramps = _Ramps(
+        np.ones(n, dtype=np.int32),
+        np.arange(n + 1, dtype=np.int32),
+        np.arange(n, dtype=np.int64),
+    )
+    for a in ramps:
+        a.flags.writeable = False
+    return ramps
+
+
+def _synced_decodes(
+    batch: StepBatch, synced: DecodeSync, block_table: PersistentBlockTable
+) -> tuple[SchedulerOutput, StepPlan]:
+    """:func:`build_step` of the steady state, a step of decodes only (no beam search)
+    whose rows phase 1 allocated and synced: the same output with the fewest NumPy
+    operations (constant arrays are copies of cached templates; the positions, rows and
+    slots come from the sync)."""
+    dec = batch.decodes
+    n = len(dec.seq_ids)
+    ramps = _ramps(n)
+    group_slots = synced.slots[None]
+    output = SchedulerOutput(
+        seq_ids=dec.seq_ids,
+        num_scheduled_tokens=ramps.ones.copy(),
+        input_token_ids=dec.tokens,
+        positions=synced.positions,
+        slot_mapping=group_slots[0],
+        query_start_loc=ramps.starts.copy(),
+        seq_lens=dec.lens.astype(np.int32),
+        # None: gathered from block_table on first read (SchedulerOutput.block_tables).
+        block_tables=cast("npt.NDArray[np.int32]", None),
+        logits_indices=ramps.rows.copy(),
+        sample_seq_ids=dec.seq_ids.copy(),
+        sample_request_ids=dec.request_ids,
+        sample_seq_index=dec.seq_index,
+        sample_counts=ramps.ones.copy(),
+        temperature=dec.temperature,
+        top_p=dec.top_p,
+        top_k=dec.top_k,
+        seeds=dec.seeds,
+        num_decode_tokens=n,
+        num_decode_seqs=n,
+        finished_request_ids=batch.finished_request_ids,
+        memory_ops=batch.memory_ops,
+        block_table=block_table.table,
+        block_table_rows=synced.rows,
+        block_table_delta=synced.deltas[0],
+        block_table_reallocated=block_table.reallocated,
+        group_slot_mappings=group_slots,
+        group_block_table=block_table.group_tables,
+        group_block_table_deltas=synced.deltas,
+    )
+    block_table.step_done()
+    # Every row samples one token in batch order: update never reads row_seq_pos.
+    return output, StepPlan(output, row_seq_pos=ramps.rows, table_version=dec.table_version)

@@ -98,11 +98,12 @@ def apply_delta(table: npt.NDArray[np.int32], delta: TableDelta) -> None:
 @dataclass(slots=True)
 class DecodeSync:
     """What :meth:`PersistentBlockTable.allocate_decodes` synced: the sequences' rows,
-    the table's writes (one delta, group 0) and each token's cache slot."""
+    the table's writes (one delta, group 0), each token's cache slot and its position."""
 
     rows: npt.NDArray[np.int32]
     deltas: list[TableDelta]
     slots: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
 
 
 class PersistentBlockTable:
@@ -251,17 +252,18 @@ class PersistentBlockTable:
             return None
         try:
             rows = self._row_of[seq_ids]
+            positions = seq_lens - 1
             # A sequence without a row yet (-1, or an id past the map) is refused before
             # anything changes: assign() gives first rows, in batch order, at build time.
             served, synced = fused(
-                self.table, seq_ids, rows, seq_lens - 1, num_lookahead_tokens=num_lookahead_tokens
+                self.table, seq_ids, rows, positions, num_lookahead_tokens=num_lookahead_tokens
             )
         except (IndexError, InvalidArgumentError):
             return None  # nothing changed; the caller's allocate_slots_batch reports errors
         if synced is None:
             return served, None
         delta, slots = synced
-        return served, DecodeSync(rows, [delta], slots)
+        return served, DecodeSync(rows, [delta], slots, positions)
 
     def _fit(self, seq_lens: npt.NDArray[np.int32]) -> None:
         """Widen the table to hold tables of ``seq_lens`` tokens (plus lookahead)."""
