@@ -160,7 +160,7 @@ class ResultApplier:
             stop_tokens = self.placement.registry.stop_tokens
             if stop_tokens.size:
                 done |= cols["has_stop"][rows] & np.isin(tok, stop_tokens)
-            if done.any():
+            if np.count_nonzero(done):  # cheaper than done.any() at this size
                 hits = np.flatnonzero(done)
                 ended = hits if isinstance(rows, slice) else rows[hits]
                 self._finish_decode_rows(ended, tok[hits], upd)

@@ -11,7 +11,7 @@ a copy on its device scatters only those (:func:`delta_indices`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,6 +142,10 @@ class PersistentBlockTable:
         self._row_of: npt.NDArray[np.int32] = np.full(1024, -1, dtype=np.int32)
         self._free: list[int] = list(range(num_rows - 1, -1, -1))
         self._incremental = hasattr(manager, "update_block_table")
+        # Counts the changes of the sequence -> row map, and the last decode batch's rows
+        # under it (allocate_decodes: a steady decode batch keeps its rows).
+        self._num_row_changes = 0
+        self._batch_rows: tuple[Hashable, int, npt.NDArray[np.int32]] | None = None
 
     def num_held_rows(self) -> int:
         """Rows held by sequences."""
@@ -163,6 +167,7 @@ class PersistentBlockTable:
         missing = rows < 0
         if not missing.any():  # the usual step: every sequence has its row
             return rows
+        self._num_row_changes += 1
         for i in np.flatnonzero(missing).tolist():
             if not self._free:
                 self._grow(rows=2 * self.table.shape[0])
@@ -178,6 +183,7 @@ class PersistentBlockTable:
             if row >= 0:
                 self._row_of[seq] = -1
                 self._free.append(row)
+                self._num_row_changes += 1
 
     def sync(
         self,
@@ -239,6 +245,7 @@ class PersistentBlockTable:
         seq_ids: npt.NDArray[np.int64],
         seq_lens: npt.NDArray[np.int64],
         num_lookahead_tokens: int,
+        batch_key: Hashable = None,
     ) -> tuple[int, DecodeSync | None] | None:
         """A step of decodes only (one token each, ``seq_lens`` tokens known) in one
         manager call when it has one (``KVCacheManager.allocate_decode_step``) and every
@@ -246,12 +253,16 @@ class PersistentBlockTable:
         slots. Returns ``(num_served, synced)``, ``synced`` ``None`` when the call synced
         nothing (the pool ran short, or the table must widen first: :meth:`sync_decodes`
         does it later); ``None`` when the manager has no such call or a sequence holds no
-        row yet: nothing was done then."""
+        row yet: nothing was done then.
+
+        ``batch_key``: when not ``None``, a key the caller passes only with the same
+        ``seq_ids`` (the decode table's version and row count): while no row was given or
+        taken back since, the batch's rows are those of the last call with that key."""
         fused = getattr(self.manager, "allocate_decode_step", None)
         if fused is None or self.num_groups != 1 or not self._incremental:
             return None
         try:
-            rows = self._row_of[seq_ids]
+            rows = self._rows_of_batch(seq_ids, batch_key)
             positions = seq_lens - 1
             # A sequence without a row yet (-1, or an id past the map) is refused before
             # anything changes: assign() gives first rows, in batch order, at build time.
@@ -264,6 +275,24 @@ class PersistentBlockTable:
             return served, None
         delta, slots = synced
         return served, DecodeSync(rows, [delta], slots, positions)
+
+    def _rows_of_batch(
+        self, seq_ids: npt.NDArray[np.int64], batch_key: Hashable
+    ) -> npt.NDArray[np.int32]:
+        """``self._row_of[seq_ids]`` (a fresh array: it goes out with the step), from the
+        last batch's rows when ``batch_key`` names the same batch and no row moved."""
+        memo = self._batch_rows
+        if (
+            batch_key is not None
+            and memo is not None
+            and memo[1] == self._num_row_changes
+            and memo[0] == batch_key
+        ):
+            return memo[2].copy()  # a copy is cheaper than the gather
+        rows = self._row_of[seq_ids]
+        if batch_key is not None:
+            self._batch_rows = (batch_key, self._num_row_changes, rows.copy())
+        return rows
 
     def _fit(self, seq_lens: npt.NDArray[np.int32]) -> None:
         """Widen the table to hold tables of ``seq_lens`` tokens (plus lookahead)."""

@@ -279,7 +279,10 @@ class Scheduler:
             # Decodes only (phases 2-4 have nothing to do): one manager call allocates,
             # syncs the block-table rows and reads the slots, when it can.
             fused = self._block_table.allocate_decodes(
-                table["seq_id"][:end], table["num_tokens"][:end], cfg.num_lookahead_tokens
+                table["seq_id"][:end],
+                table["num_tokens"][:end],
+                cfg.num_lookahead_tokens,
+                batch_key=(table.version, end),  # the same rows while the table is unchanged
             )
             if fused is not None:
                 start, synced = fused
@@ -300,7 +303,10 @@ class Scheduler:
     def _schedule_chunks(self, step: StepState) -> None:
         """Phase 2: the next chunk of each request being prefilled, in key order."""
         cfg = self.config
-        for state in list(self._placement.prefilling):
+        prefilling = self._placement.prefilling
+        if not prefilling:
+            return
+        for state in list(prefilling):
             if step.budget <= 0 or step.num_seqs >= cfg.max_num_seqs:
                 break
             if state.status is not RequestStatus.PREFILL:
