@@ -307,16 +307,14 @@ def build_step(
 class _Ramps(NamedTuple):
     """Read-only templates of a decode step's constant arrays (copied into each output)."""
 
-    ones: npt.NDArray[np.int32]  # [n] one token / one sample per sequence
-    starts: npt.NDArray[np.int32]  # [n + 1] query_start_loc
+    int32: npt.NDArray[np.int32]  # [3n + 1]: ones(n) twice, then arange(n + 1)
     rows: npt.NDArray[np.int64]  # [n] logits_indices, row_seq_pos
 
 
 @functools.lru_cache(maxsize=8)
 def _ramps(n: int) -> _Ramps:
     ramps = _Ramps(
-        np.ones(n, dtype=np.int32),
-        np.arange(n + 1, dtype=np.int32),
+        np.concatenate([np.ones(2 * n, np.int32), np.arange(n + 1, dtype=np.int32)]),
         np.arange(n, dtype=np.int64),
     )
     for a in ramps:
@@ -334,14 +332,16 @@ def _synced_decodes(
     dec = batch.decodes
     n = len(dec.seq_ids)
     ramps = _ramps(n)
+    # One copy for the three int32 arrays (separate views of it, none overlapping).
+    int32 = ramps.int32.copy()
     group_slots = synced.slots[None]
     output = SchedulerOutput(
         seq_ids=dec.seq_ids,
-        num_scheduled_tokens=ramps.ones.copy(),
+        num_scheduled_tokens=int32[:n],
         input_token_ids=dec.tokens,
         positions=synced.positions,
         slot_mapping=group_slots[0],
-        query_start_loc=ramps.starts.copy(),
+        query_start_loc=int32[2 * n :],
         seq_lens=dec.lens.astype(np.int32),
         # None: gathered from block_table on first read (SchedulerOutput.block_tables).
         block_tables=cast("npt.NDArray[np.int32]", None),
@@ -349,7 +349,7 @@ def _synced_decodes(
         sample_seq_ids=dec.seq_ids.copy(),
         sample_request_ids=dec.request_ids,
         sample_seq_index=dec.seq_index,
-        sample_counts=ramps.ones.copy(),
+        sample_counts=int32[n : 2 * n],
         temperature=dec.temperature,
         top_p=dec.top_p,
         top_k=dec.top_k,

@@ -216,6 +216,7 @@ impl KVCacheManager {
     }
 
     /// Check an allocation request without changing anything.
+    #[inline]
     pub(super) fn validate_allocation(
         &self,
         slot: usize,

@@ -70,7 +70,13 @@ impl InFlight {
     }
 
     /// Drop a sequence's range (it committed, was freed or re-allocates).
+    #[inline]
     pub fn untrack(&mut self, seq: &mut Sequence) {
+        if seq.in_flight.is_empty() {
+            // The usual decode step: its one token fills no block, so nothing is tracked.
+            seq.in_flight = 0..0;
+            return;
+        }
         let range = std::mem::take(&mut seq.in_flight);
         if let Some(hashes) = seq.hashes.get(range) {
             self.remove(hashes);
@@ -98,6 +104,9 @@ impl KVCacheManager {
             return;
         }
         let range = reserved_range(seq, num_new_tokens, self.config.block_size);
+        if range.is_empty() {
+            return; // untrack left it empty
+        }
         if let Some(hashes) = seq.hashes.get(range.clone()) {
             self.in_flight.add(hashes);
             seq.in_flight = range;
