@@ -282,13 +282,15 @@ class PersistentBlockTable:
         """``self._row_of[seq_ids]`` (a fresh array: it goes out with the step), from the
         last batch's rows when ``batch_key`` names the same batch and no row moved."""
         memo = self._batch_rows
+        rows: npt.NDArray[np.int32]
         if (
             batch_key is not None
             and memo is not None
             and memo[1] == self._num_row_changes
             and memo[0] == batch_key
         ):
-            return memo[2].copy()  # a copy is cheaper than the gather
+            rows = memo[2].copy()  # a copy is cheaper than the gather
+            return rows
         rows = self._row_of[seq_ids]
         if batch_key is not None:
             self._batch_rows = (batch_key, self._num_row_changes, rows.copy())
