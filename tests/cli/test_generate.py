@@ -70,6 +70,28 @@ def test_model_directory_with_tokenizer(tmp_path: Path, capsys) -> None:
     assert isinstance(out["completions"][0]["text"], str)
 
 
+def test_no_kv_cache_groups_keeps_one_group_with_the_same_tokens(tmp_path: Path, capsys) -> None:
+    """Gemma 2 mixes window and full layers: one KV cache group per kind by default, one
+    group of every layer under ``--no-kv-cache-groups``; the tokens are the dense model's."""
+    from kvblocks.engine.dense import dense_greedy_generate
+    from kvblocks.engine.loader import save_checkpoint
+    from kvblocks.engine.tiny import build_tiny_model, tiny_config
+
+    model = build_tiny_model(tiny_config("gemma2"))
+    save_checkpoint(model, tmp_path)
+    prompt = [(7 * i) % 250 + 1 for i in range(40)]  # longer than the 8-token windows
+    argv = ["--model", str(tmp_path), "--prompt-ids", ",".join(map(str, prompt))]
+    argv += ["--max-tokens", "6", "--block-size", "8", "--device", "cpu"]
+    want = dense_greedy_generate(model, [prompt], 6)[0]
+    for flags, groups in (([], 2), (["--no-kv-cache-groups"], 1)):
+        assert _main([*argv, *flags, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["kv_cache_groups"] == groups
+        assert doc["outputs"][0]["completions"][0]["token_ids"] == want
+    assert _main([*argv, "--no-stream"]) == 0
+    assert "2 KV cache group(s)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -18,11 +18,16 @@ import subprocess
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from sanitized_kernels import entries_header
 
-from kvblocks.ops.launch_plan import KernelLaunch
+if TYPE_CHECKING:
+    # Annotations only: the background builder (`python emu_runtime.py FLAVOR...`, started
+    # by tests/conftest.py in each pytest worker) then never imports kvblocks.ops, and
+    # with it torch (about 4 CPU-s a process).
+    from kvblocks.ops.launch_plan import KernelLaunch
 
 REPO = Path(__file__).resolve().parents[2]
 CUDA_DIR = REPO / "cuda"

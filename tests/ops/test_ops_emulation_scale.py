@@ -31,7 +31,7 @@ def mixed_lengths(seed: int, n: int, longest: int) -> list[int]:
 def decode_case(lens, *, dtype, group, num_kv_heads=1, head_size=128, block_size=16, seed=0):
     case = make_case(
         seed, lens, [int(n > 0) for n in lens], num_kv_heads=num_kv_heads, group=group,
-        head_size=head_size, block_size=block_size, dtype=dtype,
+        head_size=head_size, block_size=block_size, dtype=dtype, dense=False,
     )  # fmt: skip
     query = torch.zeros((len(lens), *case.query.shape[1:]), dtype=dtype)
     query[[i for i, n in enumerate(lens) if n]] = case.query
@@ -81,7 +81,7 @@ def test_decode_large_grid_short_sequences():
 def test_prefill_long_chunk_gqa8_bf16():
     seq_lens, q_lens = [700, 300, 64, 1], [512, 300, 1, 1]
     case = make_case(3, seq_lens, q_lens, num_kv_heads=1, group=8, head_size=128,
-                     dtype=torch.bfloat16)  # fmt: skip
+                     dtype=torch.bfloat16, dense=False)  # fmt: skip
     launches = []
     got = kernel_driver.run_prefill(
         recording(launches), case.query, case.key_cache, case.value_cache, case.block_tables,
@@ -136,7 +136,7 @@ def test_prefill_batch_64_mixed_chunks(dtype, head_size):
     seq_lens = torch.randint(1, 1500, (64,), generator=gen).tolist()
     q_lens = [int(torch.randint(0, min(n, 200) + 1, (1,), generator=gen)) for n in seq_lens]
     case = make_case(6, seq_lens, q_lens, num_kv_heads=2, group=4, head_size=head_size,
-                     dtype=dtype)  # fmt: skip
+                     dtype=dtype, dense=False)  # fmt: skip
     got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=256, soft_cap=None,
@@ -148,7 +148,7 @@ def test_prefill_batch_64_mixed_chunks(dtype, head_size):
 @pytest.mark.slow
 def test_prefill_whole_prompts_of_2048_tokens_bf16():
     case = make_case(8, [2048, 1500], [2048, 1500], num_kv_heads=1, group=8, head_size=128,
-                     dtype=torch.bfloat16)  # fmt: skip
+                     dtype=torch.bfloat16, dense=False)  # fmt: skip
     got = kernel_driver.run_prefill(
         emu_launch, case.query, case.key_cache, case.value_cache, case.block_tables,
         case.query_start_loc, case.seq_lens, scale=None, sliding_window=None, soft_cap=None,

@@ -32,8 +32,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="generate text with the paged-attention engine (tiny built-in model by default)",
         description=(
             "Run the kvblocks engine (scheduler + block manager + paged attention) on the "
-            "built-in tiny model or a Hugging Face checkpoint directory (Llama, Mistral, "
-            "Qwen2; config.json + *.safetensors), print the generated tokens as they are "
+            "built-in tiny model or a Hugging Face checkpoint directory of a supported "
+            "family (Llama, Mistral, Ministral, Qwen2, Qwen3, OLMo 3, Gemma 2, Gemma 3, "
+            "gpt-oss, Bamba; config.json + *.safetensors), print the generated tokens as they are "
             "produced, then the completions and the engine, scheduler and cache statistics."
         ),
     )
@@ -102,6 +103,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="when a block is copied to the host tier: evict (when its KV cache block is "
         "reused) or commit (write-through, every computed block; default with a remote "
         "tier, which is written what the host tier is; otherwise evict)",
+    )
+    eng.add_argument(
+        "--no-kv-cache-groups",
+        action="store_true",
+        help="a model mixing sliding-window and full-attention layers (Gemma 2/3, gpt-oss, "
+        "...) keeps one full-attention KV cache group of every layer, each window layer "
+        "masking its window (default: one group per attention kind, whose blocks that slid "
+        "out of the window go back to the pool)",
     )
     eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     eng.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -264,6 +273,7 @@ def _build(args: argparse.Namespace, opened: list[Any]) -> tuple[Any, list[Any],
         block_size=args.block_size,
         num_cpu_blocks=args.num_cpu_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_groups=not args.no_kv_cache_groups,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         preemption_mode=args.preemption_mode,
@@ -346,6 +356,7 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
                 for o in outputs
             ],
             "stats": stats,
+            "kv_cache_groups": llm.manager.num_groups,
         }
         print(json.dumps(doc, indent=2, default=float))
         return
@@ -370,7 +381,8 @@ def _report(llm: Any, outputs: list[Any], as_json: bool) -> None:
     print(
         f"engine: {int(eng['steps'])} steps, {int(eng['computed_tokens'])} tokens computed, "
         f"{int(eng['generated_tokens'])} generated in {eng['elapsed_s']:.3f} s "
-        f"({eng['generated_tokens_per_s']:.1f} tokens/s) on {llm.device} {llm.dtype}"
+        f"({eng['generated_tokens_per_s']:.1f} tokens/s) on {llm.device} {llm.dtype}, "
+        f"{llm.manager.num_groups} KV cache group(s)"
     )
     for section in ("scheduler", "cache", "remote"):
         if section in stats:

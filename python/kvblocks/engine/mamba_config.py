@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_int
 
 __all__ = [
     "BAMBA_PARTIAL_ROTARY_FACTOR",
@@ -55,11 +56,9 @@ class MambaConfig:
     def check(self, hidden_size: int, num_layers: int) -> None:
         """Refuse shapes the mixer cannot have."""
         for name in ("n_heads", "d_head", "n_groups", "d_state", "d_conv", "expand", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidArgumentError(
-                    f"mamba_{name} must be a positive integer, got {value!r}"
-                )
+            check_int(
+                getattr(self, name), f"mamba_{name}", minimum=1, expected="a positive integer"
+            )
         if self.n_heads * self.d_head != self.expand * hidden_size:
             raise InvalidArgumentError(
                 f"mamba_n_heads * mamba_d_head ({self.n_heads} * {self.d_head}) must equal "

@@ -50,6 +50,7 @@ from kvblocks.ops.checks import (
 from kvblocks.ops.cpu_attention import CpuAttentionPlan
 from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.ops.decode_attention import DecodeAttention
+from kvblocks.validation import check_optional_int
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -211,8 +212,7 @@ def _check_attention_args(
 
 
 def _check_hint(value: int | None, name: str) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise InvalidArgumentError(f"{name} must be a non-negative int or None, got {value!r}")
+    check_optional_int(value, name, minimum=0, expected="a non-negative int or None")
 
 
 def paged_attention(

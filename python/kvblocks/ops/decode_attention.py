@@ -59,6 +59,7 @@ from kvblocks.ops.decode_plan import (
     plan_decode,
 )
 from kvblocks.ops.launch_plan import CTAS_PER_SM, KernelLaunch, Launcher
+from kvblocks.validation import check_int, check_optional_int
 
 __all__ = [
     "DECODE_DTYPES",
@@ -183,8 +184,7 @@ class DecodeAttention:
             ("num_kv_heads", num_kv_heads),
             ("max_seqs", max_seqs),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+            check_int(value, name, minimum=1, expected="a positive int")
         # plan_decode's check, made before any buffer is allocated.
         check_ints(granularity=granularity, min_chunk_tokens=min_chunk_tokens, minimum=1)
         if num_heads % num_kv_heads:
@@ -217,10 +217,7 @@ class DecodeAttention:
             raise InvalidArgumentError(f"device {device!r}: no such CUDA device")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        if smem_limit is not None and (
-            isinstance(smem_limit, bool) or not isinstance(smem_limit, int) or smem_limit < 1
-        ):
-            raise InvalidArgumentError(f"smem_limit must be a positive int, got {smem_limit!r}")
+        check_optional_int(smem_limit, "smem_limit", minimum=1, expected="a positive int")
         group = num_heads // num_kv_heads
         group_t = decode_kernel_group(head_size, group)
         if self.device.type == "cuda" and smem_limit is None:
@@ -248,8 +245,7 @@ class DecodeAttention:
             )
         if target_ctas is None:
             target_ctas = CTAS_PER_SM
-        if isinstance(target_ctas, bool) or not isinstance(target_ctas, int) or target_ctas < 1:
-            raise InvalidArgumentError(f"target_ctas must be a positive int, got {target_ctas!r}")
+        check_int(target_ctas, "target_ctas", minimum=1, expected="a positive int")
         self._launch = launcher
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -267,10 +263,12 @@ class DecodeAttention:
         self.target_items = max(1, target_ctas // (num_kv_heads * self.head_chunks))
         if max_items is None:
             max_items = self.target_items + max_seqs
-        if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < max_seqs:
-            raise InvalidArgumentError(
-                f"max_items must be an int of at least max_seqs {max_seqs}, got {max_items!r}"
-            )
+        check_int(
+            max_items,
+            "max_items",
+            minimum=max_seqs,
+            expected=f"an int of at least max_seqs {max_seqs}",
+        )
         if max_items > INT32_MAX or num_kv_heads * self.head_chunks > 65535:
             raise InvalidArgumentError(
                 f"the decode grid exceeds CUDA's limits: max_items {max_items} (at most "

@@ -37,6 +37,7 @@ import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.ops.checks import check_ints, check_sliding_window
+from kvblocks.validation import check_int, check_optional_int
 
 __all__ = [
     "DEFAULT_GRANULARITY",
@@ -118,13 +119,11 @@ def plan_decode(
     lens = _as_lengths(seq_lens)
     num_seqs = int(lens.shape[0])
     check_sliding_window(sliding_window)
-    if isinstance(target_items, bool) or not isinstance(target_items, int) or target_items < 1:
-        raise InvalidArgumentError(f"target_items must be a positive int, got {target_items!r}")
+    check_int(target_items, "target_items", minimum=1, expected="a positive int")
     # Item bounds are int32 (and int64 while planned): a chunk past every length is the
     # same plan as one of 2^31 - 1, a larger one would overflow NumPy.
     check_ints(granularity=granularity, min_chunk_tokens=min_chunk_tokens, minimum=1)
-    if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, int)):
-        raise InvalidArgumentError(f"max_items must be an int or None, got {max_items!r}")
+    check_optional_int(max_items, "max_items", expected="an int or None")
     if max_items is not None and max_items < num_seqs:
         raise InvalidArgumentError(
             f"max_items {max_items} is below the batch size {num_seqs}: every sequence "

@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
-import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +60,8 @@ _FORMAT = 1  # bump when the entry layout or the key's meaning changes
 _ARCH = re.compile(r"^(sm|compute)_\d{2,3}[af]?$")
 _HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp")
 _stats = {"compiled": 0, "loaded": 0}
+logger = logging.getLogger("kvblocks.ops")
+
 _fallback_dir: Path | None = None
 
 
@@ -198,11 +200,14 @@ def _writable_dir() -> Path:
         pass
     if _fallback_dir is None:
         _fallback_dir = Path(tempfile.mkdtemp(prefix="kvblocks-kernels-"))
-        warnings.warn(
-            f"kernel cache {directory} is not writable; compiled kernels go to "
-            f"{_fallback_dir} for this process only (set {CACHE_ENV})",
-            RuntimeWarning,
-            stacklevel=3,
+        # An operational fault, not a mistake in the caller's code: logged, and the
+        # kernels still compile (into a directory this process alone uses).
+        logger.warning(
+            "kernel cache %s is not writable; compiled kernels go to %s for this process "
+            "only (set %s)",
+            directory,
+            _fallback_dir,
+            CACHE_ENV,
         )
     return _fallback_dir
 

@@ -10,7 +10,6 @@ launcher) and the CPU emulation in the tests run the same plan. The shared-memor
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ from kvblocks.ops.checks import (
 )
 from kvblocks.ops.cuda_sources import prefill_kernel_name
 from kvblocks.ops.launch_plan import THREADS, KernelLaunch
+from kvblocks.validation import check_int, check_number
 
 __all__ = [
     "MAX_GRID_YZ",
@@ -116,9 +116,8 @@ def plan_prefill(
     check_head_size(head_size)
     check_ints(num_heads=num_heads, num_kv_heads=num_kv_heads, minimum=1)
     check_ints(num_seqs=num_seqs, minimum=0)
-    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0:
-        # A hint: any size is valid (the grid is clamped below), a negative one is not.
-        raise InvalidArgumentError(f"max_query_len must be an int >= 0, got {max_query_len!r}")
+    # A hint: any size is valid (the grid is clamped below), a negative one is not.
+    check_int(max_query_len, "max_query_len", minimum=0)
     if num_heads % num_kv_heads:
         raise InvalidArgumentError(
             f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
@@ -184,8 +183,7 @@ def prefill_launch(
         ("block_tables", block_tables), ("seq_lens", seq_lens),
         ("query_start_loc", query_start_loc), ("sinks", sinks),
     ):  # fmt: skip
-        if isinstance(address, bool) or not isinstance(address, int) or not 0 <= address < 2**64:
-            raise InvalidArgumentError(f"{name} must be a device address (an int), got {address!r}")
+        check_int(address, name, minimum=0, maximum=2**64 - 1, expected="a device address (an int)")
     if (sinks != 0) != plan.sinks:
         raise InvalidArgumentError(
             "sinks must be given exactly when the plan was made with sinks=True (the "
@@ -196,8 +194,7 @@ def prefill_launch(
     check_block_size(block_size)
     # Any finite scale: the kernel computes non-positive ones too (the front-ends refuse
     # them), but a NaN or inf would reach every score.
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
-        raise InvalidArgumentError(f"scale must be a finite float, got {scale!r}")
+    check_number(scale, "scale", expected="a finite float", numpy=True)
     check_optional_positive(soft_cap, "soft_cap")
     check_sliding_window(sliding_window)
     args = (

@@ -16,7 +16,7 @@ from kvblocks.router.events import (
     EventRecord,
 )
 from kvblocks.router.group_hit import GroupRule, longest_hit, needed_groups
-from kvblocks.validation import check_int
+from kvblocks.validation import check_block_hashes, check_int
 
 __all__ = ["MAX_GROUPS", "PrefixIndex"]
 
@@ -171,9 +171,7 @@ class PrefixIndex:
     def _store(
         self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
     ) -> None:
-        for h in hashes:
-            if isinstance(h, bool) or not isinstance(h, (bytes, int)):
-                raise InvalidTypeError(f"block hashes must be bytes or int, got {type(h).__name__}")
+        check_block_hashes(hashes, "block hashes")
         owners = self._owners.setdefault(medium, {})
         held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:

@@ -29,7 +29,7 @@ from kvblocks.router.events import (
     BlockStoredRecord,
     EventRecord,
 )
-from kvblocks.validation import check_int
+from kvblocks.validation import check_block_hashes, check_int
 
 __all__ = ["records_from_wire"]
 
@@ -73,9 +73,7 @@ def _optional_positive(value: Any, name: str) -> int | None:
 def _hashes(values: Any) -> tuple[bytes | int, ...]:
     if not isinstance(values, (list, tuple)):
         raise InvalidArgumentError(f"block_hashes must be a list, got {type(values).__name__}")
-    for h in values:
-        if isinstance(h, bool) or not isinstance(h, (bytes, int)):
-            raise InvalidArgumentError(f"a block hash must be bytes or int, got {h!r}")
+    check_block_hashes(values, "block_hashes")
     return tuple(values)
 
 

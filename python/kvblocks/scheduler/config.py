@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.protocols import BlockManager, EventPublisher
+from kvblocks.validation import check_optional_int
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.request import Request
@@ -95,19 +96,13 @@ class SchedulerConfig:
             raise InvalidArgumentError(
                 f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
             )
-        wait = self.max_wait_steps
-        if wait is not None and (
-            isinstance(wait, bool) or not isinstance(wait, int) or not 0 <= wait <= _INT32_MAX
-        ):
-            raise InvalidArgumentError(
-                f"max_wait_steps must be None or an int in [0, 2^31), got {wait!r}"
-            )
-        bound = self.max_load_blocks_per_step
-        if bound is not None and (
-            isinstance(bound, bool) or not isinstance(bound, int) or not 0 <= bound <= _INT32_MAX
-        ):
-            raise InvalidArgumentError(
-                f"max_load_blocks_per_step must be None or an int in [0, 2^31), got {bound!r}"
+        for name in ("max_wait_steps", "max_load_blocks_per_step"):
+            check_optional_int(
+                getattr(self, name),
+                name,
+                minimum=0,
+                maximum=_INT32_MAX,
+                expected="None or an int in [0, 2^31)",
             )
         if not isinstance(self.enable_chunked_prefill, bool):
             raise InvalidArgumentError(

@@ -12,6 +12,7 @@ import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
+from kvblocks.validation import check_int, check_optional_int
 
 __all__ = ["CompletionOutput", "FinishReason", "Request", "RequestMetrics", "RequestOutput"]
 
@@ -112,27 +113,25 @@ class Request:
             raise InvalidArgumentError(
                 f"request {self.request_id!r}: eos_token_id {self.eos_token_id} outside [0, 2**32)"
             )
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise InvalidArgumentError(
-                f"request {self.request_id!r}: priority must be an int, got {self.priority!r}"
-            )
-        if not -(2**63) <= self.priority < 2**63:
-            # Running requests keep it in an int64 column of the decode table.
-            raise InvalidArgumentError(
-                f"request {self.request_id!r}: priority must fit in int64, got {self.priority}"
-            )
-        p = self.retention_priority
-        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= 100):
-            raise InvalidArgumentError(
-                f"request {self.request_id!r}: retention_priority must be an int in [0, 100] "
-                f"or None, got {p!r}"
-            )
-        if self.lora_id is not None and (
-            isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int) or self.lora_id < 0
-        ):
-            raise InvalidArgumentError(
-                f"request {self.request_id!r}: lora_id must be a non-negative int or None"
-            )
+        where = f"request {self.request_id!r}: "
+        # Running requests keep the priority in an int64 column of the decode table.
+        check_int(
+            self.priority,
+            where + "priority",
+            minimum=-(2**63),
+            maximum=2**63 - 1,
+            expected="an int that fits in int64",
+        )
+        check_optional_int(
+            self.retention_priority,
+            where + "retention_priority",
+            minimum=0,
+            maximum=100,
+            expected="an int in [0, 100] or None",
+        )
+        check_optional_int(
+            self.lora_id, where + "lora_id", minimum=0, expected="a non-negative int or None"
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
