@@ -96,7 +96,7 @@ test-wheel: build
 	$(PY) -m pytest -q -m wheel tests/distribution
 
 bench-rust:
-	cargo bench -p kvblocks-core
+	cargo bench -p kvblocks-bench
 
 bench-python: build
 	$(PY) -m pytest benches --benchmark-only
