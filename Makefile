@@ -16,8 +16,13 @@ export PYO3_PYTHON := $(abspath $(PY))
 # runs after one build.
 NEEDS_BUILD ?= build
 # Release build of the extension, installed editable; PIP_QUIET keeps the pip that maturin runs
-# to a line per problem instead of a line per package.
-DEVELOP := PIP_QUIET=1 VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+# to a line per problem instead of a line per package. Built for the host's explicit target
+# triple: the wheel build (`.ci/build-dist`, zig) compiles for that triple too, so it finds
+# most crates.io dependencies already built in target/<triple>/release (a fresh clone's wheel
+# test then compiles about half as much).
+HOST    := $(shell rustc -vV 2>/dev/null | sed -n 's/^host: //p')
+DEVELOP := PIP_QUIET=1 VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q \
+	$(if $(HOST),--target $(HOST))
 
 .PHONY: all venv build demo demo-build run wheel test test-fast test-rust test-python test-wheel lint typecheck bench \
 	bench-rust bench-python ptxas-report bench-gpu clean
@@ -96,7 +101,7 @@ test-wheel: build
 	$(PY) -m pytest -q -m wheel tests/distribution
 
 bench-rust:
-	cargo bench -p kvblocks-core
+	cargo bench -p kvblocks-bench
 
 bench-python: build
 	$(PY) -m pytest benches --benchmark-only

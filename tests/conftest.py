@@ -52,8 +52,70 @@ def _weights_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         os.environ[name] = old
 
 
+#: Seconds each of the slowest test files takes on two cores (``make test`` on a fresh
+#: clone, from ``--durations``), for :func:`pytest_collection_modifyitems`: under
+#: ``--dist loadfile`` each file runs on one worker, and a heavy file handed out last keeps
+#: one worker busy while the other idles, so the files go out heaviest first (files not
+#: listed follow, in collection order). Only the order depends on these numbers: a stale
+#: entry costs balance, never coverage.
+FILE_SECONDS = {
+    "ops/test_ops_nvrtc.py": 340,
+    "ops/test_ops_emulation_scale.py": 315,
+    "cli/test_generate_tiers.py": 157,
+    "ops/test_kernel_model.py": 141,
+    "ops/test_ops_emulation.py": 129,
+    "ops/test_prefill_kernel_emulation.py": 114,
+    "core/test_content_oracle.py": 111,
+    "distribution/test_wheel.py": 94,
+    "scheduler/test_content_oracle.py": 91,
+    "scheduler/test_content_oracle_state.py": 86,
+    "ops/test_prefill_kernel_sanitizers.py": 65,
+    "ops/test_ops_emu_sanitizers.py": 59,
+    "engine/test_families.py": 57,
+    "core/test_content_oracle_state.py": 55,
+    "ops/test_ops_kernel_cache.py": 54,
+    "ops/test_decode_kernel_sanitizers.py": 53,
+    "core/test_content_oracle_groups.py": 43,
+    "cli/test_generate.py": 37,
+    "cli/test_simulate.py": 34,
+    "core/test_state_machine.py": 23,
+    "core/test_errors.py": 21,
+    "ops/test_decode_plan_sanitizers.py": 19,
+    "ops/test_ops_cpu_attention.py": 18,
+    "core/test_stubs.py": 18,
+    "simulate/test_capacity.py": 17,
+    "engine/test_llm.py": 16,
+    "events/test_vllm_recorded_events.py": 15,
+    "engine/test_config_families.py": 15,
+    "engine/test_emulated_cuda.py": 15,
+    "ops/test_ops_emu_runtime.py": 12,
+}
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--dist loadfile`` the files go to the workers in the order the workers
+    collected them (:func:`pytest_collection_modifyitems`), not in xdist's default order
+    (most tests first, which hands the heavy files of one to five tests out last)."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def _file_seconds(item: pytest.Item) -> int:
+    try:
+        name = item.path.relative_to(TESTS_DIR).as_posix()
+    except ValueError:
+        return 0
+    return FILE_SECONDS.get(name, 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``@pytest.mark.gpu`` tests unless torch sees a CUDA device and CuPy is installed."""
+    """On an xdist worker (whose collection order is the order its controller hands the
+    tests out in), order the files heaviest first (the tests of a file keep their order;
+    see :data:`FILE_SECONDS`); skip ``@pytest.mark.gpu`` tests unless torch sees a CUDA
+    device and CuPy is installed."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: -_file_seconds(item))  # stable: files stay contiguous
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with torch and CuPy")

@@ -52,7 +52,14 @@ from hypothesis.stateful import (
 import kvblocks
 from kvblocks import KVCacheManager
 from kvblocks.router import PromptHasher
-from oracle.kv_memory import GARBAGE, Attention, ContentError, KVMemory, PrefixIds
+from oracle.kv_memory import (
+    GARBAGE,
+    Attention,
+    ContentError,
+    KVMemory,
+    PrefixIds,
+    assert_array_equal,
+)
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
 MIN_OPERATIONS = 10_000 * SCALE
@@ -744,7 +751,7 @@ class ContentOracle(RuleBasedStateMachine):
                 self.row_len[(g, row)] = start + len(blocks)
         for s, r in zip(synced, rows, strict=True):
             self.row_last_owner[r] = s
-        np.testing.assert_array_equal(self.mirror, self.table)
+        assert_array_equal(self.mirror, self.table)
         return synced
 
     @invariant()

@@ -56,7 +56,14 @@ from kvblocks.scheduler import (
     SchedulerConfig,
 )
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
-from oracle.kv_memory import GARBAGE, Attention, ContentError, KVMemory, PrefixIds
+from oracle.kv_memory import (
+    GARBAGE,
+    Attention,
+    ContentError,
+    KVMemory,
+    PrefixIds,
+    assert_array_equal,
+)
 from oracle.page_table_reads import check_step_exports
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
@@ -254,14 +261,14 @@ class Harness:
         rows = out.block_table_rows
         assert len(rows) == out.num_seqs and len(set(rows.tolist())) == len(rows)
         mine = self.table[:, rows]
-        np.testing.assert_array_equal(mine, out.group_block_table[:, rows])
+        assert_array_equal(mine, out.group_block_table[:, rows])
         legacy = out.block_tables
-        np.testing.assert_array_equal(legacy, mine[0, :, : legacy.shape[1]])
+        assert_array_equal(legacy, mine[0, :, : legacy.shape[1]])
         assert not mine[0, :, legacy.shape[1] :].any()
         gathered = out.group_block_tables
-        np.testing.assert_array_equal(gathered, mine[:, :, : gathered.shape[2]])
+        assert_array_equal(gathered, mine[:, :, : gathered.shape[2]])
         assert not mine[:, :, gathered.shape[2] :].any()
-        np.testing.assert_array_equal(out.group_slot_mappings[0], out.slot_mapping)
+        assert_array_equal(out.group_slot_mappings[0], out.slot_mapping)
         assert out.group_slot_mappings.shape == (groups, out.num_tokens)
         return mine
 

@@ -241,6 +241,10 @@ def _remote_tier(args: argparse.Namespace, opened: list[Any]) -> Callable[[Any],
 
 
 def _build(args: argparse.Namespace, opened: list[Any]) -> tuple[Any, list[Any], Any]:
+    # The tier options are checked before torch is imported (seconds): a mistyped option
+    # is reported at once.
+    remote = _remote_tier(args, opened)
+
     import torch
 
     from kvblocks.engine import LLM
@@ -249,8 +253,6 @@ def _build(args: argparse.Namespace, opened: list[Any]) -> tuple[Any, list[Any],
     threads = args.threads or (1 if args.model is None else None)
     if threads:
         torch.set_num_threads(threads)
-
-    remote = _remote_tier(args, opened)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -1,6 +1,6 @@
 //! Criterion benches of the core's hot operations (short measurement windows).
 //!
-//! `cargo bench -p kvblocks-core` — groups:
+//! `cargo bench -p kvblocks-bench` — groups:
 //! * `alloc_free`: allocate a 16-block sequence and free it.
 //! * `prefix_lookup_32k`: add a 32k-token prompt that is fully cached (hash + probe) and
 //!   claim it, per hash algorithm.
