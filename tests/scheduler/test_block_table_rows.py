@@ -57,6 +57,32 @@ def test_rows_grow_keep_content_and_are_reused() -> None:
     assert rows2[0] in (rows[1], rows[2])  # a released row is reused
 
 
+def test_a_decode_batch_keeps_its_rows_until_a_row_moves() -> None:
+    """allocate_decodes under a batch key reuses the batch's rows only while no row was
+    given or taken back: a stale copy would sync sequence 3 into a row it left."""
+    ids = [3, 5]
+    m = _manager(KVCacheManager, ids, 10)
+    bt = PersistentBlockTable(m, num_rows=4, block_size=4)
+    seq = np.array(ids, dtype=np.int64)
+    lens = np.full(2, 11, dtype=np.int64)
+    bt.assign(seq)
+    done = bt.allocate_decodes(seq, lens, 0, batch_key=(0, 2))
+    assert done is not None and done[0] == 2 and done[1] is not None
+    first = done[1].rows
+    assert first.tolist() == [bt.row_of(3), bt.row_of(5)]
+    again = bt.allocate_decodes(seq, lens, 0, batch_key=(0, 2))
+    assert again is not None and again[1] is not None
+    assert again[1].rows.tolist() == first.tolist() and again[1].rows is not first
+    bt.release([3])
+    bt.assign(np.array([9], dtype=np.int64))  # takes the row sequence 3 left
+    moved_to = bt.assign(seq)
+    assert moved_to[0] != first[0]
+    moved = bt.allocate_decodes(seq, lens, 0, batch_key=(0, 2))
+    assert moved is not None and moved[1] is not None
+    assert moved[1].rows.tolist() == moved_to.tolist()
+    _check(bt, m, ids)
+
+
 def test_columns_grow_to_the_longest_table() -> None:
     m = _manager(KVCacheManager, [0, 1], 4 * INITIAL_COLUMNS + 30)
     bt = PersistentBlockTable(m, num_rows=4, block_size=4, num_lookahead_tokens=3)
