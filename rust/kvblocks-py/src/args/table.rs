@@ -27,6 +27,14 @@ impl<'a, 'py> FromPyObject<'a, 'py> for WritableTable<'py> {
     }
 }
 
+impl WritableTable<'_> {
+    /// `(num_rows, num_cols)` of the table.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        let shape = self.0.shape();
+        (shape[0], shape[1])
+    }
+}
+
 /// `block_tables`: a C-contiguous, writeable 3-D int32 NumPy array, one table per KV
 /// cache group (`[num_groups, max_rows, max_blocks]`).
 pub(crate) struct WritableTables<'py>(pub(crate) Bound<'py, PyArray3<i32>>);

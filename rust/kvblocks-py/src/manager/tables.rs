@@ -138,11 +138,8 @@ impl KVCacheManager {
         full: Option<Flag<names::Full>>,
         group: GroupArg,
     ) -> PyResult<BlockTableDelta> {
+        let (num_rows, num_cols) = block_table.dims();
         let table = block_table.0;
-        let (num_rows, num_cols) = {
-            let shape = table.shape();
-            (shape[0], shape[1])
-        };
         let delta = self.sync(py, group_of(group), seq_ids, rows, num_rows, num_cols, full)?;
         // SAFETY: `WritableTable` checked that the array is C-contiguous and writeable.
         // The GIL is held from here to the end of the write, so no Python code can touch
@@ -165,11 +162,8 @@ impl KVCacheManager {
         rows: RowIndices<'_, '_>,
         positions: Indices<names::Positions>,
     ) -> PyResult<(BlockTableDelta, Bound<'py, PyArray1<i64>>)> {
+        let (num_rows, num_cols) = block_table.dims();
         let table = block_table.0;
-        let (num_rows, num_cols) = {
-            let shape = table.shape();
-            (shape[0], shape[1])
-        };
         let ids = seq_ids.0;
         let rows = rows.parse(num_rows)?;
         let positions = positions.0;
@@ -229,11 +223,8 @@ impl KVCacheManager {
         positions: Indices<names::Positions>,
         num_lookahead_tokens: Option<Count<names::NumLookaheadTokens>>,
     ) -> PyResult<(usize, Option<(BlockTableDelta, Bound<'py, PyArray1<i64>>)>)> {
+        let (num_rows, num_cols) = block_table.dims();
         let table = block_table.0;
-        let (num_rows, num_cols) = {
-            let shape = table.shape();
-            (shape[0], shape[1])
-        };
         let ids = seq_ids.0;
         let rows = rows.parse(num_rows)?;
         let positions = positions.0;
