@@ -57,7 +57,7 @@ from kvblocks.scheduler.stats import (
     SchedulerCounters,
     StatsHistory,
     gauges,
-    gauges_row,
+    history_row,
 )
 from kvblocks.scheduler.step import Chunk, StepState, UpdateState
 from kvblocks.scheduler.step_outputs import StepOutputs
@@ -252,16 +252,8 @@ class Scheduler:
         counters.num_prefill_tokens += output.num_prefill_tokens
         counters.num_decode_tokens += output.num_decode_tokens
         if self.record_history:
-            self.stats_history.append(
-                gauges_row(
-                    self._placement,
-                    len(self._registry.requests),
-                    self.manager,
-                    counters,
-                    output,
-                    step.num_loads,
-                )
-            )
+            row = history_row(self._gauges(), counters, output, step.num_loads)
+            self.stats_history.append(row)
         return output
 
     def _schedule_decodes(self, step: StepState) -> DecodeRows:

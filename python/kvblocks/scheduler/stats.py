@@ -16,14 +16,7 @@ if TYPE_CHECKING:
     from kvblocks.scheduler.placement import Placement
     from kvblocks.scheduler.request import RequestMetrics
 
-__all__ = [
-    "LatencyStats",
-    "SchedulerCounters",
-    "StatsHistory",
-    "gauges",
-    "gauges_row",
-    "history_row",
-]
+__all__ = ["LatencyStats", "SchedulerCounters", "StatsHistory", "gauges", "history_row"]
 
 _PERCENTILES = (50, 90, 99)
 
@@ -204,36 +197,3 @@ def history_row(
     row["num_load_blocks"] = float(num_loads)
     row["prefix_hit_rate"] = counters.prefix_hit_rate
     return row
-
-
-def gauges_row(
-    placement: Placement,
-    num_requests: int,
-    manager: BlockManager,
-    counters: SchedulerCounters,
-    output: SchedulerOutput,
-    num_loads: int,
-) -> dict[str, float]:
-    """``history_row(gauges(placement, num_requests, manager, counters.num_steps),
-    counters, output, num_loads)`` in one dictionary display: the same keys in the same
-    order (every step records one, so the intermediate dictionary is worth avoiding)."""
-    if placement.num_split:
-        step_gauges = gauges(placement, num_requests, manager, counters.num_steps)
-        return history_row(step_gauges, counters, output, num_loads)
-    waiting, swapped = len(placement.waiting), len(placement.swapped)
-    return {
-        "num_running": float(num_requests - waiting - swapped),
-        "num_running_seqs": float(len(placement.table) + len(placement.prefilling)),
-        "num_waiting": float(waiting),
-        "num_swapped": float(swapped),
-        "kv_usage": float(manager.usage()),
-        "num_free_blocks": float(manager.num_free_blocks()),
-        "longest_wait_steps": float(placement.wait_bound.longest_wait(counters.num_steps)),
-        "step": float(counters.num_steps),
-        "num_batched_tokens": float(output.num_tokens),
-        "num_prefill_tokens": float(output.num_prefill_tokens),
-        "num_decode_tokens": float(output.num_decode_tokens),
-        "num_preemptions": float(counters.num_preemptions),
-        "num_load_blocks": float(num_loads),
-        "prefix_hit_rate": counters.prefix_hit_rate,
-    }
