@@ -110,6 +110,35 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# Llama 4 (text): 32-token chunks in the RoPE layers (0, 2), NoPE full attention with a
+# temperature that changes every 16 positions in layers 1 and 3, experts in layers 0 and 1
+# and dense MLPs in 2 and 3 (every combination of the two), Llama 3 rope. Not in FAMILIES:
+# it has chunks, not windows (tests/engine/test_llama4.py).
+LLAMA4: tuple[str, dict[str, Any]] = (
+    "Llama4TextConfig",
+    {
+        **_COMMON,
+        "num_hidden_layers": 4,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_layers": [0, 1],
+        "no_rope_layers": [1, 0, 1, 0],
+        "attention_chunk_size": 32,
+        "floor_scale": 16,
+        "attn_scale": 0.5,
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500_000.0,
+        },
+    },
+)
+
 
 @torch.no_grad()
 def redraw(model: torch.nn.Module, seed: int, *, norm_center: float) -> None:
@@ -131,7 +160,7 @@ def redraw(model: torch.nn.Module, seed: int, *, norm_center: float) -> None:
 
 def save_hf_checkpoint(transformers: Any, model_type: str, path: Path, seed: int = 0) -> Any:
     """Build the family's random model with transformers, save it to ``path``; return it."""
-    class_name, kwargs = FAMILIES[model_type]
+    class_name, kwargs = LLAMA4 if model_type == "llama4_text" else FAMILIES[model_type]
     config = getattr(transformers, class_name)(**kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

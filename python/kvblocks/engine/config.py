@@ -17,7 +17,13 @@ One record covers every supported family; they differ in a handful of switches:
   biases on every attention projection, a top-k mixture of experts with a clamped
   SwiGLU, YaRN rope;
 - ``bamba``: Mamba 2 mixers (recurrent layers, :attr:`ModelConfig.mamba`) with full
-  attention in the layers ``attn_layer_indices`` names, its rope over half of each head.
+  attention in the layers ``attn_layer_indices`` names, its rope over half of each head;
+- ``llama4_text`` (the text-only ``Llama4ForCausalLM``): chunked local attention
+  (``attention_chunk_size``) with an interleaved rope and L2-normalised queries and keys
+  in the RoPE layers, full attention without rope and with a position-dependent query
+  temperature in the NoPE layers, a mixture of experts (sigmoid router, shared expert)
+  and dense MLP layers (:attr:`ModelConfig.llama4`,
+  :mod:`kvblocks.engine.llama4_config`).
 
 Anything else (another ``model_type``, a quantized checkpoint, a rope type or switch
 that is not implemented) raises :class:`~kvblocks.errors.InvalidArgumentError` naming
@@ -31,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvblocks.engine.llama4_config import LLAMA4_ARCHITECTURE, Llama4Options
 from kvblocks.engine.mamba_config import MambaConfig
 from kvblocks.engine.rope_config import RopeScaling
 from kvblocks.errors import InvalidArgumentError
@@ -55,14 +62,18 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "bamba": "BambaForCausalLM",
+    "llama4_text": LLAMA4_ARCHITECTURE,
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_ARCHITECTURES)
 """The ``model_type`` values of ``config.json`` this engine can run."""
 
-_FULL, _SLIDE = "full_attention", "sliding_attention"
+_FULL, _SLIDE, _CHUNK = "full_attention", "sliding_attention", "chunked_attention"
 LAYER_TYPES = (_FULL, _SLIDE)
-"""The ``layer_types`` entries this engine can run."""
+"""The ``layer_types`` entries this engine can run (and ``"chunked_attention"`` for
+Llama 4, whose layers are full or chunked, never sliding)."""
+_LLAMA4 = "llama4_text"
+_LLAMA4_LAYER_TYPES = (_FULL, _CHUNK)
 
 # Families whose layers alternate windows by a fixed pattern when layer_types is absent:
 # a layer is full attention iff (index + 1) % period == 0 (transformers' defaults).
@@ -71,7 +82,18 @@ _GEMMA = ("gemma2", "gemma3_text")
 # transformers ignores attention_bias for these (no biases) or always has q/k/v biases.
 _NO_ATTENTION_BIAS = ("mistral", "ministral")
 # The output projection carries a bias exactly when the q/k/v ones do.
-_OUT_PROJ_BIAS = ("llama", "qwen3", "olmo3", "gemma2", "gemma3_text", "gpt_oss", "bamba")
+_OUT_PROJ_BIAS = (
+    "llama",
+    "qwen3",
+    "olmo3",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "bamba",
+    _LLAMA4,
+)
+# The families with a mixture of experts.
+_MOE = ("gpt_oss", _LLAMA4)
 _ACTIVATIONS = {
     "llama": ("silu",),
     "gemma": ("gelu_pytorch_tanh", "gelu", "gelu_new", "silu"),
@@ -85,14 +107,18 @@ class AttentionSpec:
     ``sliding_window``: key ``j`` is visible from query ``p`` iff ``p - W < j <= p``
     (``None``: every earlier key); ``scale`` multiplies ``q . k``; ``soft_cap`` applies
     ``cap * tanh(s / cap)`` to the scaled scores (Gemma 2); ``sinks`` says the layer
-    passes a learned per-head sink logit (gpt-oss). The exact formula is in
-    :mod:`kvblocks.ops.reference`.
+    passes a learned per-head sink logit (gpt-oss); ``chunk_size`` makes it chunked local
+    attention (Llama 4): key ``j`` is visible from query ``p`` iff ``j <= p`` and both are
+    in the same ``chunk_size``-token chunk (``j // C == p // C``). The exact formula is in
+    :mod:`kvblocks.ops.reference`; the paged engine runs a chunked layer as ordinary
+    causal attention over each chunk (:class:`~kvblocks.engine.runner.PagedAttention`).
     """
 
     sliding_window: int | None
     scale: float
     soft_cap: float | None = None
     sinks: bool = False
+    chunk_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +135,9 @@ class ModelConfig:
     (Gemma; ``None``: ``1/sqrt(head_dim)``). ``num_local_experts`` > 0 makes the MLP a
     mixture of experts (gpt-oss) with ``num_experts_per_tok`` experts per token.
     ``mamba`` describes the recurrent mixers of a hybrid model (Bamba; ``None`` for the
-    attention-only families).
+    attention-only families). ``attention_chunk_size`` is the chunk of Llama 4's
+    ``"chunked_attention"`` layers and ``llama4`` its other switches (``None`` for the
+    other families).
     """
 
     model_type: str = "llama"
@@ -143,6 +171,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mamba: MambaConfig | None = None
+    attention_chunk_size: int | None = None
+    llama4: Llama4Options | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -184,6 +214,34 @@ class ModelConfig:
             raise InvalidArgumentError(f"mamba applies to bamba, not to {self.model_type}")
         if self.mamba is not None:
             self.mamba.check(self.hidden_size, self.num_hidden_layers)
+        self._check_llama4()
+
+    def _check_llama4(self) -> None:
+        check_optional_int(
+            self.attention_chunk_size,
+            "attention_chunk_size",
+            minimum=1,
+            expected="a positive integer or None",
+        )
+        if self.model_type != _LLAMA4:
+            for name in ("llama4", "attention_chunk_size"):
+                if getattr(self, name) is not None:
+                    raise InvalidArgumentError(
+                        f"{name} applies to llama4_text, not to {self.model_type}"
+                    )
+            return
+        if self.llama4 is None:
+            raise InvalidArgumentError("llama4_text needs llama4 (its Llama4Options)")
+        self.llama4.check(self.num_hidden_layers)
+        if self.sliding_window is not None:
+            raise InvalidArgumentError(
+                "sliding_window is not supported for llama4_text (its local layers are "
+                "chunked: attention_chunk_size)"
+            )
+        if _CHUNK in self.layer_types_resolved() and self.attention_chunk_size is None:
+            raise InvalidArgumentError(
+                "layer_types has chunked_attention layers but attention_chunk_size is None"
+            )
 
     def _check_layer_types(self) -> None:
         if self.layer_types is None:
@@ -199,11 +257,12 @@ class ModelConfig:
                 f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
                 f"{self.num_hidden_layers}"
             )
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        allowed = _LLAMA4_LAYER_TYPES if self.model_type == _LLAMA4 else LAYER_TYPES
+        unknown = sorted(set(self.layer_types) - set(allowed))
         if unknown:
             raise InvalidArgumentError(
-                f"layer_types {', '.join(repr(t) for t in unknown)} are not supported; "
-                f"expected {' or '.join(repr(t) for t in LAYER_TYPES)}"
+                f"layer_types {', '.join(repr(t) for t in unknown)} are not supported for "
+                f"{self.model_type}; expected {' or '.join(repr(t) for t in allowed)}"
             )
 
     def _check_numerics(self) -> None:
@@ -226,10 +285,10 @@ class ModelConfig:
             raise InvalidArgumentError("sliding_rope_scaling needs a sliding_rope_theta")
 
     def _check_experts(self) -> None:
-        if self.model_type != "gpt_oss":
+        if self.model_type not in _MOE:
             if self.num_local_experts:
                 raise InvalidArgumentError(
-                    f"num_local_experts applies to gpt_oss, not to {self.model_type}"
+                    f"num_local_experts applies to {' and '.join(_MOE)}, not to {self.model_type}"
                 )
             return
         experts, top_k = self.num_local_experts, self.num_experts_per_tok
@@ -291,6 +350,10 @@ class ModelConfig:
         if self.layer_types is not None:
             return list(self.layer_types)
         n = self.num_hidden_layers
+        if self.llama4 is not None:
+            # Llama 4: RoPE layers are chunked (when there is a chunk), NoPE layers full.
+            chunked = self.attention_chunk_size is not None
+            return [_CHUNK if chunked and self.llama4.uses_rope(i) else _FULL for i in range(n)]
         period = _DEFAULT_FULL_PERIOD.get(self.model_type)
         if period is not None:
             return [_FULL if (i + 1) % period == 0 else _SLIDE for i in range(n)]
@@ -310,6 +373,14 @@ class ModelConfig:
             self.sliding_window if kind == _SLIDE else None for kind in self.layer_types_resolved()
         ]
 
+    def layer_attention_chunks(self) -> list[int | None]:
+        """The attention chunk of each layer (``None``: not chunked; Llama 4's
+        ``"chunked_attention"`` layers have ``attention_chunk_size``)."""
+        return [
+            self.attention_chunk_size if kind == _CHUNK else None
+            for kind in self.layer_types_resolved()
+        ]
+
     def uniform_sliding_window(self) -> int | None:
         """The window shared by every layer, or ``None`` if any layer attends fully.
 
@@ -321,15 +392,18 @@ class ModelConfig:
         return None
 
     def layer_attention(self) -> list[AttentionSpec]:
-        """Each layer's :class:`AttentionSpec` (window, scale, soft-cap, sinks)."""
+        """Each layer's :class:`AttentionSpec` (window, scale, soft-cap, sinks, chunk)."""
         return [
             AttentionSpec(
                 sliding_window=window,
                 scale=self.attention_scale,
                 soft_cap=self.attn_logit_softcapping,
                 sinks=self.has_attention_sinks,
+                chunk_size=chunk,
             )
-            for window in self.layer_sliding_windows()
+            for window, chunk in zip(
+                self.layer_sliding_windows(), self.layer_attention_chunks(), strict=True
+            )
         ]
 
     def layer_rope(self, layer_idx: int) -> tuple[float, RopeScaling | None]:

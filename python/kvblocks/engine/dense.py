@@ -25,7 +25,7 @@ class DenseAttention:
     """Causal attention over ``batch`` sequences of equal length, per each layer's spec.
 
     The flattened tokens are ``batch`` consecutive runs of ``seq_len`` tokens, each run a
-    whole sequence from position 0. Windows, soft-caps and sinks are applied as
+    whole sequence from position 0. Windows, chunks, soft-caps and sinks are applied as
     transformers writes them: the sink logit is one more score column, dropped after
     the softmax.
     """
@@ -34,12 +34,15 @@ class DenseAttention:
         self.batch = batch
         self.seq_len = seq_len
 
-    def _mask(self, window: int | None, device: torch.device) -> Tensor:
+    def _mask(self, window: int | None, chunk: int | None, device: torch.device) -> Tensor:
         pos = torch.arange(self.seq_len, device=device)
         visible = pos[None, :] <= pos[:, None]
         if window is not None:
             # Key j is visible from query p iff p - W < j <= p (the ops' convention).
             visible &= pos[None, :] > pos[:, None] - window
+        if chunk is not None:
+            # Chunked local attention: only the keys of the query's own chunk.
+            visible &= pos[None, :] // chunk == pos[:, None] // chunk
         return visible
 
     def __call__(
@@ -61,7 +64,7 @@ class DenseAttention:
         scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
         if spec.soft_cap is not None:
             scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
-        mask = self._mask(spec.sliding_window, query.device)
+        mask = self._mask(spec.sliding_window, spec.chunk_size, query.device)
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)

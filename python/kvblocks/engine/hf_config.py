@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.llama4_config import LLAMA4_ARCHITECTURE, llama4_from_hf, llama4_to_hf
 from kvblocks.engine.mamba_config import bamba_rope_parameters, mamba_from_hf, mamba_to_hf
 from kvblocks.engine.rope_config import RopeScaling, rope_from_hf
 from kvblocks.errors import InvalidArgumentError
@@ -28,9 +29,18 @@ _HINTS = {
         "it is the multimodal Gemma3ForConditionalGeneration; only the text-only "
         "Gemma3ForCausalLM (model_type 'gemma3_text') is supported"
     ),
+    "llama4": (
+        "it is the multimodal Llama4ForConditionalGeneration; only the text-only "
+        "Llama4ForCausalLM (model_type 'llama4_text') is supported"
+    ),
 }
 # rope_theta when a config has none (transformers' per-class default_theta).
-_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "gpt_oss": 150_000.0, "olmo3": 500_000.0}
+_DEFAULT_THETA = {
+    "gemma3_text": 1_000_000.0,
+    "gpt_oss": 150_000.0,
+    "olmo3": 500_000.0,
+    "llama4_text": 500_000.0,
+}
 _DEFAULT_SLIDING_THETA = {"gemma3_text": 10_000.0}
 _PER_LAYER_TYPE_ROPE = ("gemma3_text", "olmo3")
 # gpt-oss configs without any rope dict get transformers' default YaRN.
@@ -62,6 +72,12 @@ def _optional_float(raw: dict[str, Any], key: str, default: float | None) -> flo
 
 def _refuse_switches(model_type: str, raw: dict[str, Any]) -> None:
     """Refuse, by name, config switches whose behaviour is not implemented."""
+    architectures = raw.get("architectures")
+    if model_type == "llama4_text" and architectures not in (None, [LLAMA4_ARCHITECTURE]):
+        raise InvalidArgumentError(
+            f"architectures {architectures!r} are not supported for llama4_text; only the "
+            f"text-only {LLAMA4_ARCHITECTURE} is"
+        )
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -145,6 +161,11 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         head_dim = raw.get("head_dim")
+        llama4 = model_type == "llama4_text"
+        if llama4:
+            # transformers' Llama4TextConfig defaults (not hidden / heads, not all heads).
+            head_dim = 128 if "head_dim" not in raw else head_dim
+            raw = {"num_key_value_heads": 8, **raw}
         num_layers = int(raw["num_hidden_layers"])
         gemma = model_type in ("gemma2", "gemma3_text")
         sliding_window = raw.get("sliding_window", 128 if model_type == "gpt_oss" else None)
@@ -178,6 +199,8 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         experts: dict[str, Any] = {}
         if model_type == "bamba":
             experts["mamba"] = mamba_from_hf(raw, hidden, num_layers)
+        if model_type == "llama4_text":
+            experts = _llama4_fields(raw, num_layers)
         if model_type == "gpt_oss":
             experts = {
                 "num_local_experts": int(raw.get("num_local_experts", 128)),
@@ -196,7 +219,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(head_dim) if head_dim else hidden // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if llama4 else 1e-6)),
             rope_theta=ropes.theta,
             rope_scaling=ropes.scaling,
             max_position_embeddings=max_positions,
@@ -232,6 +255,20 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         if isinstance(exc, InvalidArgumentError):
             raise
         raise InvalidArgumentError(f"config.json has a malformed field: {exc}") from None
+
+
+def _llama4_fields(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 4's experts, chunk and switches (transformers' defaults where absent)."""
+    return {
+        "num_local_experts": int(raw.get("num_local_experts", 16)),
+        "num_experts_per_tok": int(raw.get("num_experts_per_tok", 1)),
+        "attention_chunk_size": (
+            None
+            if raw.get("attention_chunk_size", 8192) is None
+            else int(raw.get("attention_chunk_size", 8192))
+        ),
+        "llama4": llama4_from_hf(raw, num_layers),
+    }
 
 
 def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
@@ -275,7 +312,7 @@ def config_to_hf_dict(config: ModelConfig) -> dict[str, Any]:
     else:
         raw["rope_theta"] = c.rope_theta
         raw["rope_scaling"] = c.rope_scaling.to_dict() if c.rope_scaling else None
-    if c.model_type != "llama":
+    if c.model_type not in ("llama", "llama4_text"):
         raw["sliding_window"] = c.sliding_window
     if c.model_type in ("qwen2", "qwen3"):
         raw["use_sliding_window"] = c.sliding_window is not None
@@ -305,4 +342,9 @@ def config_to_hf_dict(config: ModelConfig) -> dict[str, Any]:
         raw["num_experts_per_tok"] = c.num_experts_per_tok
         raw["swiglu_alpha"] = c.swiglu_alpha
         raw["swiglu_limit"] = c.swiglu_limit
+    if c.llama4 is not None:
+        raw.update(llama4_to_hf(c.llama4))
+        raw["num_local_experts"] = c.num_local_experts
+        raw["num_experts_per_tok"] = c.num_experts_per_tok
+        raw["attention_chunk_size"] = c.attention_chunk_size
     return raw

@@ -16,6 +16,10 @@ that kind's group ``m // L`` at slot ``m % L``; the last group's unused slots ar
 (allocated, never read). Gemma 3's 5:1 pattern of 6 layers is ``L = 1``: one full and
 five window groups; gpt-oss's 1:1 is ``L = n / 2``: two groups. A model with one kind of
 layer (all full, or one window everywhere) needs no layout: one group of every layer.
+Llama 4's chunked local attention layers are a kind of their own (after the windows,
+``chunked_local_attention(C)`` groups whose past chunks' blocks the manager frees); a
+model whose every layer is chunked still gets a layout (one chunked group), so that
+the manager frees them.
 
 **Recurrent hybrids** (:func:`hybrid_layout`). A hybrid model (Bamba) has attention
 layers, which keep KV, and recurrent mixers, which keep one state per sequence: with
@@ -126,14 +130,17 @@ _BALANCED = 1.25
 class AttentionLayout:
     """The KV cache groups of a model mixing attention kinds (see the module docstring).
 
-    ``group_windows[g]`` is group ``g``'s window (``None``: full attention);
-    ``layer_group[i]`` and ``layer_slot[i]`` place decoder layer ``i``.
+    ``group_windows[g]`` is group ``g``'s window (``None``: full attention, or chunked
+    when ``group_chunks[g]`` is set: Llama 4's chunked local attention; an empty
+    ``group_chunks`` means no group is chunked); ``layer_group[i]`` and
+    ``layer_slot[i]`` place decoder layer ``i``.
     """
 
     layers_per_group: int
     group_windows: tuple[int | None, ...]
     layer_group: tuple[int, ...]
     layer_slot: tuple[int, ...]
+    group_chunks: tuple[int | None, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -147,10 +154,16 @@ class AttentionLayout:
 
     def groups(self) -> list[GroupSpec]:
         """The manager's groups, in order."""
-        return [
-            GroupSpec.full_attention() if w is None else GroupSpec.sliding_window(w)
-            for w in self.group_windows
-        ]
+        chunks = self.group_chunks or (None,) * self.num_groups
+        specs = []
+        for window, chunk in zip(self.group_windows, chunks, strict=True):
+            if chunk is not None:
+                specs.append(GroupSpec.chunked_local_attention(chunk))
+            elif window is not None:
+                specs.append(GroupSpec.sliding_window(window))
+            else:
+                specs.append(GroupSpec.full_attention())
+        return specs
 
 
 def attention_layout(config: ModelConfig) -> AttentionLayout | None:
@@ -163,22 +176,31 @@ def attention_layout(config: ModelConfig) -> AttentionLayout | None:
     if config.recurrent_layers:
         return None
     windows = config.layer_sliding_windows()
-    # Full attention first, then the windows in increasing size (one in every family).
-    kinds = sorted(set(windows), key=lambda w: -1 if w is None else w)
-    if len(kinds) < 2:
+    chunks = config.layer_attention_chunks()
+    # A layer's kind: (0, 0) full, (1, W) a window, (2, C) a chunk; sorted, that is full
+    # attention first, then the windows and the chunks in increasing size.
+    layer_kinds = [
+        (2, c) if c is not None else (0, 0) if w is None else (1, w)
+        for w, c in zip(windows, chunks, strict=True)
+    ]
+    kinds = sorted(set(layer_kinds))
+    if len(kinds) < 2 and kinds[0][0] != 2:
         return None
-    members = {k: [i for i, w in enumerate(windows) if w == k] for k in kinds}
+    members = {k: [i for i, lk in enumerate(layer_kinds) if lk == k] for k in kinds}
     counts = [len(m) for m in members.values()]
     per_group = min(counts)
     if max(counts) < _BALANCED * per_group:
         per_group = max(counts)
     group_windows: list[int | None] = []
+    group_chunks: list[int | None] = []
     layer_group = [0] * len(windows)
     layer_slot = [0] * len(windows)
     for kind in kinds:
         first = len(group_windows)
         layers = members[kind]
-        group_windows += [kind] * -(-len(layers) // per_group)
+        count = -(-len(layers) // per_group)
+        group_windows += [kind[1] if kind[0] == 1 else None] * count
+        group_chunks += [kind[1] if kind[0] == 2 else None] * count
         for m, layer in enumerate(layers):
             layer_group[layer] = first + m // per_group
             layer_slot[layer] = m % per_group
@@ -188,4 +210,10 @@ def attention_layout(config: ModelConfig) -> AttentionLayout | None:
             f"{len(group_windows)} KV cache groups; the manager takes {_MAX_GROUPS} "
             "(use kv_cache_groups=False)"
         )
-    return AttentionLayout(per_group, tuple(group_windows), tuple(layer_group), tuple(layer_slot))
+    return AttentionLayout(
+        per_group,
+        tuple(group_windows),
+        tuple(layer_group),
+        tuple(layer_slot),
+        tuple(group_chunks) if any(c is not None for c in group_chunks) else (),
+    )

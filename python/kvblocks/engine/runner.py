@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kvblocks import ops
+from kvblocks.engine.chunked_attention import check_chunk_size, chunked_batch
 from kvblocks.engine.config import AttentionSpec
 from kvblocks.engine.layer_groups import AttentionLayout, HybridLayout
 from kvblocks.engine.models import CausalLM
@@ -52,6 +53,17 @@ def kv_block_bytes(
 
 
 @dataclass(frozen=True)
+class _Batch:
+    """The batch a group's layers attend: the step's, or a chunked layer's virtual one."""
+
+    query_start_loc: Tensor  # int32 [S + 1]
+    seq_lens: Tensor  # int32 [S]
+    seq_lens_host: np.ndarray
+    max_seq_len: int
+    max_query_len: int
+
+
+@dataclass(frozen=True)
 class _GroupStep:
     """What one KV cache group's layers read and write this step."""
 
@@ -59,6 +71,7 @@ class _GroupStep:
     block_tables: Tensor  # int32 [S, B]
     cpu_plan: CpuAttentionPlan | None
     cpu_slots: CpuCacheSlots | None
+    batch: _Batch
 
 
 class PagedAttention:
@@ -78,9 +91,15 @@ class PagedAttention:
     gathered from it and masked adds exactly nothing). Without a placement, layer ``i``
     is group 0's slot ``i``.
 
-    On the CPU the step's gathers and cache rows are computed once per group, here, and
-    each layer of the group runs them; the model's own tensors need no per-layer
-    re-validation.
+    A chunked layer (``spec.chunk_size``, Llama 4) writes its group's slots and attends
+    its group's virtual batch for that chunk (:mod:`kvblocks.engine.chunked_attention`):
+    its query rows split at chunk boundaries, each piece ordinary causal attention over
+    its chunk's blocks, so the blocks of past chunks (freed by a
+    ``chunked_local_attention`` group: null entries) are never read.
+
+    On the CPU the step's gathers and cache rows are computed once per group (and
+    chunk), on the first layer that needs them, and each later layer of the group runs
+    them; the model's own tensors need no per-layer re-validation.
     """
 
     def __init__(
@@ -98,6 +117,7 @@ class PagedAttention:
         layer_group: Sequence[int] | None = None,
         layer_slot: Sequence[int] | None = None,
         cpu_plans: bool = True,
+        query_start_loc_host: np.ndarray | None = None,
     ) -> None:
         self.kv_caches = kv_caches
         # False runs CPU tensors through the ops front-ends layer by layer, as on CUDA
@@ -113,6 +133,8 @@ class PagedAttention:
         self.max_query_len = max_query_len
         self.layer_group = layer_group
         self.layer_slot = layer_slot
+        # Host copy for the chunked layers' virtual batches (read from the device if absent).
+        self.query_start_loc_host = query_start_loc_host
         if slot_mappings.dim() == 1:
             slot_mappings = slot_mappings[None]
         if block_tables.dim() == 2:
@@ -122,25 +144,62 @@ class PagedAttention:
                 f"{slot_mappings.shape[0]} slot mappings for {block_tables.shape[0]} block "
                 "tables; expected one of each per KV cache group"
             )
-        key_cache = kv_caches[0][0]
-        self.groups = [
-            self._group_step(key_cache, slots, tables)
-            for slots, tables in zip(slot_mappings, block_tables, strict=True)
-        ]
+        self.slot_mappings = slot_mappings
+        self.block_tables = block_tables
+        self.key_cache = kv_caches[0][0]
+        self._batch = _Batch(query_start_loc, seq_lens, seq_lens_host, max_seq_len, max_query_len)
+        # (group, chunk or None) -> its step; built when a layer first needs it.
+        self._steps: dict[tuple[int, int | None], _GroupStep] = {}
+        self._cpu_slots: dict[int, CpuCacheSlots] = {}
 
-    def _group_step(self, key_cache: Tensor, slot_mapping: Tensor, tables: Tensor) -> _GroupStep:
+    def _step(self, group: int, chunk: int | None) -> _GroupStep:
+        step = self._steps.get((group, chunk))
+        if step is None:
+            step = self._build_step(group, chunk)
+            self._steps[(group, chunk)] = step
+        return step
+
+    def _build_step(self, group: int, chunk: int | None) -> _GroupStep:
+        slot_mapping, tables, batch = (
+            self.slot_mappings[group],
+            self.block_tables[group],
+            self._batch,
+        )
+        key_cache = self.key_cache
+        if chunk is not None:
+            qsl = self.query_start_loc_host
+            if qsl is None:
+                qsl = self.query_start_loc.to("cpu").numpy()
+            pieces = chunked_batch(
+                qsl, self.seq_lens_host, chunk, key_cache.shape[2], decode_only=self.decode_only
+            )
+            tables = pieces.block_tables(tables)
+            device = tables.device
+            batch = _Batch(
+                torch.from_numpy(pieces.query_start_loc).to(device),
+                torch.from_numpy(pieces.seq_lens).to(device),
+                pieces.seq_lens,
+                pieces.max_seq_len,
+                pieces.max_query_len,
+            )
         if key_cache.is_cuda or not self.cpu_plans:
-            return _GroupStep(slot_mapping, tables, None, None)
+            return _GroupStep(slot_mapping, tables, None, None, batch)
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
         shape = {"num_blocks": num_blocks, "num_kv_heads": num_kv_heads, "block_size": block_size}
         native = key_cache.dtype == torch.float32
         if self.decode_only:
-            plan = CpuAttentionPlan.for_decode(tables, self.seq_lens, native_decode=native, **shape)
+            plan = CpuAttentionPlan.for_decode(
+                tables, batch.seq_lens, native_decode=native, **shape
+            )
         else:
             plan = CpuAttentionPlan.for_prefill(
-                tables, self.query_start_loc, self.seq_lens, native_decode=native, **shape
+                tables, batch.query_start_loc, batch.seq_lens, native_decode=native, **shape
             )
-        return _GroupStep(slot_mapping, tables, plan, CpuCacheSlots.build(slot_mapping, **shape))
+        # The group's cache rows are the same whichever batch its layers attend.
+        cpu_slots = self._cpu_slots.get(group)
+        if cpu_slots is None:
+            cpu_slots = self._cpu_slots[group] = CpuCacheSlots.build(slot_mapping, **shape)
+        return _GroupStep(slot_mapping, tables, plan, cpu_slots, batch)
 
     def __call__(
         self,
@@ -153,9 +212,11 @@ class PagedAttention:
     ) -> Tensor:
         """Cache the new K/V and attend (see :class:`~kvblocks.engine.models.AttentionBackend`)."""
         if self.layer_group is None or self.layer_slot is None:
-            group, slot = self.groups[0], layer_idx
+            group_idx, slot = 0, layer_idx
         else:
-            group, slot = self.groups[self.layer_group[layer_idx]], self.layer_slot[layer_idx]
+            group_idx, slot = self.layer_group[layer_idx], self.layer_slot[layer_idx]
+        group = self._step(group_idx, spec.chunk_size)
+        batch = group.batch
         key_cache, value_cache = self.kv_caches[slot]
         if group.cpu_plan is not None and group.cpu_slots is not None:
             group.cpu_slots.write(key, value, key_cache, value_cache)
@@ -175,26 +236,26 @@ class PagedAttention:
                 key_cache,
                 value_cache,
                 group.block_tables,
-                self.seq_lens,
+                batch.seq_lens,
                 scale=spec.scale,
                 sliding_window=spec.sliding_window,
                 soft_cap=spec.soft_cap,
                 sinks=sinks,
-                max_seq_len=self.max_seq_len,
-                seq_lens_host=self.seq_lens_host,
+                max_seq_len=batch.max_seq_len,
+                seq_lens_host=batch.seq_lens_host,
             )
         return ops.paged_prefill_attention(
             query,
             key_cache,
             value_cache,
             group.block_tables,
-            self.query_start_loc,
-            self.seq_lens,
+            batch.query_start_loc,
+            batch.seq_lens,
             scale=spec.scale,
             sliding_window=spec.sliding_window,
             soft_cap=spec.soft_cap,
             sinks=sinks,
-            max_query_len=self.max_query_len,
+            max_query_len=batch.max_query_len,
         )
 
 
@@ -250,6 +311,9 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
         layers, heads, dim = model.num_kv_layers, c.num_key_value_heads, c.head_dim
+        for chunk in {spec.chunk_size for spec in c.layer_attention()} - {None}:
+            assert chunk is not None
+            check_chunk_size(chunk, block_size)
         self.attention_layout = attention_layout
         if attention_layout is not None:
             if len(attention_layout.layer_group) != layers or layout is not None:
@@ -495,6 +559,7 @@ class ModelRunner:
             decode_only=out.num_decode_seqs == out.num_seqs,
             max_seq_len=int(np.max(out.seq_lens)),
             max_query_len=int(np.max(out.num_scheduled_tokens)),
+            query_start_loc_host=np.asarray(out.query_start_loc),
         )
         if self.states is None:
             hidden = self.model(input_ids, positions, attention)

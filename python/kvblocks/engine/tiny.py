@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.llama4_config import Llama4Options
 from kvblocks.engine.mamba_config import MambaConfig
 from kvblocks.engine.models import CausalLM, build_model
 from kvblocks.engine.rope_config import RopeScaling
@@ -72,6 +73,25 @@ _FAMILY_TINY: dict[str, dict[str, Any]] = {
             attention_layers=(1, 3), n_heads=4, d_head=64, n_groups=2, d_state=16, d_conv=4
         ),
     },
+    # Llama 4: three chunked RoPE layers of 16-token chunks and a NoPE layer, experts
+    # in every other layer, a temperature that changes every 8 positions, Llama 3 rope.
+    "llama4_text": {
+        "num_hidden_layers": 4,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": RopeScaling("llama3", 8.0, original_max_position_embeddings=64),
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "attention_chunk_size": 16,
+        "llama4": Llama4Options(
+            no_rope_layers=(1, 1, 1, 0),
+            moe_layers=(1, 3),
+            intermediate_size_mlp=128,
+            floor_scale=8.0,
+            attn_scale=0.5,
+        ),
+    },
     "gpt_oss": {
         "sliding_window": 8,
         "attention_bias": True,
@@ -92,7 +112,8 @@ def tiny_config(model_type: str = "llama", **overrides: object) -> ModelConfig:
     Mistral gets a 24-token sliding window and Qwen2 its q/k/v biases; the families with
     per-layer windows get 8-token windows on some layers and full attention on others,
     Gemma its soft-caps, scale and local/global ropes, gpt-oss four experts (two per
-    token), sinks and YaRN, so each family's difference is exercised. ``overrides``
+    token), sinks and YaRN, Llama 4 16-token chunks, a NoPE layer, experts and dense
+    layers, so each family's difference is exercised. ``overrides``
     replace any field.
     """
     fields: dict[str, Any] = dict(

@@ -5,8 +5,9 @@ calls, :mod:`~kvblocks.engine.models.layers` the shared building blocks,
 :mod:`~kvblocks.engine.models.base` the causal-LM shell;
 :mod:`~kvblocks.engine.models.llama` (Llama, Mistral, Ministral, Qwen2, Qwen3, OLMo 3),
 :mod:`~kvblocks.engine.models.gemma` (Gemma 2, Gemma 3 text) and
-:mod:`~kvblocks.engine.models.gpt_oss` and :mod:`~kvblocks.engine.models.bamba` (with the
-Mamba 2 mixer of :mod:`~kvblocks.engine.models.mamba2`) the families.
+:mod:`~kvblocks.engine.models.gpt_oss`, :mod:`~kvblocks.engine.models.llama4` (Llama 4
+text) and :mod:`~kvblocks.engine.models.bamba` (with the Mamba 2 mixer of
+:mod:`~kvblocks.engine.models.mamba2`) the families.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvblocks.engine.models.base import CausalLM
 from kvblocks.engine.models.gemma import GemmaForCausalLM
 from kvblocks.engine.models.gpt_oss import GptOssForCausalLM
 from kvblocks.engine.models.llama import LlamaForCausalLM, Olmo3ForCausalLM
+from kvblocks.engine.models.llama4 import Llama4ForCausalLM
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "CausalLM",
     "GemmaForCausalLM",
     "GptOssForCausalLM",
+    "Llama4ForCausalLM",
     "LlamaForCausalLM",
     "Olmo3ForCausalLM",
     "build_model",
@@ -46,6 +49,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "gemma3_text": GemmaForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bamba": BambaForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
 }
 """The implementation of each supported ``model_type``."""
 

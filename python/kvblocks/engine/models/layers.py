@@ -222,14 +222,26 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class GatedMLP(nn.Module):
-    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``, GeGLU ...)."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with ``silu``, GeGLU ...).
 
-    def __init__(self, config: ModelConfig, *, device: Device, dtype: DType) -> None:
+    ``intermediate_size`` overrides the config's (Llama 4's dense layers are wider than
+    its experts).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: Device,
+        dtype: DType,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         linear = partial(Linear, device=device, dtype=dtype, bias=False)
-        self.gate_proj = linear(config.hidden_size, config.intermediate_size)
-        self.up_proj = linear(config.hidden_size, config.intermediate_size)
-        self.down_proj = linear(config.intermediate_size, config.hidden_size)
+        inner = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = linear(config.hidden_size, inner)
+        self.up_proj = linear(config.hidden_size, inner)
+        self.down_proj = linear(inner, config.hidden_size)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: Tensor) -> Tensor:
