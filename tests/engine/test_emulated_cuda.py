@@ -212,6 +212,20 @@ def test_kv_cache_groups_on_emulated_kernels_equal_dense(emulated_kernels: list[
     assert "reshape_and_cache_kernel" in emulated_kernels
 
 
+def test_chunked_attention_on_emulated_kernels_equals_dense(emulated_kernels: list[str]):
+    """Llama 4's chunked layers (16-token chunks, blocks of 8) in their own groups: each
+    layer's CUDA launch gets the virtual batch of its chunk (pieces of prefill steps that
+    cross chunk boundaries, tables from each chunk's first block, past chunks freed)."""
+    model = build_tiny_model(tiny_config("llama4_text"))
+    prompts = [_prompt(5, 1), _prompt(37, 2)]
+    expected = dense_greedy_generate(model, prompts, 10)
+    llm = LLM(model, num_blocks=32, block_size=8, max_num_batched_tokens=16, device="cpu")
+    assert [g.chunk for g in llm.manager.groups] == [None, 16, 16, 16]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    assert [o.token_ids for o in outputs] == expected
+    assert any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
+
+
 def test_beams_with_copies_on_emulated_kernels(
     emulated_kernels: list[str], tiny_llama: LlamaForCausalLM
 ) -> None:

@@ -77,19 +77,19 @@ def _options(**change: Any) -> Llama4Options:
 
 
 # Each switch changes the logits: without it the comparison above would fail.
-SWITCHES = [
-    {"attention_chunk_size": None},  # every layer full attention
-    {"rope_scaling": None},
-    {"llama4": _options(use_qk_norm=False)},
-    {"llama4": _options(attn_temperature_tuning=False)},
-    {"llama4": _options(no_rope_layers=(1, 1, 1, 1))},  # no NoPE layer
-    {"llama4": _options(moe_layers=())},  # dense everywhere
-    {"llama4": _options(moe_layers=(0, 1, 2, 3))},  # experts everywhere
-    {"num_experts_per_tok": 1},
-]
+SWITCHES = {
+    "no-chunks": {"attention_chunk_size": None},  # every layer full attention
+    "no-rope-scaling": {"rope_scaling": None},
+    "no-qk-norm": {"llama4": _options(use_qk_norm=False)},
+    "no-temperature": {"llama4": _options(attn_temperature_tuning=False)},
+    "no-nope-layer": {"llama4": _options(no_rope_layers=(1, 1, 1, 1))},
+    "dense-everywhere": {"llama4": _options(moe_layers=())},
+    "experts-everywhere": {"llama4": _options(moe_layers=(0, 1, 2, 3))},
+    "top-1": {"num_experts_per_tok": 1},
+}
 
 
-@pytest.mark.parametrize("change", SWITCHES, ids=lambda c: ",".join(f"{k}" for k in c))
+@pytest.mark.parametrize("change", SWITCHES.values(), ids=SWITCHES.keys())
 def test_each_switch_changes_the_logits(change: dict[str, Any]) -> None:
     base = build_tiny_model(tiny_config("llama4_text"))
     other = build_tiny_model(tiny_config("llama4_text", **change))
@@ -118,6 +118,12 @@ PROMPTS = [SHARED + _prompt(21, 1), SHARED + _prompt(45, 2), SHARED + _prompt(5,
 MAX_TOKENS = 24
 
 
+@pytest.fixture(scope="module")
+def expected(hf_checkpoint: tuple[Path, Any]) -> list[list[int]]:
+    """transformers' greedy continuations of PROMPTS (computed once for the module)."""
+    return [hf_greedy(hf_checkpoint[1], p, MAX_TOKENS) for p in PROMPTS]
+
+
 def test_checkpoint_config(hf_checkpoint: tuple[Path, Any]) -> None:
     path, _ = hf_checkpoint
     config = config_from_file(path)
@@ -134,6 +140,7 @@ def test_checkpoint_config(hf_checkpoint: tuple[Path, Any]) -> None:
 @pytest.mark.parametrize("kv_cache_groups", [False, True], ids=["one-group", "groups"])
 def test_hf_checkpoint_runs_token_for_token(
     hf_checkpoint: tuple[Path, Any],
+    expected: list[list[int]],
     kv_cache_groups: bool,
     mode: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -146,7 +153,6 @@ def test_hf_checkpoint_runs_token_for_token(
     default), once with one full-attention group of every layer (the chunked layers
     still read only their chunk)."""
     path, hf = hf_checkpoint
-    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     split: list[int] = []  # sequences of a prefill batch split at a chunk boundary
     real = runner_module.chunked_batch
 
@@ -207,8 +213,8 @@ def _poison_unheld_blocks(llm: LLM, poisoned: list[int]) -> None:
     forward = runner.forward_logits
 
     def poisoned_forward(out: Any) -> Any:
-        tables = out.group_block_table if out.group_block_table is not None else None
-        if tables is None:
+        tables = out.group_block_table
+        if tables is None:  # one group
             tables = np.asarray(out.block_table)[None]
         held = np.unique(np.asarray(tables)[:, np.asarray(out.block_table_rows)])
         unheld = np.setdiff1d(np.arange(runner.num_blocks), held)
@@ -447,6 +453,41 @@ def test_scout_shaped_config_and_its_groups() -> None:
         == [GroupSpec.full_attention()] + [GroupSpec.chunked_local_attention(8192)] * 3
     )
     assert c.layer_attention()[0] == AttentionSpec(None, 1 / math.sqrt(128), None, False, 8192)
+
+
+def test_missing_fields_take_transformers_defaults() -> None:
+    """A config.json with only the required fields reads as transformers reads it."""
+    transformers = pytest.importorskip("transformers")
+    required = ("model_type", "vocab_size", "hidden_size", "intermediate_size")
+    raw = {k: SCOUT_TEXT[k] for k in (*required, "num_hidden_layers", "num_attention_heads")}
+    c = config_from_hf_dict(raw)
+    hf = transformers.Llama4TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert c.llama4 is not None
+    assert (c.head_dim, c.num_key_value_heads, c.rms_norm_eps) == (
+        hf.head_dim,
+        hf.num_key_value_heads,
+        hf.rms_norm_eps,
+    )
+    assert (c.bos_token_id, c.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+    assert c.max_position_embeddings == hf.max_position_embeddings
+    assert c.rope_theta == hf.rope_parameters["rope_theta"] and c.rope_scaling is None
+    assert (
+        (c.num_local_experts, c.num_experts_per_tok)
+        == (16, 1)
+        == (
+            hf.num_local_experts,
+            hf.num_experts_per_tok,
+        )
+    )
+    assert c.attention_chunk_size == hf.attention_chunk_size
+    assert c.layer_types_resolved() == hf.layer_types
+    assert list(c.llama4.no_rope_layers) == hf.no_rope_layers
+    assert list(c.llama4.moe_layers) == hf.moe_layers
+    assert c.llama4.intermediate_size_mlp == hf.intermediate_size_mlp
+    assert (c.llama4.floor_scale, c.llama4.attn_scale) == (hf.floor_scale, hf.attn_scale)
+    assert c.llama4.use_qk_norm == hf.use_qk_norm
+    assert c.llama4.attn_temperature_tuning == hf.attn_temperature_tuning
+    assert c.tie_word_embeddings == hf.tie_word_embeddings
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,14 @@ _GPT_OSS_DEFAULT_ROPE = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
+# Llama4TextConfig's defaults that differ from the other families'.
+_LLAMA4_DEFAULTS = {
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096 * 32,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 # Gemma 3's default period of sliding layers (sliding_window_pattern) when layer_types
 # is absent: 5 sliding layers, then a full one.
 _GEMMA3_PATTERN = 6
@@ -163,9 +171,9 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
         head_dim = raw.get("head_dim")
         llama4 = model_type == "llama4_text"
         if llama4:
-            # transformers' Llama4TextConfig defaults (not hidden / heads, not all heads).
+            # transformers' Llama4TextConfig defaults (head_dim is not hidden / heads).
             head_dim = 128 if "head_dim" not in raw else head_dim
-            raw = {"num_key_value_heads": 8, **raw}
+            raw = {**_LLAMA4_DEFAULTS, **raw}
         num_layers = int(raw["num_hidden_layers"])
         gemma = model_type in ("gemma2", "gemma3_text")
         sliding_window = raw.get("sliding_window", 128 if model_type == "gpt_oss" else None)
@@ -219,7 +227,7 @@ def config_from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(head_dim) if head_dim else hidden // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5 if llama4 else 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=ropes.theta,
             rope_scaling=ropes.scaling,
             max_position_embeddings=max_positions,
