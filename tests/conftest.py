@@ -84,6 +84,7 @@ FILE_SECONDS = {
     "ops/test_ops_cpu_attention.py": 18,
     "core/test_stubs.py": 18,
     "simulate/test_capacity.py": 17,
+    "engine/test_llama4.py": 20,
     "engine/test_llm.py": 16,
     "events/test_vllm_recorded_events.py": 15,
     "engine/test_config_families.py": 15,
