@@ -134,7 +134,7 @@ def drive(rec: dict[str, Any]) -> list[list[Any]]:
     step adds its new (or resumed) sequences, allocates for every scheduled one, then
     commits each (appending the sampled token); a preempted sequence is freed and added
     again with its tokens. Every step's ``take_events()``, empty ones included."""
-    m = manager(rec["num_blocks"])
+    m = manager(rec["num_blocks"], sliding_window=rec.get("sliding_window"))
     ids = {rid: sid for sid, rid in enumerate(rec["requests"])}
     tokens = {rid: list(r["prompt"]) for rid, r in rec["requests"].items()}
     batches = []
@@ -181,6 +181,11 @@ def vllm_events(batch_hex: str) -> list[Any]:
     return msgspec.msgpack.decode(bytes.fromhex(batch_hex))[1]  # type: ignore[no-any-return]
 
 
+def removed(hashes: list[Any]) -> dict[str, Any]:
+    """A decoded ``BlockRemoved`` of ``hashes`` (GPU, group 0)."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
 @pytest.mark.parametrize("hash_format", ["int", "bytes"])
 def test_a_hit_on_copies_claims_one_in_use_where_vllm_claims_the_oldest(
     hash_format: str,
@@ -215,6 +220,24 @@ def test_a_step_s_evictions_come_before_its_stores_where_vllm_interleaves(
     ours_last, theirs_last = decoded(ours[-1], hash_format), vllm_events(rec["batches"][-1])
     assert [e["type"] for e in theirs_last] == ["BlockStored", "BlockRemoved"]
     assert ours_last == theirs_last[::-1]
+
+
+@pytest.mark.parametrize("hash_format", ["int", "bytes"])
+def test_a_window_group_releases_at_commit_where_vllm_releases_at_the_next_allocation(
+    hash_format: str,
+) -> None:
+    """A known difference, pinned: the block a's window left is free from a's commit in
+    kvblocks, from a's next allocation in vLLM, so x's blocks, freed in between, queue
+    after it in kvblocks and before it in vLLM: c's block evicts a's first block (its
+    ``BlockRemoved``) where vLLM evicts x's last."""
+    rec = DATA["hash_formats"][hash_format]["window_release"]
+    ours = drive(rec)
+    assert len(ours) == len(rec["batches"]) == 3
+    for step in (0, 2):
+        assert_same_batch(encode(ours[step], hash_format), rec["batches"][step], f"step {step}")
+    a, x = vllm_events(rec["batches"][0])
+    assert vllm_events(rec["batches"][1]) == [removed(x["block_hashes"][1:])]
+    assert decoded(ours[1], hash_format) == [removed(a["block_hashes"][:1])]
 
 
 def test_the_publisher_sends_vllm_s_bytes() -> None:

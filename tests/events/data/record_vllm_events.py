@@ -32,8 +32,9 @@ once with int block hashes, vLLM's default, and once with bytes,
   in one step and decoded alike, a prompt's last block recomputed while a copy is cached,
   copies evicted one at a time by other prompts, a preempted request resuming on what is
   left, ``reset_prefix_cache`` with copies cached), every step's batch, empty ones too.
-* ``duplicate_claim``, ``step_order``: two known differences of kvblocks from vLLM, on
-  purpose (see ``DUPLICATE_CLAIM`` and ``STEP_ORDER``).
+* ``duplicate_claim``, ``step_order``, ``window_release``: three known differences of
+  kvblocks from vLLM, in what it does rather than how it reports it (see
+  ``DUPLICATE_CLAIM``, ``STEP_ORDER``, ``WINDOW_RELEASE``).
 * ``replay``: the frames vLLM's ``ZmqEventPublisher`` answers a replay request with.
 
 (The pins: vLLM 0.33.0 requires ``xgrammar==0.2.8`` (which imports ``tvm_ffi``),
@@ -258,11 +259,30 @@ STEP_ORDER: dict[str, Any] = {
     ],
 }
 
+# A sliding-window group (5 tokens): the block a sequence's next query no longer sees is
+# released by kvblocks at the commit that moved the window past it, by vLLM at the
+# sequence's next allocation; freed in between, x's blocks queue behind a's in kvblocks,
+# before it in vLLM, so c's block evicts a's first block in kvblocks, x's last in vLLM.
+WINDOW_RELEASE: dict[str, Any] = {
+    "num_blocks": 6,
+    "sliding_window": 5,
+    "requests": {
+        "a": {"prompt": list(range(1, 10)), "read_cache": True},
+        "x": {"prompt": list(range(70, 78)), "read_cache": True},
+        "c": {"prompt": [50, 51, 52], "read_cache": True},
+    },
+    "steps": [
+        {"run": [["a", 901], ["x", 950]], "free": ["x"]},
+        {"run": [["c", 951]]},
+        {"run": [["a", 952]]},
+    ],
+}
+
 
 def _drive(v: dict[str, Any], scenario: dict[str, Any]) -> list[str]:
     """Run ``scenario``'s steps on vLLM's manager as its scheduler does; every step's
     ``take_events()`` batch, empty ones included."""
-    mgr = _manager(v, num_blocks=scenario["num_blocks"])
+    mgr = _manager(v, num_blocks=scenario["num_blocks"], window=scenario.get("sliding_window"))
     status = v["RequestStatus"]
     reqs: dict[str, Any] = {}
     batches = []
@@ -353,6 +373,7 @@ def _scenarios(v: dict[str, Any]) -> dict[str, Any]:
                 ("duplicates", DUPLICATES),
                 ("duplicate_claim", DUPLICATE_CLAIM),
                 ("step_order", STEP_ORDER),
+                ("window_release", WINDOW_RELEASE),
             )
         },
     }
