@@ -129,6 +129,117 @@ def test_a_sliding_window_group_matches_vllm(hash_format: str) -> None:
         assert_same_batch(encode(events, hash_format), theirs, f"batch {step}")
 
 
+def drive(rec: dict[str, Any]) -> list[list[Any]]:
+    """The recorded scheduler steps on kvblocks, as its scheduler drives the manager: a
+    step adds its new (or resumed) sequences, allocates for every scheduled one, then
+    commits each (appending the sampled token); a preempted sequence is freed and added
+    again with its tokens. Every step's ``take_events()``, empty ones included."""
+    m = manager(rec["num_blocks"], sliding_window=rec.get("sliding_window"))
+    ids = {rid: sid for sid, rid in enumerate(rec["requests"])}
+    tokens = {rid: list(r["prompt"]) for rid, r in rec["requests"].items()}
+    batches = []
+    for step in rec["steps"]:
+        for rid in step.get("preempt", []):
+            m.free(ids[rid])
+        scheduled = []
+        for rid, _ in step.get("run", []):
+            sid = ids[rid]
+            if sid not in m:
+                m.add_sequence(sid, tokens[rid])
+            n = m.num_tokens(sid) - m.num_computed_tokens(sid)
+            assert m.allocate_slots(sid, n) is not None, f"{rid}: pool short"
+            scheduled.append(n)
+        for (rid, tok), n in zip(step.get("run", []), scheduled, strict=True):
+            m.commit(ids[rid], n, [] if tok is None else [tok])
+            tokens[rid] += [] if tok is None else [tok]
+        for rid in step.get("free", []):
+            m.free(ids[rid])
+        if step.get("reset"):
+            assert m.reset_prefix_cache()
+        batches.append(m.take_events())
+    return batches
+
+
+@pytest.mark.parametrize("hash_format", ["int", "bytes"])
+def test_duplicate_blocks_match_vllm(hash_format: str) -> None:
+    """Copies of a cached hash: the same prompt computed twice in one step, both decoding
+    the same tokens, a prompt's last block recomputed while a copy is cached, copies
+    evicted one at a time (each its own ``BlockRemoved``) and a preempted sequence
+    resuming on its surviving prefix; reset with copies cached."""
+    rec = DATA["hash_formats"][hash_format]["duplicates"]
+    ours = drive(rec)
+    assert len(ours) == len(rec["batches"])
+    for step, (events, theirs) in enumerate(zip(ours, rec["batches"], strict=True)):
+        assert_same_batch(encode(events, hash_format), theirs, f"step {step + 1}")
+
+
+def decoded(events: list[Any], hash_format: str) -> list[Any]:
+    return msgspec.msgpack.decode(encode(events, hash_format))[1]  # type: ignore[no-any-return]
+
+
+def vllm_events(batch_hex: str) -> list[Any]:
+    return msgspec.msgpack.decode(bytes.fromhex(batch_hex))[1]  # type: ignore[no-any-return]
+
+
+def removed(hashes: list[Any]) -> dict[str, Any]:
+    """A decoded ``BlockRemoved`` of ``hashes`` (GPU, group 0)."""
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+@pytest.mark.parametrize("hash_format", ["int", "bytes"])
+def test_a_hit_on_copies_claims_one_in_use_where_vllm_claims_the_oldest(
+    hash_format: str,
+) -> None:
+    """A known difference, pinned: with a's copies free and b's in use, a hit on them
+    shares b's (no block leaves the free queue) where vLLM takes a's, the oldest. The
+    same blocks are stored, but a's copies stay the oldest free blocks, so the last step
+    evicts a's copy of the 2nd hash where vLLM evicts f's 2nd block."""
+    rec = DATA["hash_formats"][hash_format]["duplicate_claim"]
+    ours = drive(rec)
+    for step, (events, theirs) in enumerate(zip(ours[:-1], rec["batches"][:-1], strict=True)):
+        assert_same_batch(encode(events, hash_format), theirs, f"step {step + 1}")
+    twins, f = vllm_events(rec["batches"][0])[0], vllm_events(rec["batches"][2])[0]
+    ours_last, theirs_last = decoded(ours[-1], hash_format), vllm_events(rec["batches"][-1])
+    assert [e["type"] for e in ours_last] == [e["type"] for e in theirs_last]
+    assert ours_last[1] == theirs_last[1]  # g's BlockStored
+    assert theirs_last[0]["block_hashes"] == f["block_hashes"][1:]
+    assert ours_last[0]["block_hashes"] == twins["block_hashes"][1:]
+
+
+@pytest.mark.parametrize("hash_format", ["int", "bytes"])
+def test_a_step_s_evictions_come_before_its_stores_where_vllm_interleaves(
+    hash_format: str,
+) -> None:
+    """A known difference, pinned: vLLM caches a sequence's blocks when it allocates, so
+    a step's batch is each sequence's evictions then its stores in turn; kvblocks caches
+    at commit, after the step's allocations: the same events, evictions first."""
+    rec = DATA["hash_formats"][hash_format]["step_order"]
+    ours = drive(rec)
+    for step, (events, theirs) in enumerate(zip(ours[:-1], rec["batches"][:-1], strict=True)):
+        assert_same_batch(encode(events, hash_format), theirs, f"step {step + 1}")
+    ours_last, theirs_last = decoded(ours[-1], hash_format), vllm_events(rec["batches"][-1])
+    assert [e["type"] for e in theirs_last] == ["BlockStored", "BlockRemoved"]
+    assert ours_last == theirs_last[::-1]
+
+
+@pytest.mark.parametrize("hash_format", ["int", "bytes"])
+def test_a_window_group_releases_at_commit_where_vllm_releases_at_the_next_allocation(
+    hash_format: str,
+) -> None:
+    """A known difference, pinned: the block a's window left is free from a's commit in
+    kvblocks, from a's next allocation in vLLM, so x's blocks, freed in between, queue
+    after it in kvblocks and before it in vLLM: c's block evicts a's first block (its
+    ``BlockRemoved``) where vLLM evicts x's last."""
+    rec = DATA["hash_formats"][hash_format]["window_release"]
+    ours = drive(rec)
+    assert len(ours) == len(rec["batches"]) == 3
+    for step in (0, 2):
+        assert_same_batch(encode(ours[step], hash_format), rec["batches"][step], f"step {step}")
+    a, x = vllm_events(rec["batches"][0])
+    assert vllm_events(rec["batches"][1]) == [removed(x["block_hashes"][1:])]
+    assert decoded(ours[1], hash_format) == [removed(a["block_hashes"][:1])]
+
+
 def test_the_publisher_sends_vllm_s_bytes() -> None:
     """Through a real socket: the payload the subscriber receives is vLLM's (its ``ts``
     aside, the first field: ``0x93`` array, ``0xcb`` float64, 8 bytes)."""

@@ -13,7 +13,8 @@ need, torch and transformers coming from the kvblocks dev venv)::
         > /tmp/vllm-env/lib/python3.11/site-packages/zz_kvblocks.pth
     /tmp/vllm-env/bin/pip install msgspec pyzmq cbor2 psutil urllib3 aiohttp requests \\
         openai-harmony openai pybase64 cachetools cloudpickle uvloop prometheus_client
-    /tmp/vllm-env/bin/pip install --no-deps xgrammar fastapi partial-json-parser llguidance
+    /tmp/vllm-env/bin/pip install --no-deps xgrammar==0.2.8 apache-tvm-ffi starlette \\
+        "fastapi<0.137" "llguidance<1.8" partial-json-parser
     /tmp/vllm-env/bin/python tests/events/data/record_vllm_events.py \\
         tests/events/data/vllm_events.json
 
@@ -27,7 +28,17 @@ once with int block hashes, vLLM's default, and once with bytes,
 * ``evict_and_reset``: a request's cached blocks evicted by another's, then
   ``reset_prefix_cache``.
 * ``sliding_window``: a sliding-window KV cache group (window 8 tokens).
+* ``duplicates``: copies of cached blocks (``DUPLICATES``: the same prompt computed twice
+  in one step and decoded alike, a prompt's last block recomputed while a copy is cached,
+  copies evicted one at a time by other prompts, a preempted request resuming on what is
+  left, ``reset_prefix_cache`` with copies cached), every step's batch, empty ones too.
+* ``duplicate_claim``, ``step_order``, ``window_release``: three known differences of
+  kvblocks from vLLM, in what it does rather than how it reports it (see
+  ``DUPLICATE_CLAIM``, ``STEP_ORDER``, ``WINDOW_RELEASE``).
 * ``replay``: the frames vLLM's ``ZmqEventPublisher`` answers a replay request with.
+
+(The pins: vLLM 0.33.0 requires ``xgrammar==0.2.8`` (which imports ``tvm_ffi``),
+``fastapi<0.137`` (later ones import opentelemetry) and ``llguidance<1.8``.)
 """
 
 from __future__ import annotations
@@ -67,7 +78,7 @@ def _vllm() -> dict[str, Any]:
         KVCacheGroupSpec,
         SlidingWindowSpec,
     )
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     kv_cache_utils.init_none_hash(sha256_cbor)
     return {
@@ -83,6 +94,7 @@ def _vllm() -> dict[str, Any]:
         "KVCacheGroupSpec": KVCacheGroupSpec,
         "SlidingWindowSpec": SlidingWindowSpec,
         "Request": Request,
+        "RequestStatus": RequestStatus,
     }
 
 
@@ -116,7 +128,12 @@ def _manager(v: dict[str, Any], num_blocks: int, window: int | None = None) -> A
 
 
 def _request(
-    v: dict[str, Any], rid: str, tokens: list[int], salt: str | None, lora: dict[str, Any] | None
+    v: dict[str, Any],
+    rid: str,
+    tokens: list[int],
+    salt: str | None,
+    lora: dict[str, Any] | None,
+    read_cache: bool = True,
 ) -> Any:
     lora_request = (
         None
@@ -128,7 +145,9 @@ def _request(
     return v["Request"](
         rid,
         list(tokens),
-        v["SamplingParams"](max_tokens=64),
+        v["SamplingParams"](
+            max_tokens=64, **({} if read_cache else {"skip_reading_prefix_cache": True})
+        ),
         None,
         lora_request=lora_request,
         cache_salt=salt,
@@ -159,6 +178,146 @@ def _run_request(v: dict[str, Any], mgr: Any, req: Any, decode: list[int]) -> li
         steps.append(mgr.take_events())
         req.num_computed_tokens += 1
     return steps
+
+
+P10 = list(range(1, 11))
+DUPLICATES: dict[str, Any] = {
+    "num_blocks": 7,
+    "requests": {
+        "a": {"prompt": P10, "read_cache": True},
+        # Skips the prefix cache, as vLLM does for a request with prompt logprobs: vLLM
+        # caches a block when it is allocated, so its scheduler would give a second
+        # prompt admitted in the same step a hit; kvblocks caches at commit, and computes
+        # both (the same blocks twice) as vLLM does here.
+        "b": {"prompt": P10, "read_cache": False},
+        "c": {"prompt": [50, 51, 52], "read_cache": True},
+        "d": {"prompt": [60, 61, 62], "read_cache": True},
+        # a's tokens so far: hits its first 2 blocks, recomputes the 3rd (a prompt's
+        # last token is always computed) while a's copy is cached.
+        "e": {"prompt": [*P10, 901, 902], "read_cache": True},
+        "f": {"prompt": list(range(70, 78)), "read_cache": True},
+        "g": {"prompt": list(range(80, 89)), "read_cache": True},
+        "i": {"prompt": P10, "read_cache": True},
+        "j": {"prompt": P10, "read_cache": False},
+    },
+    # One scheduler step each: preempt (free, computed back to 0), run (prefill or
+    # resume everything not computed, else one decode token; then append the sampled
+    # token), free (finished), reset_prefix_cache. 6 usable blocks, so from step 4 on
+    # every new block evicts the oldest free one.
+    "steps": [
+        {"run": [["a", 901], ["b", 901]]},  # both store h0, h1
+        {"run": [["a", 902], ["b", 902]]},
+        {"run": [["a", 903], ["b", 903]], "free": ["b"]},  # both store h2
+        {"run": [["c", 950]]},  # evicts b's h2 (a's copy lives)
+        {"run": [["d", 951]]},  # evicts b's h1
+        {"run": [["e", 952]], "free": ["c", "d"]},  # e hits a's h0, h1; evicts b's h0
+        {"preempt": ["a"], "run": [["e", 953]]},  # a's h2 block is free, h0, h1 e's
+        {"run": [["f", 954]], "free": ["e"]},  # evicts a's h2 (e's copy lives)
+        {"run": [["g", 955]], "free": ["f", "g"]},  # evicts e's h2 and h1: last copies
+        {"run": [["a", 904]]},  # a resumes on h0, recomputes h1, h2
+        {"free": ["a"], "reset": True},
+        {"run": [["i", 901], ["j", 901]]},
+        {"free": ["i", "j"], "reset": True},  # copies cached: one AllBlocksCleared
+    ],
+}
+
+
+# Two known differences, recorded so the tests pin them (docs/events.md says why).
+# A hit on a hash with copies: vLLM claims the oldest copy (a's, free), kvblocks one in
+# use (b's), so a's copies stay free and are evicted before f's blocks.
+DUPLICATE_CLAIM: dict[str, Any] = {
+    "num_blocks": 10,
+    "requests": {
+        "a": {"prompt": P10, "read_cache": True},
+        "b": {"prompt": P10, "read_cache": False},
+        "e": {"prompt": P10, "read_cache": True},
+        "f": {"prompt": list(range(70, 78)), "read_cache": True},
+        "g": {"prompt": list(range(80, 89)), "read_cache": True},
+    },
+    "steps": [
+        {"run": [["a", 901], ["b", 901]], "free": ["a"]},
+        {"run": [["e", 901]]},
+        {"run": [["f", 950]], "free": ["f"]},
+        {"free": ["e"]},
+        {"run": [["g", 951]]},  # vLLM evicts f's 2nd block, kvblocks a's h1 copy
+    ],
+}
+# Two sequences in one step, the first filling a block and the second evicting: vLLM
+# caches at allocation (Stored, then Removed), kvblocks at commit, after every
+# allocation of the step (Removed, then Stored).
+STEP_ORDER: dict[str, Any] = {
+    "num_blocks": 4,
+    "requests": {
+        "a": {"prompt": [1, 2, 3], "read_cache": True},
+        "f": {"prompt": list(range(70, 78)), "read_cache": True},
+        "c": {"prompt": [50, 51, 52], "read_cache": True},
+    },
+    "steps": [
+        {"run": [["a", 901]]},
+        {"run": [["f", 950]], "free": ["f"]},
+        {"run": [["a", 902], ["c", 903]]},
+    ],
+}
+
+# A sliding-window group (5 tokens): the block a sequence's next query no longer sees is
+# released by kvblocks at the commit that moved the window past it, by vLLM at the
+# sequence's next allocation; freed in between, x's blocks queue behind a's in kvblocks,
+# before it in vLLM, so c's block evicts a's first block in kvblocks, x's last in vLLM.
+WINDOW_RELEASE: dict[str, Any] = {
+    "num_blocks": 6,
+    "sliding_window": 5,
+    "requests": {
+        "a": {"prompt": list(range(1, 10)), "read_cache": True},
+        "x": {"prompt": list(range(70, 78)), "read_cache": True},
+        "c": {"prompt": [50, 51, 52], "read_cache": True},
+    },
+    "steps": [
+        {"run": [["a", 901], ["x", 950]], "free": ["x"]},
+        {"run": [["c", 951]]},
+        {"run": [["a", 952]]},
+    ],
+}
+
+
+def _drive(v: dict[str, Any], scenario: dict[str, Any]) -> list[str]:
+    """Run ``scenario``'s steps on vLLM's manager as its scheduler does; every step's
+    ``take_events()`` batch, empty ones included."""
+    mgr = _manager(v, num_blocks=scenario["num_blocks"], window=scenario.get("sliding_window"))
+    status = v["RequestStatus"]
+    reqs: dict[str, Any] = {}
+    batches = []
+    for step in scenario["steps"]:
+        for rid in step.get("preempt", []):
+            req = reqs[rid]
+            mgr.free(req)
+            req.status = status.PREEMPTED
+            req.num_computed_tokens = 0
+        scheduled = []
+        for rid, tok in step.get("run", []):
+            if rid not in reqs:
+                spec = scenario["requests"][rid]
+                reqs[rid] = _request(v, rid, spec["prompt"], None, None, spec["read_cache"])
+            req = reqs[rid]
+            if req.num_computed_tokens == 0:
+                blocks, hit, _ = mgr.get_computed_blocks(req)
+                n = req.num_tokens - hit
+                assert mgr.allocate_slots(req, n, hit, blocks) is not None
+                req.num_computed_tokens = hit
+                req.status = status.RUNNING
+            else:
+                n = req.num_tokens - req.num_computed_tokens
+                assert mgr.allocate_slots(req, n) is not None
+            scheduled.append((req, n, tok))
+        for req, n, tok in scheduled:
+            req.num_computed_tokens += n
+            if tok is not None:
+                req.append_output_token_ids(tok)
+        for rid in step.get("free", []):
+            mgr.free(reqs.pop(rid))
+        if step.get("reset"):
+            assert mgr.reset_prefix_cache()
+        batches.append(_batch(v, mgr.take_events()))
+    return batches
 
 
 def _scenarios(v: dict[str, Any]) -> dict[str, Any]:
@@ -204,7 +363,20 @@ def _scenarios(v: dict[str, Any]) -> dict[str, Any]:
         "decode": DECODE,
         "batches": [_batch(v, ev) for ev in _run_request(v, mgr, sw, DECODE) if ev],
     }
-    return {"variants": variants, "evict_and_reset": evict, "sliding_window": window}
+    return {
+        "variants": variants,
+        "evict_and_reset": evict,
+        "sliding_window": window,
+        **{
+            name: {**scenario, "batches": _drive(v, scenario)}
+            for name, scenario in (
+                ("duplicates", DUPLICATES),
+                ("duplicate_claim", DUPLICATE_CLAIM),
+                ("step_order", STEP_ORDER),
+                ("window_release", WINDOW_RELEASE),
+            )
+        },
+    }
 
 
 def _replay(v: dict[str, Any]) -> dict[str, Any]:
