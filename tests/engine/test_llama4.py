@@ -571,3 +571,35 @@ def test_generate_cli_loads_the_checkpoint_directory(
     assert "attention_chunk_size (16) must be a multiple of block_size (32)" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("policy", ["evict", "commit"])
+def test_host_tier_reloads_the_chunks(policy: str) -> None:
+    """The tiny model with 32-token chunks (full + three chunked groups) over a host tier:
+    a 50-token prompt pushed out of a small pool by others comes back by loads of each
+    group's own blocks (the full group's three, each chunked group's block of positions
+    32..47, the chunk of the hit point 48), and its tokens are the dense reference's."""
+    model = build_tiny_model(tiny_config("llama4_text", attention_chunk_size=CHUNK))
+    gen = torch.Generator().manual_seed(21)
+    target, *others = (torch.randint(1, 256, (50,), generator=gen).tolist() for _ in range(4))
+    expected = dense_greedy_generate(model, [target], 4)[0]
+    llm = LLM(
+        model,
+        num_blocks=20,
+        block_size=BLOCK,
+        num_cpu_blocks=0,
+        host_cache_blocks=64,
+        host_offload=policy,  # type: ignore[arg-type]
+        device="cpu",
+    )
+    assert len(llm.manager.groups) == 4 and len(llm.runner.kv_caches) == 1
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    assert llm.generate([target], params)[0].token_ids == expected
+    for prompt in others:
+        llm.generate([prompt], params)
+    again = llm.generate([target], params)[0]
+    assert again.token_ids == expected
+    cache = llm.stats()["cache"]
+    assert again.num_cached_tokens == 48, cache
+    assert cache["host_loads"] == 3 + 3 * 1, cache
+    llm.manager.check_invariants()
