@@ -263,17 +263,29 @@ def _check_step(got: TokenLogprobs, ref: TokenLogprobs, tol: float, where: str) 
             assert logprob <= got.top_logprobs[-1] + tol, (where, token, got, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
+# Llama 4 in fp16 only. Measured in bf16: log-probs 0.125 apart (two roundings of a
+# logit near 10) on the 37-token prompt, which never reaches a chunk boundary: its experts
+# and QK norm amplify bf16 rounding past the tolerance set for the other families.
+_TENSOR_CORE_CASES = [
+    pytest.param(family, dtype, id=f"{family}-{name}")
+    for family in ("llama", "mistral", "gpt_oss", "llama4_text")
+    for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"))
+    if (family, name) != ("llama4_text", "bf16")
+]
+
+
+@pytest.mark.parametrize(("family", "dtype"), _TENSOR_CORE_CASES)
 def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     emulated_kernels: list[str], monkeypatch, family: str, dtype: torch.dtype
 ) -> None:
     # Mistral's window (past one 128-key split) releases the long prompt's first blocks
     # and clips its first decode split; gpt-oss adds attention sinks (and its 8-token
-    # windows on every other layer).
-    model = build_tiny_model(
-        tiny_config(family, sliding_window=160 if family == "mistral" else None)
-    )
+    # windows on every other layer); Llama 4's 128-token chunks split the long prompt's
+    # prefill steps at position 128 (its NoPE layer's decode context is the split one).
+    overrides: dict[str, Any] = {"sliding_window": 160 if family == "mistral" else None}
+    if family == "llama4_text":
+        overrides = {"attention_chunk_size": 128}
+    model = build_tiny_model(tiny_config(family, **overrides))
     # The long prompt is prefilled in chunks next to the short ones' decodes, and its
     # decode context (over 128 keys) is split in two and merged.
     prompts = [_prompt(5, 1), _prompt(37, 2), _prompt(200, 3)]
