@@ -26,7 +26,7 @@ from torch import Tensor
 
 from kvblocks.errors import InvalidArgumentError
 
-__all__ = ["ChunkedBatch", "check_chunk_size", "chunked_batch"]
+__all__ = ["ChunkedBatch", "check_chunk_size", "chunked_batch", "gather_tables"]
 
 
 def check_chunk_size(chunk: int, block_size: int) -> None:
@@ -68,20 +68,39 @@ class ChunkedBatch:
         """The most query rows of a piece."""
         return int(np.diff(self.query_start_loc).max(initial=0))
 
-    def block_tables(self, tables: Tensor) -> Tensor:
-        """The pieces' ``[P, width]`` int32 tables from the real ``[S, B]`` ones (on their
-        device): each piece's chunk blocks up to its length, the null block 0 after."""
+    def table_index(self, num_cols: int) -> np.ndarray:
+        """Flat indices ``[P, width]`` into a ``[S, num_cols]`` block table: each piece's
+        chunk blocks up to its length, ``-1`` after (see :func:`gather_tables`)."""
         width = max(1, int(self.num_blocks.max(initial=0)))
         span = np.arange(width, dtype=np.int64)
         valid = span[None, :] < self.num_blocks[:, None]
-        cols = np.where(valid, self.first_block[:, None] + span[None, :], 0)
-        dev = tables.device
-        gathered = tables[
-            torch.from_numpy(np.ascontiguousarray(self.rows)).to(dev)[:, None],
-            torch.from_numpy(np.ascontiguousarray(cols)).to(dev),
-        ]
-        keep = torch.from_numpy(valid).to(dev)
-        return torch.where(keep, gathered, torch.zeros_like(gathered)).to(torch.int32)
+        flat = (self.rows * num_cols + self.first_block)[:, None] + span[None, :]
+        return np.where(valid, flat, -1)
+
+    def to_device(self, device: torch.device, num_cols: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``query_start_loc``, ``seq_lens`` and :meth:`table_index` on ``device``."""
+
+        def upload(array: np.ndarray) -> Tensor:
+            return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+        return (
+            upload(self.query_start_loc),
+            upload(self.seq_lens),
+            upload(self.table_index(num_cols)),
+        )
+
+    def block_tables(self, tables: Tensor) -> Tensor:
+        """The pieces' ``[P, width]`` int32 tables from the real ``[S, B]`` ones (on their
+        device): each piece's chunk blocks up to its length, the null block 0 after."""
+        index = torch.from_numpy(self.table_index(tables.shape[1])).to(tables.device)
+        return gather_tables(tables, index)
+
+
+def gather_tables(tables: Tensor, index: Tensor) -> Tensor:
+    """The int32 entries of ``tables`` ``[S, B]`` at the flat ``index`` (the null block 0
+    where it is ``-1``): one gather on the tables' device."""
+    gathered = tables.reshape(-1)[index.clamp(min=0)]
+    return torch.where(index >= 0, gathered, torch.zeros_like(gathered)).to(torch.int32)
 
 
 def chunked_batch(

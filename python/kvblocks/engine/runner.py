@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvblocks import ops
-from kvblocks.engine.chunked_attention import check_chunk_size, chunked_batch
+from kvblocks.engine.chunked_attention import check_chunk_size, chunked_batch, gather_tables
 from kvblocks.engine.config import AttentionSpec
 from kvblocks.engine.layer_groups import AttentionLayout, HybridLayout
 from kvblocks.engine.models import CausalLM
@@ -151,6 +151,7 @@ class PagedAttention:
         # (group, chunk or None) -> its step; built when a layer first needs it.
         self._steps: dict[tuple[int, int | None], _GroupStep] = {}
         self._cpu_slots: dict[int, CpuCacheSlots] = {}
+        self._chunk_pieces: dict[int, tuple[_Batch, Tensor]] = {}
 
     def _step(self, group: int, chunk: int | None) -> _GroupStep:
         step = self._steps.get((group, chunk))
@@ -158,6 +159,23 @@ class PagedAttention:
             step = self._build_step(group, chunk)
             self._steps[(group, chunk)] = step
         return step
+
+    def _pieces(self, chunk: int) -> tuple[_Batch, Tensor]:
+        """The virtual batch of ``chunk`` and its flat indices into every group's table
+        (the same pieces in every group: built and uploaded once per step)."""
+        pieces = self._chunk_pieces.get(chunk)
+        if pieces is None:
+            qsl = self.query_start_loc_host
+            qsl = self.query_start_loc.to("cpu").numpy() if qsl is None else qsl
+            block_size = self.key_cache.shape[2]
+            split = chunked_batch(
+                qsl, self.seq_lens_host, chunk, block_size, decode_only=self.decode_only
+            )
+            tables = self.block_tables
+            qsl_t, lens_t, index = split.to_device(tables.device, tables.shape[2])
+            batch = _Batch(qsl_t, lens_t, split.seq_lens, split.max_seq_len, split.max_query_len)
+            pieces = self._chunk_pieces[chunk] = (batch, index)
+        return pieces
 
     def _build_step(self, group: int, chunk: int | None) -> _GroupStep:
         slot_mapping, tables, batch = (
@@ -167,21 +185,8 @@ class PagedAttention:
         )
         key_cache = self.key_cache
         if chunk is not None:
-            qsl = self.query_start_loc_host
-            if qsl is None:
-                qsl = self.query_start_loc.to("cpu").numpy()
-            pieces = chunked_batch(
-                qsl, self.seq_lens_host, chunk, key_cache.shape[2], decode_only=self.decode_only
-            )
-            tables = pieces.block_tables(tables)
-            device = tables.device
-            batch = _Batch(
-                torch.from_numpy(pieces.query_start_loc).to(device),
-                torch.from_numpy(pieces.seq_lens).to(device),
-                pieces.seq_lens,
-                pieces.max_seq_len,
-                pieces.max_query_len,
-            )
+            batch, index = self._pieces(chunk)
+            tables = gather_tables(tables, index)
         if key_cache.is_cuda or not self.cpu_plans:
             return _GroupStep(slot_mapping, tables, None, None, batch)
         num_blocks, num_kv_heads, block_size, _ = key_cache.shape
@@ -311,9 +316,9 @@ class ModelRunner:
         self.num_cpu_blocks = num_cpu_blocks
         c = model.config
         layers, heads, dim = model.num_kv_layers, c.num_key_value_heads, c.head_dim
-        for chunk in {spec.chunk_size for spec in c.layer_attention()} - {None}:
-            assert chunk is not None
-            check_chunk_size(chunk, block_size)
+        for spec in c.layer_attention():  # chunked layers read each chunk from its first block
+            if spec.chunk_size is not None:
+                check_chunk_size(spec.chunk_size, block_size)
         self.attention_layout = attention_layout
         if attention_layout is not None:
             if len(attention_layout.layer_group) != layers or layout is not None:
