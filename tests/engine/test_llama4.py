@@ -603,3 +603,18 @@ def test_host_tier_reloads_the_chunks(policy: str) -> None:
     assert again.num_cached_tokens == 48, cache
     assert cache["host_loads"] == 3 + 3 * 1, cache
     llm.manager.check_invariants()
+
+
+def test_beam_search_forks_the_chunked_groups() -> None:
+    """Beams forked on shared, copy-on-write blocks of every group (the chunked groups'
+    current chunk, past chunks freed) over three 16-token chunks in blocks of 8: the
+    beams of a dense beam search."""
+    from .test_llm import _dense_beam_search
+
+    model = build_tiny_model(tiny_config("llama4_text"))
+    prompt = _ids(1, 21, 256, 90)[0].tolist()
+    llm = LLM(model, num_blocks=64, block_size=8, device="cpu")
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, beam_width=3, n=3))[0]
+    expected = _dense_beam_search(model, prompt, 3, 20)  # type: ignore[arg-type]
+    assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in expected]
+    llm.manager.check_invariants()
