@@ -111,14 +111,16 @@ class LLM:
             block's KV or its states, by the block's group), and so do the records of
             its remote tier (``KVLayout.state_nbytes``).
         kv_cache_groups: a model mixing sliding-window and full-attention layers (Gemma
-            2/3, gpt-oss, Ministral, Qwen3, OLMo 3) gets one KV cache group per attention
-            kind (:func:`~kvblocks.engine.layer_groups.attention_layout`): a window
-            group's blocks that slid out of view go back to the pool, and the cache keeps
-            ``L`` layer slots per block, not one per layer (a block then costs ``L``
-            layers' KV, see ``num_blocks``); a remote tier keys each group's blocks by
-            group and hash. ``False`` keeps one full-attention group of every layer,
-            each window layer masking its window.
-            A model of one attention kind always has one group.
+            2/3, gpt-oss, Ministral, Qwen3, OLMo 3), or chunked local and full ones
+            (Llama 4), gets one KV cache group per attention kind
+            (:func:`~kvblocks.engine.layer_groups.attention_layout`): a window group's
+            blocks that slid out of view, a chunked group's past chunks, go back to the
+            pool, and the cache keeps ``L`` layer slots per block, not one per layer (a
+            block then costs ``L`` layers' KV, see ``num_blocks``); a remote tier keys
+            each group's blocks by group and hash. ``False`` keeps one full-attention
+            group of every layer, each window layer masking its window (a chunked layer
+            still reads its chunk only). A model of one attention kind always has one
+            group (unless its layers are chunked: one chunked group).
 
     Raises:
         InvalidArgumentError: a bad argument, or a device torch cannot use (unknown, no
