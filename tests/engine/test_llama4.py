@@ -618,3 +618,23 @@ def test_beam_search_forks_the_chunked_groups() -> None:
     expected = _dense_beam_search(model, prompt, 3, 20)  # type: ignore[arg-type]
     assert [c.token_ids for c in out.outputs] == [tokens for tokens, _ in expected]
     llm.manager.check_invariants()
+
+
+def test_every_layer_chunked_is_one_chunked_group() -> None:
+    """Without NoPE layers every layer is chunked: one chunked group of all four layers
+    (so the past chunks are still freed), and the dense model's tokens."""
+    model = build_tiny_model(tiny_config("llama4_text", llama4=_options(no_rope_layers=(1,) * 4)))
+    llm = LLM(model, num_blocks=32, block_size=8, device="cpu")
+    assert llm.manager.groups == [GroupSpec.chunked_local_attention(16)]
+    assert len(llm.runner.kv_caches) == 4
+    prompt = _ids(1, 45, 256, 7)[0].tolist()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    held = []
+    for rec in llm.stream([prompt], params):
+        tokens = rec.outputs[0].token_ids
+        if rec.outputs[0].finish_reason is None:
+            computed = len(prompt) + len(tokens) - 1
+            held.append((computed, llm.manager.group_stats()["num_used_blocks"][0]))
+    assert tokens == dense_greedy_generate(model, [prompt], 20)[0]
+    assert all(n == _held(computed, 16, 8) for computed, n in held)
+    assert (59, 2) in held  # positions 48..58: two blocks, not eight
