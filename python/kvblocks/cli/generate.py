@@ -34,8 +34,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "Run the kvblocks engine (scheduler + block manager + paged attention) on the "
             "built-in tiny model or a Hugging Face checkpoint directory of a supported "
             "family (Llama, Mistral, Ministral, Qwen2, Qwen3, OLMo 3, Gemma 2, Gemma 3, "
-            "gpt-oss, Bamba; config.json + *.safetensors), print the generated tokens as they are "
-            "produced, then the completions and the engine, scheduler and cache statistics."
+            "gpt-oss, Llama 4 (text), Bamba; config.json + *.safetensors), print the generated "
+            "tokens as they are produced, then the completions and the engine, scheduler and "
+            "cache statistics."
         ),
     )
     src = p.add_argument_group("model and prompts")
@@ -107,10 +108,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument(
         "--no-kv-cache-groups",
         action="store_true",
-        help="a model mixing sliding-window and full-attention layers (Gemma 2/3, gpt-oss, "
-        "...) keeps one full-attention KV cache group of every layer, each window layer "
-        "masking its window (default: one group per attention kind, whose blocks that slid "
-        "out of the window go back to the pool)",
+        help="a model mixing sliding-window or chunked and full-attention layers (Gemma 2/3, "
+        "gpt-oss, Llama 4, ...) keeps one full-attention KV cache group of every layer, each "
+        "window layer masking its window (default: one group per attention kind, whose blocks "
+        "that slid out of the window or past chunks go back to the pool)",
     )
     eng.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     eng.add_argument("--max-num-seqs", type=positive_int, default=256)

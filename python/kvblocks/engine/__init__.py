@@ -1,4 +1,5 @@
-"""The paged-attention inference engine for Llama-family, Gemma 2/3 and gpt-oss decoders.
+"""The paged-attention inference engine for Llama-family, Gemma 2/3, gpt-oss, Llama 4 and
+Bamba decoders.
 
 :class:`LLM` is the entry point::
 
