@@ -38,7 +38,21 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # Release build of the extension, installed editable into the venv with the extras' dependencies.
+# pip spends most of a fresh build unpacking torch and its CUDA wheels on one core, so the
+# crates compile beside it: `maturin build` runs the cargo command `maturin develop` runs, with
+# its environment, and develop then finds them built (it only checks the dependencies and
+# installs). Under `make test` (WARM_RUST_TESTS) the same background job then builds `cargo
+# test`'s binaries and runs clippy, with the arguments of test-rust and lint, on the core pip
+# leaves idle. The background job's output is dropped: a failure shows again, with its
+# message, in the step that repeats it.
+BUILD_DEPS := $(VENV)/.build-deps.txt
+WARM := $(VENV)/bin/maturin build --release -q $(if $(HOST),--target $(HOST)) \
+	-i $(abspath $(PY)) -o target/warm-wheel
 build: $(STAMP)
+	@$(PY) .ci/build-deps.py $(EXTRAS) > $(BUILD_DEPS)
+	@{ $(WARM) $(if $(WARM_RUST_TESTS),&& cargo test --no-run -q \
+		&& cargo clippy -q --workspace --all-targets -- -D warnings); } >/dev/null 2>&1 & \
+	warm=$$!; $(PIP) install -q -r $(BUILD_DEPS); pip=$$?; wait $$warm; exit $$pip
 	$(DEVELOP) -E $(EXTRAS)
 
 # The release build with only the demo's dependencies; on a venv that `make build` set up the
@@ -93,6 +107,7 @@ test-fast: build
 # leave a core idle for long stretches (mypy and the last crates of each cargo build are one
 # process), and the suite has its own idle moments (a worker waiting for the other's build of
 # the emulator, the last file of the run). Each target's output is printed when it ends.
+test: WARM_RUST_TESTS := 1
 test: build
 	$(MAKE) --no-print-directory -j3 --output-sync=target NEEDS_BUILD= test-rust lint test-python
 
