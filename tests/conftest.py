@@ -61,11 +61,11 @@ def _weights_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 FILE_SECONDS = {
     "ops/test_ops_nvrtc.py": 340,
     "ops/test_ops_emulation_scale.py": 315,
-    "cli/test_generate_tiers.py": 157,
     "ops/test_kernel_model.py": 141,
     "ops/test_ops_emulation.py": 129,
     "ops/test_prefill_kernel_emulation.py": 114,
     "core/test_content_oracle.py": 111,
+    "cli/test_generate_tiers.py": 85,
     "distribution/test_wheel.py": 94,
     "scheduler/test_content_oracle.py": 91,
     "scheduler/test_content_oracle_state.py": 86,
