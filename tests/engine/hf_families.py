@@ -200,3 +200,16 @@ def hf_logprobs(model: Any, prompt: list[int], generated: list[int]) -> torch.Te
     logits = model(ids).logits[0].double().log_softmax(-1)
     rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(generated))
     return logits[rows, torch.tensor(generated)]
+
+
+def assert_logprobs_match_hf(
+    model: Any, prompts: list[list[int]], outputs: list[Any], atol: float = 5e-5
+) -> None:
+    """Each output's log-probs (greedy, one sample) equal transformers' teacher-forced
+    ones within ``atol``, and are informative (mean below -0.1, not all near 0)."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].logprobs is not None
+        got = torch.tensor([t.logprob for t in out.outputs[0].logprobs], dtype=torch.float64)
+        want = hf_logprobs(model, prompt, out.token_ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+        assert float(want.mean()) < -0.1

@@ -23,7 +23,14 @@ from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
 
-from .hf_families import FAMILIES, VOCAB, hf_greedy, hf_logprobs, load_hf, save_hf_checkpoint
+from .hf_families import (
+    FAMILIES,
+    VOCAB,
+    assert_logprobs_match_hf,
+    hf_greedy,
+    load_hf,
+    save_hf_checkpoint,
+)
 
 NEW_FAMILIES = list(FAMILIES)
 
@@ -147,12 +154,7 @@ def test_hf_checkpoint_runs_token_for_token(hf_checkpoint, kv_cache_groups: bool
     assert all(len(set(tokens)) >= 5 for tokens in expected)
     sched = llm.stats()["scheduler"]
     assert sched["num_preemptions_recompute"] + sched["num_preemptions_swap"] > 0, sched
-    for prompt, out in zip(PROMPTS, first, strict=True):
-        assert out.outputs[0].logprobs is not None
-        got = torch.tensor([t.logprob for t in out.outputs[0].logprobs], dtype=torch.float64)
-        want = hf_logprobs(hf, prompt, out.token_ids)
-        torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
-        assert float(want.mean()) < -0.1
+    assert_logprobs_match_hf(hf, PROMPTS, first)
     again = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in again] == expected
     assert max(o.num_cached_tokens for o in again) >= 24

@@ -35,7 +35,7 @@ from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
 
-from .hf_families import VOCAB, hf_greedy, hf_logprobs, load_hf, save_hf_checkpoint
+from .hf_families import VOCAB, assert_logprobs_match_hf, hf_greedy, load_hf, save_hf_checkpoint
 
 CHUNK, BLOCK = 32, 16
 FULL, CHUNKED = "full_attention", "chunked_attention"
@@ -186,12 +186,7 @@ def test_hf_checkpoint_runs_token_for_token(
     sched = llm.stats()["scheduler"]
     assert sched[f"num_preemptions_{mode}"] > 0, sched
     assert max(split) > 0  # some prefill step crossed a chunk boundary in a sequence
-    for prompt, out in zip(PROMPTS, first, strict=True):
-        assert out.outputs[0].logprobs is not None
-        got = torch.tensor([t.logprob for t in out.outputs[0].logprobs], dtype=torch.float64)
-        want = hf_logprobs(hf, prompt, out.token_ids)
-        torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
-        assert float(want.mean()) < -0.1
+    assert_logprobs_match_hf(hf, PROMPTS, first)
     again = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in again] == expected
     assert max(o.num_cached_tokens for o in again) >= 48  # a hit mid-chunk (32..63)

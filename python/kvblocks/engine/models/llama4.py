@@ -36,7 +36,7 @@ from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.llama4_config import Llama4Options
 from kvblocks.engine.models.attention_backend import AttentionBackend
 from kvblocks.engine.models.base import CausalLM
-from kvblocks.engine.models.layers import GatedMLP, Linear, RMSNorm, activation
+from kvblocks.engine.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention, activation
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = [
@@ -73,8 +73,9 @@ def _options(config: ModelConfig) -> Llama4Options:
     return config.llama4
 
 
-class Llama4Attention(nn.Module):
-    """Grouped-query attention with Llama 4's rope, QK norm and query temperature."""
+class Llama4Attention(SelfAttention):
+    """Grouped-query attention with Llama 4's rope, QK norm and query temperature (the
+    projections are :class:`~kvblocks.engine.models.layers.SelfAttention`'s)."""
 
     def __init__(
         self,
@@ -84,25 +85,11 @@ class Llama4Attention(nn.Module):
         device: torch.device | None,
         dtype: torch.dtype | None,
     ) -> None:
-        super().__init__()
+        # No qk_norm for the base class: Llama 4's QK norm has no weight (_l2_norm).
+        super().__init__(config, layer_idx, device=device, dtype=dtype)
         options = _options(config)
-        self.layer_idx = layer_idx
-        self.spec = config.layer_attention()[layer_idx]
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        hidden, bias = config.hidden_size, config.attention_bias
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-
-        def linear(n_in: int, n_out: int) -> Linear:
-            return Linear(n_in, n_out, bias=bias, device=device, dtype=dtype)
-
-        self.q_proj = linear(hidden, q_size)
-        self.k_proj = linear(hidden, kv_size)
-        self.v_proj = linear(hidden, kv_size)
-        self.o_proj = linear(q_size, hidden)
         self.use_rope = options.uses_rope(layer_idx)
-        self.qk_norm = options.use_qk_norm and self.use_rope
+        self.l2_qk_norm = options.use_qk_norm and self.use_rope
         self.temperature = options.attn_temperature_tuning and not self.use_rope
         self.eps = config.rms_norm_eps
 
@@ -112,7 +99,7 @@ class Llama4Attention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         attention: AttentionBackend,
-        temperature: Tensor | None,
+        temperature: Tensor | None = None,
     ) -> Tensor:
         """Attention over the flattened tokens ``x`` ``[num_tokens, hidden]``.
 
@@ -126,7 +113,7 @@ class Llama4Attention(nn.Module):
         if self.use_rope:
             q = apply_interleaved_rotary(q, cos, sin)
             k = apply_interleaved_rotary(k, cos, sin)
-        if self.qk_norm:
+        if self.l2_qk_norm:
             q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
         if self.temperature:
             if temperature is None:
