@@ -24,6 +24,7 @@ any failure to start it, every run is a plain ``subprocess.run``, as before.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import NoReturn
 
 TIMEOUT_S = 120
 
@@ -116,9 +118,23 @@ class _Forker:
     def close(self) -> None:
         if self.proc is not None:
             assert self.proc.stdin is not None
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # it has exited already
+                self.proc.stdin.close()
             self.proc.wait(timeout=30)
             self.proc = None
+
+    def _reply(self, proc: subprocess.Popen[str], key: str) -> int:
+        """The parent's next answer; a parent that died (its pipe closed) is not used again
+        and the test fails saying so, rather than on an empty JSON document."""
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            self._dead(proc)
+        return int(json.loads(line)[key])
+
+    def _dead(self, proc: subprocess.Popen[str]) -> NoReturn:
+        self.proc, self.usable = None, False
+        raise RuntimeError(f"the CLI's forking parent exited (status {proc.wait()})")
 
     def run(self, argv: list[str]) -> subprocess.CompletedProcess[str] | None:
         """``argv`` run in a forked child; ``None`` when no parent could be started."""
@@ -138,9 +154,12 @@ class _Forker:
                     "stdout": out,
                     "stderr": err,
                 }
-                proc.stdin.write(json.dumps(request) + "\n")
-                proc.stdin.flush()
-                pid = int(json.loads(proc.stdout.readline())["pid"])
+                try:
+                    proc.stdin.write(json.dumps(request) + "\n")
+                    proc.stdin.flush()
+                except BrokenPipeError:
+                    self._dead(proc)
+                pid = self._reply(proc, "pid")
                 expired = threading.Event()
 
                 def kill(pid: int = pid) -> None:
@@ -150,7 +169,7 @@ class _Forker:
                 timer = threading.Timer(TIMEOUT_S, kill)
                 timer.start()
                 try:
-                    returncode = int(json.loads(proc.stdout.readline())["returncode"])
+                    returncode = self._reply(proc, "returncode")
                 finally:
                     timer.cancel()
                 with open(out) as f_out, open(err) as f_err:
