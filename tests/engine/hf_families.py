@@ -213,3 +213,36 @@ def assert_logprobs_match_hf(
         want = hf_logprobs(model, prompt, out.token_ids)
         torch.testing.assert_close(got, want, rtol=0, atol=atol)
         assert float(want.mean()) < -0.1
+
+
+def random_ids(batch: int, length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
+    """``[batch, length]`` token ids drawn from ``seed``."""
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    """An ``n``-token prompt of the tiny models' vocabulary drawn from ``seed``."""
+    return random_ids(1, n, VOCAB, seed)[0].tolist()
+
+
+def assert_checkpoint_matches_hf(transformers: Any, config: Any, path: Path) -> Any:
+    """The engine's tiny model of ``config``, saved to ``path``, reloads as ``config`` and
+    transformers loads it as ``config.architecture`` and computes the same logits over two
+    40-token rows, with clear greedy margins. Returns transformers' model."""
+    from kvblocks.engine.dense import dense_logits
+    from kvblocks.engine.loader import load_checkpoint, save_checkpoint
+    from kvblocks.engine.tiny import build_tiny_model
+
+    model = build_tiny_model(config)
+    save_checkpoint(model, path)
+    assert load_checkpoint(path).config == config
+    hf = load_hf(transformers, path)
+    assert type(hf).__name__ == config.architecture
+    ids = random_ids(2, 40)
+    with torch.no_grad():
+        expected = hf(ids).logits
+    got = dense_logits(model, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    top2 = got.topk(2, dim=-1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-4  # clear greedy margins
+    return hf

@@ -19,43 +19,28 @@ import torch
 from kvblocks.engine import LLM
 from kvblocks.engine.dense import dense_logits
 from kvblocks.engine.hf_config import config_from_file
-from kvblocks.engine.loader import load_checkpoint, save_checkpoint
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.sampling_params import SamplingParams
 
 from .hf_families import (
     FAMILIES,
-    VOCAB,
+    assert_checkpoint_matches_hf,
     assert_logprobs_match_hf,
     hf_greedy,
     load_hf,
+    random_ids,
+    random_prompt,
     save_hf_checkpoint,
 )
 
 NEW_FAMILIES = list(FAMILIES)
 
 
-def _ids(batch: int, length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("model_type", NEW_FAMILIES)
 def test_tiny_model_matches_transformers(model_type: str, tmp_path: Path) -> None:
     """The engine's checkpoint of each family: transformers computes the same logits."""
     transformers = pytest.importorskip("transformers")
-    config = tiny_config(model_type)
-    model = build_tiny_model(config)
-    save_checkpoint(model, tmp_path)
-    assert load_checkpoint(tmp_path).config == config
-    hf = load_hf(transformers, tmp_path)
-    assert type(hf).__name__ == config.architecture
-    ids = _ids(2, 40)
-    with torch.no_grad():
-        expected = hf(ids).logits
-    got = dense_logits(model, ids)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    top2 = got.topk(2, dim=-1).values
-    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-4  # clear greedy margins
+    assert_checkpoint_matches_hf(transformers, tiny_config(model_type), tmp_path)
 
 
 def _zero_sinks(model: torch.nn.Module) -> None:
@@ -92,7 +77,7 @@ def test_each_family_switch_changes_the_logits(model_type: str, change) -> None:
         _zero_sinks(other)
     else:
         other = build_tiny_model(tiny_config(model_type, **change))
-    ids = _ids(1, 40)
+    ids = random_ids(1, 40)
     assert (dense_logits(base, ids) - dense_logits(other, ids)).abs().max() > 1e-2
 
 
@@ -105,12 +90,13 @@ def hf_checkpoint(request, tmp_path_factory) -> tuple[str, Path, object]:
     return request.param, path, load_hf(transformers, path)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return _ids(1, n, VOCAB, seed)[0].tolist()
-
-
-SHARED = _prompt(24, 50)  # three 8-token blocks shared by the first three prompts
-PROMPTS = [SHARED + _prompt(9, 1), SHARED + _prompt(17, 2), SHARED + _prompt(3, 3), _prompt(13, 4)]
+SHARED = random_prompt(24, 50)  # three 8-token blocks shared by the first three prompts
+PROMPTS = [
+    SHARED + random_prompt(9, 1),
+    SHARED + random_prompt(17, 2),
+    SHARED + random_prompt(3, 3),
+    random_prompt(13, 4),
+]
 MAX_TOKENS = 24
 
 

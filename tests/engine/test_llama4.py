@@ -29,20 +29,24 @@ from kvblocks.engine.config import AttentionSpec
 from kvblocks.engine.dense import dense_greedy_generate, dense_logits
 from kvblocks.engine.hf_config import config_from_file, config_from_hf_dict
 from kvblocks.engine.llama4_config import Llama4Options
-from kvblocks.engine.loader import load_checkpoint, save_checkpoint
+from kvblocks.engine.loader import save_checkpoint
 from kvblocks.engine.runner import PagedAttention
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
 
-from .hf_families import VOCAB, assert_logprobs_match_hf, hf_greedy, load_hf, save_hf_checkpoint
+from .hf_families import (
+    assert_checkpoint_matches_hf,
+    assert_logprobs_match_hf,
+    hf_greedy,
+    load_hf,
+    random_ids,
+    random_prompt,
+    save_hf_checkpoint,
+)
 
 CHUNK, BLOCK = 32, 16
 FULL, CHUNKED = "full_attention", "chunked_attention"
-
-
-def _ids(batch: int, length: int, vocab: int = 256, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 # -- the model against transformers -------------------------------------------------------
@@ -54,20 +58,10 @@ def test_tiny_model_matches_transformers(tmp_path: Path) -> None:
     logits over 40 tokens (three chunks)."""
     transformers = pytest.importorskip("transformers")
     config = tiny_config("llama4_text")
-    model = build_tiny_model(config)
-    save_checkpoint(model, tmp_path)
-    assert load_checkpoint(tmp_path).config == config
-    hf = load_hf(transformers, tmp_path)
-    assert type(hf).__name__ == "Llama4ForCausalLM" == config.architecture
+    hf = assert_checkpoint_matches_hf(transformers, config, tmp_path)
+    assert config.architecture == "Llama4ForCausalLM"
     assert hf.config.layer_types == [CHUNKED, CHUNKED, CHUNKED, FULL]
     assert hf.config.moe_layers == [1, 3] and hf.config.attention_chunk_size == 16
-    ids = _ids(2, 40)
-    with torch.no_grad():
-        expected = hf(ids).logits
-    got = dense_logits(model, ids)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    top2 = got.topk(2, dim=-1).values
-    assert float((top2[..., 0] - top2[..., 1]).min()) > 1e-4  # clear greedy margins
 
 
 def _options(**change: Any) -> Llama4Options:
@@ -93,7 +87,7 @@ SWITCHES = {
 def test_each_switch_changes_the_logits(change: dict[str, Any]) -> None:
     base = build_tiny_model(tiny_config("llama4_text"))
     other = build_tiny_model(tiny_config("llama4_text", **change))
-    ids = _ids(1, 40)
+    ids = random_ids(1, 40)
     assert (dense_logits(base, ids) - dense_logits(other, ids)).abs().max() > 1e-2
 
 
@@ -109,12 +103,13 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return path, load_hf(transformers, path)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return _ids(1, n, VOCAB, seed)[0].tolist()
-
-
-SHARED = _prompt(48, 50)  # three 16-token blocks shared by the first three prompts
-PROMPTS = [SHARED + _prompt(21, 1), SHARED + _prompt(45, 2), SHARED + _prompt(5, 3), _prompt(37, 4)]
+SHARED = random_prompt(48, 50)  # three 16-token blocks shared by the first three prompts
+PROMPTS = [
+    SHARED + random_prompt(21, 1),
+    SHARED + random_prompt(45, 2),
+    SHARED + random_prompt(5, 3),
+    random_prompt(37, 4),
+]
 MAX_TOKENS = 24
 
 
@@ -234,7 +229,7 @@ def test_chunked_group_frees_past_chunks_and_never_reads_them(
     transformers' and the log-probs finite. The poison has teeth: chunks that start at
     block 0 (reading the freed entries) turn the output into NaN."""
     path, hf = hf_checkpoint
-    prompt = _prompt(45, 9)
+    prompt = random_prompt(45, 9)
     expected = hf_greedy(hf, prompt, 100)
     params = SamplingParams(max_tokens=100, temperature=0.0, logprobs=0, ignore_eos=True)
 
@@ -608,7 +603,7 @@ def test_beam_search_forks_the_chunked_groups() -> None:
     from .test_llm import _dense_beam_search
 
     model = build_tiny_model(tiny_config("llama4_text"))
-    prompt = _ids(1, 21, 256, 90)[0].tolist()
+    prompt = random_ids(1, 21, 256, 90)[0].tolist()
     llm = LLM(model, num_blocks=64, block_size=8, device="cpu")
     out = llm.generate([prompt], SamplingParams(max_tokens=20, beam_width=3, n=3))[0]
     expected = _dense_beam_search(model, prompt, 3, 20)  # type: ignore[arg-type]
@@ -623,7 +618,7 @@ def test_every_layer_chunked_is_one_chunked_group() -> None:
     llm = LLM(model, num_blocks=32, block_size=8, device="cpu")
     assert llm.manager.groups == [GroupSpec.chunked_local_attention(16)]
     assert len(llm.runner.kv_caches) == 4
-    prompt = _ids(1, 45, 256, 7)[0].tolist()
+    prompt = random_ids(1, 45, 256, 7)[0].tolist()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     held = []
     for rec in llm.stream([prompt], params):
