@@ -29,7 +29,7 @@ import torch
 import kvblocks.ops
 from kvblocks.engine import LLM, LlamaForCausalLM, runner
 from kvblocks.engine.dense import dense_greedy_generate
-from kvblocks.engine.outputs import TokenLogprobs
+from kvblocks.engine.outputs import GenerationOutput, TokenLogprobs
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
 from kvblocks.ops import cuda_backend, kernel_cache, reference
 from kvblocks.ops.launch_plan import KernelLaunch
@@ -273,6 +273,60 @@ _TENSOR_CORE_CASES = [
     for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16"))
     if (family, name) != ("llama4_text", "bf16")
 ]
+# The long prompt is prefilled in chunks next to the short ones' decodes, and its decode
+# context (over 128 keys) is split in two and merged.
+_PROMPTS = [_prompt(5, 1), _prompt(37, 2), _prompt(200, 3)]
+_ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_batched_tokens": 64}
+_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=_TOP)
+
+
+def _generate(model: Any, dtype: torch.dtype) -> list[GenerationOutput]:
+    """``_PROMPTS`` greedily on the engine (on the emulated kernels under the fixture)."""
+    return LLM(model, dtype=dtype, device="cpu", **_ENGINE).generate(_PROMPTS, _PARAMS)
+
+
+def _forced_reference_steps(
+    model: Any,
+    dtype: torch.dtype,
+    outputs: list[GenerationOutput],
+    monkeypatch: pytest.MonkeyPatch,
+    emulated_kernels: list[str],
+) -> list[GenerationOutput]:
+    """Teacher forcing on the reference ops: each prefix of the emulated run's tokens is
+    one prompt (prompt ``i``'s step ``s`` is ``i * max_tokens + s``), whose first
+    generated step gives the reference's log-probs there, so a near-tie flipped early
+    does not hide the later steps."""
+    launched = len(emulated_kernels)
+    with monkeypatch.context() as patch:
+        for name, op in _REFERENCE_OPS.items():
+            patch.setattr(reference, name, op)
+            if name != "copy_blocks":  # the fixture routes the others' front-ends too
+                patch.setattr(kvblocks.ops, name, _without_hints(op))
+        # More blocks: the 24 forced prompts fit at once (the math does not depend on it).
+        reference_llm = LLM(model, dtype=dtype, device="cpu", **(_ENGINE | {"num_blocks": 256}))
+        forced = [
+            prompt + out.outputs[0].token_ids[:step]
+            for prompt, out in zip(_PROMPTS, outputs, strict=True)
+            for step in range(_PARAMS.max_tokens)
+        ]
+        ref_steps = reference_llm.generate(
+            forced, SamplingParams(max_tokens=1, temperature=0.0, logprobs=_TOP)
+        )
+    assert len(emulated_kernels) == launched, "the reference run launched kernels"
+    return ref_steps
+
+
+def _check_run(
+    outputs: list[GenerationOutput], ref_steps: list[GenerationOutput], dtype: torch.dtype
+) -> None:
+    """Every step of the emulated run against the reference's at the same context."""
+    for i, out in enumerate(outputs):
+        steps = out.outputs[0].logprobs
+        assert steps is not None and len(steps) == _PARAMS.max_tokens
+        for step, got in enumerate(steps):
+            ref = ref_steps[i * _PARAMS.max_tokens + step].outputs[0].logprobs
+            assert ref is not None
+            _check_step(got, ref[0], _LOGPROB_TOLERANCE[dtype], f"prompt {i} step {step}")
 
 
 @pytest.mark.parametrize(("family", "dtype"), _TENSOR_CORE_CASES)
@@ -287,13 +341,7 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     if family == "llama4_text":
         overrides = {"attention_chunk_size": 128}
     model = build_tiny_model(tiny_config(family, **overrides))
-    # The long prompt is prefilled in chunks next to the short ones' decodes, and its
-    # decode context (over 128 keys) is split in two and merged.
-    prompts = [_prompt(5, 1), _prompt(37, 2), _prompt(200, 3)]
-    engine = {"num_blocks": 64, "block_size": 16, "max_num_batched_tokens": 64}
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=_TOP)
-    llm = LLM(model, dtype=dtype, device="cpu", **engine)
-    outputs = llm.generate(prompts, params)
+    outputs = _generate(model, dtype)
 
     assert any(name.startswith("prefill_attention_kernel<") for name in emulated_kernels)
     with_sinks = any(name.endswith(", true>") for name in emulated_kernels)
@@ -302,32 +350,5 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
     assert any(name.startswith("merge_partials_kernel<") for name in emulated_kernels)
     assert not any(name.startswith("split_k_attention_kernel") for name in emulated_kernels)
 
-    # Teacher forcing on the reference ops: each prefix of the emulated run's tokens is
-    # one prompt, whose first generated step gives the reference's log-probs there, so a
-    # near-tie flipped early does not hide the later steps.
-    launched = len(emulated_kernels)
-    with monkeypatch.context() as patch:
-        for name, op in _REFERENCE_OPS.items():
-            patch.setattr(reference, name, op)
-            if name != "copy_blocks":  # the fixture routes the others' front-ends too
-                patch.setattr(kvblocks.ops, name, _without_hints(op))
-        # More blocks: the 24 forced prompts fit at once (the math does not depend on it).
-        reference_llm = LLM(model, dtype=dtype, device="cpu", **(engine | {"num_blocks": 256}))
-        forced = [
-            prompt + out.outputs[0].token_ids[:step]
-            for prompt, out in zip(prompts, outputs, strict=True)
-            for step in range(params.max_tokens)
-        ]
-        ref_steps = reference_llm.generate(
-            forced, SamplingParams(max_tokens=1, temperature=0.0, logprobs=_TOP)
-        )
-    assert len(emulated_kernels) == launched, "the reference run launched kernels"
-
-    tol = _LOGPROB_TOLERANCE[dtype]
-    for i, out in enumerate(outputs):
-        steps = out.outputs[0].logprobs
-        assert steps is not None and len(steps) == params.max_tokens
-        for step, got in enumerate(steps):
-            ref = ref_steps[i * params.max_tokens + step].outputs[0].logprobs
-            assert ref is not None
-            _check_step(got, ref[0], tol, f"prompt {i} step {step}")
+    ref_steps = _forced_reference_steps(model, dtype, outputs, monkeypatch, emulated_kernels)
+    _check_run(outputs, ref_steps, dtype)
