@@ -1,14 +1,12 @@
 """The model runner: executes one :class:`~kvblocks.scheduler.SchedulerOutput` on the paged cache.
 
-Per step it applies the scheduler's swaps, copy-on-write copies and host-tier offloads and
-loads in the order the block manager issued them (``SchedulerOutput.memory_ops``), brings
-its device copy of the scheduler's persistent block table up to date by scattering only
-the step's delta, runs the decoder over the flattened batch with every layer's attention
-going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors; on the CPU one
-:class:`~kvblocks.ops.cpu_attention.CpuAttentionPlan` and one
-:class:`~kvblocks.ops.cpu_cache.CpuCacheSlots` per step, run by every layer), computes
-logits only at the sampling rows and samples.
-"""
+Per step it applies the swaps, copy-on-write copies and host-tier offloads and loads in the
+block manager's order (``SchedulerOutput.memory_ops``), scatters the step's delta of the
+persistent block table into its device copy, runs the decoder over the flattened batch with
+every layer's attention going through :mod:`kvblocks.ops` (CUDA kernels for CUDA tensors; on
+the CPU one :class:`~kvblocks.ops.cpu_attention.CpuAttentionPlan` and one
+:class:`~kvblocks.ops.cpu_cache.CpuCacheSlots` per step, shared by every layer), computes
+logits only at the sampling rows and samples."""
 
 from __future__ import annotations
 
