@@ -240,8 +240,8 @@ def test_beams_with_copies_on_emulated_kernels(
 
 _TOP = 5  # log-probs returned per step: the reference's near-tied alternatives are in it
 # Largest |log-prob| difference allowed between the emulated kernels and the reference ops,
-# both in the same dtype. Measured on these prompts: at most 0.009 (fp16) and 0.064 (bf16,
-# whose logits are rounded to 1/16 around 10); scaling the decode output by 1.01 moves a
+# both in the same dtype. Measured on these prompts: at most 0.009 (fp16) and 0.093 (bf16,
+# gpt-oss; whose logits are rounded to 1/16 around 10); scaling the decode output by 1.01 moves a
 # log-prob by up to 0.057 (fp16) / 0.135 (bf16), dropping the last key of the long
 # prompt's last split by 0.125 / 0.119.
 _LOGPROB_TOLERANCE = {torch.float16: 0.03, torch.bfloat16: 0.1}
@@ -316,16 +316,21 @@ def _forced_reference_steps(
 
 
 def _check_run(
-    outputs: list[GenerationOutput], ref_steps: list[GenerationOutput], dtype: torch.dtype
+    outputs: list[GenerationOutput],
+    ref_steps: list[GenerationOutput],
+    dtype: torch.dtype,
+    tolerance: float | None = None,
 ) -> None:
-    """Every step of the emulated run against the reference's at the same context."""
+    """Every step of the emulated run against the reference's at the same context
+    (``tolerance``: the dtype's :data:`_LOGPROB_TOLERANCE` unless given)."""
+    tol = _LOGPROB_TOLERANCE[dtype] if tolerance is None else tolerance
     for i, out in enumerate(outputs):
         steps = out.outputs[0].logprobs
         assert steps is not None and len(steps) == _PARAMS.max_tokens
         for step, got in enumerate(steps):
             ref = ref_steps[i * _PARAMS.max_tokens + step].outputs[0].logprobs
             assert ref is not None
-            _check_step(got, ref[0], _LOGPROB_TOLERANCE[dtype], f"prompt {i} step {step}")
+            _check_step(got, ref[0], tol, f"prompt {i} step {step}")
 
 
 @pytest.mark.parametrize(("family", "dtype"), _TENSOR_CORE_CASES)
@@ -375,8 +380,12 @@ def test_tensor_core_kernels_in_the_engine_match_the_reference_ops(
 # seed is the first from 0 that passes (seed 0 has a 0.012 margin); seed 1's margins are
 # 0.086 and more, its router logits there at most 0.016 apart (0.023 over all rows). Its
 # log-probs are at most 0.081 apart; on seeds 0-5, with no routing flip at a sampled row,
-# 0.06-0.12 (two of six past the tolerance): Llama 4's bf16 noise sits near it.
+# 0.06-0.12: the NoPE layer (query and key not normalised) amplifies the first layer's
+# one-ulp differences (seed 5: 0.0036 relative after layer 0, 0.0124 at the NoPE output).
+# So Llama 4's bound is its own, from that spread rather than from the lucky seed: 0.15,
+# still well under the negative control's 0.55.
 _LLAMA4_BF16_SEED = 1
+_LLAMA4_BF16_TOLERANCE = 0.15
 _ROUTER_MARGIN = 0.0625  # eight bf16 ulps of a router logit in [1, 2)
 
 
@@ -451,7 +460,7 @@ def test_llama4_bf16_kernels_match_the_reference_ops(
                 assert top[k - 1] - top[k] >= _ROUTER_MARGIN, (where, "near-tie", logits)
             apart = (rows[step] - reference_rows[step]).abs().max()
             assert apart <= _ROUTER_MARGIN / 2, (where, rows[step], reference_rows[step])
-    _check_run(outputs, ref_steps, dtype)
+    _check_run(outputs, ref_steps, dtype, _LLAMA4_BF16_TOLERANCE)
 
     # Negative control: the same comparison catches a chunk boundary one block off.
     real = runner.chunked_batch
@@ -464,5 +473,5 @@ def test_llama4_bf16_kernels_match_the_reference_ops(
         early = _generate(model, dtype)
     early_ref = _forced_reference_steps(model, dtype, early, monkeypatch, emulated_kernels)
     with pytest.raises(AssertionError, match="prompt 2 step"):
-        _check_run(early, early_ref, dtype)
+        _check_run(early, early_ref, dtype, _LLAMA4_BF16_TOLERANCE)
     routers.handle.remove()
