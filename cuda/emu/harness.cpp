@@ -2,23 +2,35 @@
 // to Python (ctypes) as one entry point that launches a kernel by its name expression,
 // with arguments packed like cuLaunchKernel's. Python plans the launch exactly as for
 // CuPy (python/kvblocks/ops/launch_plan.py), so the planner is tested too.
+//
+// KVB_EMU_SHARD (the opt build, tests/ops/emu_runtime.py): the harness as three translation
+// units that g++ compiles in parallel and links into one library. Shards 1 and 2 hold the
+// tensor-core decode instantiations of __half and __nv_bfloat16 (most of the compile time);
+// shard 0 holds every other kernel and the entry points, and looks names up in all three.
+// Without KVB_EMU_SHARD one unit holds everything (the sanitizer builds).
 #include "cuda_emu.h"
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <set>
 #include <string>
 
+#if defined(KVB_EMU_SHARD) && KVB_EMU_SHARD != 0
+#define KVB_DECODE_SHARD 1
+#else
 #include "../cache_ops.cu"
-#include "../decode_attention.cu"
 #include "../split_k_attention.cu"
 #include "../prefill_attention.cu"
 #include "mma_selftest.cuh"
 #include "selftest_kernels.cuh"
 #include "selftest_pipeline.h"
 #include "wmma_selftest.cuh"
+#endif
+#include "../decode_attention.cu"
 
-namespace {
+// Shared by the shards (one type across the library's units).
+namespace kvb_harness {
 
 using Launcher = void (*)(dim3, dim3, size_t, void**);
 
@@ -27,6 +39,12 @@ struct Entry {
   Launcher launch;
   int smem_bytes;  // the kernel's own shared-memory requirement (0: none / not static)
 };
+
+}  // namespace kvb_harness
+
+namespace {
+
+using kvb_harness::Entry;
 
 #define KVB_ENTRY(SMEM, ...)                                                        \
   Entry {                                                                           \
@@ -45,13 +63,6 @@ struct Entry {
 // The entry of NAME<args...> (NAME one of the KVB_SMEM_ families above).
 #define KVB_KERNEL(NAME, ...) KVB_ENTRY(KVB_SMEM_##NAME(__VA_ARGS__), NAME<__VA_ARGS__>)
 
-#ifdef KVB_EMU_ENTRIES
-// A sanitizer build (tests/ops/emu_runtime.py): only the attention instantiations its tests
-// launch, listed in tests/ops/sanitized_kernels.py and written as KVB_KERNEL(...) lines to
-// the header this names. Compiling all of them under ASan or TSan took minutes of CPU for
-// a handful of launches. The header goes into kEntries below.
-#define KVB_ATTENTION_ENTRIES
-#else
 #define KVB_ATTN(T, D)                                                            \
   KVB_KERNEL(split_k_attention_kernel, T, D, 8),                                  \
       KVB_KERNEL(split_k_attention_kernel, T, D, 16), KVB_KERNEL(merge_splits_kernel, T, D)
@@ -87,10 +98,39 @@ struct Entry {
       KVB_DECODE_G(T, 256, 32), KVB_DECODE1_G(T, 256, 8), KVB_DECODE1_G(T, 256, 16),        \
       KVB_DECODE1_G(T, 256, 32), KVB_KERNEL(merge_partials_kernel, T, 256)
 
-#define KVB_ATTENTION_ENTRIES                                                         \
-  KVB_DECODE_ALL(__half), KVB_DECODE_ALL(__nv_bfloat16), KVB_ATTN_ALL_D(float),      \
-      KVB_ATTN_ALL_D(__half), KVB_ATTN_ALL_D(__nv_bfloat16), KVB_PREFILL_ALL_D(__half), \
-      KVB_PREFILL_ALL_D(__nv_bfloat16),
+#if defined(KVB_DECODE_SHARD)
+#if KVB_EMU_SHARD == 1
+#define KVB_EMU_SHARD_TABLE kvb_emu_decode_half_table
+const Entry kEntries[] = {KVB_DECODE_ALL(__half)};
+#else
+#define KVB_EMU_SHARD_TABLE kvb_emu_decode_bf16_table
+const Entry kEntries[] = {KVB_DECODE_ALL(__nv_bfloat16)};
+#endif
+
+}  // namespace
+
+// This shard's table, for shard 0's lookup.
+extern "C" const Entry* KVB_EMU_SHARD_TABLE(size_t* count) {
+  *count = sizeof(kEntries) / sizeof(kEntries[0]);
+  return kEntries;
+}
+
+#else  // everything else: the unsharded harness or shard 0
+
+#define KVB_NON_DECODE_ENTRIES                                                           \
+  KVB_ATTN_ALL_D(float), KVB_ATTN_ALL_D(__half), KVB_ATTN_ALL_D(__nv_bfloat16),          \
+      KVB_PREFILL_ALL_D(__half), KVB_PREFILL_ALL_D(__nv_bfloat16),
+#ifdef KVB_EMU_ENTRIES
+// A sanitizer build (tests/ops/emu_runtime.py): only the attention instantiations its tests
+// launch, listed in tests/ops/sanitized_kernels.py and written as KVB_KERNEL(...) lines to
+// the header this names. Compiling all of them under ASan or TSan took minutes of CPU for
+// a handful of launches. The header goes into kEntries below.
+#define KVB_ATTENTION_ENTRIES
+#elif defined(KVB_EMU_SHARD)
+#define KVB_ATTENTION_ENTRIES KVB_NON_DECODE_ENTRIES
+#else
+#define KVB_ATTENTION_ENTRIES \
+  KVB_DECODE_ALL(__half), KVB_DECODE_ALL(__nv_bfloat16), KVB_NON_DECODE_ENTRIES
 #endif
 
 const Entry kEntries[] = {
@@ -141,14 +181,35 @@ void log_use(const std::string& name) {
   }
 }
 
-const Entry* find(const char* name) {
-  const std::string want = squeeze(name);
-  for (const Entry& e : kEntries) {
-    if (squeeze(e.name) == want) {
+#ifdef KVB_EMU_SHARD
+}  // namespace
+extern "C" const Entry* kvb_emu_decode_half_table(size_t* count);
+extern "C" const Entry* kvb_emu_decode_bf16_table(size_t* count);
+namespace {
+#endif
+
+const Entry* find_in(const Entry* entries, size_t count, const std::string& want) {
+  for (size_t i = 0; i < count; ++i) {
+    if (squeeze(entries[i].name) == want) {
       log_use(want);
-      return &e;
+      return &entries[i];
     }
   }
+  return nullptr;
+}
+
+const Entry* find(const char* name) {
+  const std::string want = squeeze(name);
+  if (const Entry* e = find_in(kEntries, sizeof(kEntries) / sizeof(kEntries[0]), want)) {
+    return e;
+  }
+#ifdef KVB_EMU_SHARD
+  for (auto table : {kvb_emu_decode_half_table, kvb_emu_decode_bf16_table}) {
+    size_t count = 0;
+    const Entry* entries = table(&count);
+    if (const Entry* e = find_in(entries, count, want)) return e;
+  }
+#endif
 #ifdef KVB_EMU_ENTRIES
   // Not a -1 the caller may read as "no such kernel" (or a skip): this build left it out.
   std::fprintf(stderr,
@@ -196,3 +257,5 @@ void kvb_emu_to_bf16(const float* in, unsigned short* out, long long n) {
 }
 
 }  // extern "C"
+
+#endif  // KVB_DECODE_SHARD

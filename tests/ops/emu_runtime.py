@@ -1,10 +1,11 @@
 """Build and drive the CUDA-emulation library (cuda/emu) from the tests.
 
-The library is g++-compiled once per source hash into ``cuda/emu/build`` (gitignored)
-and loaded with ctypes. ``KVB_EMU_FLAVOR=asan`` selects the AddressSanitizer +
-UBSan build (the process must then preload libasan; see sanitized_pytest.py). The ``opt``
-build instantiates every kernel; a sanitizer build only the attention kernels its tests
-launch (sanitized_kernels.py), which is most of its compile time saved.
+The library is g++-compiled once per source hash into ``cuda/emu/build`` (gitignored) and
+loaded with ctypes. ``KVB_EMU_FLAVOR=asan`` selects the AddressSanitizer + UBSan build (the
+process must then preload libasan; see sanitized_pytest.py). The ``opt`` build instantiates
+every kernel, in :data:`SHARDS` units compiled side by side; a sanitizer build only the
+attention kernels its tests launch (sanitized_kernels.py), which is most of its compile time
+saved.
 """
 
 from __future__ import annotations
@@ -61,11 +62,54 @@ def _sources() -> list[Path]:
     )
 
 
+#: Translation units of the full (``opt``) build, compiled in parallel (harness.cpp's
+#: KVB_EMU_SHARD): the fp16 and the bf16 tensor-core decode instantiations, and the rest.
+#: One unit took about a minute of one core while both test workers waited for it.
+SHARDS = 3
+
+
+def _compile(args: list[str]) -> subprocess.Popen[str]:
+    """Start g++ with the harness's common options and ``args``; :func:`_wait` for it."""
+    cmd = [
+        os.environ.get("CXX", "g++"), "-std=c++17", "-fPIC", "-pthread", "-fno-strict-aliasing",
+        "-Wall", "-Wno-unknown-pragmas", "-Werror", f"-I{EMU_DIR / 'include'}", f"-I{EMU_DIR}",
+        *args,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(process: subprocess.Popen[str]) -> None:
+    """Wait for a :func:`_compile`; a failure raises with g++'s output."""
+    output, _ = process.communicate()
+    if process.returncode != 0:
+        raise subprocess.CalledProcessError(process.returncode, process.args, output)
+
+
+def _compile_shards(flags: list[str], out: Path) -> None:
+    """The harness's :data:`SHARDS` units compiled side by side, linked into ``out``."""
+    objects = [out.with_suffix(f".shard{k}.o") for k in range(SHARDS)]
+    units = [
+        _compile([*flags, f"-DKVB_EMU_SHARD={k}", "-c", str(EMU_DIR / "harness.cpp"), "-o", str(o)])
+        for k, o in enumerate(objects)
+    ]
+    try:
+        for unit in units:
+            _wait(unit)
+        _wait(_compile(["-shared", *map(str, objects), "-o", str(out)]))
+    finally:
+        for unit in units:
+            if unit.poll() is None:
+                unit.kill()
+                unit.wait()
+        for o in objects:
+            o.unlink(missing_ok=True)
+
+
 def build_library(flavor: str) -> Path:
     """Compile the harness (if its sources changed) and return the shared library path."""
     flags = FLAVOR_FLAGS[flavor]
     header = entries_header(flavor)  # None: every instantiation
-    digest = hashlib.sha256(" ".join(flags).encode())
+    digest = hashlib.sha256(f"{' '.join(flags)} shards {SHARDS}".encode())
     for path in _sources():
         digest.update(path.name.encode() + path.read_bytes())
     if header is not None:
@@ -82,13 +126,10 @@ def build_library(flavor: str) -> Path:
             if header is not None:
                 entries.write_text(header)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [
-                os.environ.get("CXX", "g++"), "-std=c++17", *flags, "-shared", "-fPIC",
-                "-pthread", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas", "-Werror",
-                f"-I{EMU_DIR / 'include'}", f"-I{EMU_DIR}", str(EMU_DIR / "harness.cpp"),
-                "-o", str(tmp),
-            ]  # fmt: skip
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            if header is None:
+                _compile_shards(flags, tmp)
+            else:
+                _wait(_compile([*flags, "-shared", str(EMU_DIR / "harness.cpp"), "-o", str(tmp)]))
             tmp.rename(target)
             for stale in BUILD_DIR.glob(f"libkvb_emu_{flavor}_*.so"):
                 if stale != target:
