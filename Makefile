@@ -52,7 +52,8 @@ build: $(STAMP)
 	@$(PY) .ci/build-deps.py $(EXTRAS) > $(BUILD_DEPS)
 	@{ $(WARM) $(if $(WARM_RUST_TESTS),&& cargo test --no-run -q \
 		&& cargo clippy -q --workspace --all-targets -- -D warnings); } >/dev/null 2>&1 & \
-	warm=$$!; $(PIP) install -q -r $(BUILD_DEPS); pip=$$?; wait $$warm; exit $$pip
+	warm=$$!; $(if $(WARM_EMULATOR),$(PY) tests/ops/emu_runtime.py opt >/dev/null 2>&1 & emu=$$!;) \
+	$(PIP) install -q -r $(BUILD_DEPS); pip=$$?; wait $$warm $(if $(WARM_EMULATOR),$$emu); exit $$pip
 	$(DEVELOP) -E $(EXTRAS)
 
 # The release build with only the demo's dependencies; on a venv that `make build` set up the
@@ -100,6 +101,10 @@ test-python: $(NEEDS_BUILD)
 
 # The fast tier, for iteration: all but the `slow` and `wheel` markers (the full NVRTC
 # matrix, sanitizer builds, emulation at scale, the wheel test), on two pytest workers.
+# Its build also compiles the CUDA emulator (WARM_EMULATOR; kept in cuda/emu/build by source
+# hash, so only after a change to cuda/) on the core pip leaves idle, instead of both test
+# workers waiting for it at the start. (`make test`'s build keeps both cores busy already.)
+test-fast: WARM_EMULATOR := 1
 test-fast: build
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not wheel" --durations=10
 

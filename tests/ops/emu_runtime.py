@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 from sanitized_kernels import entries_header
 
 if TYPE_CHECKING:
@@ -153,6 +152,10 @@ def library(flavor: str | None = None) -> ctypes.CDLL:
 
 def emu_launch(launch: KernelLaunch) -> None:
     """Run one planned launch on CPU threads (the arguments' addresses are host memory)."""
+    # Imported here: `make test-fast` starts this module's build before pip has installed
+    # numpy (Makefile, WARM_EMULATOR).
+    import numpy as np
+
     lib = library()
     # Each argument lives in its own NumPy buffer; the kernel reads it through a pointer.
     holders = [np.array([arg]) for arg in launch.args]
