@@ -287,9 +287,20 @@ impl<'a> Plan<'a> {
         let queries = &self.batch.query[q_start..q_start + group * d];
         scratch.scores.clear();
         scratch.scores.resize(group * n, 0.0);
-        for (key, offset, rows) in self.runs(seq, head, first, len) {
-            let keys = &self.batch.key_cache[offset..offset + rows * d];
+        scratch.runs.clear();
+        scratch.runs.extend(self.runs(seq, head, first, len));
+        let (key_cache, value_cache) = (self.batch.key_cache, self.batch.value_cache);
+        for (i, &(key, offset, rows)) in scratch.runs.iter().enumerate() {
+            // The next run's rows (after the last key run, the first value run), one per
+            // row read here: each run is its own page of the cache, where the hardware
+            // prefetcher starts cold, and the engine's layers evict each other's blocks.
+            let next = match scratch.runs.get(i + 1) {
+                Some(&(_, o, r)) => (key_cache, o, r),
+                None => (value_cache, scratch.runs[0].1, scratch.runs[0].2),
+            };
+            let keys = &key_cache[offset..offset + rows * d];
             for (r, k) in keys.chunks_exact(d).enumerate() {
+                prefetch_row(next, r, d);
                 for (g, q) in queries.chunks_exact(d).enumerate() {
                     scratch.scores[g * n + key - first + r] = dot(q, k) * self.params.scale;
                 }
@@ -316,9 +327,16 @@ impl<'a> Plan<'a> {
             scratch.denominators.push(sum(weights) + extra);
         }
         out.fill(0.0);
-        for (key, offset, rows) in self.runs(seq, head, first, len) {
-            let values = &self.batch.value_cache[offset..offset + rows * d];
+        for (i, &(key, offset, rows)) in scratch.runs.iter().enumerate() {
+            let next = scratch
+                .runs
+                .get(i + 1)
+                .map(|&(_, o, r)| (value_cache, o, r));
+            let values = &value_cache[offset..offset + rows * d];
             for (r, v) in values.chunks_exact(d).enumerate() {
+                if let Some(next) = next {
+                    prefetch_row(next, r, d);
+                }
                 for (g, acc) in out.chunks_exact_mut(d).enumerate() {
                     axpy(acc, scratch.scores[g * n + key - first + r], v);
                 }
@@ -350,6 +368,31 @@ fn has_avx2() -> bool {
 struct Scratch {
     scores: Vec<f32>,
     denominators: Vec<f32>,
+    /// The item's runs (first key, element offset, rows), walked by both passes.
+    runs: Vec<(usize, usize, usize)>,
+}
+
+/// Ask for row `r` of a run (`(cache, element offset, rows)`) to be brought into the cache
+/// ahead of its use; nothing past the run's rows. A hint only: no value changes.
+#[inline(always)]
+fn prefetch_row((cache, offset, rows): (&[f32], usize, usize), r: usize, d: usize) {
+    if r >= rows {
+        return;
+    }
+    let row = &cache[offset + r * d..offset + (r + 1) * d];
+    #[cfg(target_arch = "x86_64")]
+    for line in row.chunks(16) {
+        // 16 f32 = one 64-byte cache line.
+        // SAFETY: SSE (the intrinsic's feature) is part of the x86-64 baseline, and a
+        // prefetch of an address inside a live slice changes no memory and cannot fault.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast::<i8>(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = row;
 }
 
 /// Iterator over the contiguous cache runs of one sequence's keys (see [`Plan::runs`]).
