@@ -3,6 +3,26 @@
 
 use kvblocks_core::{HashAlgo, KVCacheManager, KvError, ManagerConfig};
 
+/// The error is `InvalidArgument`.
+pub fn is_invalid(e: &KvError) -> bool {
+    matches!(e, KvError::InvalidArgument(_))
+}
+
+/// The error is `SequenceState`.
+pub fn is_state(e: &KvError) -> bool {
+    matches!(e, KvError::SequenceState(_))
+}
+
+/// The error is `UnknownSequence`.
+pub fn is_unknown(e: &KvError) -> bool {
+    matches!(e, KvError::UnknownSequence(_))
+}
+
+/// The error is `OutOfBlocks`.
+pub fn is_oob(e: &KvError) -> bool {
+    matches!(e, KvError::OutOfBlocks(_))
+}
+
 /// A manager with `num_blocks` GPU blocks of `block_size` tokens, no watermark.
 pub fn manager(num_blocks: usize, block_size: usize) -> KVCacheManager {
     let mut c = ManagerConfig::new(num_blocks, block_size);
