@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod groups;
+
 use kvblocks_core::{HashAlgo, KVCacheManager, KvError, ManagerConfig};
 
 /// The error is `InvalidArgument`.
