@@ -1,6 +1,6 @@
 #pragma once
 // Emulation stand-in for CUDA's <cuda_pipeline_primitives.h> (cp.async through the
-// __pipeline_* primitives): see emu::async_copy in cuda_emu.h for the semantics (the
+// __pipeline_* primitives): see emu::async_copy in cuda_emu_team.h for the semantics (the
 // destination is poisoned at issue and filled only when a wait retires the group).
 #include <cstddef>
 
