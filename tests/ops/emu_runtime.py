@@ -50,11 +50,14 @@ FLAVOR_FLAGS = {
 
 
 def _sources() -> list[Path]:
+    """Every file the harness's g++ units read: the kernels, cuda_emu.h and its parts
+    (cuda_emu_*.h), the harness with its self-test kernels (emu/*.cuh), the stand-ins."""
     return sorted(
         [
             *CUDA_DIR.glob("*.cu"),
             *CUDA_DIR.glob("*.cuh"),
             *EMU_DIR.glob("*.h"),
+            *EMU_DIR.glob("*.cuh"),
             *EMU_DIR.glob("*.cpp"),
             *(EMU_DIR / "include").glob("*.h"),
         ]
