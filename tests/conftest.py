@@ -81,16 +81,18 @@ FILE_SECONDS = {
     "core/test_state_machine.py": 23,
     "core/test_errors.py": 21,
     "core/test_content_oracle_host_tier.py": 20,
-    "engine/test_llama4.py": 20,
     "ops/test_decode_plan_sanitizers.py": 19,
     "ops/test_ops_cpu_attention.py": 18,
     "core/test_stubs.py": 18,
     "simulate/test_capacity.py": 17,
+    "engine/test_llama4.py": 16,
     "engine/test_llm.py": 16,
     "events/test_vllm_recorded_events.py": 15,
     "engine/test_config_families.py": 15,
     "engine/test_emulated_cuda.py": 15,
     "ops/test_ops_emu_runtime.py": 12,
+    "engine/test_llama4_chunked.py": 2,
+    "engine/test_llama4_config.py": 2,
 }
 TESTS_DIR = Path(__file__).resolve().parent
 
