@@ -1,6 +1,6 @@
 """Every ceiling of a kernel's main loop, each on its own, the binding one, and an estimate.
 
-Input: the per-tile counts of :func:`kernel_model.count_tile` (warp-instructions by class,
+Input: the per-tile counts of :func:`tile_count.count_tile` (warp-instructions by class,
 bytes moved, warp 0's trace), the resident CTAs, the work of one tile (bytes of K/V against
 HBM for decode, FLOP against the dense tensor peak for prefill) and the GPU. Every ceiling
 is a fraction of the peak, computed per SM and per cycle so that the clock cancels out:

@@ -1,17 +1,17 @@
 """Level (a) of the content oracle with several KV cache groups over one pool.
 
-The machines of ``test_content_oracle.py`` run over managers built with ``groups=``:
-mixes of full attention, sliding windows and chunked local attention, with window and
-chunk sizes that are and are not multiples of the block size. Every group of every
-sequence writes its own KV (its own prefix ids, see ``tests/oracle/kv_memory.py``)
-through its own slot mapping, and after every operation each group must read exactly the
-KV of the tokens its queries may attend to through its own table (the one-call accessors
-``group_block_tables``, ``group_slot_mappings`` and ``update_group_block_tables``, checked
-against the per-group ones), while holding no block a future query cannot see: a window
-or chunked group's footprint is what its next query attends to plus the step's tokens.
-Prefix hits are judged the same way: a claim that skips a window group's blocks before
-its window reads nothing there, and a claimed block of the wrong group reads another
-group's ids.
+The machines of ``content_oracle.py`` and ``content_oracle_tiered.py`` run over managers
+built with ``groups=``: mixes of full attention, sliding windows and chunked local
+attention, with window and chunk sizes that are and are not multiples of the block size.
+Every group of every sequence writes its own KV (its own prefix ids, see
+``tests/oracle/kv_memory.py``) through its own slot mapping, and after every operation
+each group must read exactly the KV of the tokens its queries may attend to through its
+own table (the one-call accessors ``group_block_tables``, ``group_slot_mappings`` and
+``update_group_block_tables``, checked against the per-group ones), while holding no
+block a future query cannot see: a window or chunked group's footprint is what its next
+query attends to plus the step's tokens. Prefix hits are judged the same way: a claim
+that skips a window group's blocks before its window reads nothing there, and a claimed
+block of the wrong group reads another group's ids.
 """
 
 from __future__ import annotations
@@ -29,15 +29,9 @@ import kvblocks
 from kvblocks import GroupSpec
 from oracle.kv_memory import Attention, ContentError, KVMemory
 
-from .test_content_oracle import (
-    COVERAGE,
-    MIN_OPERATIONS,
-    ORACLE_EXAMPLES,
-    TIER_COVERAGE,
-    ContentOracle,
-    TieredContentOracle,
-    _oracle_settings,
-)
+from .content_oracle import ContentOracle
+from .content_oracle_settings import COVERAGE, MIN_OPERATIONS, ORACLE_EXAMPLES, _oracle_settings
+from .content_oracle_tiered import TIER_COVERAGE, TieredContentOracle
 
 #: Window and chunk sizes: below, equal to, between and above multiples of the block
 #: sizes drawn (1, 2, 4).

@@ -1,16 +1,16 @@
 """Level (a) of the content oracle with recurrent-state groups beside attention groups.
 
-The machines of ``test_content_oracle.py`` run over managers built with one or two
-attention groups and one or two ``GroupSpec.recurrent(k)`` groups. The emulated memory
-holds in a state block "the state after tokens ``[0, p)``" (see
-``tests/oracle/kv_memory.py``), and the model step is run as an engine runs it: for every
-state group it reads each sequence's state from the block ``state_mapping`` names, which
-must hold exactly the state after the sequence's computed tokens (a prefix hit restores a
-cached state, a fork's copy-on-write copy, a swap or a tier load must have brought it
-there), then saves the state at every checkpoint boundary the step crosses and at its
-end into the blocks named (never a block another sequence or group holds). After every
-operation each sequence's state entry holds its own prefix's state and the group holds
-no other block.
+The machines of ``content_oracle.py`` and ``content_oracle_tiered.py`` run over managers
+built with one or two attention groups and one or two ``GroupSpec.recurrent(k)`` groups.
+The emulated memory holds in a state block "the state after tokens ``[0, p)``" (see
+``tests/oracle/kv_memory.py``), and the model step is run as an engine runs it: for
+every state group it reads each sequence's state from the block ``state_mapping`` names,
+which must hold exactly the state after the sequence's computed tokens (a prefix hit
+restores a cached state, a fork's copy-on-write copy, a swap or a tier load must have
+brought it there), then saves the state at every checkpoint boundary the step crosses
+and at its end into the blocks named (never a block another sequence or group holds).
+After every operation each sequence's state entry holds its own prefix's state and the
+group holds no other block.
 
 A step may also be reserved and not run (a scheduler preempting before the forward
 pass): it commits nothing. With a state group lookahead slots and commits of part of a
@@ -36,15 +36,9 @@ from kvblocks import GroupSpec
 from kvblocks.router import PromptHasher
 from oracle.kv_memory import Attention, ContentError, KVMemory, state_entry, state_writes
 
-from .test_content_oracle import (
-    COVERAGE,
-    MIN_OPERATIONS,
-    ORACLE_EXAMPLES,
-    TIER_COVERAGE,
-    ContentOracle,
-    TieredContentOracle,
-    _oracle_settings,
-)
+from .content_oracle import ContentOracle
+from .content_oracle_settings import COVERAGE, MIN_OPERATIONS, ORACLE_EXAMPLES, _oracle_settings
+from .content_oracle_tiered import TIER_COVERAGE, TieredContentOracle
 from .test_content_oracle_groups import GROUP, _specs
 
 #: State effects reached by the machines.

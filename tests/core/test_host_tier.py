@@ -2,7 +2,7 @@
 ``confirm_memory_ops``, the reported hits, stats and events, and hostile inputs.
 
 The content of what the ops move is judged by the content oracle
-(``test_content_oracle.py``, ``TieredContentOracle``); these tests pin the API.
+(``test_content_oracle_host_tier.py``, ``TieredContentOracle``); these tests pin the API.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The static kernel model (``benches/ops/kernel_model.py``): SASS parsing and counting on
-recorded listings (no nvdisasm needed), and floors on the modeled figures of today's
-kernels (compiled with NVRTC and disassembled; skipped without nvdisasm or NVRTC)."""
+"""The static kernel model (``benches/ops/kernel_model.py`` and the modules it re-exports:
+``kernel_instantiations``, ``kernel_sass``, ``tile_count``, ``model_rows``): SASS parsing
+and counting on recorded listings (no nvdisasm needed), and floors on the modeled figures
+of today's kernels (compiled with NVRTC and disassembled; skipped without nvdisasm or
+NVRTC)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benches" / "ops"))
 
 import kernel_model  # noqa: E402
 import sass  # noqa: E402
+import tile_count  # noqa: E402
 
 # Floors on the modeled estimate (the SM simulation with every ceiling: of HBM peak for
 # decode, of dense tensor-core peak for prefill): today's figures minus a margin. Raise these
@@ -358,8 +361,8 @@ def test_attention_sinks_stay_out_of_the_main_loops(modeled):
             assert row.sink_instructions > 0, row.inst.label
         assert row.sink_in_loop == 0, row.inst.label
     # The sink-line matcher sees the helper's body, not only lines naming a sink.
-    lines = kernel_model._header_lines("kv_common.cuh")
-    body = [n for n in kernel_model._sink_lines("kv_common.cuh") if "exp2f(m - top)" in lines[n]]
+    lines = tile_count._header_lines("kv_common.cuh")
+    body = [n for n in tile_count._sink_lines("kv_common.cuh") if "exp2f(m - top)" in lines[n]]
     assert len(body) == 1
 
 

@@ -12,29 +12,49 @@ baseline of the benchmarks in ``benches/core``. Its hashes are SHA-256 digests r
 the core's BLAKE3/xxh3 ones: the values differ but which blocks hit does not.
 
 It is written for clarity, not speed; use :class:`kvblocks.KVCacheManager` in engines.
+
+Where the parts live: the records (events, a sequence's state, the free queue, the block
+hash) in :mod:`oracle.reference_records`, the argument checks in
+:mod:`oracle.reference_args`, the pools and prefix probes in :mod:`oracle.reference_pool`,
+allocation and commit in :mod:`oracle.reference_allocation`, the journal and swapping in
+:mod:`oracle.reference_swap`; this module holds the class and the rest of the API.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import struct
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks._core import AllocStatus
 from kvblocks.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     InvariantViolationError,
-    OutOfBlocksError,
     SequenceStateError,
-    UnknownSequenceError,
 )
+from oracle.reference_allocation import ReferenceAllocation
+from oracle.reference_args import (
+    _MAX_BLOCKS,
+    _MAX_COUNT,
+    _MAX_LORA_ID,
+    _MAX_SEQ_ID,
+    _MAX_TOKEN_ID,
+    _check_int,
+    _int_list,
+    _per_seq,
+)
+from oracle.reference_records import (
+    _HASH_ALGOS,
+    _NULL_BLOCK,
+    RefAllBlocksCleared,
+    RefBlockRemoved,
+    RefBlockStored,
+    RefEvent,
+    _FreeQueue,
+    _Sequence,
+)
+from oracle.reference_swap import ReferenceSwap
 
 __all__ = [
     "RefAllBlocksCleared",
@@ -43,172 +63,8 @@ __all__ = [
     "ReferenceKVCacheManager",
 ]
 
-_NULL_BLOCK = 0
-_MAX_SEQ_ID = 2**63
-_MAX_TOKEN_ID = 2**32
-_MAX_LORA_ID = 2**64
-_MAX_COUNT = 2**63
-_MAX_BLOCKS = 2**26
-_HASH_ALGOS = ("blake3", "xxh3_128")
-# The root "parent" of a sequence's first block; any fixed value distinct from real digests.
-_ROOT_HASH = b"\x00" * 32
 
-
-@dataclass(frozen=True)
-class RefBatchAllocation:
-    """``BatchAllocation`` of the reference model."""
-
-    num_served: int
-    num_cached_tokens: npt.NDArray[np.int64]
-    block_ids: npt.NDArray[np.int32]
-    block_indptr: npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class RefBlockStored:
-    """Full blocks entered the prefix cache (mirrors :class:`kvblocks.BlockStored`)."""
-
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-@dataclass(frozen=True)
-class RefBlockRemoved:
-    """Blocks left the prefix cache (mirrors :class:`kvblocks.BlockRemoved`)."""
-
-    block_hashes: list[bytes]
-
-
-@dataclass(frozen=True)
-class RefAllBlocksCleared:
-    """The prefix cache was cleared (mirrors :class:`kvblocks.AllBlocksCleared`)."""
-
-
-RefEvent = RefBlockStored | RefBlockRemoved | RefAllBlocksCleared
-
-
-@dataclass
-class _Sequence:
-    """Everything the manager knows about one sequence."""
-
-    seq_id: int
-    token_ids: list[int]
-    prompt_len: int
-    salt: bytes | None
-    lora_id: int | None
-    # Content hashes of the sequence's full blocks (of known tokens), extended as blocks fill.
-    hashes: list[bytes]
-    # Blocks of cached prefix found by add_sequence: the claim may shrink, never grow past it.
-    probe_cap: int
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    # Slots reserved by the last allocate_slots (computed + new + lookahead); None after commit.
-    reserved: int | None = None
-    # Tokens the pending reservation's new tokens reach (computed + new, no lookahead).
-    reserved_known: int = 0
-    allocated: bool = False
-    swapped: bool = False
-    num_cached_tokens: int = 0
-    # Leading blocks already offered to the prefix cache (cached or claimed).
-    num_committed_blocks: int = 0
-    # Leading table entries released by the sliding window (all null).
-    num_released: int = 0
-
-
-class _FreeQueue:
-    """Free blocks in eviction order: pop from the front, push to either end, remove on hit."""
-
-    def __init__(self, block_ids: Iterable[int]) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict.fromkeys(block_ids)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, block_id: int) -> bool:
-        return block_id in self._order
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._order)
-
-    def pop_front(self) -> int:
-        return self._order.popitem(last=False)[0]
-
-    def push_front(self, block_id: int) -> None:
-        self._order[block_id] = None
-        self._order.move_to_end(block_id, last=False)
-
-    def push_back(self, block_id: int) -> None:
-        self._order[block_id] = None
-
-    def remove(self, block_id: int) -> None:
-        del self._order[block_id]
-
-
-def _block_hash(
-    parent: bytes | None, salt: bytes | None, lora_id: int | None, tokens: Sequence[int]
-) -> bytes:
-    """Content hash of one full block; every field tagged and length-prefixed."""
-    h = hashlib.sha256()
-    h.update(b"kvblocks.block.v1")
-    h.update(b"P" + (parent if parent is not None else _ROOT_HASH))
-    if salt is None:
-        h.update(b"S0")
-    else:
-        h.update(b"S1" + struct.pack("<Q", len(salt)) + salt)
-    if lora_id is None:
-        h.update(b"L0")
-    else:
-        h.update(b"L1" + struct.pack("<Q", lora_id))
-    h.update(b"T" + struct.pack("<Q", len(tokens)))
-    h.update(np.asarray(tokens, dtype="<u4").tobytes())
-    return h.digest()
-
-
-def _check_int(value: object, name: str, lo: int, hi: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not lo <= value < hi:
-        raise InvalidArgumentError(f"{name} must be in [{lo}, {hi}), got {value}")
-    return value
-
-
-def _int_list(values: object, name: str, lo: int, hi: int) -> list[int]:
-    """A 1-D integer array or sequence as a list of ints in ``[lo, hi)``."""
-    if isinstance(values, np.ndarray):
-        if values.ndim != 1:
-            raise InvalidArgumentError(f"{name} must be 1-D, got {values.ndim} dimensions")
-        if values.size and not np.issubdtype(values.dtype, np.integer):
-            raise InvalidArgumentError(f"{name} must have an integer dtype, got {values.dtype}")
-        out = [int(v) for v in values.tolist()]
-    elif isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidArgumentError(
-            f"{name} must be a sequence of ints, got {type(values).__name__}"
-        )
-    else:
-        out = [_check_int(v, name, lo, hi) for v in values]
-    for v in out:
-        if not lo <= v < hi:
-            raise InvalidArgumentError(f"every {name} entry must be in [{lo}, {hi}), got {v}")
-    return out
-
-
-def _per_seq(values: object, n: int, name: str, lo: int, hi: int) -> list[int]:
-    """An int broadcast to ``n`` entries, or an array/sequence of exactly ``n`` entries."""
-    if isinstance(values, (int, np.integer)) and not isinstance(values, (bool, np.bool_)):
-        return [_check_int(values, name, lo, hi)] * n
-    out = _int_list(values, name, lo, hi)
-    if len(out) != n:
-        raise InvalidArgumentError(
-            f"{name} has {len(out)} entries, expected one per sequence ({n})"
-        )
-    return out
-
-
-class ReferenceKVCacheManager:
+class ReferenceKVCacheManager(ReferenceAllocation, ReferenceSwap):
     """Pure-Python model of :class:`kvblocks.KVCacheManager` (same arguments and results).
 
     See ``kvblocks/_core.pyi`` for the documentation of every method.
@@ -354,116 +210,6 @@ class ReferenceKVCacheManager:
         """Ids of the sequences held, ascending."""
         return np.array(sorted(self._seqs), dtype=np.int64)
 
-    # -- internal helpers ------------------------------------------------------------
-    def _get(self, seq_id: object) -> tuple[int, _Sequence]:
-        sid = _check_int(seq_id, "seq_id", 0, _MAX_SEQ_ID)
-        seq = self._seqs.get(sid)
-        if seq is None:
-            raise UnknownSequenceError(f"unknown sequence id {sid}")
-        return sid, seq
-
-    def _get_running(self, seq_id: object, op: str) -> tuple[int, _Sequence]:
-        sid, seq = self._get(seq_id)
-        self._require_resident(seq, op)
-        return sid, seq
-
-    @staticmethod
-    def _require_resident(seq: _Sequence, op: str) -> None:
-        if seq.swapped:
-            raise SequenceStateError(
-                f"cannot {op} sequence {seq.seq_id}: it is swapped out (swap it in first)"
-            )
-
-    def _batch_seqs(self, ids: list[int]) -> list[_Sequence]:
-        """The sequences of a batch call, in order; no id may be listed twice."""
-        seen: set[int] = set()
-        out = []
-        for sid in ids:
-            seq = self._seqs.get(sid)
-            if seq is None:
-                raise UnknownSequenceError(f"unknown sequence id {sid}")
-            if sid in seen:
-                raise InvalidArgumentError(
-                    f"sequence id {sid} is listed twice; expected distinct ids"
-                )
-            seen.add(sid)
-            out.append(seq)
-        return out
-
-    def _claim_start(self, n: int) -> int:
-        """The first block a hit of ``n`` blocks claims: with a sliding window, the blocks
-        before the window of the query at ``n * block_size`` are not needed."""
-        if self._sliding_window is None:
-            return 0
-        visible = max(n * self._block_size + 1 - self._sliding_window, 0)
-        return min(visible // self._block_size, n)
-
-    def _probe_blocks(self, seq: _Sequence) -> int:
-        """Blocks of the sequence's prompt a claim serves now (capped): the longest hit
-        whose claimed blocks are all cached."""
-        if not self._caching:
-            return 0
-        n = min(seq.probe_cap, len(seq.hashes))
-        while True:
-            missing = [
-                i for i in range(self._claim_start(n), n) if seq.hashes[i] not in self._cache
-            ]
-            if not missing:
-                return n
-            n = max(missing)
-
-    def _claimed_block(self, h: bytes) -> int:
-        """The cached block of ``h`` a claim takes: a copy in use if any (sharing it takes
-        nothing from the free queue), else the head."""
-        copies = self._cache[h]
-        return next((b for b in copies if self._refcount[b] > 0), copies[0])
-
-    def _pop_free(self) -> int:
-        """Take the front block of the free queue, evicting its cache entry if it has one."""
-        block = self._free.pop_front()
-        h = self._block_hash[block]
-        if h is not None:
-            copies = self._cache.get(h, [])
-            if block in copies:
-                copies.remove(block)
-                if not copies:
-                    del self._cache[h]
-            self._block_hash[block] = None
-            if self._record_events:
-                self._events.append(RefBlockRemoved([h]))
-            self._evictions += 1
-        return block
-
-    def _release(self, block: int) -> None:
-        """Drop one reference; a block reaching zero joins the free queue."""
-        self._refcount[block] -= 1
-        if self._refcount[block] == 0:
-            if self._block_hash[block] is None:
-                self._free.push_front(block)
-            else:
-                self._free.push_back(block)
-
-    def _release_cpu(self, block: int) -> None:
-        self._cpu_refcount[block] -= 1
-        if self._cpu_refcount[block] == 0:
-            self._cpu_free.push_front(block)
-
-    def _release_table(self, table: list[int]) -> None:
-        for block in reversed(table):
-            if block != _NULL_BLOCK:
-                self._release(block)
-
-    def _seq_hash(self, seq: _Sequence, index: int) -> bytes:
-        """Hash of the sequence's ``index``-th full block, computing missing ones."""
-        bs = self._block_size
-        while len(seq.hashes) <= index:
-            i = len(seq.hashes)
-            parent = seq.hashes[i - 1] if i else None
-            seq.hashes.append(
-                _block_hash(parent, seq.salt, seq.lora_id, seq.token_ids[i * bs : (i + 1) * bs])
-            )
-        return seq.hashes[index]
-
     # -- sequences -------------------------------------------------------------------
     def add_sequence(
         self,
@@ -534,313 +280,6 @@ class ReferenceKVCacheManager:
         """Whether the sequence's blocks are in the CPU pool."""
         return self._get(seq_id)[1].swapped
 
-    def probe_prefixes(self, seq_ids: object) -> npt.NDArray[np.int64]:
-        """``num_computed_tokens`` of many sequences."""
-        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
-        return np.array([self.num_computed_tokens(s) for s in ids], dtype=np.int64)
-
-    def refresh_prefixes(self, seq_ids: object) -> npt.NDArray[np.int64]:
-        """Re-probe the cache for waiting sequences, resetting their caps; new hit counts."""
-        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
-        seqs = []
-        for sid in ids:
-            seq = self._get(sid)[1]
-            self._require_resident(seq, "refresh_prefixes")
-            if seq.allocated:
-                raise SequenceStateError(
-                    f"cannot refresh_prefixes sequence {sid}: it already has slots (its "
-                    "cached prefix was claimed); only waiting sequences can be refreshed"
-                )
-            seqs.append(seq)
-        out = []
-        for seq in seqs:
-            seq.probe_cap = max(seq.prompt_len - 1, 0) // self._block_size
-            seq.probe_cap = self._probe_blocks(seq)
-            seq.num_cached_tokens = seq.probe_cap * self._block_size
-            out.append(seq.num_cached_tokens)
-        return np.array(out, dtype=np.int64)
-
-    def probe_in_flight(self, seq_ids: object) -> npt.NDArray[np.int64]:
-        """Prompt tokens right past each waiting sequence's hit that pending reservations
-        of other sequences fill (blocks whose hashes are known), never the last token."""
-        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
-        seqs = []
-        for sid in ids:
-            seq = self._get(sid)[1]
-            self._require_resident(seq, "probe_in_flight")
-            if seq.allocated:
-                raise SequenceStateError(
-                    f"cannot probe_in_flight sequence {sid}: it already has slots (its cached "
-                    "prefix was claimed); only waiting sequences can be probed"
-                )
-            seqs.append(seq)
-        bs = self._block_size
-        # Recomputed from every pending reservation on each call: no bookkeeping to trust.
-        flights: set[bytes] = set()
-        for other in self._seqs.values():
-            if self._caching and other.reserved is not None:
-                end = min(other.reserved_known // bs, len(other.hashes))
-                flights.update(other.hashes[other.num_committed_blocks : end])
-        out = []
-        for seq in seqs:
-            hit = self._probe_blocks(seq)
-            limit = min(max(seq.prompt_len - 1, 0) // bs, len(seq.hashes))
-            n = hit
-            while n < limit and seq.hashes[n] in flights:
-                n += 1
-            out.append((n - hit) * bs)
-        return np.array(out, dtype=np.int64)
-
-    def can_allocate(
-        self, seq_id: int, *, num_lookahead_tokens: int = 0, num_new_tokens: int | None = None
-    ) -> AllocStatus:
-        """Can the whole known sequence get blocks, keeping the watermark free? With
-        ``num_new_tokens``: can that step (past the cached prefix) get them, and can the
-        known tokens ever be computed (one a step: the window's worst count)?"""
-        lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
-        sid, seq = self._get_running(seq_id, "check admission of")
-        if seq.allocated:
-            raise SequenceStateError(
-                f"can_allocate({sid}) is for sequences not yet allocated; it already holds blocks"
-            )
-        bs = self._block_size
-        hits = self._probe_blocks(seq)
-        start = self._claim_start(hits)
-        if num_new_tokens is not None:
-            new = _check_int(num_new_tokens, "num_new_tokens", 0, _MAX_COUNT)
-            _, computed, _, _, taken = self._plan_allocation(sid, seq, new, lookahead)
-            held = -(-(computed + new + lookahead) // bs) - start
-            for p in range(computed, len(seq.token_ids)):
-                first = start
-                if self._sliding_window is not None:
-                    first = max(first, max(p + 1 - self._sliding_window, 0) // bs)
-                held = max(held, -(-(p + 1 + lookahead) // bs) - first)
-            if held > self._num_blocks - 1 - self._watermark_blocks:
-                return AllocStatus.NEVER
-            if len(self._free) - taken < self._watermark_blocks:
-                return AllocStatus.LATER
-            return AllocStatus.OK
-        required = -(-(len(seq.token_ids) + lookahead) // bs) - start
-        shared = sum(
-            1 for h in seq.hashes[start:hits] if self._refcount[self._claimed_block(h)] > 0
-        )
-        needed = required - shared
-        if required > self._num_blocks - 1 - self._watermark_blocks:
-            return AllocStatus.NEVER
-        if len(self._free) - needed < self._watermark_blocks:
-            return AllocStatus.LATER
-        return AllocStatus.OK
-
-    def _plan_allocation(
-        self, sid: int, seq: _Sequence, num_new: int, lookahead: int
-    ) -> tuple[list[int], int, int, bool, int]:
-        """Validate and size one allocation without changing anything.
-
-        Returns (claimed blocks, computed after the claim, blocks to append, whether the
-        write block needs a copy, blocks taken from the free pool in all).
-        """
-        bs = self._block_size
-        claim: list[int] = []
-        computed = seq.num_computed
-        table_len = len(seq.block_table)
-        if not seq.allocated:
-            hits = self._probe_blocks(seq)
-            claim = [self._claimed_block(h) for h in seq.hashes[self._claim_start(hits) : hits]]
-            computed = hits * bs
-            table_len = hits
-        if computed + num_new > len(seq.token_ids):
-            raise InvalidArgumentError(
-                f"sequence {sid}: computed ({computed}) + num_new_tokens ({num_new}) exceeds its "
-                f"{len(seq.token_ids)} known tokens; use num_lookahead_tokens for drafts"
-            )
-        total = computed + num_new + lookahead
-        append = max(0, -(-total // bs) - table_len)
-        write_index = computed // bs
-        cow = (
-            num_new + lookahead > 0
-            and write_index < len(seq.block_table)
-            and self._refcount[seq.block_table[write_index]] > 1
-        )
-        from_pool = sum(1 for b in claim if self._refcount[b] == 0) + int(cow) + append
-        return claim, computed, append, cow, from_pool
-
-    def _apply_allocation(
-        self,
-        sid: int,
-        seq: _Sequence,
-        num_new: int,
-        lookahead: int,
-        plan: tuple[list[int], int, int, bool, int],
-    ) -> list[int]:
-        claim, computed, append, cow, _ = plan
-        bs = self._block_size
-        if not seq.allocated:
-            # Blocks before the window of the next query are not claimed.
-            seq.num_released = computed // bs - len(claim)
-            seq.block_table = [_NULL_BLOCK] * seq.num_released
-            for block in claim:
-                if self._refcount[block] == 0:
-                    self._free.remove(block)
-                self._refcount[block] += 1
-                seq.block_table.append(block)
-            seq.allocated = True
-            seq.num_computed = computed
-            seq.num_cached_tokens = computed
-            seq.num_committed_blocks = computed // bs
-            if self._caching:
-                self._prefix_queries += seq.prompt_len
-                self._prefix_hits += computed
-        taken: list[int] = []
-        if cow:
-            index = computed // bs
-            src = seq.block_table[index]
-            dst = self._pop_free()
-            self._refcount[dst] = 1
-            self._refcount[src] -= 1
-            seq.block_table[index] = dst
-            self._ops.append(("copy", src, dst))
-            self._cow_copies += 1
-            taken.append(dst)
-        for _ in range(append):
-            block = self._pop_free()
-            self._refcount[block] = 1
-            seq.block_table.append(block)
-            taken.append(block)
-        seq.reserved = computed + num_new + lookahead
-        seq.reserved_known = computed + num_new
-        return taken
-
-    def allocate_slots(
-        self, seq_id: int, num_new_tokens: int, *, num_lookahead_tokens: int = 0
-    ) -> npt.NDArray[np.int32] | None:
-        """Reserve slots for ``computed + num_new_tokens + num_lookahead_tokens`` tokens."""
-        num_new = _check_int(num_new_tokens, "num_new_tokens", 0, _MAX_COUNT)
-        lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
-        sid, seq = self._get_running(seq_id, "allocate slots for")
-        plan = self._plan_allocation(sid, seq, num_new, lookahead)
-        if plan[4] > len(self._free):
-            return None
-        taken = self._apply_allocation(sid, seq, num_new, lookahead, plan)
-        return np.array(taken, dtype=np.int32)
-
-    def allocate_slots_batch(
-        self, seq_ids: object, num_new_tokens: object, *, num_lookahead_tokens: int = 0
-    ) -> RefBatchAllocation:
-        """``allocate_slots`` for many sequences; reports what the served prefix got."""
-        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
-        news = _per_seq(num_new_tokens, len(ids), "num_new_tokens", 0, _MAX_COUNT)
-        lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
-        seqs = self._batch_seqs(ids)
-        for sid, seq, new in zip(ids, seqs, news, strict=True):
-            self._require_resident(seq, "allocate slots for")
-            self._plan_allocation(sid, seq, new, lookahead)
-        cached: list[int] = []
-        blocks: list[int] = []
-        indptr = [0]
-        for sid, seq, new in zip(ids, seqs, news, strict=True):
-            plan = self._plan_allocation(sid, seq, new, lookahead)
-            if plan[4] > len(self._free):
-                break
-            first = not seq.allocated
-            blocks += self._apply_allocation(sid, seq, new, lookahead, plan)
-            cached.append(seq.num_cached_tokens if first else 0)
-            indptr.append(len(blocks))
-        return RefBatchAllocation(
-            num_served=len(cached),
-            num_cached_tokens=np.array(cached, dtype=np.int64),
-            block_ids=np.array(blocks, dtype=np.int32),
-            block_indptr=np.array(indptr, dtype=np.int64),
-        )
-
-    def _check_commit(self, sid: int, seq: _Sequence, num_new: int) -> None:
-        reserved = seq.num_computed if seq.reserved is None else seq.reserved
-        if seq.num_computed + num_new > min(reserved, len(seq.token_ids)):
-            raise InvalidArgumentError(
-                f"sequence {sid}: computed ({seq.num_computed}) + {num_new} new computed tokens "
-                f"exceeds min(reserved slots ({reserved}), known tokens ({len(seq.token_ids)}))"
-            )
-
-    def _apply_commit(self, seq: _Sequence, num_new: int, new_tokens: list[int]) -> None:
-        bs = self._block_size
-        seq.token_ids.extend(new_tokens)
-        seq.num_computed += num_new
-        seq.reserved = None
-        full = seq.num_computed // bs
-        if self._caching and full > seq.num_committed_blocks:
-            self._cache_full_blocks(seq, seq.num_committed_blocks, full)
-        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
-        if self._sliding_window is not None:
-            self._release_window(seq)
-
-    def _cache_full_blocks(self, seq: _Sequence, start: int, end: int) -> None:
-        """Offer the sequence's blocks ``[start, end)`` to the prefix cache, with events."""
-        bs = self._block_size
-        run: list[int] = []  # indices of the current run of newly stored blocks
-
-        def flush() -> None:
-            if run and self._record_events:
-                first = run[0]
-                self._events.append(
-                    RefBlockStored(
-                        block_hashes=[seq.hashes[i] for i in run],
-                        parent_block_hash=seq.hashes[first - 1] if first else None,
-                        token_ids=seq.token_ids[first * bs : (run[-1] + 1) * bs],
-                        block_size=bs,
-                        lora_id=seq.lora_id,
-                    )
-                )
-            run.clear()
-
-        for i in range(start, end):
-            h = self._seq_hash(seq, i)
-            block = seq.block_table[i]
-            if block == _NULL_BLOCK or self._block_hash[block] is not None:
-                flush()
-                continue
-            self._block_hash[block] = h
-            copies = self._cache.setdefault(h, [])
-            copies.insert(1, block)
-            run.append(i)
-        flush()
-
-    def _release_window(self, seq: _Sequence) -> None:
-        # Block i is outside every future query's window once
-        # (i + 1) * block_size <= computed - window + 1; release them last first.
-        assert self._sliding_window is not None
-        outside = max(seq.num_computed + 1 - self._sliding_window, 0) // self._block_size
-        outside = min(outside, len(seq.block_table))
-        for i in reversed(range(seq.num_released, outside)):
-            block = seq.block_table[i]
-            seq.block_table[i] = _NULL_BLOCK
-            if block != _NULL_BLOCK:
-                self._release(block)
-        seq.num_released = max(seq.num_released, outside)
-
-    def commit(self, seq_id: int, num_new_computed_tokens: int, new_token_ids: object = ()) -> None:
-        """The model wrote KV for ``num_new_computed_tokens`` more tokens; append sampled tokens."""
-        num_new = _check_int(num_new_computed_tokens, "num_new_computed_tokens", 0, _MAX_COUNT)
-        tokens = _int_list(new_token_ids, "new_token_ids", 0, _MAX_TOKEN_ID)
-        sid, seq = self._get_running(seq_id, "commit")
-        self._check_commit(sid, seq, num_new)
-        self._apply_commit(seq, num_new, tokens)
-
-    def commit_batch(
-        self, seq_ids: object, num_new_computed_tokens: object, new_token_ids: object = None
-    ) -> None:
-        """``commit`` for many sequences, at most one new token each (``< 0`` means none)."""
-        ids = _int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID)
-        news = _per_seq(num_new_computed_tokens, len(ids), "num_new_computed_tokens", 0, _MAX_COUNT)
-        if new_token_ids is None:
-            toks = [-1] * len(ids)
-        else:
-            toks = _per_seq(new_token_ids, len(ids), "new_token_ids", -(2**63), _MAX_TOKEN_ID)
-        seqs = self._batch_seqs(ids)
-        for sid, seq, new in zip(ids, seqs, news, strict=True):
-            self._require_resident(seq, "commit")
-            self._check_commit(sid, seq, new)
-        for seq, new, tok in zip(seqs, news, toks, strict=True):
-            self._apply_commit(seq, new, [tok] if tok >= 0 else [])
-
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share the tokens and computed blocks of ``parent_id``."""
         cid = _check_int(child_id, "child_id", 0, _MAX_SEQ_ID)
@@ -877,26 +316,6 @@ class ReferenceKVCacheManager:
             num_released=parent.num_released,
         )
 
-    def take_copy_on_writes(self) -> npt.NDArray[np.int64]:
-        """Drain the journal as copy-on-write ``(src, dst)`` pairs, shape ``[n, 2]`` (swap
-        rows dropped: ``swap_out``/``swap_in`` returned them)."""
-        out = np.array([(s, d) for k, s, d in self._ops if k == "copy"], dtype=np.int64)
-        self._ops.clear()
-        return out.reshape(-1, 2)
-
-    def take_memory_ops(self) -> list[tuple[str, npt.NDArray[np.int64]]]:
-        """Drain every queued block move in issue order, as runs of one kind."""
-        runs: list[tuple[str, list[tuple[int, int]]]] = []
-        for kind, src, dst in self._ops:
-            if not runs or runs[-1][0] != kind:
-                runs.append((kind, []))
-            runs[-1][1].append((src, dst))
-        self._ops.clear()
-        return [(kind, np.array(pairs, dtype=np.int64).reshape(-1, 2)) for kind, pairs in runs]
-
-    def confirm_memory_ops(self) -> None:
-        """No host tier: nothing to confirm."""
-
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks (last block first) and forget it."""
         sid, seq = self._get(seq_id)
@@ -909,84 +328,6 @@ class ReferenceKVCacheManager:
         else:
             self._release_table(live)
         del self._seqs[sid]
-
-    # -- swap ------------------------------------------------------------------------
-    def _swap_group(self, seq_ids: object, want_swapped: bool) -> list[_Sequence]:
-        group = self._batch_seqs(_int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID))
-        for seq in group:
-            if want_swapped and not seq.swapped:
-                raise SequenceStateError(f"swap_in: sequence {seq.seq_id} is not swapped out")
-            if not want_swapped:
-                if seq.swapped:
-                    raise SequenceStateError(
-                        f"swap_out: sequence {seq.seq_id} is already swapped out"
-                    )
-                if seq.reserved is not None:
-                    raise SequenceStateError(
-                        f"swap_out: sequence {seq.seq_id} has allocated but uncommitted slots"
-                    )
-        return group
-
-    @staticmethod
-    def _distinct_blocks(group: list[_Sequence]) -> list[int]:
-        """Live blocks of the group in order of first appearance (released entries skipped)."""
-        seen: dict[int, None] = {}
-        for seq in group:
-            for block in seq.block_table[seq.num_released :]:
-                seen.setdefault(block)
-        return list(seen)
-
-    def can_swap_out(self, seq_ids: object) -> bool:
-        """Enough free CPU blocks for the sequences' distinct blocks."""
-        group = self._swap_group(seq_ids, want_swapped=False)
-        return len(self._distinct_blocks(group)) <= len(self._cpu_free)
-
-    def can_swap_in(self, seq_ids: object) -> bool:
-        """Enough free GPU blocks for the sequences' distinct blocks, keeping the watermark."""
-        group = self._swap_group(seq_ids, want_swapped=True)
-        needed = len(self._distinct_blocks(group))
-        return len(self._free) - needed >= self._watermark_blocks
-
-    def swap_out(self, seq_ids: object) -> npt.NDArray[np.int64]:
-        """Move the sequences' blocks to the CPU pool; return ``(gpu, cpu)`` rows."""
-        group = self._swap_group(seq_ids, want_swapped=False)
-        blocks = self._distinct_blocks(group)
-        if len(blocks) > len(self._cpu_free):
-            raise OutOfBlocksError(
-                f"swap_out needs {len(blocks)} CPU blocks, only {len(self._cpu_free)} are free"
-            )
-        mapping = {gpu: self._cpu_free.pop_front() for gpu in blocks}
-        for seq in group:
-            live = seq.block_table[seq.num_released :]
-            for gpu in live:
-                self._cpu_refcount[mapping[gpu]] += 1
-            self._release_table(live)
-            seq.block_table[seq.num_released :] = [mapping[gpu] for gpu in live]
-            seq.swapped = True
-        self._swapped_out += len(blocks)
-        self._ops.extend(("swap_out", gpu, cpu) for gpu, cpu in mapping.items())
-        return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
-
-    def swap_in(self, seq_ids: object) -> npt.NDArray[np.int64]:
-        """Move swapped sequences back; return ``(cpu, gpu)`` rows, sharing kept."""
-        group = self._swap_group(seq_ids, want_swapped=True)
-        blocks = self._distinct_blocks(group)
-        if len(blocks) > len(self._free):
-            raise OutOfBlocksError(
-                f"swap_in needs {len(blocks)} GPU blocks, only {len(self._free)} are free"
-            )
-        mapping = {cpu: self._pop_free() for cpu in blocks}
-        for seq in group:
-            live = seq.block_table[seq.num_released :]
-            for cpu in live:
-                self._refcount[mapping[cpu]] += 1
-            for cpu in reversed(live):
-                self._release_cpu(cpu)
-            seq.block_table[seq.num_released :] = [mapping[cpu] for cpu in live]
-            seq.swapped = False
-        self._swapped_in += len(blocks)
-        self._ops.extend(("swap_in", cpu, gpu) for cpu, gpu in mapping.items())
-        return np.array(list(mapping.items()), dtype=np.int64).reshape(-1, 2)
 
     # -- step inputs -------------------------------------------------------------------
     def block_table(self, seq_id: int) -> npt.NDArray[np.int32]:
