@@ -1,4 +1,4 @@
-//! Helpers of the KV-cache-group tests (`groups.rs`, `group_features.rs`).
+//! Helpers of the KV-cache-group tests (`groups/`).
 
 use kvblocks_core::{GroupSpec, KVCacheManager};
 

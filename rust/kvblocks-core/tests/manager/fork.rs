@@ -1,8 +1,6 @@
 //! Unit tests of `fork` and copy-on-write.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvblocks_core::{BatchArg, KvError};
 
 // -- fork and copy-on-write -------------------------------------------------------

@@ -1,13 +1,11 @@
 //! Every manager feature per KV cache group: events, fork, copy-on-write and swap,
 //! persistent tables, the host tier, and `can_allocate_step`. (The groups themselves and
-//! the hit rule are in `groups.rs`.)
-
-mod common;
+//! the hit rule are in `main.rs`.)
 
 use std::collections::HashSet;
 
-use common::groups::{chunked, grouped, run, window, FULL};
-use common::{manager_with, toks};
+use crate::common::groups::{chunked, grouped, run, window, FULL};
+use crate::common::{manager_with, toks};
 use kvblocks_core::{GroupSpec, KvCacheEvent, KvError, Medium};
 
 #[test]
@@ -110,7 +108,7 @@ fn each_groups_persistent_table_is_synced_on_its_own() {
     // A buffer of the wrong size is refused before anything is consumed.
     let arg = |e: &KvError| matches!(e, KvError::InvalidArgument(_));
     let mut short = vec![0i32; rows * cols];
-    common::assert_fails_unchanged(
+    crate::common::assert_fails_unchanged(
         &mut m,
         |m| m.sync_group_block_tables(&[1], &[1], rows, cols, Some(&mut short), false),
         arg,

@@ -1,9 +1,7 @@
 //! Unit tests of the manager's prefix cache: hits, free order, namespaces, eviction,
 //! `refresh_prefixes`, duplicate copies, resets and events.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use kvblocks_core::{AllocStatus, GroupSpec, HashAlgo, KvCacheEvent};
 
 // -- prefix cache -----------------------------------------------------------------

@@ -1,8 +1,6 @@
 //! Unit tests of `swap_out` / `swap_in`.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 // -- swap -------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 //! (Every other feature per group is in `group_features.rs`; recurrent-state groups have
 //! their own file, `recurrent.rs`; the random operations here mix them in.)
 
+#[path = "../common/mod.rs"]
 mod common;
+mod group_features;
 
 use std::collections::HashMap;
 

@@ -3,7 +3,11 @@
 //! cache (`prefix_cache.rs`), fork and copy-on-write (`fork.rs`) and swap (`swap.rs`)
 //! have their own files.
 
+#[path = "../common/mod.rs"]
 mod common;
+mod fork;
+mod prefix_cache;
+mod swap;
 
 use common::*;
 use kvblocks_core::{
