@@ -40,10 +40,9 @@
 // empty item writes zeros (out) or (max = -inf, sum = 0) and zero partials.
 //
 // Attention sinks (gpt-oss): sinks[h] joins head h's softmax denominator once, with no value
-// (kvblocks.ops.reference). Partials never include it; it is added where a row is
-// normalized: in the attention kernel for an item that writes out itself (slot < 0), in
-// merge_partials_kernel for a split sequence. A runtime branch after the tile loop (null:
-// no sinks), so no instantiation is added and the loop is unchanged.
+// (kvblocks.ops.reference). Partials never include it; it is added where a row is normalized:
+// by the attention kernel for an item that writes out itself (slot < 0), by merge_partials_kernel
+// for a split one. A runtime branch after the tile loop (null: none): no added instantiation.
 //
 // Design. The four warps of a CTA split the item's keys: warp w takes the 32-key tiles
 // w, w + 4, w + 8, ... of the item (tiles aligned to 32 keys, so a tile covers whole cache
@@ -65,10 +64,10 @@
 // issued as soon as S is computed, the next value tile as soon as P.V is done, and each
 // step waits (cp.async.wait_group 1) only for the tile it needs. With STAGES 1 the value
 // tile goes into the key buffer once S is computed (it loads during the softmax) and the
-// next key tile once P.V is done; each step waits for the one group in flight. The block-table slice of
-// kTableSlots blocks is staged in shared memory once per chunk of the item (one CTA
-// barrier pair per 2048-8192 keys). BLOCK and GROUP are template parameters, so no
-// division happens per load.
+// next key tile once P.V is done; each step waits for the one group in flight. The
+// block-table slice of kTableSlots blocks is staged in shared memory once per chunk of the
+// item (one CTA barrier pair per 2048-8192 keys). BLOCK and GROUP are template parameters,
+// so no division happens per load.
 #include "cp_async.cuh"
 #include "kv_common.cuh"
 
