@@ -20,11 +20,13 @@ from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "INT32_MAX",
+    "RETENTION_PRIORITY_MAX",
     "check_block_hashes",
     "check_bool",
     "check_int",
     "check_number",
     "check_optional_int",
+    "check_priority",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -63,6 +65,16 @@ def check_int(
             f"{name} must be {expected or 'an int' + _bounds(minimum, maximum)}, got {value!r}"
         )
     return result
+
+
+RETENTION_PRIORITY_MAX = 100
+"""The highest retention priority (TensorRT-LLM's range, as the manager's)."""
+
+
+def check_priority(value: object, name: str = "priority") -> int:
+    """A retention priority: an int (or NumPy integer) in ``[0, 100]``, as every level
+    (the manager, ``Request``, ``SamplingParams``) takes it; else raise."""
+    return check_int(value, name, minimum=0, maximum=RETENTION_PRIORITY_MAX, numpy=True)
 
 
 def check_optional_int(

@@ -249,3 +249,31 @@ def test_bad_arguments_raise(tmp_path: Path, layout: KVLayout) -> None:
     with pytest.raises(InvalidArgumentError):
         DiskTier(tmp_path, layout, 0)
     assert len(tier) == 0 and not list(tier.root.glob("*.kvb"))
+
+
+@pytest.mark.parametrize("priority", ["5", 1.5, float("nan"), None, True, -1, 101, 2**70])
+def test_bad_priority_raises_and_stores_nothing(
+    tmp_path: Path, layout: KVLayout, priority: object
+) -> None:
+    """A priority outside the retention priorities' [0, 100] (a str, a float, NaN, None, a
+    bool) raised ValueError/TypeError, or was stored as a priority no other level has."""
+    tier = DiskTier(tmp_path, layout, 2)
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        tier.put(block_hash(0), random_payload(layout, 0), priority=priority)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        tier.put_many([block_hash(0)], [random_payload(layout, 0)], priority=priority)  # type: ignore[arg-type]
+    assert len(tier) == 0 and not list(tier.root.glob("*.kvb")) and tier.stats().puts == 0
+
+
+def test_put_many_with_one_bad_block_stores_none(tmp_path: Path, layout: KVLayout) -> None:
+    """A batch whose second payload (or hash) is bad stored the first block, then raised."""
+    tier = DiskTier(tmp_path, layout, 4)
+    good = random_payload(layout, 0)
+    for hashes, kvs in [
+        ([block_hash(0), block_hash(1)], [good, b"short"]),
+        ([block_hash(0), b"x" * 101], [good, good]),
+        ([block_hash(0), "not bytes"], [good, good]),
+    ]:
+        with pytest.raises(InvalidArgumentError):
+            tier.put_many(hashes, kvs)  # type: ignore[arg-type]
+    assert len(tier) == 0 and not list(tier.root.glob("*.kvb")) and tier.stats().puts == 0

@@ -94,3 +94,16 @@ def test_bad_input_raises_and_changes_nothing(layout: KVLayout) -> None:
     (out,) = tier.get_many([block_hash(0)])
     assert out is not None and torch.equal(out, random_payload(layout, 0))
     assert tier.stats().puts == 1
+
+
+def test_bad_priority_or_batch_entry_changes_nothing(layout: KVLayout) -> None:
+    """``priority="x"`` raised ValueError, ``None`` TypeError, ``1.5`` or ``101`` were kept
+    as priorities; a batch whose second payload was bad stored the first, then raised."""
+    tier = HostTier(layout, 2)
+    for priority in ["x", None, 1.5, True, -1, 101]:
+        with pytest.raises(InvalidArgumentError, match="priority"):
+            tier.put(block_hash(0), random_payload(layout, 0), priority=priority)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError):
+        tier.put_many([block_hash(0), block_hash(1)], [random_payload(layout, 0), b"short"])
+    assert len(tier) == 0 and tier.contains_many([block_hash(0)]) == [False]
+    assert tier.stats().puts == 0

@@ -181,4 +181,7 @@ def test_bad_arguments_raise(valkey_server: ServerProcess, layout: KVLayout) -> 
         tier.get_many(["nope"])  # type: ignore[list-item]
     with pytest.raises(InvalidArgumentError):
         ValkeyTier(layout, port=valkey_server.port, batch_size=0)
+    # A priority is ignored here but checked as every tier checks it (ValueError before).
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        tier.put(block_hash(0), random_payload(layout, 0), priority="x")  # type: ignore[arg-type]
     assert len(tier) == 0 and tier.stats().puts == 0

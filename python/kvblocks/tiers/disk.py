@@ -27,7 +27,7 @@ from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
-from kvblocks.validation import check_int
+from kvblocks.validation import check_int, check_priority
 
 __all__ = ["DiskTier"]
 
@@ -269,7 +269,7 @@ class DiskTier:
         """Write one block's record (evicting LRU blocks while the tier or disk is full)."""
         path = self.path_of(block_hash)
         block_hash = check_block_hash(block_hash)
-        priority = int(priority)
+        priority = check_priority(priority)
         record = encode_block(self.layout, block_hash, kv, self._key)
         if block_hash not in self._index:
             while len(self._index) >= self._capacity:
@@ -293,7 +293,9 @@ class DiskTier:
     def put_many(
         self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
     ) -> int:
-        """Write several blocks; how many were stored."""
+        """Write several blocks; how many were stored (none when an argument is bad)."""
+        for h in block_hashes:
+            self.path_of(h)  # this tier's own limit on a hash's length, before any write
         return put_each(self, block_hashes, kvs, priority)
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:

@@ -13,6 +13,7 @@ from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
+from kvblocks.validation import check_priority
 
 __all__ = ["HostTier"]
 
@@ -80,7 +81,7 @@ class HostTier:
     def put(self, block_hash: bytes, kv: Payload, *, priority: int = 0) -> bool:
         """Copy one block's payload into the pool (evicting the LRU block when full)."""
         block_hash = check_block_hash(block_hash)
-        priority = int(priority)
+        priority = check_priority(priority)
         if isinstance(kv, torch.Tensor):
             source: torch.Tensor | np.ndarray = as_payload_tensor(self.layout, kv)
         else:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.protocols import TierStore
-from kvblocks.tiers.codec import Payload
+from kvblocks.tiers.codec import Payload, check_block_hash, check_payload
+from kvblocks.validation import check_priority
 
 __all__ = ["TierStore", "put_each"]
 
@@ -16,7 +17,12 @@ def put_each(
     store: TierStore, block_hashes: Sequence[bytes], kvs: Sequence[Payload], priority: int
 ) -> int:
     """``put_many`` for a backend without a batched write: ``put`` each block in order;
-    how many were stored."""
+    how many were stored. Every argument is checked before the first put, so a batch with
+    one bad entry raises and stores nothing."""
     if len(block_hashes) != len(kvs):
         raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
+    check_priority(priority)
+    for h, kv in zip(block_hashes, kvs, strict=True):
+        check_block_hash(h)
+        check_payload(store.layout, kv)
     return sum(store.put(h, kv, priority=priority) for h, kv in zip(block_hashes, kvs, strict=True))

@@ -23,7 +23,7 @@ from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
-from kvblocks.validation import check_int, check_number, check_optional_int
+from kvblocks.validation import check_int, check_number, check_optional_int, check_priority
 
 try:
     import valkey
@@ -185,7 +185,7 @@ class ValkeyTier:
         """Store several blocks in one pipeline; how many were stored."""
         if len(block_hashes) != len(kvs):
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
-        int(priority)
+        check_priority(priority)
         if not block_hashes:
             return 0
         if not self.is_available():
