@@ -187,6 +187,25 @@ def test_cuda_dispatch_hands_sinks_to_the_kernels(monkeypatch):
     assert len(seen) == 2
 
 
+@pytest.mark.parametrize("value", [1e300, -1e300, 3.5e38])
+def test_float64_sinks_beyond_float32_are_refused(value: float) -> None:
+    """float64 sinks are finite but past float32's range (what every kernel and the
+    reference compute in): before, 1e300 became inf and the output NaN, silently."""
+    case = make_case(15, [20, 9], [1, 3], group=2)
+    sinks = torch.full((case.query.shape[1],), value, dtype=torch.float64)
+    with pytest.raises(InvalidArgumentError, match="sinks must be finite"):
+        ops.paged_prefill_attention(
+            case.query, case.key_cache, case.value_cache, case.block_tables,
+            case.query_start_loc, case.seq_lens, sinks=sinks,
+        )  # fmt: skip
+    # The largest float32 is still a (very loud) sink: the output is zero, not NaN.
+    loud = ops.paged_prefill_attention(
+        case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.query_start_loc, case.seq_lens, sinks=torch.full_like(sinks, 3.4e38),
+    )  # fmt: skip
+    assert not loud.isnan().any() and loud.abs().max() < 1e-30
+
+
 def test_decode_is_prefill_with_one_query_and_pads_zero():
     case = make_case(3, [1, 17, 0, 64], [1, 1, 0, 1], group=4)
     query = torch.zeros((4, *case.query.shape[1:]))
