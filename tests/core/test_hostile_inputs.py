@@ -20,6 +20,7 @@ PRELUDE = textwrap.dedent(
     import sys
     import numpy as np
     import kvblocks
+    import kvblocks.hashing
 
     class Lying:
         '''An iterable whose __len__ claims far more items than it yields.'''
@@ -74,6 +75,28 @@ CASES = {
         "    t.take_memory_ops()\n"
         "t.check_invariants()\n"
         "assert t.stats()['host_offloads_skipped'] > 0"
+    ),
+    # A str with a lone surrogate has no UTF-8: it raised UnicodeEncodeError, not a
+    # KVBlocksError, wherever the binding takes a str.
+    "lone surrogates": (
+        "global s, h\n"
+        "s = '\\ud800'\n"
+        "h = kvblocks.hashing.BlockHasher(4)\n"
+        "calls = [lambda: m.add_sequence(9, [1, 2], cache_salt=s), lambda: m.register_lora(1, s),\n"
+        "         lambda: m.register_lora(2, 'n', s), lambda: h.block_hashes([1], cache_salt=s),\n"
+        "         lambda: h.register_lora(1, s),\n"
+        "         lambda: kvblocks.KVCacheManager(8, 4, hash_algo=s),\n"
+        "         lambda: kvblocks.hashing.BlockHasher(4, hash_algo='sha256_cbor', hash_seed=s),\n"
+        "         lambda: kvblocks.KVCacheManager(8, 4, host_cache_blocks=1, host_offload=s)]\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "    except BaseException as e:\n"
+        "        ok = isinstance(e, kvblocks.InvalidArgumentError) and 'surrogate' in str(e)\n"
+        "        assert ok, repr(e)  # an AssertionError escapes attempt()\n"
+        "    else:\n"
+        "        raise AssertionError('accepted')\n"
+        "assert 9 not in m"
     ),
     # Imports from a remote store: hostile hash lists and slot ids, state unchanged.
     "tier imports": (

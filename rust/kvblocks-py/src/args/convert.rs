@@ -366,10 +366,20 @@ pub(crate) fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
         .map_err(|_| invalid_argument(format!("{name} must be a bool, got {}", type_name(obj))))
 }
 
+/// A `str`'s UTF-8: one with a lone surrogate (`"\ud800"`) has none, and would raise
+/// Python's `UnicodeEncodeError`, not a `KVBlocksError`.
+fn utf8<'a>(s: &'a Bound<'_, PyString>, name: &str) -> PyResult<std::borrow::Cow<'a, str>> {
+    s.to_cow().map_err(|_| {
+        invalid_argument(format!(
+            "{name} must be a str encodable as UTF-8, got one with a lone surrogate"
+        ))
+    })
+}
+
 /// A `str`.
 pub(crate) fn text(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
     match obj.cast::<PyString>() {
-        Ok(s) => Ok(s.to_cow()?.into_owned()),
+        Ok(s) => Ok(utf8(s, name)?.into_owned()),
         Err(_) => Err(invalid_argument(format!(
             "{name} must be a str, got {}",
             type_name(obj)
@@ -392,7 +402,7 @@ pub(crate) fn real(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
 /// A cache salt: `str` (UTF-8 encoded) or `bytes` (`None` is handled by `Option`).
 pub(crate) fn cache_salt(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(s.to_cow()?.as_bytes().to_vec());
+        return Ok(utf8(s, "cache_salt")?.as_bytes().to_vec());
     }
     if let Ok(b) = obj.cast::<PyBytes>() {
         return Ok(b.as_bytes().to_vec());
