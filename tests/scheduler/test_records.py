@@ -57,6 +57,33 @@ def test_request_rejects_bad_input(request_id: str, prompt: list) -> None:
         Request(request_id, prompt)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"eos_token_id": "2"},
+        {"eos_token_id": float("nan")},
+        {"eos_token_id": 1.7},
+        {"eos_token_id": True},
+        {"arrival_time": "1"},
+        {"arrival_time": float("nan")},
+        {"arrival_time": float("inf")},
+        {"arrival_time": True},
+    ],
+)
+def test_request_rejects_bad_eos_and_arrival_time(kwargs: dict) -> None:
+    """Before: eos_token_id "2" or NaN raised ValueError, 1.7 was kept (no generated token
+    equals it: the EOS never stopped anything); arrival_time "1" raised ValueError in
+    add_request, NaN or inf were the fcfs order key of the request."""
+    with pytest.raises(InvalidArgumentError, match=r"eos_token_id|arrival_time"):
+        Request("a", [1, 2], **kwargs)
+
+
+def test_request_keeps_eos_and_arrival_time_as_python_numbers() -> None:
+    req = Request("a", [1, 2], eos_token_id=np.int64(3), arrival_time=np.float32(2.5))
+    assert type(req.eos_token_id) is int and req.eos_token_id == 3
+    assert type(req.arrival_time) is float and req.arrival_time == 2.5
+
+
 def test_request_stores_a_read_only_int64_prompt() -> None:
     source = np.array([5, 6, 7], dtype=np.int32)
     req = Request("a", source)

@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.validation import check_int, check_optional_int
+from kvblocks.validation import check_int, check_number, check_optional_int
 
 __all__ = ["CompletionOutput", "FinishReason", "Request", "RequestMetrics", "RequestOutput"]
 
@@ -109,11 +109,24 @@ class Request:
         prompt = prompt.astype(np.int64, copy=True)
         prompt.flags.writeable = False
         self.prompt_token_ids = prompt
-        if self.eos_token_id is not None and not 0 <= int(self.eos_token_id) < _MAX_TOKEN_ID:
-            raise InvalidArgumentError(
-                f"request {self.request_id!r}: eos_token_id {self.eos_token_id} outside [0, 2**32)"
-            )
         where = f"request {self.request_id!r}: "
+        # Generated tokens are compared with it: a float or a str would never match.
+        self.eos_token_id = check_optional_int(
+            self.eos_token_id,
+            where + "eos_token_id",
+            minimum=0,
+            maximum=_MAX_TOKEN_ID - 1,
+            expected="None or an int in [0, 2**32)",
+            numpy=True,
+        )
+        if self.arrival_time is not None:
+            # The order key of fcfs: a NaN or an infinity would misplace it in the queue.
+            self.arrival_time = check_number(
+                self.arrival_time,
+                where + "arrival_time",
+                expected="a finite number or None",
+                numpy=True,
+            )
         # Running requests keep the priority in an int64 column of the decode table.
         check_int(
             self.priority,
