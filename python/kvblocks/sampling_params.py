@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.validation import check_bool, check_int, check_number
+from kvblocks.validation import INT32_MAX, check_bool, check_int, check_number
 
 __all__ = ["SamplingParams", "as_token_ids"]
 
@@ -29,9 +29,10 @@ class SamplingParams:
         max_tokens: most tokens generated per sequence (``>= 1``).
         temperature: softmax temperature; ``0`` means greedy (argmax).
         top_p: nucleus sampling mass in ``(0, 1]``; ``1`` disables it.
-        top_k: keep the ``k`` most likely tokens; ``0`` disables it.
-        seed: seed of the request's own random generator (reproducible sampling);
-            ``None`` uses the engine's global generator.
+        top_k: keep the ``k`` most likely tokens; ``0`` disables it (at most
+            ``2**31 - 1``).
+        seed: seed of the request's own random generator (reproducible sampling), in
+            ``[0, 2**63)``; ``None`` uses the engine's global generator.
         n: completions returned. With sampling, ``n`` sequences are sampled from the
             prompt (parallel sampling through fork + copy-on-write). With beam search,
             the ``n`` best of the ``beam_width`` final beams are returned (``n <=
@@ -79,11 +80,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int(self.max_tokens, "max_tokens", minimum=1)
-        check_int(self.top_k, "top_k", minimum=0)
+        # The step keeps top_k in an int32 column and the seed in an int64 one; a top_k of
+        # the vocabulary's size or more keeps every token anyway.
+        check_int(self.top_k, "top_k", minimum=0, maximum=INT32_MAX)
         check_int(self.n, "n", minimum=1)
         check_int(self.beam_width, "beam_width", minimum=1)
         if self.seed is not None:
-            check_int(self.seed, "seed", minimum=0)
+            check_int(self.seed, "seed", minimum=0, maximum=2**63 - 1)
         temperature = check_number(self.temperature, "temperature")
         if not temperature >= 0.0:
             raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {temperature}")

@@ -48,6 +48,19 @@ def test_sampling_params_normalises_and_derives() -> None:
     assert beam.use_beam_search and beam.num_sequences == 4
 
 
+@pytest.mark.parametrize("kwargs", [{"top_k": 2**31}, {"top_k": 2**70}, {"seed": 2**63}])
+def test_sampling_params_beyond_the_step_columns_are_refused(kwargs: dict) -> None:
+    """The step's sampling columns are int32 (top_k) and int64 (seed). Before, top_k=2**40
+    raised OverflowError in the middle of Scheduler.update, and LLM.generate's clean-up
+    then failed too (IndexError), leaving the request and its sequence behind for good;
+    seed=2**64 raised OverflowError from schedule()."""
+    with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+    limit = {"top_k": 2**31 - 1, "seed": 2**63 - 1}
+    key = next(iter(kwargs))
+    assert getattr(SamplingParams(**{key: limit[key]}), key) == limit[key]
+
+
 @pytest.mark.parametrize(
     ("request_id", "prompt"),
     [("", [1]), ("a", []), ("a", [[1, 2]]), ("a", [-1]), ("a", [2**32]), ("a", [1.5])],
