@@ -76,6 +76,20 @@ CASES = {
         "t.check_invariants()\n"
         "assert t.stats()['host_offloads_skipped'] > 0"
     ),
+    # checkpoint_every_blocks * block_size wrapped to 0 (2**62 * 8 = 2**65) and a step's
+    # state writes divided by it: a Rust panic (PanicException) from can_allocate,
+    # allocate_slots or state_mapping. No checkpoint is that far: only the end is saved.
+    "recurrent stride overflow": (
+        "for k, bs in [(2**62, 8), (2**61, 8), (2**63 - 1, 4), (2**60, 16)]:\n"
+        "    g = [kvblocks.GroupSpec.full_attention(), kvblocks.GroupSpec.recurrent(k)]\n"
+        "    r = kvblocks.KVCacheManager(16, bs, groups=g, watermark=0.0)\n"
+        "    r.add_sequence(1, list(range(20)))\n"
+        "    assert r.can_allocate(1, num_new_tokens=20) == kvblocks.AllocStatus.OK\n"
+        "    assert r.allocate_slots(1, 20) is not None\n"
+        "    assert r.state_mapping([1], group=1).write_positions.tolist() == [20]\n"
+        "    r.commit(1, 20)\n"
+        "    r.check_invariants()"
+    ),
     # A str with a lone surrogate has no UTF-8: it raised UnicodeEncodeError, not a
     # KVBlocksError, wherever the binding takes a str.
     "lone surrogates": (

@@ -162,7 +162,9 @@ impl GroupSpec {
     ) -> impl Iterator<Item = (usize, usize)> {
         let every = self.checkpoint_every_blocks().unwrap_or(0);
         let active = every > 0 && end > computed;
-        let stride = every.max(1) * block_size;
+        // Saturating: a checkpoint interval past the address space (2**62 blocks of 8)
+        // would wrap to 0; no position reaches such a boundary, only the end is saved.
+        let stride = every.max(1).saturating_mul(block_size);
         // Checkpoint boundaries m * stride in (computed, end].
         let first = if active { computed / stride + 1 } else { 1 };
         let last = if active { end / stride } else { 0 };
