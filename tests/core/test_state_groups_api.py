@@ -114,3 +114,23 @@ def test_tier_loads_count_the_state_groups_blocks() -> None:
     loads = [p for kind, p in m.take_memory_ops() if kind == "load"]
     assert sum(len(p) for p in loads) == 5
     m.check_invariants()
+
+
+def test_a_step_check_counts_the_states_a_step_writes_not_every_entry() -> None:
+    """``can_allocate(num_new_tokens=n)`` counted a recurrent group like full attention
+    (a block per table entry of the step), so it said NEVER for steps its
+    ``allocate_slots`` takes in an empty pool: here 8 tokens in blocks of 1 write the
+    states after 3 and 6 and 8, 3 blocks of the 7 usable, not 8."""
+    m = KVCacheManager(8, 1, watermark=0.0, groups=[GroupSpec.recurrent(3)])
+    m.add_sequence(1, list(range(13)))
+    for n in range(1, 14):
+        assert m.can_allocate(1, num_new_tokens=n) == kvblocks.AllocStatus.OK, n
+    assert m.allocate_slots(1, 13) is not None
+    assert len(m.state_mapping([1], group=0).write_blocks) == 5  # 3, 6, 9, 12 and 13
+    # With attention beside it the full group's blocks still count: 5 + 2 of 7.
+    m = KVCacheManager(
+        8, 1, watermark=0.0, groups=[GroupSpec.full_attention(), GroupSpec.recurrent(3)]
+    )
+    m.add_sequence(1, list(range(5)))
+    assert m.can_allocate(1, num_new_tokens=5) == kvblocks.AllocStatus.OK
+    assert m.allocate_slots(1, 5) is not None

@@ -114,9 +114,18 @@ impl KVCacheManager {
         let bs = self.config.block_size;
         let step_len = plan.reserved.div_ceil(bs);
         let mut step_held = 0usize;
-        for g in 0..self.pools.groups.len() {
-            let claimed_from = self.pools.hit_range(g, plan.claim).start;
-            step_held += step_len - claimed_from.min(step_len);
+        for (g, spec) in self.pools.groups.iter().enumerate() {
+            let range = self.pools.hit_range(g, plan.claim);
+            // A recurrent group holds its claimed state and the states the step writes
+            // (as `can_allocate` counts them), not a block per table entry of the step.
+            step_held += if spec.is_recurrent() {
+                range.len()
+                    + spec
+                        .state_writes(plan.claim * bs, plan.reserved, bs)
+                        .count()
+            } else {
+                step_len - range.start.min(step_len)
+            };
         }
         let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
         if step_held > usable || self.peak_held(slot, num_lookahead_tokens) > usable {
