@@ -479,3 +479,19 @@ def test_generated_token_counts_agree(tiny_llama: LlamaForCausalLM) -> None:
         for name, value in stats[section].items():
             if name.startswith("num_") or name in ("steps", "computed_tokens", "generated_tokens"):
                 assert type(value) is int, (section, name, value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"seed": 2**70}, {"seed": 1.5}, {"dtype": torch.int8}, {"dtype": "float16"}],
+    ids=["seed 2**70", "seed float", "dtype int8", "dtype str"],
+)
+def test_bad_seed_or_dtype_is_refused_by_name(
+    tiny_llama: LlamaForCausalLM, kwargs: dict[str, object]
+) -> None:
+    """Before: seed=2**70 raised ValueError ("Overflow when unpacking long long"), dtype
+    torch.int8 or "float16" TypeError from torch's Module.to."""
+    with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
+        LLM(tiny_llama, num_blocks=16, block_size=8, device="cpu", **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
+        LLM(None, num_blocks=16, block_size=8, device="cpu", **kwargs)  # type: ignore[arg-type]

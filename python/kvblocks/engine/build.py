@@ -103,6 +103,10 @@ def build_model(
 ) -> CausalLM:
     """The model: the tiny one (``None``, weights from ``seed``), a checkpoint directory,
     or a model object (moved/cast when ``device``/``dtype`` ask for it)."""
+    # The sampler seeds an int64 generator; torch casts weights to float dtypes only.
+    check_int(seed, "seed", minimum=-(2**63), maximum=2**63 - 1)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidArgumentError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
     if isinstance(model, CausalLM):
         if dtype is not None or device != next(model.parameters()).device:
             model = model.to(device=device, dtype=dtype)
