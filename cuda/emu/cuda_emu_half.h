@@ -14,20 +14,11 @@ struct __nv_bfloat16 {
 
 inline float __half2float(__half h) {
   const unsigned int sign = (h.x & 0x8000u) << 16;
-  const unsigned int exp = (h.x >> 10) & 0x1fu;
-  const unsigned int man = h.x & 0x3ffu;
-  unsigned int bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: value = man * 2^-24
-    float f = std::ldexp(static_cast<float>(man), -24);
-    return sign ? -f : f;
-  }
-  return __uint_as_float(bits);
+  const unsigned int rest = (h.x & 0x7fffu) << 13;
+  if ((h.x & 0x7c00u) == 0x7c00u) return __uint_as_float(sign | 0x7f800000u | rest);  // inf, nan
+  // Exponent and mantissa moved into a float's places read as 2^-112 times the value
+  // (subnormal halves become subnormal floats); multiplying by 2^112 is exact.
+  return __uint_as_float(sign | __float_as_uint(__uint_as_float(rest) * 0x1p112f));
 }
 
 inline __half __float2half_rn(float f) {

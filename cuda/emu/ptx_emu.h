@@ -63,10 +63,11 @@ struct MmaOut {
 };
 
 // D = A B + C for the warp: products of the 16-bit inputs are exact in fp32 and summed in
-// fp32 (the order of the sum is not the hardware's).
+// fp32 (the order of the sum is not the hardware's). Each element's sum runs over k in
+// order from C; the loops keep N innermost so the compiler vectorizes a row's 8 columns.
 template <typename T>
 inline void mma_16816_warp(const MmaIn* in, MmaOut* out) {
-  float a[16][16], b[16][8], c[16][8];
+  float a[16][16], b[16][8], d[16][8];
   int row, col;
   for (int lane = 0; lane < 32; ++lane) {
     for (int i = 0; i < 8; ++i) {
@@ -77,15 +78,19 @@ inline void mma_16816_warp(const MmaIn* in, MmaOut* out) {
       b_position(lane, i, row, col);
       b[row][col] = half_to_float<T>(half_of(in[lane].b[i >> 1], i & 1));
       c_position(lane, i, row, col);
-      c[row][col] = in[lane].c[i];
+      d[row][col] = in[lane].c[i];
+    }
+  }
+  for (int r = 0; r < 16; ++r) {
+    for (int k = 0; k < 16; ++k) {
+      const float x = a[r][k];
+      for (int n = 0; n < 8; ++n) d[r][n] += x * b[k][n];
     }
   }
   for (int lane = 0; lane < 32; ++lane) {
     for (int i = 0; i < 4; ++i) {
       c_position(lane, i, row, col);
-      float acc = c[row][col];
-      for (int k = 0; k < 16; ++k) acc += a[row][k] * b[k][col];
-      out[lane].d[i] = acc;
+      out[lane].d[i] = d[row][col];
     }
   }
 }
