@@ -338,6 +338,41 @@ def test_generate_recovers_from_an_exception_in_a_step(
     assert _tokens([again[0], again[2]]) == greedy
 
 
+def test_a_fault_inside_update_surfaces_and_leaves_nothing_behind(
+    tiny_llama: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault inside ``Scheduler.update`` after a request left prefill and before its
+    decode rows exist: before, the clean-up's abort failed on the missing rows
+    (``IndexError``), hid the fault and left the request and its sequence behind."""
+    from kvblocks.scheduler import request_state
+
+    table_rows = request_state.RequestState.table_rows
+    calls = 0
+
+    def faulty(self, *args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise _StepFault("fault inside update")
+        return table_rows(self, *args, **kwargs)
+
+    llm = LLM(tiny_llama, num_blocks=64, device="cpu")
+    monkeypatch.setattr(request_state.RequestState, "table_rows", faulty)
+    params = [GREEDY, SamplingParams(max_tokens=12, n=2, temperature=0.9, seed=4)]
+    with pytest.raises(_StepFault, match="fault inside update"):
+        llm.generate([PROMPTS[0], PROMPTS[2]], params)
+    assert calls == 1
+    assert not llm.scheduler.has_unfinished_requests()
+    assert len(llm.manager) == 0
+    llm.manager.check_invariants()
+    monkeypatch.undo()
+    again = llm.generate([PROMPTS[0], PROMPTS[2]], params)
+    fresh = LLM(tiny_llama, num_blocks=64, device="cpu").generate([PROMPTS[0], PROMPTS[2]], params)
+    assert [[c.token_ids for c in o.outputs] for o in again] == [
+        [c.token_ids for c in o.outputs] for o in fresh
+    ]
+
+
 class _Events:
     """An event publisher that keeps every event."""
 

@@ -189,9 +189,20 @@ class Records:
             outputs.update({c.index: c for c in self.abort_output(part, reason).outputs})
         cums: dict[int, float] = {}
         if state.status is RequestStatus.RUNNING:
+            # A sequence can be running without a row when a step's update failed between
+            # the two (the engine then aborts what was in flight): it keeps the request's
+            # own cumulative log-prob, and the row -1 is never read.
             table = self.placement.table
-            rows = table.rows_of(np.array(state.seq_ids, dtype=np.int64))
-            cums = dict(zip(state.seq_ids, table["cum_logprob"][rows].tolist(), strict=True))
+            seqs = np.array(state.seq_ids, dtype=np.int64)
+            rows = table.rows_of(seqs)
+            present = rows >= 0
+            cums = dict(
+                zip(
+                    seqs[present].tolist(),
+                    table["cum_logprob"][rows[present]].tolist(),
+                    strict=True,
+                )
+            )
         elif state.status is RequestStatus.SWAPPED and state.swapped_rows is not None:
             swapped = state.swapped_rows
             cums = dict(
