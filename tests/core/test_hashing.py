@@ -108,6 +108,14 @@ def test_pythonhashseed_seeds_sha256_cbor_as_the_manager_does(
     assert BlockHasher(4).none_hash is None
 
 
+def test_block_size_bound_is_the_managers() -> None:
+    """2**20 tokens per block, the manager's largest, hashes; one more is refused above."""
+    KVCacheManager(2, 2**20)
+    assert len(BlockHasher(2**20).block_hashes(np.arange(2**20 + 5, dtype=np.int64))) == 1
+    with pytest.raises(kvblocks.InvalidArgumentError, match="block_size"):
+        KVCacheManager(2, 2**20 + 1)
+
+
 def test_low64_is_vllm_s_int_form() -> None:
     digest = bytes(range(32))
     assert low64(digest) == int.from_bytes(digest, "big") & (2**64 - 1)
@@ -119,6 +127,7 @@ def test_low64_is_vllm_s_int_form() -> None:
         (lambda: BlockHasher(0), None, "block_size"),
         (lambda: BlockHasher(-1), None, "block_size"),
         (lambda: BlockHasher(True), None, "block_size"),
+        (lambda: BlockHasher(2**20 + 1), None, r"block_size must be in \[1, 2\*\*20\]"),
         (lambda: BlockHasher(4, hash_algo="md5"), None, "hash_algo"),  # type: ignore[arg-type]
         (lambda: BlockHasher(4, hash_seed=3), None, "hash_seed"),  # type: ignore[arg-type]
         (lambda: BlockHasher(4, hash_seed="0"), None, "hash_seed"),  # blake3 has no seed

@@ -80,6 +80,20 @@ pub(crate) fn check_hash_seed(algo: HashAlgo, seed: Option<&str>) -> Result<(), 
 /// cache, small enough that the per-block bookkeeping always fits in host memory.
 pub const MAX_BLOCKS: usize = 1 << 26;
 
+/// Largest `block_size` (tokens per block) a manager, and so a hasher that must agree with
+/// one, accepts: 2**20.
+pub const MAX_BLOCK_SIZE: usize = 1 << 20;
+
+/// `block_size` in `[1, MAX_BLOCK_SIZE]`, or the error every constructor gives.
+pub fn check_block_size(block_size: usize) -> Result<(), KvError> {
+    if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+        return Err(KvError::InvalidArgument(format!(
+            "block_size must be in [1, 2**20], got {block_size}"
+        )));
+    }
+    Ok(())
+}
+
 /// Parameters of [`crate::KVCacheManager::new`]; mirrors the Python constructor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ManagerConfig {
@@ -161,12 +175,7 @@ impl ManagerConfig {
                 self.num_blocks, self.num_cpu_blocks
             )));
         }
-        if self.block_size == 0 || self.block_size > (1 << 20) {
-            return Err(KvError::InvalidArgument(format!(
-                "block_size must be in [1, 2**20], got {}",
-                self.block_size
-            )));
-        }
+        check_block_size(self.block_size)?;
         if (self.num_blocks as u128) * (self.block_size as u128) > i64::MAX as u128 {
             return Err(KvError::InvalidArgument(
                 "num_blocks * block_size must fit in int64 cache slots".to_string(),

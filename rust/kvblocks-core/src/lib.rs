@@ -106,7 +106,9 @@ pub use batch_allocation::BatchAllocation;
 pub use batch_arg::BatchArg;
 pub use block_hash::{BlockHash, BlockHasher};
 pub use block_table_delta::BlockTableDelta;
-pub use config::{HashAlgo, ManagerConfig, MAX_BLOCKS, VLLM_DEFAULT_HASH_SEED};
+pub use config::{
+    check_block_size, HashAlgo, ManagerConfig, MAX_BLOCKS, MAX_BLOCK_SIZE, VLLM_DEFAULT_HASH_SEED,
+};
 pub use error::{KvError, Result};
 pub use events::{BlockRemoved, BlockStored, KvCacheEvent, LoraKey, SeqExtraKeys};
 pub use group::{GroupSpec, MAX_GROUPS};

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
 use crate::args::{names, CacheSalt, Count, LoraId, Parsed, Text, TokenIds};
-use crate::errors::{invalid_argument, IntoPyResult};
+use crate::errors::IntoPyResult;
 
 /// Prompts of this many tokens hash with the GIL released (as `add_sequence` does).
 const DETACH_TOKENS: usize = 2048;
@@ -58,11 +58,8 @@ impl BlockHasher {
         hash_algo: Option<Parsed<core::HashAlgo, names::HashAlgo>>,
         hash_seed: Option<Text<names::HashSeed>>,
     ) -> PyResult<Self> {
-        if block_size.0 == 0 {
-            return Err(invalid_argument(
-                "block_size must be >= 1, got 0".to_string(),
-            ));
-        }
+        // A manager's bound: a larger block size gives hashes no manager can emit.
+        core::check_block_size(block_size.0).py_err()?;
         let algo = hash_algo.map_or(core::HashAlgo::default(), |a| a.0);
         let seed = match hash_seed {
             Some(seed) => Some(seed.0),

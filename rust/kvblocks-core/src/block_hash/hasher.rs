@@ -261,7 +261,8 @@ impl BlockHasher {
     /// The hashes of every full block of a prompt, as a sequence added with this
     /// `cache_salt` and `lora_id` gets them (a partial last block has none).
     ///
-    /// Errors: a `block_size` of 0, and those of [`BlockHasher::namespace`].
+    /// Errors: a `block_size` outside `[1, MAX_BLOCK_SIZE]` (what a manager accepts), and
+    /// those of [`BlockHasher::namespace`].
     pub fn prompt_hashes(
         &mut self,
         tokens: &[u32],
@@ -269,11 +270,7 @@ impl BlockHasher {
         cache_salt: Option<&[u8]>,
         lora_id: Option<u64>,
     ) -> Result<Vec<BlockHash>, KvError> {
-        if block_size == 0 {
-            return Err(KvError::InvalidArgument(
-                "block_size must be >= 1, got 0".to_string(),
-            ));
-        }
+        crate::config::check_block_size(block_size)?;
         let namespace = self.namespace(cache_salt, lora_id)?;
         let mut hashes = Vec::new();
         self.extend_chain(&mut hashes, &namespace, tokens, block_size);
