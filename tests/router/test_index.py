@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvblocks import KVCacheManager
+from kvblocks import InvalidArgumentError, KVCacheManager
 from kvblocks.router import (
     AllBlocksClearedRecord,
     BlockRemovedRecord,
@@ -113,6 +113,22 @@ def test_bad_records_raise_and_change_nothing() -> None:
     with pytest.raises(TypeError):
         idx.apply(("stored", 0, H[0]))  # type: ignore[arg-type]
     assert len(idx) == 0 and idx.overlaps(H[:1]) == {}
+
+
+def test_bad_removals_and_tiers_raise_a_kvblocks_error_and_change_nothing() -> None:
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:3])))
+    for bad in (
+        # A good hash before a bad one: the good one must not be removed already.
+        BlockRemovedRecord(0, (H[0], [1])),  # type: ignore[arg-type]
+        BlockRemovedRecord(0, (H[0], 1.5)),  # type: ignore[arg-type]
+        BlockRemovedRecord(0, (H[0],), medium=["GPU"]),  # type: ignore[arg-type]
+        BlockRemovedRecord(0, (H[0],), group_idx="0"),  # type: ignore[arg-type]
+        BlockStoredRecord(0, (H[3],), H[2], medium=["GPU"]),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidArgumentError):
+            idx.apply(bad)
+        assert idx.overlaps(H[:4]) == {0: 3} and len(idx) == 3 and idx.num_blocks(0) == 3
 
 
 def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:

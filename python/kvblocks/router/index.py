@@ -148,20 +148,39 @@ class PrefixIndex:
         """Apply one event record.
 
         Raises:
-            TypeError: not a record, or a block hash that is not ``bytes`` or ``int``.
-            InvalidArgumentError: a stored record's group (``>= MAX_GROUPS``), block size
-                or window out of range. Nothing changes.
+            InvalidTypeError: not a record, a tier that is not a string, or a block hash
+                that is not ``bytes`` or ``int``.
+            InvalidArgumentError: a group (``>= MAX_GROUPS``), or a stored record's block
+                size or window, out of range. Nothing changes.
         """
         if isinstance(record, BlockStoredRecord):
             rule = self._rule_of(record)
+            self._check_blocks(record)
             self._store(record.instance, record.medium, record.group_idx, record.block_hashes)
             self._learn(record, rule)
         elif isinstance(record, BlockRemovedRecord):
+            check_int(record.group_idx, "group_idx", minimum=0, maximum=MAX_GROUPS - 1)
+            # Checked whole before the first removal: a bad hash half-way must not leave
+            # the blocks before it removed.
+            self._check_blocks(record)
             self._remove(record.instance, record.medium, record.group_idx, record.block_hashes)
         elif isinstance(record, AllBlocksClearedRecord):
             self.clear_instance(record.instance)
         else:
             raise InvalidTypeError(f"not an event record: {type(record).__name__}")
+
+    @staticmethod
+    def _check_blocks(record: BlockStoredRecord | BlockRemovedRecord) -> None:
+        """Raise unless the record's tier is a string and its hashes a sequence of block
+        hashes (bytes would iterate as ints, a generator would be used up here)."""
+        if not isinstance(record.medium, str):
+            raise InvalidTypeError(f"medium must be a string, got {type(record.medium).__name__}")
+        hashes = record.block_hashes
+        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence):
+            raise InvalidTypeError(
+                f"block_hashes must be a sequence of block hashes, got {type(hashes).__name__}"
+            )
+        check_block_hashes(hashes, "block hashes")
 
     def apply_all(self, records: Iterable[EventRecord]) -> None:
         """Apply records in stream order."""
@@ -171,7 +190,6 @@ class PrefixIndex:
     def _store(
         self, instance: Hashable, medium: str, group: int, hashes: Sequence[BlockHash]
     ) -> None:
-        check_block_hashes(hashes, "block hashes")
         owners = self._owners.setdefault(medium, {})
         held = self._held.setdefault(instance, {}).setdefault(medium, {})
         for h in hashes:
