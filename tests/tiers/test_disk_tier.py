@@ -151,6 +151,25 @@ def test_damaged_file_reads_as_miss_and_is_removed(
     assert _stored(tier, layout, [1]) == [1]
 
 
+def test_a_stray_file_with_an_overlong_hash_name_is_left_alone(
+    tmp_path: Path, layout: KVLayout
+) -> None:
+    # Not a name this tier writes (hashes of at most 100 bytes): evicting it raised the
+    # argument error of path_of, from the constructor or from a put after the index had
+    # already dropped it.
+    tier = DiskTier(tmp_path, layout, 2)
+    stray = tier.root / ("ab" * 101 + ".kvb")
+    stray.write_bytes(b"not a record")
+    os.utime(stray, (1, 1))  # the oldest: the first eviction's victim
+    tier.put(block_hash(0), random_payload(layout, 0))
+    tier.close()
+    tier = DiskTier(tmp_path, layout, 1)
+    assert len(tier) == 1
+    assert tier.put(block_hash(1), random_payload(layout, 1))
+    assert _stored(tier, layout, [0, 1]) == [1] and len(tier) == 1
+    assert stray.exists()
+
+
 def test_leftover_temporaries_are_removed_on_open(tmp_path: Path, layout: KVLayout) -> None:
     tier = DiskTier(tmp_path, layout, 4)
     tier.put(block_hash(0), random_payload(layout, 0))

@@ -222,7 +222,9 @@ class DiskTier:
                 mtime = entry.stat().st_mtime_ns
             except (ValueError, OSError):
                 continue
-            if block_hash:
+            # A longer name is no block this tier wrote (path_of refuses its hash, so it
+            # could never be read or evicted): leave it alone.
+            if 0 < len(block_hash) <= _MAX_HASH_BYTES:
                 found.append((mtime, block_hash))
         found.sort()
         for _, block_hash in found:
