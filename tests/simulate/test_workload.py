@@ -186,6 +186,17 @@ def test_bad_length_distributions_are_refused(text: str) -> None:
         LengthDist.parse(text)
 
 
+@pytest.mark.parametrize("text", ["uniform:1e30,1e30", "uniform:0,1e19", "lognormal:1,1e200"])
+def test_length_distributions_too_wide_to_draw_are_refused(text: str) -> None:
+    # They parsed, then the first draw raised numpy's ValueError ("high is out of bounds
+    # for int64") or OverflowError (sigma**2) out of kvblocks simulate.
+    with pytest.raises(InvalidArgumentError):
+        LengthDist.parse(text)
+    rng = np.random.default_rng(0)
+    for widest in (LengthDist("uniform", 0, 2**53), LengthDist("lognormal", 1, 2**53)):
+        assert ((widest.draw(rng, 1, 10, 5) >= 1) & (widest.draw(rng, 1, 10, 5) <= 10)).all()
+
+
 def test_length_distribution_text_round_trips() -> None:
     for text in ("lognormal:161,1", "fixed:32", "uniform:4,8"):
         assert str(LengthDist.parse(text)) == text

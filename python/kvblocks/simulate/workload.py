@@ -47,6 +47,7 @@ ARRIVAL_PROCESSES = ("poisson", "constant")
 """How conversation starts are spaced: exponential gaps, or exactly ``1 / rate`` apart."""
 
 _KINDS = ("lognormal", "fixed", "uniform")
+_MAX_SPREAD = float(2**53)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class LengthDist:
             raise InvalidArgumentError(f"fixed length must be >= 0, got {self.a:g}")
         if self.kind == "uniform" and not 0 <= self.a <= self.b:
             raise InvalidArgumentError(f"uniform needs 0 <= low <= high, got {self}")
+        # Wider ones cannot be drawn: numpy's int64 bound (uniform), sigma**2 overflowing.
+        if self.kind in ("uniform", "lognormal") and self.b > _MAX_SPREAD:
+            raise InvalidArgumentError(
+                f"{self.kind}'s second parameter must be at most 2**53, got {self}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> LengthDist:
