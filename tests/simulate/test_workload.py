@@ -12,6 +12,7 @@ from kvblocks.scheduler import Scheduler
 from kvblocks.simulate import SimulationConfig, WorkloadConfig, run_simulation
 from kvblocks.simulate import runner as runner_module
 from kvblocks.simulate.workload import (
+    MAX_TURNS,
     LengthDist,
     declared_max_tokens,
     iter_workload,
@@ -195,6 +196,15 @@ def test_length_distributions_too_wide_to_draw_are_refused(text: str) -> None:
     rng = np.random.default_rng(0)
     for widest in (LengthDist("uniform", 0, 2**53), LengthDist("lognormal", 1, 2**53)):
         assert ((widest.draw(rng, 1, 10, 5) >= 1) & (widest.draw(rng, 1, 10, 5) <= 10)).all()
+
+
+def test_more_turns_than_a_conversation_can_draw_are_refused() -> None:
+    # max_turns=10**9 parsed, then mean_turns asked numpy for 4096 * 10**9 draws
+    # (numpy's _ArrayMemoryError, or the machine's memory).
+    with pytest.raises(InvalidArgumentError, match="max_turns"):
+        WorkloadConfig(multi_turn_share=1.0, max_turns=10**9)
+    config = WorkloadConfig(num_requests=3, multi_turn_share=1.0, max_turns=MAX_TURNS)
+    assert 1.0 <= mean_turns(config) <= MAX_TURNS
 
 
 def test_length_distribution_text_round_trips() -> None:

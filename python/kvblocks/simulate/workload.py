@@ -33,6 +33,7 @@ from kvblocks.errors import InvalidArgumentError
 
 __all__ = [
     "ARRIVAL_PROCESSES",
+    "MAX_TURNS",
     "ArrivalQueue",
     "LengthDist",
     "SimRequest",
@@ -48,6 +49,9 @@ ARRIVAL_PROCESSES = ("poisson", "constant")
 
 _KINDS = ("lognormal", "fixed", "uniform")
 _MAX_SPREAD = float(2**53)
+MAX_TURNS = 1024
+"""Turns a conversation may have: :func:`mean_turns` draws 4096 conversations of
+``max_turns`` turns at once."""
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ class WorkloadConfig:
                 raise InvalidArgumentError(
                     f"{name} must be >= {minimum}, got {getattr(self, name)}"
                 )
+        if self.max_turns > MAX_TURNS:
+            raise InvalidArgumentError(f"max_turns must be <= {MAX_TURNS}, got {self.max_turns}")
         if not self.think_time_s >= 0 or math.isinf(self.think_time_s):
             raise InvalidArgumentError(f"think_time_s must be >= 0, got {self.think_time_s}")
         first_turn = self.system_prompt_len + self.max_prompt_len + self.max_output_len
