@@ -207,6 +207,20 @@ def test_more_turns_than_a_conversation_can_draw_are_refused() -> None:
     assert 1.0 <= mean_turns(config) <= MAX_TURNS
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_system_prompts": 10**11, "system_prompt_len": 1},
+        {"system_prompt_len": 10**11, "max_context_len": 10**12},
+    ],
+)
+def test_system_prompts_too_large_to_draw_are_refused(kwargs: dict[str, int]) -> None:
+    # iter_workload draws every system prompt up front: these died with numpy's
+    # _ArrayMemoryError (745 GiB) out of kvblocks simulate.
+    with pytest.raises(InvalidArgumentError, match="system prompt"):
+        WorkloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
 def test_length_distribution_text_round_trips() -> None:
     for text in ("lognormal:161,1", "fixed:32", "uniform:4,8"):
         assert str(LengthDist.parse(text)) == text

@@ -33,6 +33,7 @@ from kvblocks.errors import InvalidArgumentError
 
 __all__ = [
     "ARRIVAL_PROCESSES",
+    "MAX_SYSTEM_PROMPT_TOKENS",
     "MAX_TURNS",
     "ArrivalQueue",
     "LengthDist",
@@ -49,6 +50,8 @@ ARRIVAL_PROCESSES = ("poisson", "constant")
 
 _KINDS = ("lognormal", "fixed", "uniform")
 _MAX_SPREAD = float(2**53)
+MAX_SYSTEM_PROMPT_TOKENS = 2**26
+"""Tokens of all system prompts together (drawn up front: 512 MiB of int64)."""
 MAX_TURNS = 1024
 """Turns a conversation may have: :func:`mean_turns` draws 4096 conversations of
 ``max_turns`` turns at once."""
@@ -207,6 +210,12 @@ class WorkloadConfig:
                 raise InvalidArgumentError(
                     f"{name} must be >= {minimum}, got {getattr(self, name)}"
                 )
+        if self.num_system_prompts * self.system_prompt_len > MAX_SYSTEM_PROMPT_TOKENS:
+            raise InvalidArgumentError(
+                f"num_system_prompts * system_prompt_len must be <= 2**26 (the system "
+                f"prompts are drawn up front), got {self.num_system_prompts} * "
+                f"{self.system_prompt_len}"
+            )
         if self.max_turns > MAX_TURNS:
             raise InvalidArgumentError(f"max_turns must be <= {MAX_TURNS}, got {self.max_turns}")
         if not self.think_time_s >= 0 or math.isinf(self.think_time_s):
