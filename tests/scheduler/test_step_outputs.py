@@ -374,6 +374,19 @@ def test_finish_sequence_refusals(rust_manager) -> None:
         sched.finish_sequence("a", 1, "bored")
 
 
+def test_abort_and_finish_refuse_a_request_id_that_is_not_a_string(rust_manager) -> None:
+    # An unhashable id raised a bare TypeError from the registry's dict lookup.
+    sched = Scheduler(rust_manager(64, 4))
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))
+    Stream(sched).step()
+    for bad in (["a"], {"a": 1}, 1, None):
+        with pytest.raises(InvalidArgumentError):
+            sched.abort_request(bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            sched.finish_sequence(bad, 1)  # type: ignore[arg-type]
+    assert sched.running_request_ids() == ["a"] and sched.num_unfinished_requests() == 1
+
+
 def test_finish_one_sequence_of_several(rust_manager) -> None:
     sched = Scheduler(rust_manager(64, 4))
     sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))

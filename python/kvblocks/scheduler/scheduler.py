@@ -29,6 +29,7 @@ from collections.abc import Callable
 from kvblocks.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
+    InvalidTypeError,
     SequenceStateError,
 )
 from kvblocks.protocols import BlockManager, EventPublisher
@@ -167,10 +168,11 @@ class Scheduler:
         flight, the request's blocks are released at the next ``update``.
 
         Raises:
-            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value, or
+                ``request_id`` not a string.
         """
         reason = FinishReason.parse(reason)
-        state = self._registry.get(request_id)
+        state = self._lookup(request_id)
         if state is None or state.aborted:
             return None
         output = self._records.abort(state, reason, self._now())
@@ -196,10 +198,17 @@ class Scheduler:
             InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
         """
         reason = FinishReason.parse(reason)
-        state = self._registry.get(request_id)
+        state = self._lookup(request_id)
         if state is None or self._in_flight is not None:
             return None
         return self._records.end_sequence(state, index, reason, self.counters.num_steps)
+
+    def _lookup(self, request_id: str) -> RequestState | None:
+        # Ids are strings (Request checks them): another type is a caller's mistake, and
+        # an unhashable one would raise a bare TypeError from the dict lookup.
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        return self._registry.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting, running or swapped (or output is pending)."""
