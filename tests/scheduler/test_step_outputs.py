@@ -387,6 +387,22 @@ def test_abort_and_finish_refuse_a_request_id_that_is_not_a_string(rust_manager)
     assert sched.running_request_ids() == ["a"] and sched.num_unfinished_requests() == 1
 
 
+def test_finish_sequence_refuses_an_index_that_is_not_an_int(rust_manager) -> None:
+    # True and 1.0 compare equal to 1: they ended completion 1 and returned (and kept in
+    # the request's final record) a CompletionOutput whose index was True / 1.0.
+    sched = Scheduler(rust_manager(64, 4))
+    sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))
+    stream = Stream(sched)
+    stream.step()
+    free = sched.manager.num_free_blocks()
+    for bad in (True, 1.0, "1", None, -1):
+        with pytest.raises(InvalidArgumentError):
+            sched.finish_sequence("a", bad)  # type: ignore[arg-type]
+    assert sched.manager.num_free_blocks() == free
+    done = sched.finish_sequence("a", np.int64(1))  # type: ignore[arg-type]
+    assert done is not None and type(done.index) is int and done.index == 1
+
+
 def test_finish_one_sequence_of_several(rust_manager) -> None:
     sched = Scheduler(rust_manager(64, 4))
     sched.add_request(Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=12, n=3)))

@@ -62,6 +62,7 @@ from kvblocks.scheduler.stats import (
 )
 from kvblocks.scheduler.step import Chunk, StepState, UpdateState
 from kvblocks.scheduler.step_outputs import StepOutputs
+from kvblocks.validation import check_int
 
 __all__ = ["Scheduler"]
 
@@ -195,9 +196,12 @@ class Scheduler:
         ends the whole request with :meth:`abort_request`).
 
         Raises:
-            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value,
+                ``index`` not an int >= 0 or ``request_id`` not a string.
         """
         reason = FinishReason.parse(reason)
+        # Matched by equality: True or 1.0 would end completion 1 under that index.
+        index = check_int(index, "index", minimum=0, numpy=True)
         state = self._lookup(request_id)
         if state is None or self._in_flight is not None:
             return None
