@@ -26,7 +26,7 @@ class SamplingParams:
     """How to generate the completion(s) of one request.
 
     Attributes:
-        max_tokens: most tokens generated per sequence (``>= 1``).
+        max_tokens: most tokens generated per sequence (``1 <= max_tokens < 2**63``).
         temperature: softmax temperature; ``0`` means greedy (argmax).
         top_p: nucleus sampling mass in ``(0, 1]``; ``1`` disables it.
         top_k: keep the ``k`` most likely tokens; ``0`` disables it (at most
@@ -79,9 +79,9 @@ class SamplingParams:
     retention_priority: int | None = None
 
     def __post_init__(self) -> None:
-        check_int(self.max_tokens, "max_tokens", minimum=1)
-        # The step keeps top_k in an int32 column and the seed in an int64 one; a top_k of
-        # the vocabulary's size or more keeps every token anyway.
+        # The step keeps top_k in an int32 column and the seed and max_tokens in int64
+        # ones; a top_k of the vocabulary's size or more keeps every token anyway.
+        check_int(self.max_tokens, "max_tokens", minimum=1, maximum=2**63 - 1)
         check_int(self.top_k, "top_k", minimum=0, maximum=INT32_MAX)
         check_int(self.n, "n", minimum=1)
         check_int(self.beam_width, "beam_width", minimum=1)

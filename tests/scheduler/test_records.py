@@ -61,6 +61,16 @@ def test_sampling_params_beyond_the_step_columns_are_refused(kwargs: dict) -> No
     assert getattr(SamplingParams(**{key: limit[key]}), key) == limit[key]
 
 
+@pytest.mark.parametrize("max_tokens", [2**63, 10**30])
+def test_max_tokens_beyond_the_step_column_is_refused(max_tokens: int) -> None:
+    """The sequence table's max_tokens column is int64: 2**63 was accepted, then the
+    first update raised OverflowError half-way, leaving the request unfinished with no
+    sequence running (every later schedule() empty)."""
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        SamplingParams(max_tokens=max_tokens)
+    assert SamplingParams(max_tokens=2**63 - 1).max_tokens == 2**63 - 1
+
+
 @pytest.mark.parametrize(
     ("request_id", "prompt"),
     [("", [1]), ("a", []), ("a", [[1, 2]]), ("a", [-1]), ("a", [2**32]), ("a", [1.5])],
