@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from kvblocks.cli.arg_types import non_negative_int, positive_float, positive_int, token_ids
+from kvblocks.cli.arg_types import (
+    MAX_THREADS,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    thread_count,
+    token_ids,
+)
 
 
 def test_ints_accept_their_range_and_name_the_expectation():
@@ -37,3 +44,10 @@ def test_token_ids_parse_commas_and_reject_negatives_and_empties():
     for bad in ("", ",", "1,-2", "a,b", "1,,2", ",1", "1,2,", "1, ,2"):
         with pytest.raises(argparse.ArgumentTypeError, match="token ids such as 1,2,3"):
             token_ids(bad)
+
+
+def test_thread_count_is_bounded():
+    assert thread_count("1") == 1 and thread_count(str(MAX_THREADS)) == MAX_THREADS
+    for bad in ("0", str(MAX_THREADS + 1), "100000", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer in \[1, "):
+            thread_count(bad)

@@ -136,6 +136,15 @@ def test_bad_options_exit_nonzero_without_traceback(argv: list[str], capsys) -> 
     assert re.match(r"kvblocks( generate)?: error: ", err) and "\n" not in err
 
 
+def test_a_thread_count_the_machine_cannot_start_is_refused(capsys) -> None:
+    # --threads 100000 went to torch.set_num_threads: the process died of SIGSEGV
+    # (20000: libgomp "Thread creation failed" and exit 1).
+    with pytest.raises(SystemExit) as exc:
+        _main(["--threads", "100000", "--device", "cpu"])
+    assert exc.value.code == 2
+    assert "--threads: expected an integer in [1, 1024]" in capsys.readouterr().err
+
+
 def test_help_lists_the_options(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         _main(["--help"])

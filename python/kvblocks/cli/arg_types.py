@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvblocks.simulate.layer_mix import LayerMix
 
 __all__ = [
+    "MAX_THREADS",
     "fraction",
     "layer_mix",
     "length_dist",
@@ -21,8 +22,13 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "thread_count",
     "token_ids",
 ]
+
+MAX_THREADS = 1024
+"""Most torch CPU threads ``--threads`` takes: more made libgomp fail to create threads
+(exit 1) or crash the process (SIGSEGV at 100000)."""
 
 
 def _int_at_least(text: str, minimum: int, expected: str) -> int:
@@ -43,6 +49,14 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _int_at_least(text, 0, "an integer >= 0")
+
+
+def thread_count(text: str) -> int:
+    """An integer in ``[1, MAX_THREADS]``."""
+    value = _int_at_least(text, 1, f"an integer in [1, {MAX_THREADS}]")
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_THREADS}], got {value}")
+    return value
 
 
 def positive_float(text: str) -> float:

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from kvblocks.cli.arg_types import non_negative_int, positive_int, token_ids
+from kvblocks.cli.arg_types import non_negative_int, positive_int, thread_count, token_ids
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["add_parser", "format_table", "run"]
@@ -130,7 +130,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     eng.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
         help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to "
         "split, torch's default for a checkpoint)",
