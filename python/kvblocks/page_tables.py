@@ -194,6 +194,11 @@ def _check(
             "block_tables must be a 2-D (or, one per KV cache group, 3-D) int32 array, got "
             f"shape {block_tables.shape} dtype {block_tables.dtype}"
         )
+    if block_tables.ndim == 3 and block_tables.shape[0] == 0:
+        raise InvalidArgumentError(
+            "stacked block_tables must hold at least one KV cache group's table, got shape "
+            f"{block_tables.shape}"
+        )
     lens = _int_vector("seq_lens", seq_lens, None)
     num_seqs = lens.shape[0]
     table_rows, width = block_tables.shape[-2:]

@@ -191,3 +191,13 @@ def test_skip_released_of_empty_sequences_and_batches() -> None:
         assert fi.kv_indices.size == 0 and fi.kv_start is not None
         np.testing.assert_array_equal(fi.kv_indptr, np.zeros(len(lens) + 1))
         np.testing.assert_array_equal(fi.kv_start, np.zeros(len(lens)))
+
+
+@pytest.mark.parametrize("build", [flashinfer_page_table, flash_attention_page_table])
+@pytest.mark.parametrize("lens", [[4, 4], [4, 8]])
+def test_a_stack_of_no_group_tables_is_rejected(build: object, lens: list[int]) -> None:
+    # A [0, S, B] stack: FlashInfer's export raised a bare ValueError (reshape) for equal
+    # lengths and returned indptr naming pages of an empty kv_indices for ragged ones;
+    # FlashAttention's returned a block table of no group.
+    with pytest.raises(InvalidArgumentError, match="at least one"):
+        build(np.zeros((0, 2, 4), np.int32), np.array(lens), 4)  # type: ignore[operator]
