@@ -298,7 +298,10 @@ def flashinfer_page_table(
     last[c.seq_lens == 0] = 0
     used = int(c.num_blocks.max()) if num_seqs else 0
     grouped = c.table.ndim == 3
-    if c.rows is None and (num_seqs == 0 or int(c.num_blocks.min()) == used):
+    if used == 0:
+        # No pages (the gather cannot count the rows of a table with no columns).
+        kv_indices = np.zeros((c.table.shape[0], 0) if grouped else 0, dtype=np.int32)
+    elif c.rows is None and (num_seqs == 0 or int(c.num_blocks.min()) == used):
         # Every sequence uses the same columns: the rows cut to them are the CSR list
         # already (no copy when they are the whole of a C-contiguous per-step table).
         cut = np.ascontiguousarray(c.table[..., :used])

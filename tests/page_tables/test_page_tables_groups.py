@@ -201,3 +201,14 @@ def test_a_stack_of_no_group_tables_is_rejected(build: object, lens: list[int]) 
     # FlashAttention's returned a block table of no group.
     with pytest.raises(InvalidArgumentError, match="at least one"):
         build(np.zeros((0, 2, 4), np.int32), np.array(lens), 4)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("groups", [(), (2,)])
+def test_rows_of_a_zero_width_table_export_no_pages(groups: tuple[int, ...]) -> None:
+    # Empty sequences in a persistent table of no columns: with rows= the export raised
+    # "rows[0] = 0 is outside the table's 0 rows" (the gather saw no rows in no entries).
+    table = np.zeros((*groups, 3, 0), np.int32)
+    lens, rows = np.array([0, 0]), np.array([2, 0])
+    pt = flashinfer_page_table(table, lens, 4, rows=rows)
+    assert pt.kv_indptr.tolist() == [0, 0, 0] and pt.kv_last_page_len.tolist() == [0, 0]
+    assert pt.kv_indices.shape == (*groups, 0) and pt.kv_indices.dtype == np.int32
