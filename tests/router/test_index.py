@@ -131,6 +131,20 @@ def test_bad_removals_and_tiers_raise_a_kvblocks_error_and_change_nothing() -> N
         assert idx.overlaps(H[:4]) == {0: 3} and len(idx) == 3 and idx.num_blocks(0) == 3
 
 
+def test_an_unhashable_instance_raises_a_kvblocks_error_and_changes_nothing() -> None:
+    # Instances are any hashable ids: a list raised a bare TypeError from the dicts.
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:2])))
+    for bad in (
+        BlockStoredRecord([1], (H[2],), H[1]),  # type: ignore[arg-type]
+        BlockRemovedRecord([1], (H[0],)),  # type: ignore[arg-type]
+        AllBlocksClearedRecord([1]),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidArgumentError, match="instance"):
+            idx.apply(bad)
+    assert idx.overlaps(H[:3]) == {0: 2} and len(idx) == 2
+
+
 def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:
     """Store, evict and reset on a real manager; the index follows exactly."""
     bs = 4

@@ -148,11 +148,18 @@ class PrefixIndex:
         """Apply one event record.
 
         Raises:
-            InvalidTypeError: not a record, a tier that is not a string, or a block hash
-                that is not ``bytes`` or ``int``.
+            InvalidTypeError: not a record, an unhashable instance, a tier that is not a
+                string, or a block hash that is not ``bytes`` or ``int``.
             InvalidArgumentError: a group (``>= MAX_GROUPS``), or a stored record's block
                 size or window, out of range. Nothing changes.
         """
+        if isinstance(record, (BlockStoredRecord, BlockRemovedRecord, AllBlocksClearedRecord)):
+            try:
+                hash(record.instance)  # a dict key and set member below
+            except TypeError:
+                raise InvalidTypeError(
+                    f"instance must be hashable, got {type(record.instance).__name__}"
+                ) from None
         if isinstance(record, BlockStoredRecord):
             rule = self._rule_of(record)
             self._check_blocks(record)
