@@ -115,6 +115,13 @@ def test_decoded_forms_and_bad_events() -> None:
             records_from_wire(0, bad)
 
 
+@pytest.mark.parametrize("events", [None, 3, 1.5])
+def test_a_batch_whose_events_are_not_a_list_is_refused(events: object) -> None:
+    # A decoded KVEventBatch with a null or scalar events field: bare TypeError before.
+    with pytest.raises(InvalidArgumentError, match="events"):
+        records_from_wire(0, events)  # type: ignore[arg-type]
+
+
 def test_vllm_0_33_fields_are_accepted_and_the_group_kept() -> None:
     """A vLLM 0.33 stream: stores and removals name their group, stores carry the group's
     spec, untagged extra keys and the offloading/session fields."""

@@ -84,6 +84,9 @@ def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]
         InvalidArgumentError: an event of another type or with malformed fields (nothing
             is returned for the batch).
     """
+    if not isinstance(events, Iterable):
+        # A decoded batch's events field is untrusted: null or a scalar on the wire.
+        raise InvalidArgumentError(f"events must be a list of events, got {type(events).__name__}")
     out: list[EventRecord] = []
     for event in events:
         kind, f = _fields(event)
