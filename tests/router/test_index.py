@@ -10,6 +10,7 @@ from kvblocks.router import (
     AllBlocksClearedRecord,
     BlockRemovedRecord,
     BlockStoredRecord,
+    CacheAwareRouter,
     PrefixIndex,
     records_from_manager,
 )
@@ -143,6 +144,22 @@ def test_an_unhashable_instance_raises_a_kvblocks_error_and_changes_nothing() ->
         with pytest.raises(InvalidArgumentError, match="instance"):
             idx.apply(bad)
     assert idx.overlaps(H[:3]) == {0: 2} and len(idx) == 2
+
+
+def test_queries_with_unhashable_hashes_raise_a_kvblocks_error() -> None:
+    # A bare TypeError (unhashable type: 'list') from the index's dict lookups before.
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:2])))
+    router = CacheAwareRouter(2, index=idx)
+    for query in (
+        lambda: idx.overlaps([H[0], [1]]),
+        lambda: idx.credited_overlaps([H[0], [1]], lambda m: 1.0),
+        lambda: idx.instances([1]),  # type: ignore[arg-type]
+        lambda: router.overlaps([H[0], [1]]),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            query()
+    assert idx.overlaps(H[:2]) == {0: 2}
 
 
 def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:

@@ -238,6 +238,7 @@ class PrefixIndex:
 
     def instances(self, block_hash: BlockHash, medium: str | None = None) -> set[Hashable]:
         """Instances holding ``block_hash`` (in ``medium``, or in any tier)."""
+        _check_query([block_hash], medium)
         media = [medium] if medium is not None else list(self._owners)
         found: set[Hashable] = set()
         for m in media:
@@ -264,7 +265,22 @@ class PrefixIndex:
         does; with KV cache groups it is the longest prefix every group serves (see the
         class docs). Instances with no match are absent. ``medium=None`` counts a block
         held in any tier.
+
+        Raises:
+            InvalidTypeError: a hash that is not ``bytes`` or ``int``, or a tier that is
+                not a string.
         """
+        if medium is not None and not isinstance(medium, str):
+            _check_query((), medium)
+        try:
+            return self._overlaps(block_hashes, medium)
+        except TypeError:
+            _check_query(block_hashes, medium)  # names the bad hash; else not ours
+            raise
+
+    def _overlaps(
+        self, block_hashes: Sequence[BlockHash], medium: str | None
+    ) -> dict[Hashable, int]:
         media = [medium] if medium is not None else list(self._owners)
         tables = [self._owners[m] for m in media if m in self._owners]
         matched: dict[Hashable, int] = {}
@@ -340,7 +356,20 @@ class PrefixIndex:
         """Like :meth:`overlaps` over all tiers, but each matched block counts
         ``credit(medium)`` of the best tier the instance holds it in (with KV cache
         groups: the worst, over the groups the hit needs that block from, of each
-        group's best tier; a block no group needs counts ``credit(DEFAULT_MEDIUM)``)."""
+        group's best tier; a block no group needs counts ``credit(DEFAULT_MEDIUM)``).
+
+        Raises:
+            InvalidTypeError: a hash that is not ``bytes`` or ``int``.
+        """
+        try:
+            return self._credited_overlaps(block_hashes, credit)
+        except TypeError:
+            _check_query(block_hashes, None)  # names the bad hash; else not ours
+            raise
+
+    def _credited_overlaps(
+        self, block_hashes: Sequence[BlockHash], credit: Callable[[str], float]
+    ) -> dict[Hashable, float]:
         tables = list(self._owners.items())
         total: dict[Hashable, float] = {}
         alive: set[Hashable] | None = None
@@ -366,3 +395,16 @@ class PrefixIndex:
             else:
                 total.pop(inst, None)
         return total
+
+
+def _check_query(block_hashes: object, medium: object) -> None:
+    """Raise :class:`InvalidTypeError` unless a query's hashes are a sequence of block
+    hashes and its tier a string or None. Queries check only after a lookup failed:
+    :meth:`CacheAwareRouter.route` checked its prompt already, and this is its hot path."""
+    if medium is not None and not isinstance(medium, str):
+        raise InvalidTypeError(f"medium must be a string or None, got {type(medium).__name__}")
+    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+        raise InvalidTypeError(
+            f"block_hashes must be a sequence of block hashes, got {type(block_hashes).__name__}"
+        )
+    check_block_hashes(block_hashes, "block_hashes", numpy=True)
