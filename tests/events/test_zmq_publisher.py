@@ -310,6 +310,18 @@ def test_close_checks_its_timeout_and_says_whether_the_thread_ended() -> None:
     assert p.close() is True  # idempotent
 
 
+def test_flush_checks_its_timeout() -> None:
+    # "5" raised a bare TypeError (monotonic() + "5"); nan never reached the deadline.
+    p = ZmqEventPublisher(ANY_PORT)
+    try:
+        for bad in (float("nan"), -1.0, "5", True):
+            with pytest.raises(InvalidArgumentError):
+                p.flush(bad)  # type: ignore[arg-type]
+        assert p.flush(0.0) is True and p.flush(float("inf")) is True  # nothing queued
+    finally:
+        assert p.close() is True
+
+
 def test_null_publisher_is_a_no_op() -> None:
     with NullEventPublisher() as p:
         p.publish([object()])

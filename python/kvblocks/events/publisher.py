@@ -229,7 +229,14 @@ class ZmqEventPublisher:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every batch published so far was sent (or dropped); ``False`` if
-        ``timeout`` seconds passed first. Replay serves a batch only once it was sent."""
+        ``timeout`` seconds passed first (``inf``: no deadline). Replay serves a batch
+        only once it was sent.
+
+        Raises:
+            InvalidArgumentError: ``timeout`` is not a number >= 0.
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
         deadline = time.monotonic() + timeout
         while self.published_batches + self.failed_batches + self.dropped_batches < (
             self._next_seq
