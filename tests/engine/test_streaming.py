@@ -279,6 +279,19 @@ def test_abort_from_inside_the_stream(llm: LLM) -> None:
     assert llm.abort_request("no-such-request") is None
 
 
+def test_abort_refuses_a_request_id_that_is_not_a_string(llm: LLM) -> None:
+    # An unhashable id raised a bare TypeError from the call's dict of runs.
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    stream = llm.stream(PROMPTS, params)
+    first = next(stream)
+    for bad in (["x"], {"x": 1}, 1):
+        with pytest.raises(InvalidArgumentError):
+            llm.abort_request(bad)  # type: ignore[arg-type]
+    records = [first, *stream]
+    assert all(r.outputs[0].finish_reason != FinishReason.ABORT for r in records if r.finished)
+    assert not llm.scheduler.has_unfinished_requests()
+
+
 def test_leaving_a_stream_early_leaves_the_engine_idle(llm: LLM) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     stream = llm.stream(PROMPTS, params)

@@ -31,7 +31,7 @@ from kvblocks.engine.prompts import Prompt
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
-from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
 from kvblocks.protocols import EventPublisher, RemoteTier
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Scheduler, SchedulerConfig
@@ -328,7 +328,12 @@ class LLM:
         Call it from the loop that consumes the stream: the same record is also the
         stream's next one. A request still held for its remote-tier read never reaches the
         scheduler: its record has every completion empty.
+
+        Raises:
+            InvalidTypeError: ``request_id`` is not a string.
         """
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
         run = self._outputs.active(request_id)
         if run is None:
             return None
