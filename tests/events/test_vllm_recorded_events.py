@@ -19,7 +19,7 @@ import pytest
 import zmq
 from zmq_helpers import END_SEQ, Subscriber
 
-from kvblocks import KVCacheManager
+from kvblocks import InvalidArgumentError, KVCacheManager
 from kvblocks.events import AllBlocksCleared, BlockStored, ZmqEventPublisher
 from kvblocks.events.wire import KVEventBatch, to_wire_events
 
@@ -313,3 +313,14 @@ def test_a_whole_replay_buffer_reaches_a_slow_subscriber() -> None:
             dealer.close(linger=0)
     assert ended, f"no end marker after {len(seqs)} of {n} batches"
     assert seqs == list(range(n))
+
+
+def test_to_wire_events_refuses_unknown_formats() -> None:
+    # An unknown hash_format sent whole digests as bytes, an unknown wire_format the map
+    # form, both without a word (the publisher checks its formats; this did not).
+    m = manager(8)
+    m.add_sequence(0, list(range(BS)))
+    events = run(m, 0, list(range(BS)), [])[0]
+    for kwargs in ({"hash_format": "hex"}, {"wire_format": "json"}, {"hash_format": None}):
+        with pytest.raises(InvalidArgumentError):
+            to_wire_events(events, **kwargs)  # type: ignore[arg-type]

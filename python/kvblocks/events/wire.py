@@ -174,8 +174,10 @@ def to_wire_events(
     The array form stops at ``lora_name``, as the subscribers of older vLLM expect.
 
     Raises:
-        TypeError: an event that is neither a kvblocks nor a wire event.
+        InvalidArgumentError: an unknown ``wire_format`` or ``hash_format``.
+        InvalidTypeError: an event that is neither a kvblocks nor a wire event.
     """
+    check_formats(wire_format, hash_format)
     array = wire_format == "array"
     out: list[WireEvent] = []
     for ev in events:
