@@ -114,6 +114,21 @@ def test_beam_search_stops_at_max_tokens_and_ranks_by_score(rust_manager) -> Non
     assert len({tuple(c.token_ids) for c in outs}) == 4
 
 
+def test_beam_search_with_an_extreme_length_penalty_finishes(rust_manager) -> None:
+    """length ** length_penalty beyond a float (1e308, 2000) raised OverflowError, and
+    its underflow to 0 (-2000) ZeroDivisionError, in the middle of update, leaving the
+    request unfinished; the score is now the float the quotient rounds to."""
+    assert beam_score(-1.0, 2, 2000.0) == 0.0 and beam_score(-1.0, 2, -2000.0) == -np.inf
+    assert beam_score(0.0, 2, -2000.0) == 0.0 and beam_score(-3.0, 3, 1.0) == -1.0
+    for penalty in (1e308, 2000.0, -2000.0):
+        sched = Scheduler(rust_manager(64, 4), SchedulerConfig())
+        params = SamplingParams(max_tokens=4, beam_width=2, length_penalty=penalty)
+        sched.add_request(Request("b", [1, 2, 3], params))
+        outputs, _ = run_to_completion(sched)
+        assert len(outputs["b"].outputs[0].token_ids) == 4
+        assert not sched.has_unfinished_requests()
+
+
 def test_forked_requests_give_the_same_tokens_with_and_without_pressure(make_manager) -> None:
     reqs = [
         Request("n2", [5, 6, 7, 8, 9], SamplingParams(max_tokens=10, n=2)),

@@ -43,8 +43,14 @@ class Hypothesis:
 
 
 def beam_score(cum_logprob: float, length: int, length_penalty: float) -> float:
-    """``cum_logprob / length ** length_penalty`` (higher is better)."""
-    return cum_logprob / math.pow(max(length, 1), length_penalty)
+    """``cum_logprob / length ** length_penalty`` (higher is better), as the float the
+    quotient rounds to when the power leaves the float range (an extreme penalty)."""
+    try:
+        return cum_logprob / math.pow(max(length, 1), length_penalty)
+    except OverflowError:  # a power above 1.8e308: the quotient is below every float
+        return 0.0
+    except ZeroDivisionError:  # a power that underflowed to 0: the quotient is infinite
+        return 0.0 if cum_logprob == 0 else math.copysign(math.inf, cum_logprob)
 
 
 def select_beams(
