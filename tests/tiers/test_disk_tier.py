@@ -170,6 +170,19 @@ def test_a_stray_file_with_an_overlong_hash_name_is_left_alone(
     assert stray.exists()
 
 
+def test_an_oversized_file_is_rejected_without_reading_it_whole(
+    tmp_path: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A block's file grown to 64 GiB (sparse here): get_many read all of it into memory
+    # before the length check (MemoryError, or the process killed for memory).
+    tier = DiskTier(tmp_path, layout, 4)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    os.truncate(tier.path_of(block_hash(0)), 64 << 30)
+    with logs_warning(caplog, "rejected"):
+        assert tier.get_many([block_hash(0)]) == [None]
+    assert tier.stats().rejected == 1 and not tier.path_of(block_hash(0)).exists()
+
+
 def test_leftover_temporaries_are_removed_on_open(tmp_path: Path, layout: KVLayout) -> None:
     tier = DiskTier(tmp_path, layout, 4)
     tier.put(block_hash(0), random_payload(layout, 0))

@@ -20,11 +20,12 @@ from kvblocks.tiers.codec import (
     decode_block,
     encode_block,
     payload_offset,
+    record_nbytes,
 )
 from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
-from kvblocks.tiers.mac import RecordKey, resolve_key
+from kvblocks.tiers.mac import MAC_SIZE, RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
 from kvblocks.validation import check_int, check_priority
@@ -323,7 +324,9 @@ class DiskTier:
     def _read(self, path: Path, block_hash: bytes) -> torch.Tensor | None:
         try:
             with open(path, "rb") as f:
-                data = bytearray(f.read())
+                # One byte past the longest record (a MAC'd one: a tier without the key
+                # reads those too) rejects a longer file without reading it whole.
+                data = bytearray(f.read(record_nbytes(self.layout, block_hash) + MAC_SIZE + 1))
         except FileNotFoundError:
             self._index.remove(block_hash)
             return None
