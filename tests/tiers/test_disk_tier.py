@@ -183,6 +183,16 @@ def test_an_oversized_file_is_rejected_without_reading_it_whole(
     assert tier.stats().rejected == 1 and not tier.path_of(block_hash(0)).exists()
 
 
+def test_a_directory_named_like_a_block_is_not_indexed(tmp_path: Path, layout: KVLayout) -> None:
+    # It was indexed as a block: it filled a slot for good (every read failed with
+    # IsADirectoryError, counted as an error, and kept it) and len() counted it.
+    tier = DiskTier(tmp_path, layout, 2)
+    (tier.root / (block_hash(5).hex() + ".kvb")).mkdir()
+    tier.close()
+    tier = DiskTier(tmp_path, layout, 2)
+    assert len(tier) == 0 and not tier.contains_many([block_hash(5)])[0]
+
+
 def test_leftover_temporaries_are_removed_on_open(tmp_path: Path, layout: KVLayout) -> None:
     tier = DiskTier(tmp_path, layout, 4)
     tier.put(block_hash(0), random_payload(layout, 0))

@@ -221,6 +221,9 @@ class DiskTier:
             try:
                 block_hash = bytes.fromhex(name[: -len(_SUFFIX)])
                 mtime = entry.stat().st_mtime_ns
+                # A directory of a block's name is nothing this tier wrote or can read.
+                if not entry.is_file():
+                    continue
             except (ValueError, OSError):
                 continue
             # A longer name is no block this tier wrote (path_of refuses its hash, so it
