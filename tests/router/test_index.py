@@ -162,6 +162,23 @@ def test_queries_with_unhashable_hashes_raise_a_kvblocks_error() -> None:
     assert idx.overlaps(H[:2]) == {0: 2}
 
 
+def test_instance_arguments_that_are_unhashable_raise_a_kvblocks_error() -> None:
+    # Bare TypeErrors (unhashable type: 'list') from the index's dicts before.
+    idx = PrefixIndex()
+    idx.apply(BlockStoredRecord(0, tuple(H[:2])))
+    spec = KVCacheManager(16, 4).groups
+    before = idx.group_rules(0)
+    for call in (
+        lambda: idx.clear_instance([0]),
+        lambda: idx.num_blocks([0]),
+        lambda: idx.group_rules([0]),
+        lambda: idx.set_group_specs([0], spec, 4),
+    ):
+        with pytest.raises(InvalidArgumentError, match="instance"):
+            call()  # type: ignore[no-untyped-call]
+    assert idx.overlaps(H[:2]) == {0: 2} and idx.group_rules(0) == before
+
+
 def test_a_real_managers_events_keep_the_index_equal_to_its_cache() -> None:
     """Store, evict and reset on a real manager; the index follows exactly."""
     bs = 4

@@ -76,6 +76,7 @@ class PrefixIndex:
         Raises:
             InvalidArgumentError: not group specs, or a bad ``block_size``.
         """
+        _check_instance(instance)
         block_size = check_int(block_size, "block_size", minimum=1)
         rules = {}
         for g, spec in enumerate(groups):
@@ -97,6 +98,7 @@ class PrefixIndex:
 
     def group_rules(self, instance: Hashable) -> dict[int, GroupRule]:
         """``instance``'s groups as the index knows them (group -> rule)."""
+        _check_instance(instance)
         return dict(self._rules.get(instance, {}))
 
     @staticmethod
@@ -154,12 +156,7 @@ class PrefixIndex:
                 size or window, out of range. Nothing changes.
         """
         if isinstance(record, (BlockStoredRecord, BlockRemovedRecord, AllBlocksClearedRecord)):
-            try:
-                hash(record.instance)  # a dict key and set member below
-            except TypeError:
-                raise InvalidTypeError(
-                    f"instance must be hashable, got {type(record.instance).__name__}"
-                ) from None
+            _check_instance(record.instance)
         if isinstance(record, BlockStoredRecord):
             rule = self._rule_of(record)
             self._check_blocks(record)
@@ -228,6 +225,7 @@ class PrefixIndex:
 
     def clear_instance(self, instance: Hashable) -> None:
         """Forget every block of ``instance`` in every tier (``AllBlocksCleared``)."""
+        _check_instance(instance)
         for medium, held in self._held.pop(instance, {}).items():
             owners = self._owners[medium]
             for h in held:
@@ -247,6 +245,7 @@ class PrefixIndex:
 
     def num_blocks(self, instance: Hashable, medium: str | None = None) -> int:
         """Distinct blocks ``instance`` holds (in ``medium``, or summed over tiers)."""
+        _check_instance(instance)
         tiers = self._held.get(instance, {})
         if medium is not None:
             return len(tiers.get(medium, ()))
@@ -408,3 +407,13 @@ def _check_query(block_hashes: object, medium: object) -> None:
             f"block_hashes must be a sequence of block hashes, got {type(block_hashes).__name__}"
         )
     check_block_hashes(block_hashes, "block_hashes", numpy=True)
+
+
+def _check_instance(instance: object) -> None:
+    """Raise :class:`InvalidTypeError` unless ``instance`` can key the index's dicts."""
+    try:
+        hash(instance)
+    except TypeError:
+        raise InvalidTypeError(
+            f"instance must be hashable, got {type(instance).__name__}"
+        ) from None
