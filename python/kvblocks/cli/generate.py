@@ -132,8 +132,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--threads",
         type=thread_count,
         default=None,
-        help="torch CPU threads (default: 1 for the tiny model, whose ops are too small to "
-        "split, torch's default for a checkpoint)",
+        help="torch CPU threads, 1..1024 (default: 1 for the tiny model, whose ops are too "
+        "small to split, torch's default for a checkpoint)",
     )
     tier = p.add_argument_group(
         "remote tier",
