@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.validation import INT32_MAX, check_bool, check_int, check_number
+from kvblocks.validation import (
+    INT32_MAX,
+    RETENTION_PRIORITY_MAX,
+    check_bool,
+    check_int,
+    check_number,
+)
 
 __all__ = ["SamplingParams", "as_token_ids"]
 
@@ -107,11 +113,12 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int(self.logprobs, "logprobs", minimum=0)
         if self.retention_priority is not None:
-            check_int(self.retention_priority, "retention_priority", minimum=0)
-            if self.retention_priority > 100:
-                raise InvalidArgumentError(
-                    f"retention_priority must be in [0, 100], got {self.retention_priority}"
-                )
+            check_int(
+                self.retention_priority,
+                "retention_priority",
+                minimum=0,
+                maximum=RETENTION_PRIORITY_MAX,
+            )
         if self.beam_width > 1 and (self.min_tokens or self.logprobs is not None):
             raise InvalidArgumentError("min_tokens and logprobs are not supported with beam search")
         check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")

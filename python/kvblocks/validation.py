@@ -27,6 +27,7 @@ __all__ = [
     "check_number",
     "check_optional_int",
     "check_priority",
+    "check_request_id",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -72,9 +73,18 @@ RETENTION_PRIORITY_MAX = 100
 
 
 def check_priority(value: object, name: str = "priority") -> int:
-    """A retention priority: an int (or NumPy integer) in ``[0, 100]``, as every level
-    (the manager, ``Request``, ``SamplingParams``) takes it; else raise."""
+    """A tier's retention priority: an int (or NumPy integer) in ``[0, 100]``, the range
+    the manager, ``Request`` and ``SamplingParams`` take; else raise."""
     return check_int(value, name, minimum=0, maximum=RETENTION_PRIORITY_MAX, numpy=True)
+
+
+def check_request_id(value: object) -> str:
+    """``value`` if it is a ``str`` (request ids are: ``Request`` checks them), else raise
+    :class:`InvalidTypeError` (an unhashable id would raise a bare ``TypeError`` from the
+    lookup it is used in)."""
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"request_id must be a str, got {type(value).__name__}")
+    return value
 
 
 def check_optional_int(

@@ -31,11 +31,12 @@ from kvblocks.engine.prompts import Prompt
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
-from kvblocks.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
+from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
 from kvblocks.protocols import EventPublisher, RemoteTier
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Scheduler, SchedulerConfig
 from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
+from kvblocks.validation import check_request_id
 
 __all__ = ["LLM", "Prompt"]
 
@@ -332,9 +333,7 @@ class LLM:
         Raises:
             InvalidTypeError: ``request_id`` is not a string.
         """
-        if not isinstance(request_id, str):
-            raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        run = self._outputs.active(request_id)
+        run = self._outputs.active(check_request_id(request_id))
         if run is None:
             return None
         if self._core.withdraw(request_id) is not None:

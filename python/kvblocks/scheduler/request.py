@@ -12,7 +12,12 @@ import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams
-from kvblocks.validation import check_int, check_number, check_optional_int
+from kvblocks.validation import (
+    RETENTION_PRIORITY_MAX,
+    check_int,
+    check_number,
+    check_optional_int,
+)
 
 __all__ = ["CompletionOutput", "FinishReason", "Request", "RequestMetrics", "RequestOutput"]
 
@@ -139,7 +144,7 @@ class Request:
             self.retention_priority,
             where + "retention_priority",
             minimum=0,
-            maximum=100,
+            maximum=RETENTION_PRIORITY_MAX,
             expected="an int in [0, 100] or None",
         )
         check_optional_int(

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from kvblocks.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
-    InvalidTypeError,
     SequenceStateError,
 )
 from kvblocks.protocols import BlockManager, EventPublisher
@@ -62,7 +61,7 @@ from kvblocks.scheduler.stats import (
 )
 from kvblocks.scheduler.step import Chunk, StepState, UpdateState
 from kvblocks.scheduler.step_outputs import StepOutputs
-from kvblocks.validation import check_int
+from kvblocks.validation import check_int, check_request_id
 
 __all__ = ["Scheduler"]
 
@@ -169,8 +168,8 @@ class Scheduler:
         flight, the request's blocks are released at the next ``update``.
 
         Raises:
-            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value, or
-                ``request_id`` not a string.
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value.
+            InvalidTypeError: ``request_id`` is not a string.
         """
         reason = FinishReason.parse(reason)
         state = self._lookup(request_id)
@@ -196,8 +195,9 @@ class Scheduler:
         ends the whole request with :meth:`abort_request`).
 
         Raises:
-            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value,
-                ``index`` not an int >= 0 or ``request_id`` not a string.
+            InvalidArgumentError: ``reason`` is not a :class:`FinishReason` value, or
+                ``index`` not an int >= 0.
+            InvalidTypeError: ``request_id`` is not a string.
         """
         reason = FinishReason.parse(reason)
         # Matched by equality: True or 1.0 would end completion 1 under that index.
@@ -208,11 +208,7 @@ class Scheduler:
         return self._records.end_sequence(state, index, reason, self.counters.num_steps)
 
     def _lookup(self, request_id: str) -> RequestState | None:
-        # Ids are strings (Request checks them): another type is a caller's mistake, and
-        # an unhashable one would raise a bare TypeError from the dict lookup.
-        if not isinstance(request_id, str):
-            raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        return self._registry.get(request_id)
+        return self._registry.get(check_request_id(request_id))
 
     def has_unfinished_requests(self) -> bool:
         """True while some request is waiting, running or swapped (or output is pending)."""
