@@ -22,6 +22,7 @@ which describes the newer cache state, is never the one lost.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -235,8 +236,8 @@ class ZmqEventPublisher:
         Raises:
             InvalidArgumentError: ``timeout`` is not a number >= 0.
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise InvalidArgumentError(f"timeout must be a number >= 0, got {timeout!r}")
+        if timeout != math.inf:
+            check_number(timeout, "timeout", minimum=0, expected="a number >= 0")
         deadline = time.monotonic() + timeout
         while self.published_batches + self.failed_batches + self.dropped_batches < (
             self._next_seq
