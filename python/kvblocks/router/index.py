@@ -176,15 +176,10 @@ class PrefixIndex:
     @staticmethod
     def _check_blocks(record: BlockStoredRecord | BlockRemovedRecord) -> None:
         """Raise unless the record's tier is a string and its hashes a sequence of block
-        hashes (bytes would iterate as ints, a generator would be used up here)."""
+        hashes."""
         if not isinstance(record.medium, str):
             raise InvalidTypeError(f"medium must be a string, got {type(record.medium).__name__}")
-        hashes = record.block_hashes
-        if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence):
-            raise InvalidTypeError(
-                f"block_hashes must be a sequence of block hashes, got {type(hashes).__name__}"
-            )
-        check_block_hashes(hashes, "block hashes")
+        _check_hash_sequence(record.block_hashes, "block hashes", numpy=False)
 
     def apply_all(self, records: Iterable[EventRecord]) -> None:
         """Apply records in stream order."""
@@ -402,11 +397,17 @@ def _check_query(block_hashes: object, medium: object) -> None:
     :meth:`CacheAwareRouter.route` checked its prompt already, and this is its hot path."""
     if medium is not None and not isinstance(medium, str):
         raise InvalidTypeError(f"medium must be a string or None, got {type(medium).__name__}")
-    if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Sequence):
+    _check_hash_sequence(block_hashes, "block_hashes", numpy=True)
+
+
+def _check_hash_sequence(hashes: object, name: str, *, numpy: bool) -> None:
+    """Raise unless ``hashes`` is a sequence of block hashes (bytes would iterate as ints,
+    a generator would be used up by the check)."""
+    if isinstance(hashes, (str, bytes)) or not isinstance(hashes, Sequence):
         raise InvalidTypeError(
-            f"block_hashes must be a sequence of block hashes, got {type(block_hashes).__name__}"
+            f"block_hashes must be a sequence of block hashes, got {type(hashes).__name__}"
         )
-    check_block_hashes(block_hashes, "block_hashes", numpy=True)
+    check_block_hashes(hashes, name, numpy=numpy)
 
 
 def _check_instance(instance: object) -> None:
