@@ -45,7 +45,6 @@ impl KVCacheManager {
             )));
         }
         self.check_lookahead(num_lookahead_tokens, "can_allocate")?;
-        let bs = self.config.block_size;
         let total = seq
             .tokens
             .len()
@@ -53,19 +52,11 @@ impl KVCacheManager {
             .ok_or_else(|| {
                 KvError::InvalidArgument("num_lookahead_tokens is too large".to_string())
             })?;
-        let table_len = total.div_ceil(bs);
         let hit = self.pools.probe(&seq.hashes, seq.probe_cap_blocks);
-        // Each attention group holds a block per table entry but those its claim leaves
-        // null; a recurrent group its claimed state and the states one step writes.
         let (mut required, mut claimed) = (0, 0);
-        for (g, spec) in self.pools.groups.iter().enumerate() {
-            let range = self.pools.hit_range(g, hit);
-            required += if spec.is_recurrent() {
-                range.len() + spec.state_writes(hit * bs, total, bs).count()
-            } else {
-                table_len - range.start
-            };
-            claimed += range.len();
+        for g in 0..self.pools.groups.len() {
+            required += self.held_by_step(g, hit, total);
+            claimed += self.pools.hit_range(g, hit).len();
         }
         // Referenced GPU hits cost nothing; free GPU hits and host-tier hits take a block.
         let shared = claimed
@@ -111,22 +102,9 @@ impl KVCacheManager {
         }
         self.validate_allocation(slot, num_new_tokens, num_lookahead_tokens)?;
         let (plan, needed) = self.plan_allocation(slot, num_new_tokens, num_lookahead_tokens);
-        let bs = self.config.block_size;
-        let step_len = plan.reserved.div_ceil(bs);
-        let mut step_held = 0usize;
-        for (g, spec) in self.pools.groups.iter().enumerate() {
-            let range = self.pools.hit_range(g, plan.claim);
-            // A recurrent group holds its claimed state and the states the step writes
-            // (as `can_allocate` counts them), not a block per table entry of the step.
-            step_held += if spec.is_recurrent() {
-                range.len()
-                    + spec
-                        .state_writes(plan.claim * bs, plan.reserved, bs)
-                        .count()
-            } else {
-                step_len - range.start.min(step_len)
-            };
-        }
+        let step_held: usize = (0..self.pools.groups.len())
+            .map(|g| self.held_by_step(g, plan.claim, plan.reserved))
+            .sum();
         let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
         if step_held > usable || self.peak_held(slot, num_lookahead_tokens) > usable {
             return Ok(AllocStatus::Never);
@@ -136,6 +114,22 @@ impl KVCacheManager {
             return Ok(AllocStatus::Later);
         }
         Ok(AllocStatus::Ok)
+    }
+
+    /// Blocks group `g` holds once a step from a claim of `claim` cached blocks has
+    /// reserved `end` tokens: an attention group a block per table entry but those its
+    /// claim leaves null, a recurrent group its claimed state and the states the step
+    /// writes (not a block per entry).
+    fn held_by_step(&self, g: usize, claim: usize, end: usize) -> usize {
+        let bs = self.config.block_size;
+        let spec = self.pools.groups[g];
+        let range = self.pools.hit_range(g, claim);
+        if spec.is_recurrent() {
+            range.len() + spec.state_writes(claim * bs, end, bs).count()
+        } else {
+            let table_len = end.div_ceil(bs);
+            table_len - range.start.min(table_len)
+        }
     }
 
     /// The most blocks the (not yet allocated) sequence holds in all groups together
