@@ -927,8 +927,9 @@ def gather_row_prefixes(
     """``table[rows[i], :counts[i]]`` for every ``i``, concatenated (int32): the ragged
     gather behind FlashInfer's CSR page list (:mod:`kvblocks.page_tables`), one copy per
     row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
-    2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
-    raise :class:`InvalidArgumentError` before anything is copied."""
+    2-D int32 array. Its rows are its shape's, so an ``(N, 0)`` table has ``N`` rows of no
+    pages (counts of 0). A count wider than the table, a row outside it, or mismatched
+    lengths raise :class:`InvalidArgumentError` before anything is copied."""
 
 def paged_decode_attention(
     out: npt.NDArray[np.float32],
