@@ -38,6 +38,7 @@ from kvblocks.events.wire import (
     HashFormat,
     KVEventBatch,
     WireFormat,
+    check_events,
     check_formats,
     to_wire_events,
 )
@@ -213,9 +214,11 @@ class ZmqEventPublisher:
         so the list must not be mutated afterwards.
 
         Raises:
+            InvalidTypeError: ``events`` is not a sequence of events (checked here, before
+                anything is queued: no sequence number is taken).
             PublisherClosedError: after :meth:`close`.
         """
-        if not events:
+        if not check_events(events):
             return
         ts = time.time()
         with self._cond:
