@@ -578,8 +578,10 @@ class KVCacheManager:
         real need of a step (a sliding-window or chunked group holds only the blocks from
         its claim on; earlier steps' blocks it released are not counted). ``NEVER`` when
         the pool minus the watermark holds less than this step keeps, or than the least
-        any schedule of the known tokens needs (computed one a step: every block of a
-        full-attention group, a window group's worst window). ``InvalidArgumentError``
+        any schedule of the known tokens after it needs (computed one a step: every block
+        of a full-attention group, a window group's worst window; a recurrent group's
+        first step from position 0 reads no state, so the step's own positions count
+        only as the step). ``InvalidArgumentError``
         as :meth:`allocate_slots` (more tokens than known past the cached prefix).
         """
 
