@@ -367,7 +367,11 @@ def test_flush_checks_its_timeout() -> None:
         assert p.close() is True
 
 
-def test_null_publisher_is_a_no_op() -> None:
+def test_null_publisher_drops_events_and_refuses_what_zmq_refuses() -> None:
     with NullEventPublisher() as p:
-        p.publish([object()])
-    p.close()
+        p.publish([])
+        p.publish([BlockRemoved(block_hashes=[1], medium="GPU")])
+        for bad in ([object()], None, "events"):
+            with pytest.raises(InvalidTypeError):
+                p.publish(bad)  # type: ignore[arg-type]
+    assert p.close() is True

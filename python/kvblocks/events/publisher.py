@@ -58,7 +58,13 @@ class NullEventPublisher:
     """A publisher that drops everything (the default when events are off)."""
 
     def publish(self, events: Sequence[Any]) -> None:
-        """Do nothing."""
+        """Drop ``events`` after the check :meth:`ZmqEventPublisher.publish` makes, so an
+        engine that swaps one publisher for the other meets the same errors.
+
+        Raises:
+            InvalidTypeError: ``events`` is not a sequence of events.
+        """
+        check_events(events)
 
     def close(self) -> bool:
         """Do nothing; True."""
