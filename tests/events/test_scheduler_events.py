@@ -149,7 +149,9 @@ def test_llm_publishes_its_prefix_cache() -> None:
 def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None:
     """A step that fails between schedule() and update() drops the prefix cache (its blocks
     may hold unfinished KV); the replacement scheduler keeps the publisher, so routers hear
-    AllBlocksCleared and their index matches the cache again."""
+    AllBlocksCleared and their index matches the cache again: when the failed call
+    returns, not only once a later call runs a step (an idle instance would otherwise be
+    routed requests for blocks it dropped)."""
     pytest.importorskip("torch")
     from kvblocks.engine import LLM
 
@@ -173,10 +175,17 @@ def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None
             llm.runner.execute = failing  # type: ignore[method-assign]
             with pytest.raises(RuntimeError, match="device lost"):
                 llm.generate([list(range(100, 140))], params)
-            llm.generate(prompts, params)
             assert pub.flush()
             index = Index()
             kinds: list[str] = []
+            while (got := sub.recv(timeout_ms=1000)) is not None:
+                kinds += [type(e).__name__ for e in DECODE.decode(got[2]).events]
+                index.apply(got[1], got[2])
+            assert kinds[-1:] == ["AllBlocksCleared"]
+            assert len(index.blocks) == llm.manager.stats()["num_cached_blocks"] == 0
+            assert llm.manager.take_events() == []  # nothing left for a later step to send
+            llm.generate(prompts, params)
+            assert pub.flush()
             while (got := sub.recv(timeout_ms=1000)) is not None:
                 kinds += [type(e).__name__ for e in DECODE.decode(got[2]).events]
                 index.apply(got[1], got[2])

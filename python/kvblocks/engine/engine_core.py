@@ -173,17 +173,32 @@ class EngineCore:
 
         Held requests and tracked sequences are dropped; ``unfinished`` requests are
         aborted; a step left in flight is cancelled (:meth:`_cancel_step`); the host-tier
-        ops the last step queued are applied (:meth:`_flush_tier_ops`).
+        ops the last step queued are applied (:meth:`_flush_tier_ops`); KV events queued
+        since the last step (a cancelled step's, its clear) are published.
         """
         if self.admission is not None:
             self.admission.clear()
         for rid in unfinished:
             self.scheduler.abort_request(rid)
         self.runner.sampler.forget(unfinished)
-        if self._in_flight is not None:
-            self._cancel_step(self._in_flight)
-        self._flush_tier_ops()
+        try:
+            if self._in_flight is not None:
+                self._cancel_step(self._in_flight)
+            self._flush_tier_ops()
+        finally:
+            # A cancelled step's clear (or a failed flush's) changed the cache outside a
+            # step: routers hear it now, not at the next call's first update(), which an
+            # idle instance may never run while they route to blocks it dropped.
+            self._publish_events()
         self.runner.sampler.num_logprobs = 0
+
+    def _publish_events(self) -> None:
+        """Publish the manager's events queued since the last ``update()``, as one batch."""
+        publisher = self.scheduler.event_publisher
+        if publisher is not None:
+            events = self.manager.take_events()
+            if events:
+                publisher.publish(events)
 
     def _cancel_step(self, out: SchedulerOutput) -> None:
         """Cancel the step between ``schedule()`` and ``update()`` of a failed call.
@@ -193,8 +208,8 @@ class EngineCore:
         are the placeholder draws from the generated-token count). The KV memory may not
         hold what the manager's tables say (a forward pass or a swap-in cut short), so
         every sequence is freed and the prefix cache dropped (its blocks may hold
-        unfinished KV); the step's events reach the publisher with the next step's,
-        followed by the clear.
+        unfinished KV); the step's events and the clear are published by
+        :meth:`end_call`, in one batch.
         """
         self._in_flight = None
         scheduler = self.scheduler
