@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from kvblocks import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import (
     BlockStoredRecord,
     CacheAwareRouter,
     InstanceLoad,
     LeastLoadedRouter,
+    PromptHasher,
     RoundRobinRouter,
     make_router,
+    records_from_manager,
 )
 
 H = tuple(bytes([i]) * 16 for i in range(10))
@@ -96,3 +99,27 @@ def test_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError):
         r.set_load(2, InstanceLoad())
     assert isinstance(make_router("least-loaded", 2), LeastLoadedRouter)
+
+
+def test_a_block_aligned_prompt_s_last_block_is_not_credited() -> None:
+    """A claim never covers a prompt's last token, so an instance holding every block of
+    a block-aligned prompt serves one block less than it holds: the router credits what
+    the manager then gives, not the blocks held."""
+    prompt = list(range(1, 9))  # two full blocks of 4
+    managers = [KVCacheManager(16, 4), KVCacheManager(16, 4)]
+    for m, tokens in zip(managers, (prompt, [*prompt[:4], 90, 91, 92, 93]), strict=True):
+        m.add_sequence(0, tokens)
+        m.allocate_slots(0, 8)
+        m.commit(0, 8)
+        m.free(0)
+    r = CacheAwareRouter(2)
+    for i, m in enumerate(managers):
+        r.apply_events(records_from_manager(i, m.take_events()))
+    hashes = PromptHasher(4).block_hashes(prompt)
+    assert len(hashes) == 2 and r.index.overlaps(hashes) == {0: 2, 1: 1}  # blocks held
+    for m in managers:
+        assert m.add_sequence(1, prompt) == 4  # ... but each serves one block
+    r.set_load(0, InstanceLoad(active_blocks=1))
+    # cost = 8 * (2 - 1) + active: instance 1, less loaded, for the same hit.
+    assert r.costs(hashes, 2) == [9.0, 8.0]
+    assert r.route(hashes, 2) == 1
