@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvblocks import KVCacheManager
@@ -123,3 +124,32 @@ def test_a_block_aligned_prompt_s_last_block_is_not_credited() -> None:
     # cost = 8 * (2 - 1) + active: instance 1, less loaded, for the same hit.
     assert r.costs(hashes, 2) == [9.0, 8.0]
     assert r.route(hashes, 2) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cost_credits_the_hit_a_real_manager_gives(seed: int) -> None:
+    """Random prompts over one shared text, block-aligned ones included, on a real manager
+    whose events feed the router: the cost of every new prompt credits exactly the hit
+    the manager then gives it."""
+    rng = np.random.default_rng(seed)
+    bs = 4
+    m = KVCacheManager(24, bs)  # small enough to evict
+    r = CacheAwareRouter(1, prefill_weight=1.0)  # cost = P - credit at no load
+    hasher = PromptHasher.from_manager(m)
+    text = rng.integers(1, 50, 48).tolist()
+    whole = 0  # block-aligned prompts the manager held whole
+    for sid in range(60):
+        prompt = text[: int(rng.integers(1, len(text) + 1))]
+        if rng.random() < 0.3:
+            prompt += rng.integers(50, 99, int(rng.integers(1, 6))).tolist()
+        m.add_sequence(sid, prompt)
+        p = -(-len(prompt) // bs)
+        hashes = hasher.block_hashes(prompt)
+        hit = m.num_cached_tokens(sid) // bs
+        assert r.costs(hashes, p) == [float(p - hit)], (sid, len(prompt), hit)
+        whole += len(hashes) == p and m.num_cached_prefix_blocks(hashes) == p
+        if m.allocate_slots(sid, len(prompt) - hit * bs) is not None:
+            m.commit(sid, len(prompt) - hit * bs)
+        m.free(sid)
+        r.apply_events(records_from_manager(0, m.take_events()))
+    assert whole > 0
