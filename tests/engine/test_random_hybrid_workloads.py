@@ -21,37 +21,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvblocks.engine import LLM
-from kvblocks.engine.dense import dense_greedy_generate, dense_logits
-from kvblocks.engine.models import CausalLM
+from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.engine.tiny import build_tiny_model, tiny_config
-from kvblocks.sampling_params import SamplingParams
+
+from .random_workload import draw_requests, install_dense_check
 
 # The recurrent mixers' chunked scan sums in another order than the dense one's.
 _TOLERANCE = {"bamba": 4e-4}
-
-
-def _install_dense_check(llm: LLM, model: CausalLM, tol: float) -> list[int]:
-    forward = llm.runner.forward_logits
-    checked = [0]
-
-    def checked_forward(out):
-        logits = forward(out)
-        if logits is None:
-            return logits
-        position = {int(s): i for i, s in enumerate(out.seq_ids.tolist())}
-        for row, seq in enumerate(out.sample_seq_ids.tolist()):
-            length = int(out.seq_lens[position[seq]])
-            tokens = torch.from_numpy(llm.manager.token_ids(seq)[:length].astype("int64"))
-            expected = dense_logits(model, tokens[None])[0, -1]
-            torch.testing.assert_close(logits[row], expected, rtol=tol, atol=tol)
-            checked[0] += 1
-        return logits
-
-    llm.runner.forward_logits = checked_forward  # type: ignore[method-assign]
-    return checked
 
 
 CASES = [
@@ -87,26 +65,15 @@ def test_random_hybrid_workload_matches_dense(family: str, seed: int) -> None:
     if family == "bamba":
         kwargs["state_checkpoint_blocks"] = rng.choice([None, 1, 2])
     llm = LLM(model, **kwargs)
-    checked = _install_dense_check(llm, model, _TOLERANCE.get(family, 1e-4))
-    shared = [rng.randrange(256) for _ in range(rng.randint(8, 40))]
-    prompts, params = [], []
-    for _ in range(rng.randint(2, 6)):
-        own = [rng.randrange(256) for _ in range(rng.randint(1, 30))]
-        prompts.append(shared + own if rng.random() < 0.6 else own)
-        kind = rng.choice(["greedy", "greedy", "sample", "n", "beam"])
-        max_tokens = rng.randint(4, 30)
-        if kind == "greedy":
-            params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0))
-        elif kind == "sample":
-            params.append(
-                SamplingParams(
-                    max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=rng.randrange(99)
-                )
-            )
-        elif kind == "n":
-            params.append(SamplingParams(max_tokens=max_tokens, n=2, temperature=1.0, top_k=30))
-        else:
-            params.append(SamplingParams(max_tokens=max_tokens, beam_width=2))
+    checked = install_dense_check(llm, model, _TOLERANCE.get(family, 1e-4))
+    prompts, params = draw_requests(
+        rng,
+        shared_tokens=(8, 40),
+        count=(2, 6),
+        own_tokens=(1, 30),
+        max_tokens=(4, 30),
+        stops=False,
+    )
     outputs = llm.generate(prompts, params)
     assert checked[0] > 0
     stats = llm.stats()["scheduler"]
