@@ -191,6 +191,18 @@ impl HostTier {
         Some((s, evicted))
     }
 
+    /// The slot holding (or being written with) block `hash` of `group`, if any.
+    pub fn slot_of(&self, group: usize, hash: &BlockHash) -> Option<u32> {
+        self.map.get(&key(group, *hash)).copied()
+    }
+
+    /// Whether slot `s` holds a written block (a prefix hit unless pinned by a load).
+    pub fn is_ready(&self, s: u32) -> bool {
+        self.slots
+            .get(s as usize)
+            .is_some_and(|slot| slot.phase == Phase::Ready)
+    }
+
     /// The group and hash slot `s` holds or is being written with (`None`: empty or out
     /// of range).
     pub fn slot_key(&self, s: usize) -> Option<(usize, BlockHash)> {
@@ -285,11 +297,11 @@ impl HostTier {
         removed
     }
 
-    /// `(group, hash)` of the blocks held (written or being written), in slot order.
-    pub fn held_hashes(&self) -> Vec<(usize, BlockHash)> {
+    /// `(group, hash)` of the written blocks, in slot order.
+    pub fn ready_hashes(&self) -> Vec<(usize, BlockHash)> {
         self.slots
             .iter()
-            .filter(|slot| slot.phase != Phase::Empty)
+            .filter(|slot| slot.phase == Phase::Ready)
             .map(|slot| (slot.group as usize, slot.hash))
             .collect()
     }
