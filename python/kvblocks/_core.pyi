@@ -578,8 +578,10 @@ class KVCacheManager:
         real need of a step (a sliding-window or chunked group holds only the blocks from
         its claim on; earlier steps' blocks it released are not counted). ``NEVER`` when
         the pool minus the watermark holds less than this step keeps, or than the least
-        any schedule of the known tokens needs (computed one a step: every block of a
-        full-attention group, a window group's worst window). ``InvalidArgumentError``
+        any schedule of the known tokens after it needs (computed one a step: every block
+        of a full-attention group, a window group's worst window; a recurrent group's
+        first step from position 0 reads no state, so the step's own positions count
+        only as the step). ``InvalidArgumentError``
         as :meth:`allocate_slots` (more tokens than known past the cached prefix).
         """
 
@@ -928,8 +930,9 @@ def gather_row_prefixes(
     """``table[rows[i], :counts[i]]`` for every ``i``, concatenated (int32): the ragged
     gather behind FlashInfer's CSR page list (:mod:`kvblocks.page_tables`), one copy per
     row. ``rows`` defaults to ``0 .. len(counts) - 1``; ``table`` must be a C-contiguous
-    2-D int32 array. A count wider than the table, a row outside it, or mismatched lengths
-    raise :class:`InvalidArgumentError` before anything is copied."""
+    2-D int32 array. Its rows are its shape's, so an ``(N, 0)`` table has ``N`` rows of no
+    pages (counts of 0). A count wider than the table, a row outside it, or mismatched
+    lengths raise :class:`InvalidArgumentError` before anything is copied."""
 
 def paged_decode_attention(
     out: npt.NDArray[np.float32],

@@ -299,7 +299,7 @@ def flashinfer_page_table(
     used = int(c.num_blocks.max()) if num_seqs else 0
     grouped = c.table.ndim == 3
     if used == 0:
-        # No pages (the gather cannot count the rows of a table with no columns).
+        # No pages: nothing to gather (and no table to copy, however wide).
         kv_indices = np.zeros((c.table.shape[0], 0) if grouped else 0, dtype=np.int32)
     elif c.rows is None and (num_seqs == 0 or int(c.num_blocks.min()) == used):
         # Every sequence uses the same columns: the rows cut to them are the CSR list

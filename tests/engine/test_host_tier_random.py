@@ -18,7 +18,7 @@ from kvblocks.engine import LLM, LlamaForCausalLM
 from kvblocks.engine.dense import dense_greedy_generate
 from kvblocks.sampling_params import SamplingParams
 
-from .test_random_workloads import _install_dense_check
+from .random_workload import install_dense_check
 
 
 def _mix(rng: random.Random) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -61,7 +61,7 @@ def test_random_workload_with_a_host_tier_matches_dense(
         device="cpu",
         seed=seed,
     )
-    checked = _install_dense_check(llm, tiny_llama)
+    checked = install_dense_check(llm, tiny_llama)
     prompts, params = _mix(rng)
     for _round in range(2):
         outputs = llm.generate(prompts, params)

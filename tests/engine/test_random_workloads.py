@@ -12,32 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvblocks.engine import LLM, LlamaForCausalLM
-from kvblocks.engine.dense import dense_greedy_generate, dense_logits
-from kvblocks.sampling_params import SamplingParams
+from kvblocks.engine.dense import dense_greedy_generate
 
-
-def _install_dense_check(llm: LLM, model: LlamaForCausalLM) -> list[int]:
-    forward = llm.runner.forward_logits
-    checked = [0]
-
-    def checked_forward(out):
-        logits = forward(out)
-        if logits is None:
-            return logits
-        position = {int(s): i for i, s in enumerate(out.seq_ids.tolist())}
-        for row, seq in enumerate(out.sample_seq_ids.tolist()):
-            length = int(out.seq_lens[position[seq]])
-            tokens = torch.from_numpy(llm.manager.token_ids(seq)[:length].astype("int64"))
-            expected = dense_logits(model, tokens[None])[0, -1]
-            torch.testing.assert_close(logits[row], expected, rtol=1e-4, atol=1e-4)
-            checked[0] += 1
-        return logits
-
-    llm.runner.forward_logits = checked_forward  # type: ignore[method-assign]
-    return checked
+from .random_workload import draw_requests, install_dense_check
 
 
 # Seeds 0-7 preempt (both modes), hit the prefix cache and chunk prompts between them;
@@ -58,29 +37,10 @@ def test_random_workload_matches_dense(tiny_llama: LlamaForCausalLM, seed: int) 
         device="cpu",
         seed=seed,
     )
-    checked = _install_dense_check(llm, tiny_llama)
-    shared = [rng.randrange(256) for _ in range(rng.randint(8, 24))]
-    prompts, params = [], []
-    for _ in range(6):
-        own = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
-        prompts.append(shared + own if rng.random() < 0.6 else own)
-        kind = rng.choice(["greedy", "greedy", "sample", "n", "beam"])
-        max_tokens = rng.randint(8, 24)
-        if kind == "greedy":
-            stop = (rng.randrange(256),) if rng.random() < 0.5 else ()
-            params.append(
-                SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
-            )
-        elif kind == "sample":
-            params.append(
-                SamplingParams(
-                    max_tokens=max_tokens, temperature=0.9, top_p=0.9, seed=rng.randrange(99)
-                )
-            )
-        elif kind == "n":
-            params.append(SamplingParams(max_tokens=max_tokens, n=2, temperature=1.0, top_k=30))
-        else:
-            params.append(SamplingParams(max_tokens=max_tokens, beam_width=2))
+    checked = install_dense_check(llm, tiny_llama)
+    prompts, params = draw_requests(
+        rng, shared_tokens=(8, 24), count=6, own_tokens=(1, 20), max_tokens=(8, 24), stops=True
+    )
     outputs = llm.generate(prompts, params)
     assert checked[0] > 0
     for prompt, p, out in zip(prompts, params, outputs, strict=True):

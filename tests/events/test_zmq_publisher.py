@@ -12,8 +12,14 @@ import vllm_array_structs as legacy
 import vllm_structs as vllm
 from zmq_helpers import END_SEQ, Subscriber, publish_one, wait_for
 
-from kvblocks import InvalidArgumentError, KVCacheManager
-from kvblocks.events import NullEventPublisher, PublisherClosedError, ZmqEventPublisher
+from kvblocks import InvalidArgumentError, InvalidTypeError, KVCacheManager
+from kvblocks.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    NullEventPublisher,
+    PublisherClosedError,
+    ZmqEventPublisher,
+)
 from kvblocks.events import publisher as publisher_mod
 
 DECODE = msgspec.msgpack.Decoder(type=vllm.KVEventBatch)
@@ -291,11 +297,50 @@ def test_bad_arguments_raise_and_leave_nothing_open() -> None:
             ZmqEventPublisher(p.endpoint, bind=True)  # address in use
         with pytest.raises(InvalidArgumentError):
             ZmqEventPublisher(ANY_PORT, replay_endpoint=p.endpoint)
-        # The sender thread survives a batch it cannot convert; the seq is skipped.
-        p.publish([object()])
-        p.publish([object()])
+        # The sender thread survives a batch it cannot encode (an event of the right type
+        # holding a hash msgpack has no form for); the seq is skipped.
+        unencodable = BlockRemoved(block_hashes=[object()], medium="GPU")  # type: ignore[list-item]
+        p.publish([unencodable])
+        p.publish([unencodable])
         wait_for(lambda: p.failed_batches == 2)
         assert p._thread.is_alive()
+
+
+def test_publish_rejects_a_non_event_list_on_the_callers_thread(pub: ZmqEventPublisher) -> None:
+    # It was checked only on the sending thread: the caller got no error, the batch took a
+    # seq that was never sent (a gap for subscribers) and only failed_batches counted it.
+    first, _, _, _ = manager_events()
+    sub = Subscriber(pub)
+    try:
+        seq0 = sub.sync(pub)
+        for bad in (
+            [object()],
+            [*first, 3],  # one bad element after good ones
+            [AllBlocksCleared(), None],
+            "BlockStored",
+            b"\x01",
+            5,
+            None,
+            {"a": AllBlocksCleared()}.values(),  # not a sequence: not the documented input
+            iter([AllBlocksCleared()]),
+        ):
+            with pytest.raises(InvalidTypeError):
+                pub.publish(bad)  # type: ignore[arg-type]
+        pub.publish(first)
+        got = sub.recv()
+    finally:
+        sub.close()
+    # Nothing queued, no seq taken: the next good batch carries the next number.
+    assert got is not None and got[1] == seq0
+    assert DECODE.decode(got[2]).events[0].block_hashes == [low64(first[0].block_hashes[0])]
+    assert pub.flush() and (pub.failed_batches, pub.dropped_batches) == (0, 0)
+    # A subclass of a wire struct is an event (the check's slow path) and is sent.
+    pub.publish((*first, _Cleared()))
+    assert pub.flush() and pub.published_batches == seq0 + 2 and pub.failed_batches == 0
+
+
+class _Cleared(AllBlocksCleared):
+    """A wire-struct subclass, as a caller's own event type would be."""
 
 
 def test_close_checks_its_timeout_and_says_whether_the_thread_ended() -> None:
@@ -322,7 +367,11 @@ def test_flush_checks_its_timeout() -> None:
         assert p.close() is True
 
 
-def test_null_publisher_is_a_no_op() -> None:
+def test_null_publisher_drops_events_and_refuses_what_zmq_refuses() -> None:
     with NullEventPublisher() as p:
-        p.publish([object()])
-    p.close()
+        p.publish([])
+        p.publish([BlockRemoved(block_hashes=[1], medium="GPU")])
+        for bad in ([object()], None, "events"):
+            with pytest.raises(InvalidTypeError):
+                p.publish(bad)  # type: ignore[arg-type]
+    assert p.close() is True

@@ -36,7 +36,7 @@ class ReferenceAllocation(ReferencePool):
     ) -> AllocStatus:
         """Can the whole known sequence get blocks, keeping the watermark free? With
         ``num_new_tokens``: can that step (past the cached prefix) get them, and can the
-        known tokens ever be computed (one a step: the window's worst count)?"""
+        known tokens after it ever be computed (one a step: the window's worst count)?"""
         lookahead = _check_int(num_lookahead_tokens, "num_lookahead_tokens", 0, _MAX_COUNT)
         sid, seq = self._get_running(seq_id, "check admission of")
         if seq.allocated:
@@ -50,7 +50,7 @@ class ReferenceAllocation(ReferencePool):
             new = _check_int(num_new_tokens, "num_new_tokens", 0, _MAX_COUNT)
             _, computed, _, _, taken = self._plan_allocation(sid, seq, new, lookahead)
             held = -(-(computed + new + lookahead) // bs) - start
-            for p in range(computed, len(seq.token_ids)):
+            for p in range(computed + new, len(seq.token_ids)):
                 first = start
                 if self._sliding_window is not None:
                     first = max(first, max(p + 1 - self._sliding_window, 0) // bs)

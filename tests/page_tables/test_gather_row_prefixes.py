@@ -28,6 +28,17 @@ def test_matches_a_per_row_loop_on_random_ragged_rows() -> None:
     np.testing.assert_array_equal(gather_row_prefixes(table, counts, rows), want)
 
 
+def test_a_table_without_columns_has_its_rows_of_no_pages() -> None:
+    # (3, 0) holds three empty rows; the gather took it for 0 rows and refused every row.
+    empty = np.zeros((3, 0), dtype=np.int32)
+    assert gather_row_prefixes(empty, [0, 0, 0]).tolist() == []
+    got = gather_row_prefixes(empty, [0, 0], rows=[2, 0])
+    assert got.dtype == np.int32 and got.tolist() == []
+    for counts, rows in (([1], None), ([0, 0, 0, 0], None), ([0], [3])):
+        with pytest.raises(InvalidArgumentError):
+            gather_row_prefixes(empty, counts, rows)  # wider than 0, or past 3 rows
+
+
 @pytest.mark.parametrize(
     ("table", "counts", "rows"),
     [

@@ -129,6 +129,28 @@ def test_a_prompt_peaking_outside_the_larger_chunks_period_is_refused() -> None:
     assert len(done["r"]) == 2
 
 
+def test_a_prompt_that_fits_only_in_one_step_from_position_0_is_admitted() -> None:
+    """A chunk of 3 and two recurrent groups over 6 blocks of 1: the 2-token prompt computed
+    in one step holds 2 + 2 + 1 = 5 blocks (a step from position 0 reads no state), one
+    token a step would hold 2 + 2 + 2 at the second token. ``add_request`` judged the
+    prompt by one token a step and refused it; it now tries the steps admission tries."""
+    groups = [
+        GroupSpec.chunked_local_attention(3),
+        GroupSpec.recurrent(1),
+        GroupSpec.recurrent(2),
+    ]
+    sched = Scheduler(KVCacheManager(6, 1, groups=groups, watermark=0.0), SchedulerConfig())
+    sched.add_request(Request("r", [11, 12], SamplingParams(max_tokens=1)))
+    out = sched.schedule()
+    assert out.num_prefill_tokens == 2
+    for result in sched.update(out, fake_step(out)).finished:
+        assert result.request_id == "r" and len(result.outputs[0].token_ids) == 1
+    assert not sched.has_unfinished_requests()
+    # Three tokens cannot: the step holds 3 + 3 + 2 (or 2 + 2 + 2 one a step).
+    with pytest.raises(InvalidArgumentError, match="can ever give"):
+        sched.add_request(Request("long", [11, 12, 13], SamplingParams(max_tokens=1)))
+
+
 def test_can_allocate_counts_the_steps_real_need_per_group() -> None:
     """``can_allocate(num_new_tokens=n)``: the blocks the step's ``allocate_slots`` takes
     in every group, against the whole-sequence form that counts every group's every

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from typing import Any
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -15,3 +17,13 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
         timeout=300,
         check=False,
     )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` that rejects ``NaN``, ``Infinity`` and ``-Infinity``, which Python
+    writes by default but strict parsers (JavaScript's, Go's, jq's) refuse."""
+    return json.loads(text, parse_constant=_reject_constant)

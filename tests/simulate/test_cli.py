@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from .cli_runner import loads_strict
 from .cli_runner import run_cli as _cli
 
 SMALL = ["--num-requests", "40", "--num-blocks", "512", "--saturation-requests", "60"]
@@ -30,6 +31,15 @@ def test_workload_options_reach_the_trace() -> None:
     assert s["history_tokens"] > 0 and s["prefix_hit_rate"] > 0.3
     assert all(server["capacity"] is None for server in doc["servers"])
     assert s["generated_tokens"] <= 40 * 8
+
+
+def test_json_is_strict_with_an_infinite_rate() -> None:
+    # json.dumps wrote the rate as the bare token Infinity, which strict parsers refuse.
+    proc = _cli(*SMALL, "--request-rate", "inf", "--capacity", "off", "--json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    doc = loads_strict(proc.stdout)
+    assert doc["config"]["request_rate"] is None  # every conversation at t=0
+    assert doc["summary"]["num_finished"] == 40
 
 
 def test_report_shows_percentiles_capacity_and_the_baselines() -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from .cli_runner import loads_strict
 from .cli_runner import run_cli as _cli
 
 TINY = [
@@ -21,7 +22,7 @@ TINY = [
 def test_all_routers_json() -> None:
     proc = _cli(*TINY, "--instances", "4", "--json")
     assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout)
+    doc = loads_strict(proc.stdout)  # strict JSON: the infinite rate is null, not Infinity
     assert doc["config"]["num_instances"] == 4
     assert doc["config"]["request_rate"] is None  # fleet default: every conversation at t=0
     rows = {r["router"]: r for r in doc["routers"]}

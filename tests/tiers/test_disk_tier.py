@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,67 @@ def test_a_directory_named_like_a_block_is_not_indexed(tmp_path: Path, layout: K
     tier.close()
     tier = DiskTier(tmp_path, layout, 2)
     assert len(tier) == 0 and not tier.contains_many([block_hash(5)])[0]
+
+
+class _StillBlocked(Exception):
+    """Not an OSError (TimeoutError is one): the tier's ``except OSError`` must not eat it."""
+
+
+@contextmanager
+def _fails_after(seconds: float) -> Iterator[None]:
+    """Raise _StillBlocked in the main thread if the block runs longer than ``seconds``: a
+    SIGALRM handler interrupts a blocking open(), so nothing is left hanging."""
+
+    def expire(signum: int, frame: object) -> None:
+        raise _StillBlocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_in_place_of_a_block_reads_as_a_miss(
+    tmp_path: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    # open() of a FIFO for reading waits for a writer: get_many blocked forever.
+    tier = DiskTier(tmp_path, layout, 4)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    tier.put(block_hash(1), random_payload(layout, 1))
+    path = tier.path_of(block_hash(0))
+    path.unlink()
+    os.mkfifo(path)
+    with _fails_after(5), logs_warning(caplog, "not a regular file"):
+        assert tier.get_many([block_hash(0)]) == [None]
+    assert _stored(tier, layout, [1]) == [1]
+    stats = tier.stats()
+    assert (stats.misses, stats.rejected, stats.hits) == (1, 1, 1)
+    assert not tier.contains_many([block_hash(0)])[0] and not path.exists()
+    assert tier.put(block_hash(0), random_payload(layout, 0))  # the name is usable again
+    assert _stored(tier, layout, [0]) == [0]
+
+
+def test_a_fifo_named_layout_json_does_not_block_the_open(
+    tmp_path: Path, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The constructor reads this layout's layout.json and, in a fresh directory, every
+    # other layout's: a FIFO in either place blocked it forever.
+    other = tmp_path / "other-layout"
+    other.mkdir()
+    os.mkfifo(other / "layout.json")
+    with _fails_after(5), logs_warning(caplog, "not a regular file"):
+        tier = DiskTier(tmp_path, layout, 4)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    tier.close()
+    own = tier.root / "layout.json"
+    own.unlink()
+    os.mkfifo(own)
+    with _fails_after(5), logs_warning(caplog, "not a regular file"):
+        reopened = DiskTier(tmp_path, layout, 4)
+    assert _stored(reopened, layout, [0]) == [0]
 
 
 def test_leftover_temporaries_are_removed_on_open(tmp_path: Path, layout: KVLayout) -> None:

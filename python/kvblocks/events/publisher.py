@@ -38,6 +38,7 @@ from kvblocks.events.wire import (
     HashFormat,
     KVEventBatch,
     WireFormat,
+    check_events,
     check_formats,
     to_wire_events,
 )
@@ -57,7 +58,13 @@ class NullEventPublisher:
     """A publisher that drops everything (the default when events are off)."""
 
     def publish(self, events: Sequence[Any]) -> None:
-        """Do nothing."""
+        """Drop ``events`` after the check :meth:`ZmqEventPublisher.publish` makes, so an
+        engine that swaps one publisher for the other meets the same errors.
+
+        Raises:
+            InvalidTypeError: ``events`` is not a sequence of events.
+        """
+        check_events(events)
 
     def close(self) -> bool:
         """Do nothing; True."""
@@ -213,9 +220,11 @@ class ZmqEventPublisher:
         so the list must not be mutated afterwards.
 
         Raises:
+            InvalidTypeError: ``events`` is not a sequence of events (checked here, before
+                anything is queued: no sequence number is taken).
             PublisherClosedError: after :meth:`close`.
         """
-        if not events:
+        if not check_events(events):
             return
         ts = time.time()
         with self._cond:

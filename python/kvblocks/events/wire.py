@@ -20,7 +20,7 @@ and the whole digest as bytes otherwise; ``hash_format="int"``/``"bytes"`` picks
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -141,6 +141,49 @@ WireEvent = (
     | ArrayBlockRemoved
     | ArrayAllBlocksCleared
 )
+
+
+_EVENT_TYPES = (
+    CoreBlockStored,
+    CoreBlockRemoved,
+    CoreAllBlocksCleared,
+    KVCacheEvent,
+    ArrayKVCacheEvent,
+)
+# The concrete classes: one set lookup per element, in C, for the usual batch.
+_EVENT_CLASSES = frozenset(
+    {
+        CoreBlockStored,
+        CoreBlockRemoved,
+        CoreAllBlocksCleared,
+        BlockStored,
+        BlockRemoved,
+        AllBlocksCleared,
+        ArrayBlockStored,
+        ArrayBlockRemoved,
+        ArrayAllBlocksCleared,
+    }
+)
+
+
+def check_events(events: object) -> Sequence[Any]:
+    """``events`` when it is a sequence (a list, a tuple) of kvblocks or wire events, the
+    input of :func:`to_wire_events`; else :class:`InvalidTypeError` naming what was given.
+
+    A type check per element and nothing more: :meth:`ZmqEventPublisher.publish` runs it on
+    the step's thread, so a bad argument raises at its caller instead of failing later on
+    the sending thread.
+    """
+    if isinstance(events, (str, bytes, bytearray)) or not isinstance(events, Sequence):
+        raise InvalidTypeError(
+            f"events must be a list of KV cache events, got {type(events).__name__}"
+        )
+    if not _EVENT_CLASSES.issuperset(map(type, events)):
+        # A subclass of a wire struct is an event too; anything else is named.
+        for i, ev in enumerate(events):
+            if not isinstance(ev, _EVENT_TYPES):
+                raise InvalidTypeError(f"events[{i}] is not a KV cache event: {type(ev).__name__}")
+    return events
 
 
 def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:

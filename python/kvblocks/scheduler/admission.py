@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvblocks._core import AllocStatus
 from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.config import SchedulerConfig
-from kvblocks.scheduler.placement import Placement, insort
+from kvblocks.scheduler.placement import Placement, insort, largest_step
 from kvblocks.scheduler.queues.prefix_hold import PrefixHold
 from kvblocks.scheduler.records import Records
 from kvblocks.scheduler.request import FinishReason
@@ -97,13 +97,7 @@ class Admission:
             length = step.budget
         # The step's real need in every group (a window group holds only its window and
         # the chunk), with the watermark kept free.
-        status = mgr.can_allocate(seq, num_new_tokens=length)
-        while status == AllocStatus.NEVER and length > 1:
-            # The pool can never hold this step whole (a window group holds every block
-            # of a step until it commits), but maybe a shorter one: a recomputed
-            # sequence, or a chunk, may be computed in smaller steps.
-            length = (length + 1) // 2
-            status = mgr.can_allocate(seq, num_new_tokens=length)
+        length, status = largest_step(mgr, seq, length)
         if status == AllocStatus.NEVER:
             self.records.end_early(state, FinishReason.LENGTH, step)
             return Deferred.ENDED

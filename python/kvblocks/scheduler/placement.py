@@ -26,7 +26,24 @@ from kvblocks.scheduler.request import Request
 from kvblocks.scheduler.request_state import RequestState, RequestStatus
 from kvblocks.scheduler.seq_table import SequenceTable
 
-__all__ = ["Placement", "insort", "retention_kwargs"]
+__all__ = ["Placement", "insort", "largest_step", "retention_kwargs"]
+
+
+def largest_step(manager: BlockManager, seq: int, length: int) -> tuple[int, AllocStatus]:
+    """The longest step of at most ``length`` tokens past the cached prefix that is not
+    ``NEVER`` for the (not yet allocated) sequence, with its status; halves from
+    ``length`` (``(1, NEVER)`` when not even one token a step can ever fit).
+
+    A step the pool cannot hold whole may fit shorter (a window group holds every block
+    of a step until it commits), and a shorter one may not (a recurrent group's first
+    step from position 0 reads no state, so one token a step holds a state more): both
+    admission and the check of a new request try the same lengths.
+    """
+    status = manager.can_allocate(seq, num_new_tokens=length)
+    while status == AllocStatus.NEVER and length > 1:
+        length = (length + 1) // 2
+        status = manager.can_allocate(seq, num_new_tokens=length)
+    return length, status
 
 
 class Placement:
@@ -135,8 +152,9 @@ class Placement:
             )
         state.registered_step = step
 
-    def enter(self, state: RequestState, step: int) -> None:
-        """Register a new request's sequence with the manager and queue it.
+    def enter(self, state: RequestState, step: int, max_step_tokens: int) -> None:
+        """Register a new request's sequence with the manager and queue it; a step
+        computes at most ``max_step_tokens`` of its prompt.
 
         Raises:
             InvalidArgumentError: the prompt can never fit in the pool (nothing changed).
@@ -150,10 +168,12 @@ class Placement:
             lora_id=request.lora_id,
             **retention_kwargs(request),
         )
-        # Steps are halved until the pool holds them, so a prompt can never fit only
-        # when one token a step does not: every group's real need, a window group's
+        # Admission halves a step until the pool holds it, so a prompt can never fit
+        # only when no step it tries does: every group's real need, a window group's
         # worst window (not one block per token in every group).
-        if self.manager.can_allocate(seq, num_new_tokens=1) == AllocStatus.NEVER:
+        cached = int(self.manager.num_computed_tokens(seq))
+        length = max(1, min(request.num_prompt_tokens - cached, max_step_tokens))
+        if largest_step(self.manager, seq, length)[1] == AllocStatus.NEVER:
             self.manager.free(seq)
             raise InvalidArgumentError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens "

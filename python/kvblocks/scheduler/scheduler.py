@@ -147,7 +147,9 @@ class Scheduler:
         metrics = RequestMetrics(float(given) if given is not None else now)
         state = RequestState(request, counter, key, registry.new_seq_id(), metrics)
         try:
-            self._placement.enter(state, self.counters.num_steps)
+            self._placement.enter(
+                state, self.counters.num_steps, self.config.max_num_batched_tokens
+            )
         except Exception:
             registry.give_back(state.seq_ids[0])  # e.g. a LoRA id the manager rejects
             raise

@@ -45,12 +45,16 @@ def _config_doc(results: Sequence[FleetResult]) -> dict[str, Any]:
 
 
 def format_fleet_json(results: Sequence[FleetResult]) -> str:
-    """``{"config": ..., "routers": [summary, ...]}`` (config of the first run)."""
+    """``{"config": ..., "routers": [summary, ...]}`` (config of the first run).
+
+    Strict JSON (RFC 8259): the infinite request rate is ``null``, and any other
+    non-finite number raises ``ValueError`` instead of being written as ``Infinity``.
+    """
     doc = {
         "config": _config_doc(results) if results else {},
         "routers": [r.summary() for r in results],
     }
-    return json.dumps(doc, indent=2)
+    return json.dumps(doc, indent=2, allow_nan=False)
 
 
 def format_fleet_table(results: Sequence[FleetResult]) -> str:

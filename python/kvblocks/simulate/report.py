@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from kvblocks.simulate.metrics import PERCENTILES
@@ -300,7 +301,12 @@ def _comparison(plan: PlanResult) -> list[str]:
 
 
 def format_json(plan: PlanResult) -> str:
-    """The summary, each server's numbers, capacity, and the configuration, as JSON."""
+    """The summary, each server's numbers, capacity, and the configuration, as JSON.
+
+    Strict JSON (RFC 8259): an infinite request rate (every conversation at t=0) is
+    ``null``, and any other non-finite number raises ``ValueError`` instead of being
+    written as ``Infinity`` or ``NaN``, which strict parsers reject.
+    """
     result = plan.paged
     cfg = result.config
     w = cfg.workload
@@ -328,7 +334,7 @@ def format_json(plan: PlanResult) -> str:
         "servers": servers,
         "config": {
             "num_requests": w.num_requests,
-            "request_rate": w.request_rate,
+            "request_rate": None if math.isinf(w.request_rate) else w.request_rate,
             "arrival": w.arrival,
             "seed": w.seed,
             "prompt_len": str(w.prompt_len),
@@ -358,4 +364,4 @@ def format_json(plan: PlanResult) -> str:
             "layers": None if cfg.layer_mix is None else str(cfg.layer_mix),
         },
     }
-    return json.dumps(doc, indent=2)
+    return json.dumps(doc, indent=2, allow_nan=False)

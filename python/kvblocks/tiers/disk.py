@@ -8,8 +8,10 @@ import itertools
 import json
 import logging
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -43,6 +45,25 @@ _MAX_HASH_BYTES = 100
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
+def _open_regular(path: Path) -> BinaryIO | None:
+    """``path`` opened for reading, or None (nothing left open) when it is not a regular
+    file: a FIFO, socket or device put in a block's or ``layout.json``'s place.
+
+    A plain open() of a FIFO waits for a writer, forever; with O_NONBLOCK it returns at
+    once and fstat tells what was opened. Raises OSError as open() does.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)  # ordinary reads from here on
+            return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 class DiskTier:
     """Block records (header + payload, :mod:`kvblocks.tiers.codec`) as files on local disk.
 
@@ -60,7 +81,8 @@ class DiskTier:
     A put writes a temporary file and renames it over the final name, so a crash mid-write
     leaves either the old state or the whole new record; leftover temporaries are removed
     on open, and every read verifies the record's checksum, so a torn or damaged file reads
-    as a miss (counted in ``rejected``, one warning per tier) and is deleted. A full tier
+    as a miss (counted in ``rejected``, one warning per tier) and is deleted; so does
+    anything but a regular file in a block's place (a FIFO is never waited on). A full tier
     (``capacity_blocks``) or a full disk (ENOSPC) evicts LRU blocks and retries; a put fails
     only when even an empty tier cannot hold the block (counted in ``dropped_puts``, with
     one warning).
@@ -139,9 +161,14 @@ class DiskTier:
         return self._root / (block_hash.hex() + _SUFFIX)
 
     def _describe(self, path: Path) -> dict[str, object] | None:
-        """A ``layout.json``'s contents (None: absent or unreadable)."""
+        """A ``layout.json``'s contents (None: absent, unreadable or not a regular file)."""
         try:
-            description = json.loads(path.read_text())
+            f = _open_regular(path)
+            if f is None:
+                logger.warning(f"disk tier: {path} is not a regular file; ignored")
+                return None
+            with f:
+                description = json.loads(f.read())
         except (OSError, ValueError):
             return None
         return description if isinstance(description, dict) else None
@@ -326,7 +353,11 @@ class DiskTier:
 
     def _read(self, path: Path, block_hash: bytes) -> torch.Tensor | None:
         try:
-            with open(path, "rb") as f:
+            f = _open_regular(path)
+            if f is None:
+                self._reject(block_hash, f"{path.name} is not a regular file")
+                return None
+            with f:
                 # One byte past the longest record (a MAC'd one: a tier without the key
                 # reads those too) rejects a longer file without reading it whole.
                 data = bytearray(f.read(record_nbytes(self.layout, block_hash) + MAC_SIZE + 1))
@@ -339,17 +370,9 @@ class DiskTier:
         try:
             decode_block(self.layout, block_hash, data, self._key)
         except CorruptBlockError as exc:
-            self._stats.rejected += 1
             if isinstance(exc, UnauthenticatedBlockError):
                 self._stats.unauthenticated += 1
-            if not self._warned_rejected:
-                self._warned_rejected = True
-                logger.warning(
-                    f"disk tier {self._root}: a block record was rejected and removed ({exc}); "
-                    "such blocks read as misses"
-                )
-            self._index.remove(block_hash)
-            self._unlink(block_hash)
+            self._reject(block_hash, str(exc))
             return None
         with contextlib.suppress(OSError):  # recency across restarts is best effort
             os.utime(path)
@@ -359,6 +382,19 @@ class DiskTier:
             count=self.layout.payload_nbytes,
             offset=payload_offset(block_hash),
         )
+
+    def _reject(self, block_hash: bytes, reason: str) -> None:
+        """Count, warn about (once per tier), unindex and remove a block whose file holds
+        no valid record."""
+        self._stats.rejected += 1
+        if not self._warned_rejected:
+            self._warned_rejected = True
+            logger.warning(
+                f"disk tier {self._root}: a block record was rejected and removed ({reason}); "
+                "such blocks read as misses"
+            )
+        self._index.remove(block_hash)
+        self._unlink(block_hash)
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each block is indexed (its file is verified only when read)."""

@@ -10,26 +10,24 @@ use crate::error::{KvError, Result};
 /// Concatenate `table[rows[i], ..counts[i]]` for every `i` (`rows`: every row in order
 /// when `None`).
 ///
-/// `table` is a row-major `[len / num_cols, num_cols]` matrix. Every argument is checked
-/// before anything is copied: `num_cols` must divide `table.len()` (and be non-zero unless
-/// the table is empty), each row must exist, each count may not exceed `num_cols`, and with
-/// `rows` the two slices must have the same length.
+/// `table` is a row-major `[num_rows, num_cols]` matrix, `shape = [num_rows, num_cols]`:
+/// the shape is passed, not derived from `table.len()`, because a table without columns
+/// still has its rows (each of them empty). Every argument is checked before anything is
+/// copied: `table.len()` must be `num_rows * num_cols`, each row must exist, each count may
+/// not exceed `num_cols`, and with `rows` the two slices must have the same length.
 pub fn gather_row_prefixes(
     table: &[i32],
-    num_cols: usize,
+    shape: [usize; 2],
     rows: Option<&[usize]>,
     counts: &[usize],
 ) -> Result<Vec<i32>> {
-    let num_rows = match table.len().checked_div(num_cols) {
-        Some(n) if n * num_cols == table.len() => n,
-        None if table.is_empty() => 0,
-        _ => {
-            return Err(KvError::InvalidArgument(format!(
-                "a table of {} entries is not a whole number of rows of {num_cols}",
-                table.len()
-            )))
-        }
-    };
+    let [num_rows, num_cols] = shape;
+    if num_rows.checked_mul(num_cols) != Some(table.len()) {
+        return Err(KvError::InvalidArgument(format!(
+            "a table of {} entries is not {num_rows} rows of {num_cols}",
+            table.len()
+        )));
+    }
     if let Some(rows) = rows {
         if rows.len() != counts.len() {
             return Err(KvError::InvalidArgument(format!(
@@ -77,26 +75,44 @@ mod tests {
     #[test]
     fn gathers_prefixes_in_order_or_by_row() {
         assert_eq!(
-            gather_row_prefixes(&TABLE, 4, None, &[1, 0, 4]).unwrap(),
+            gather_row_prefixes(&TABLE, [3, 4], None, &[1, 0, 4]).unwrap(),
             vec![1, 9, 10, 11, 12]
         );
         assert_eq!(
-            gather_row_prefixes(&TABLE, 4, Some(&[2, 0, 2]), &[2, 3, 0]).unwrap(),
+            gather_row_prefixes(&TABLE, [3, 4], Some(&[2, 0, 2]), &[2, 3, 0]).unwrap(),
             vec![9, 10, 1, 2, 3]
         );
         assert_eq!(
-            gather_row_prefixes(&[], 0, None, &[]).unwrap(),
+            gather_row_prefixes(&[], [0, 0], None, &[]).unwrap(),
             Vec::<i32>::new()
         );
     }
 
     #[test]
+    fn a_table_without_columns_has_its_rows() {
+        // `[3, 0]`: three rows of no entries, not zero rows.
+        assert_eq!(
+            gather_row_prefixes(&[], [3, 0], None, &[0, 0, 0]).unwrap(),
+            Vec::<i32>::new()
+        );
+        assert_eq!(
+            gather_row_prefixes(&[], [3, 0], Some(&[2, 0]), &[0, 0]).unwrap(),
+            Vec::<i32>::new()
+        );
+        assert!(gather_row_prefixes(&[], [3, 0], None, &[1]).is_err());
+        assert!(gather_row_prefixes(&[], [3, 0], None, &[0, 0, 0, 0]).is_err());
+        assert!(gather_row_prefixes(&[], [3, 0], Some(&[3]), &[0]).is_err());
+    }
+
+    #[test]
     fn rejects_what_does_not_fit_the_table() {
-        assert!(gather_row_prefixes(&TABLE, 5, None, &[1]).is_err());
-        assert!(gather_row_prefixes(&TABLE, 0, None, &[]).is_err());
-        assert!(gather_row_prefixes(&TABLE, 4, None, &[5]).is_err());
-        assert!(gather_row_prefixes(&TABLE, 4, None, &[1, 1, 1, 1]).is_err());
-        assert!(gather_row_prefixes(&TABLE, 4, Some(&[3]), &[1]).is_err());
-        assert!(gather_row_prefixes(&TABLE, 4, Some(&[0, 1]), &[1]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [2, 5], None, &[1]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [3, 0], None, &[]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [0, 4], None, &[]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [usize::MAX, 2], None, &[]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [3, 4], None, &[5]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [3, 4], None, &[1, 1, 1, 1]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [3, 4], Some(&[3]), &[1]).is_err());
+        assert!(gather_row_prefixes(&TABLE, [3, 4], Some(&[0, 1]), &[1]).is_err());
     }
 }

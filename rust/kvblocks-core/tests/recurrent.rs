@@ -301,6 +301,43 @@ fn admission_counts_the_claimed_state_and_the_states_one_step_writes() {
     );
 }
 
+/// A first step from position 0 reads no state: a 2-token prompt computed in one step
+/// holds 2 chunk blocks, 2 states of the every-block group and 1 of the every-2-blocks
+/// group (5 blocks, the usable pool), while one token a step holds an input and an
+/// output state of both recurrent groups at the second token (6). `can_allocate_step`
+/// said `Never` for the whole step, judging it by the one-a-step peak, and the scheduler
+/// refused the prompt.
+#[test]
+fn a_step_from_position_0_is_not_refused_for_the_states_one_a_step_would_hold() {
+    let chunked = GroupSpec::ChunkedLocalAttention { chunk: 3 };
+    let mut m = manager_with(6, 1, |c| {
+        c.groups = vec![chunked, recurrent(1), recurrent(2)];
+        c.watermark = 0.0;
+    });
+    m.add_sequence(1, &toks(0, 2), None, None).unwrap();
+    assert_eq!(
+        m.can_allocate_step(1, 2, 0).unwrap(),
+        kvblocks_core::AllocStatus::Ok
+    );
+    // One token first: the second then holds 2 + 2 + 2 > 5 whatever follows.
+    assert_eq!(
+        m.can_allocate_step(1, 1, 0).unwrap(),
+        kvblocks_core::AllocStatus::Never
+    );
+    assert_eq!(m.allocate_slots(1, 2, 0).unwrap().unwrap().len(), 5);
+    m.commit(1, 2, &[]).unwrap();
+    m.check_invariants().unwrap();
+    // And one token a step indeed stalls at the second token.
+    let mut m = manager_with(6, 1, |c| {
+        c.groups = vec![chunked, recurrent(1), recurrent(2)];
+        c.watermark = 0.0;
+    });
+    m.add_sequence(1, &toks(0, 2), None, None).unwrap();
+    assert!(m.allocate_slots(1, 1, 0).unwrap().is_some());
+    m.commit(1, 1, &[]).unwrap();
+    assert!(m.allocate_slots(1, 1, 0).unwrap().is_none());
+}
+
 #[test]
 fn a_state_goes_to_the_host_tier_and_comes_back_as_a_hit() {
     let mut m = manager_with(13, 2, |c| {

@@ -81,10 +81,14 @@ impl KVCacheManager {
     /// counted are those the step's `allocate_slots` takes (a window or chunked group
     /// needs only the blocks from its claim on, not every block of the prompt).
     /// `Never` when the pool minus the watermark holds less than this step keeps, or than
-    /// the least any schedule of the known tokens needs (computed one a step: a
-    /// full-attention group's every block, a window group's worst window; see
-    /// `peak_held`). Only for sequences not yet allocated and not swapped (else
-    /// `SequenceState`); `InvalidArgument` as `allocate_slots`.
+    /// the least any schedule of the rest of the known tokens needs once this step is
+    /// computed (one a step: a full-attention group's every block, a window group's worst
+    /// window; see `peak_held`). The positions this step computes count only as this
+    /// step: a recurrent group's step from position 0 reads no state and writes only its
+    /// checkpoints and last state, so computed one a step they would hold an input and an
+    /// output state that this step never holds together. Only for sequences not yet
+    /// allocated and not swapped (else `SequenceState`); `InvalidArgument` as
+    /// `allocate_slots`.
     pub fn can_allocate_step(
         &self,
         seq_id: u64,
@@ -106,7 +110,8 @@ impl KVCacheManager {
             .map(|g| self.held_by_step(g, plan.claim, plan.reserved))
             .sum();
         let usable = (self.config.num_blocks - 1).saturating_sub(self.watermark_blocks);
-        if step_held > usable || self.peak_held(slot, num_lookahead_tokens) > usable {
+        if step_held > usable || self.peak_held(slot, num_new_tokens, num_lookahead_tokens) > usable
+        {
             return Ok(AllocStatus::Never);
         }
         let free = self.pools.gpu.num_free() as i128;
@@ -133,16 +138,19 @@ impl KVCacheManager {
     }
 
     /// The most blocks the (not yet allocated) sequence holds in all groups together
-    /// while its known tokens are computed one at a time from its cached prefix: the
-    /// least any schedule of its steps needs (found at a few candidate positions, see
-    /// the `peak` module).
-    fn peak_held(&self, slot: usize, lookahead: usize) -> usize {
+    /// while the known tokens past a first step of `first_step` tokens from its cached
+    /// prefix are computed one at a time: the least any schedule of the rest needs
+    /// (found at a few candidate positions, see the `peak` module). Once that step is
+    /// computed every recurrent group holds a state, so one token a step is the least
+    /// for every kind of group; 0 when the step computes every known token.
+    fn peak_held(&self, slot: usize, first_step: usize, lookahead: usize) -> usize {
         let seq = &self.slots[slot];
         let bs = self.config.block_size;
         let known = seq.tokens.len();
         let cached = self.computed_of(seq).min(known.saturating_sub(1));
         let claim = cached / bs;
-        super::peak::peak_held(&self.pools.groups, bs, known, cached, lookahead, |g| {
+        let from = cached.saturating_add(first_step).min(known);
+        super::peak::peak_held(&self.pools.groups, bs, known, from, lookahead, |g| {
             self.pools.hit_range(g, claim).start
         })
     }

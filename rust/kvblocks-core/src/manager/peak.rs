@@ -1,6 +1,6 @@
 //! The least a sequence's computation needs: the most blocks it holds in all groups
-//! together while its known tokens are computed one a step (`can_allocate_step`'s
-//! `Never` bound).
+//! together while its known tokens past a first step are computed one a step
+//! (`can_allocate_step`'s `Never` bound).
 //!
 //! The query at position `p` reserves `T(p) = ceil((p + 1 + lookahead) / bs)` table entries
 //! and group `g` has released the first `r_g(p) = released_blocks(p)` of them (never fewer
