@@ -794,7 +794,8 @@ class KVCacheManager:
     ) -> tuple[BlockTableDelta, npt.NDArray[np.int64]]:
         """:meth:`update_block_table` of group 0 (``full=None``) for a step of decodes,
         and the cache slot (``block * block_size + offset``) of each sequence's token at
-        ``positions[i]``, read from its row just written: the scheduler's decode-only step
+        ``positions[i]``, read from its row just written (-1 when group 0 is a
+        recurrent-state group, as :meth:`slot_mapping`): the scheduler's decode-only step
         in one call. A position past the table's columns, or ``positions`` not one per
         sequence, is :class:`InvalidArgumentError` with nothing written; otherwise the
         errors of :meth:`update_block_table`."""

@@ -134,3 +134,25 @@ def test_a_step_check_counts_the_states_a_step_writes_not_every_entry() -> None:
     m.add_sequence(1, list(range(5)))
     assert m.can_allocate(1, num_new_tokens=5) == kvblocks.AllocStatus.OK
     assert m.allocate_slots(1, 5) is not None
+
+
+def test_a_decode_step_of_a_lone_state_group_maps_no_kv_slot() -> None:
+    """The one-table decode calls read each token's slot from the synced row: for a
+    manager whose one group is a recurrent state group they gave ``block * block_size +
+    offset`` inside the state block, where ``slot_mapping`` (and so every prefill step of
+    a scheduler) gives -1: the group keeps no per-token KV."""
+    m = KVCacheManager(32, 4, watermark=0.0, groups=[GroupSpec.recurrent(2)])
+    for sid in (1, 2):
+        m.add_sequence(sid, list(range(10 * sid, 10 * sid + 6)))
+        m.allocate_slots(sid, 6)
+        m.commit(sid, 6, [7])
+    table = np.zeros((2, 8), dtype=np.int32)
+    ids = np.array([2, 1])
+    for _ in range(5):
+        positions = np.array([m.num_tokens(int(s)) - 1 for s in ids])
+        served, synced = m.allocate_decode_step(table, ids, [0, 1], positions)
+        assert served == 2 and synced is not None
+        assert synced[1].tolist() == m.slot_mapping(ids, 1).tolist() == [-1, -1]
+        _, slots = m.update_decode_block_table(table, ids, [0, 1], positions)
+        assert slots.tolist() == [-1, -1]
+        m.commit_batch(ids, 1, np.array([7, 8]))

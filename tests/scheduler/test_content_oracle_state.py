@@ -5,15 +5,18 @@ The random configurations of ``test_content_oracle.py`` (policies, both preempti
 chunked prefill, prefix caching, CPU pools, host tiers, ``n > 1``, beam search, aborts)
 run over a manager with a full-attention group and one or two
 ``GroupSpec.recurrent(k)`` groups (``k`` of 1 to 3 blocks; no lookahead, which a state
-group refuses). Besides every attention read of the base harness, each step is checked
-as a recurrent engine runs it, from ``SchedulerOutput.state_mappings`` alone, after the
-step's ``memory_ops``:
+group refuses), or, in a fifth of them, the state groups alone (no attention group: a
+lone state group's decode-only steps take the scheduler's one-table fused decode call).
+Besides every attention read of the base harness, each step is checked as a recurrent
+engine runs it, from ``SchedulerOutput.state_mappings`` alone, after the step's
+``memory_ops``:
 
 1. each sequence reads, for every state group, the block ``read_blocks[i]`` names, and
    that block must hold exactly the state after the sequence's computed tokens (``-1``,
    the zero state, only before any token is computed): a prefix hit must have restored a
    cached checkpoint, a fork's copy-on-write copy, a swap or a tier load must have brought
-   the state there;
+   the state there; the group's row of ``group_slot_mappings`` is all ``-1`` (it keeps no
+   per-token KV);
 2. the step saves the states at ``write_positions`` (each checkpoint boundary it crosses,
    then its end, as the oracle's own rule :func:`oracle.kv_memory.state_writes` says) into
    ``write_blocks``, which no other sequence of the step reads or writes;
@@ -55,6 +58,16 @@ class StateConfig(base.Config):
         self.every = [int(rng.integers(1, 4)) for _ in range(int(rng.integers(1, 3)))]
         self.rules = [Attention()]
         self.groups = [GroupSpec.full_attention()] + [GroupSpec.recurrent(k) for k in self.every]
+        # A fifth of the configurations keep the state groups only (their own generator:
+        # the draws above stay what they were).
+        if np.random.default_rng(seed + 6_000_003).random() < 0.2:
+            self.rules = []
+            self.groups = self.groups[1:]
+
+    @property
+    def state_groups(self) -> range:
+        """The state groups' indices: after the attention group, if there is one."""
+        return range(len(self.rules), len(self.rules) + len(self.every))
 
 
 class StateHarness(base.Harness):
@@ -88,14 +101,18 @@ class StateHarness(base.Harness):
 
     def run_states(self, out: Any) -> None:
         cfg, mgr, mem = self.cfg, self.mgr, self.mem
-        groups = list(range(1, 1 + len(cfg.every)))
+        groups = list(cfg.state_groups)
         assert len(out.state_mappings) == (len(groups) if out.num_seqs else 0)
         if not out.num_seqs:
             return
         seqs = out.seq_ids.tolist()
         for g, mapping in zip(groups, out.state_mappings, strict=True):
-            every = cfg.every[g - 1]
+            every = cfg.every[g - groups[0]]
             assert len(mapping) == len(seqs)
+            if (out.group_slot_mappings[g] != -1).any():
+                raise ContentError(
+                    f"state group {g} maps KV slots: {out.group_slot_mappings[g].tolist()}"
+                )
             reads = mapping.read_blocks.tolist()
             indptr = mapping.write_indptr.tolist()
             written: dict[int, int] = {}
@@ -142,7 +159,7 @@ class StateHarness(base.Harness):
             request = self.sched._owner[seq].request
             computed = mgr.num_computed_tokens(seq)
             tokens = mgr.token_ids(seq).tolist()[:computed]
-            for g in range(1, 1 + len(self.cfg.every)):
+            for g in self.cfg.state_groups:
                 self.mem.check_state(
                     seq,
                     mgr.block_table(seq, group=g),

@@ -225,3 +225,33 @@ def test_a_single_group_output_has_one_group() -> None:
     np.testing.assert_array_equal(out.group_block_tables, out.block_tables[None])
     assert out.group_block_table is not None
     assert np.shares_memory(out.group_block_table, out.block_table)
+
+
+@pytest.mark.parametrize(
+    "group", [FULL, GroupSpec.sliding_window(5), GroupSpec.recurrent(2)], ids=str
+)
+def test_a_lone_groups_slots_are_the_managers_on_decode_steps(group: GroupSpec) -> None:
+    """A decode-only step of a one-group manager reads its slots in the fused decode
+    call: they must be the manager's ``slot_mapping`` (all -1 for a recurrent state
+    group, which keeps no per-token KV; the fused call gave slots inside the state
+    block), as on the prefill step."""
+    mgr = KVCacheManager(32, 4, groups=[group])
+    sched = Scheduler(mgr, SchedulerConfig())
+    for i in range(2):
+        sched.add_request(
+            Request(
+                f"r{i}",
+                list(range(10 * i, 10 * i + 6)),
+                SamplingParams(max_tokens=6, ignore_eos=True),
+            )
+        )
+    decodes = 0
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        want = mgr.slot_mapping(out.seq_ids, out.num_scheduled_tokens)
+        np.testing.assert_array_equal(out.slot_mapping, want)
+        if group.kind == "mamba":
+            assert (out.slot_mapping == -1).all()
+        decodes += out.num_prefill_tokens == 0
+        sched.update(out, fake_step(out))
+    assert decodes >= 4

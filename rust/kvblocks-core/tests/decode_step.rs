@@ -149,3 +149,41 @@ fn bad_calls_fail_and_change_nothing() {
         is_arg,
     );
 }
+
+#[test]
+fn a_lone_window_or_state_group_gets_the_slots_slot_mapping_gives() {
+    // The one group of the table may release blocks (a window) or keep no per-token KV
+    // (a recurrent state group, whose slot mapping is -1): the slots must still be
+    // slot_mapping's, not read from the table as if every entry held a token's KV.
+    for group in [
+        GroupSpec::SlidingWindow { window: 5 },
+        GroupSpec::Recurrent {
+            checkpoint_every_blocks: 2,
+        },
+    ] {
+        let mut fused = manager_with(64, 4, |c| c.groups = vec![group]);
+        running(&mut fused, &[1, 2], 6);
+        let mut split = fused.clone();
+        let ids = [2, 1];
+        let rows = [0i64, 1];
+        for step in 0..9i64 {
+            let pos = positions(&fused, &ids);
+            let got = fused
+                .allocate_decode_step(&ids, 0, &rows, 2, 8, &pos)
+                .unwrap();
+            split
+                .allocate_slots_batch(&ids, BatchArg::Scalar(1), 0)
+                .unwrap();
+            let delta = split
+                .sync_block_table(&ids, &rows, 2, 8, None, false)
+                .unwrap();
+            let slots = split.slot_mapping(&ids, Some(BatchArg::Scalar(1))).unwrap();
+            assert_eq!(got.synced, Some((delta, slots)), "{group} step {step}");
+            for m in [&mut fused, &mut split] {
+                let sampled = vec![100 + step; ids.len()];
+                m.commit_batch(&ids, BatchArg::Scalar(1), Some(BatchArg::Each(&sampled)))
+                    .unwrap();
+            }
+        }
+    }
+}

@@ -21,7 +21,8 @@ pub struct DecodeStep {
     pub num_served: usize,
     /// When every sequence was served and the table could take their tables: the writes
     /// into the table and each sequence's cache slot (`block * block_size + offset`) of
-    /// the token at its position. `None`: nothing was synced.
+    /// the token at its position (-1 when the group is a recurrent-state group, as
+    /// `slot_mapping`). `None`: nothing was synced.
     pub synced: Option<(BlockTableDelta, Vec<i64>)>,
 }
 
@@ -111,9 +112,15 @@ impl KVCacheManager {
             });
         }
         // The row holds the sequence's table padded with the null block: read the slot
-        // from the table itself.
+        // from the table itself. A recurrent-state group keeps no per-token KV: its slots
+        // are -1, as `slot_mapping` gives them (its table's blocks hold states).
+        let stateful = self.pools.groups[0].is_recurrent();
         let mut out = Vec::with_capacity(slots.len());
         let delta = self.write_rows(0, &slots, rows, false, total, |i, blocks| {
+            if stateful {
+                out.push(-1);
+                return;
+            }
             let pos = positions[i];
             let block = blocks.get(pos / bs).copied().unwrap_or(NULL_BLOCK);
             out.push(block as i64 * bs as i64 + (pos % bs) as i64);

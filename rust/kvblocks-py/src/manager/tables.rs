@@ -174,7 +174,7 @@ impl KVCacheManager {
                 ids.len()
             )));
         }
-        let bs = self.read(py, |m| m.block_size());
+        let (bs, stateful) = self.read(py, |m| (m.block_size(), m.groups()[0].is_recurrent()));
         // The slots are read from the rows after the sync: check every position's column
         // first, so that a bad position writes and consumes nothing.
         if let Some((i, pos)) = positions
@@ -200,6 +200,10 @@ impl KVCacheManager {
             .iter()
             .zip(&positions)
             .map(|(&row, &pos)| {
+                // A recurrent-state group keeps no per-token KV: -1, as slot_mapping.
+                if stateful {
+                    return -1;
+                }
                 let block = data[row as usize * num_cols + pos / bs] as i64;
                 block * bs as i64 + (pos % bs) as i64
             })
