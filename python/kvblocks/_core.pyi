@@ -673,6 +673,15 @@ class KVCacheManager:
         host-tier slots (the blocks written into them become hits, and their
         ``BlockStored`` events, medium ``"CPU"``, are queued now). Ops queued since stay
         pinned. A no-op without a tier."""
+    def discard_memory_ops(self) -> None:
+        """The engine could not finish the ops taken by ``take_memory_ops`` so far (a copy
+        into the host pool raised, a fetched block could not be written): release their
+        host-tier pins without trusting what they wrote. The slots offloads and
+        ``import_tier_blocks`` were writing become empty (never prefix hits; their
+        ``BlockStored`` events are never queued); a load's source keeps its block. Ops
+        queued since stay pinned. GPU blocks the failed ops wrote (loads, swaps, copies)
+        are the engine's to drop: free their sequences and ``reset_prefix_cache``. A
+        no-op without a tier."""
     def tier_slot_hashes(self, slots: Sequence[int] | npt.ArrayLike) -> list[bytes | None]:
         """The block hash each host-tier slot holds or is being written with (None: an
         empty slot, an id out of range, or no tier). Read it before confirming an offload

@@ -227,11 +227,11 @@ class EngineCore:
         manager = self.manager
         for seq in manager.seq_ids().tolist():
             manager.free(int(seq))
-        # Block moves for sequences that no longer exist: drained and confirmed so that
-        # host-tier slots unpin; reset_prefix_cache then drops every unpinned slot,
-        # including those whose offload never ran.
+        # Block moves for sequences that no longer exist, applied or not: drained and
+        # discarded, so that the host-tier slots they were writing are emptied, never hits;
+        # reset_prefix_cache then drops the GPU blocks the failed step may have written.
         manager.take_memory_ops()
-        manager.confirm_memory_ops()
+        manager.discard_memory_ops()
         manager.reset_prefix_cache()
 
     def _flush_tier_ops(self) -> None:
@@ -240,7 +240,8 @@ class EngineCore:
         The last step's ``update()`` can queue offloads (write-through commits); the next
         step would carry them, but between calls the tier should hold what it claims and
         no slot stay pinned. If applying them fails, nothing they named is trusted: the
-        prefix cache and the tier's unpinned slots are dropped.
+        slots they were writing are emptied, and the prefix cache and the tier's unpinned
+        slots are dropped.
         """
         manager = self.manager
         memory_ops = manager.take_memory_ops()
@@ -249,7 +250,7 @@ class EngineCore:
         try:
             self.runner.apply_block_ops(memory_ops)
         except BaseException:
-            manager.confirm_memory_ops()
+            manager.discard_memory_ops()
             manager.reset_prefix_cache()
             raise
         if self.remote is not None:

@@ -268,15 +268,43 @@ impl HostTier {
                         self.lru.push_back(s, slot.level());
                     }
                 }
-                Pin::Read(s) => {
-                    let slot = &mut self.slots[s as usize];
-                    slot.readers -= 1;
-                    if slot.readers == 0 && slot.phase == Phase::Ready {
-                        self.lru.push_back(s, slot.level());
-                    }
-                }
+                Pin::Read(s) => self.release_read(s),
             }
         }
+    }
+
+    /// A load from slot `s` ended: with no reader left, a written slot returns to the LRU
+    /// list as most recently used.
+    fn release_read(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        slot.readers -= 1;
+        if slot.readers == 0 && slot.phase == Phase::Ready {
+            self.lru.push_back(s, slot.level());
+        }
+    }
+
+    /// The engine could not finish the taken ops: release their pins trusting nothing
+    /// they wrote. A slot an offload or import was writing becomes empty (never a hit; it
+    /// is reused first); a load's source keeps its block (a load only read it). Returns
+    /// the emptied slots.
+    pub fn discard(&mut self) -> Vec<u32> {
+        let mut emptied = Vec::new();
+        for pin in std::mem::take(&mut self.in_flight) {
+            match pin {
+                Pin::Write(s) => {
+                    let slot = &mut self.slots[s as usize];
+                    // A slot being written was taken from the LRU list with no reader,
+                    // and loads pin only written slots: nothing else pins it.
+                    debug_assert_eq!(slot.readers, 0);
+                    self.map.remove(&(slot.group, slot.hash));
+                    slot.phase = Phase::Empty;
+                    self.lru.push_front(s, EMPTY_LEVEL);
+                    emptied.push(s);
+                }
+                Pin::Read(s) => self.release_read(s),
+            }
+        }
+        emptied
     }
 
     /// Drop every written, unpinned block; returns their groups and hashes.

@@ -39,6 +39,17 @@ impl KVCacheManager {
         self.pools.confirm_tier();
     }
 
+    /// The engine could not finish the ops taken by `take_memory_ops` so far (a copy
+    /// into the host pool raised, a fetched block could not be written): release their
+    /// host-tier pins without trusting what they wrote. The slots offloads or imports
+    /// were writing become empty, never prefix hits, and their `BlockStored` events are
+    /// never queued; load sources keep their blocks. Ops still queued stay pinned. GPU
+    /// blocks the failed ops wrote (loads, swaps, copies) are the engine's to drop (free
+    /// their sequences, `reset_prefix_cache`). A no-op without a host tier.
+    pub fn discard_memory_ops(&mut self) {
+        self.pools.discard_tier();
+    }
+
     /// The block hash each host-tier slot holds or is being written with (`None` for an
     /// empty slot, an id out of range, or without a tier): what an engine that copies
     /// offloaded rows further (to a shared store) keys them by. Read it while the

@@ -175,6 +175,18 @@ impl Pools {
         );
     }
 
+    /// The engine could not finish the taken ops: the tier slots they were writing are
+    /// emptied and never announced (see `HostTier::discard`).
+    pub fn discard_tier(&mut self) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        let emptied = tier.discard();
+        if !emptied.is_empty() {
+            self.announce.retain(|(slot, _)| !emptied.contains(slot));
+        }
+    }
+
     /// Record the `BlockRemoved` of the host-tier block a store evicted, if any (callers
     /// check `record_events`).
     pub fn record_host_eviction(&mut self, evicted: Option<(usize, BlockHash)>) {
