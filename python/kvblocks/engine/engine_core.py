@@ -178,6 +178,9 @@ class EngineCore:
         """
         if self.admission is not None:
             self.admission.clear()
+        # A call cut short is raising already (or its consumer left the stream): its
+        # error is the one to see, not the publisher's.
+        cut_short = bool(unfinished) or self._in_flight is not None
         for rid in unfinished:
             self.scheduler.abort_request(rid)
         self.runner.sampler.forget(unfinished)
@@ -189,7 +192,12 @@ class EngineCore:
             # A cancelled step's clear (or a failed flush's) changed the cache outside a
             # step: routers hear it now, not at the next call's first update(), which an
             # idle instance may never run while they route to blocks it dropped.
-            self._publish_events()
+            try:
+                self._publish_events()
+            except Exception:
+                if not cut_short:
+                    raise
+                logger.exception("publishing the KV events of a call cut short failed")
         self.runner.sampler.num_logprobs = 0
 
     def _publish_events(self) -> None:
