@@ -205,6 +205,24 @@ def test_min_tokens_holds_back_stop_strings(pair_llm: LLM) -> None:
     assert late.token_ids == base.token_ids[: len(late.token_ids)]
 
 
+def test_min_tokens_ignores_a_stop_string_completed_before_it(pair_llm: LLM) -> None:
+    # A stop string that a token before min_tokens completed can no longer end the
+    # sequence (vLLM's rule: only text added from the min_tokens-th token on is searched),
+    # even when it still sits in the text held back from the stream.
+    common = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    (base,) = pair_llm.generate([[7, 7, 7]], SamplingParams(**common))
+    # Three letters ending with token m - 1 (two letters a token): held back at token m.
+    m, stop = next(
+        (m, base.text[2 * m - 5 : 2 * m - 2])
+        for m in range(4, 12)
+        if base.text.count(base.text[2 * m - 5 : 2 * m - 2]) == 1
+    )
+    (late,) = pair_llm.generate([[7, 7, 7]], SamplingParams(**common, stop=(stop,), min_tokens=m))
+    assert late.token_ids == base.token_ids
+    assert late.text == base.text
+    assert late.finish_reason == FinishReason.LENGTH and late.outputs[0].stop_reason is None
+
+
 def test_logprobs_match_the_models_log_softmax(llm: LLM) -> None:
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
     params = SamplingParams(max_tokens=6, temperature=0.7, seed=11, logprobs=4)

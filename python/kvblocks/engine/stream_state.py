@@ -29,6 +29,7 @@ class _CompletionState:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (cut at a matched stop string)
     sent: int = 0  # characters of ``text`` already yielded
+    searched: int = 0  # characters of ``text`` no new stop-string match may end within
     step_tokens: list[int] = field(default_factory=list)
     cum_logprob: float = 0.0
     finish_reason: FinishReason | None = None
@@ -130,13 +131,16 @@ class RequestRun:
             comp.text += comp.detokenizer.step(tokens)
 
     def _match_stop(self, comp: _CompletionState) -> None:
+        # Only a match that ends in the text added since the last search counts (vLLM's
+        # window): text added below min_tokens is searched never, so a stop string that a
+        # token before min_tokens completed cannot end the sequence later (cut where the
+        # text was already yielded) while it still sits in the held-back tail.
+        searched, comp.searched = comp.searched, len(comp.text)
         if len(comp.tokens) < self.params.min_tokens:
             return
-        longest = self._hold + 1
-        start = max(0, comp.sent - longest + 1)
         best: tuple[int, str] | None = None
         for stop in self.params.stop:
-            at = comp.text.find(stop, start)
+            at = comp.text.find(stop, max(0, searched - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
