@@ -57,7 +57,7 @@ class SamplingParams:
         stop: stop strings (``kvblocks.engine.LLM`` only; the scheduler sees tokens): the
             sequence finishes (reason ``"stop"``) as soon as its detokenised text
             contains one; the text is cut before it and the token ids end with the token
-            that completed it.
+            that completed it. Not with beam search.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logprobs: ``kvblocks.engine.LLM`` also returns, for each generated token, its
             log-prob and the ``logprobs`` most likely tokens' (log-softmax of the raw
@@ -123,6 +123,12 @@ class SamplingParams:
             raise InvalidArgumentError("min_tokens and logprobs are not supported with beam search")
         check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         object.__setattr__(self, "stop", _as_stop_strings(self.stop))
+        if self.beam_width > 1 and self.stop:
+            # Beams rank and end on tokens; a stop string matched in a final beam's text
+            # would cut the text but not its tokens or cumulative log-prob.
+            raise InvalidArgumentError(
+                "stop strings are not supported with beam search (use stop_token_ids)"
+            )
         stop = _as_token_tuple(self.stop_token_ids)
         # Frozen dataclass: normalised values are written through object.__setattr__.
         object.__setattr__(self, "temperature", temperature)

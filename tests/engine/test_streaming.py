@@ -328,6 +328,8 @@ def test_bad_new_parameters_raise() -> None:
         {"min_tokens": 5, "max_tokens": 2},
         {"logprobs": -2},
         {"logprobs": 2, "beam_width": 2},
+        # Beams end on tokens only: a stop string cut their text but kept every token.
+        {"stop": ["ab"], "beam_width": 2},
         {"stop": [3]},
         {"stop": [""]},
         {"include_stop_str_in_output": "yes"},
