@@ -297,6 +297,26 @@ def test_abort_from_inside_the_stream(llm: LLM) -> None:
     assert llm.abort_request("no-such-request") is None
 
 
+def test_abort_of_another_request_is_the_streams_next_record(llm: LLM) -> None:
+    # Aborting request 1 while reading request 0's record of a step: the abort's record
+    # comes next, before request 2's record of that step (docs/engine.md).
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = llm.generate(PROMPTS, params)
+    returned = None
+    after = []
+    for rec in llm.stream(PROMPTS, params):
+        if returned is not None:
+            after.append(rec)
+        if returned is None and rec.prompt_index == 0 and len(rec.outputs[0].token_ids) == 3:
+            victim = str(int(rec.request_id) + 1)
+            returned = llm.abort_request(victim)
+    assert returned is not None and after[0] is returned
+    assert returned.outputs[0].finish_reason == FinishReason.ABORT
+    assert returned.outputs[0].token_ids == expected[1].token_ids[: len(returned.token_ids)]
+    finals = {r.prompt_index: r for r in after if r.finished}
+    assert [finals[i].token_ids for i in (0, 2)] == [expected[i].token_ids for i in (0, 2)]
+
+
 def test_abort_refuses_a_request_id_that_is_not_a_string(llm: LLM) -> None:
     # An unhashable id raised a bare TypeError from the call's dict of runs.
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -367,6 +367,9 @@ class LLM:
                 computed += step.num_tokens
                 for record in step.records:
                     yield from outputs.emit(record, step.logprobs, self.scheduler)
+                    # An abort called on that record is the stream's next record, before
+                    # the rest of the step's (the aborted request's is then skipped).
+                    yield from outputs.take_aborted()
                 if step.preempted:
                     core.track_preempted(outputs)
             yield from outputs.take_aborted()
