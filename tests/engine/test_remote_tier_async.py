@@ -276,8 +276,12 @@ def test_remote_tier_options_are_checked(tiny_llama: LlamaForCausalLM, tmp_path:
         _engine(tiny_llama, DiskTier(tmp_path, LAYOUT, 8), {"async_io": False})  # type: ignore[arg-type]
 
 
+# A held beam search's record has its n completions, as a scheduled one's (all empty).
+@pytest.mark.parametrize(
+    "held", [GREEDY, SamplingParams(max_tokens=4, beam_width=3, n=2)], ids=["greedy", "beam"]
+)
 def test_a_request_held_for_its_prefetch_can_be_aborted(
-    tiny_llama: LlamaForCausalLM, tmp_path: Path
+    tiny_llama: LlamaForCausalLM, tmp_path: Path, held: SamplingParams
 ) -> None:
     """Reads that never come back (a gated store): a request with blocks to read waits
     outside the scheduler while another runs, and aborting it ends it at once."""
@@ -293,13 +297,16 @@ def test_a_request_held_for_its_prefetch_can_be_aborted(
     llm = _engine(tiny_llama, store, RemoteTierOptions(fetch_wait_s=30.0))
     final = {}
     aborted = False
-    for out in llm.generate([short, TARGET], GREEDY, stream=True):
+    for out in llm.generate([short, TARGET], [GREEDY, held], stream=True):
         if not aborted:
             assert out.request_id == "0"  # "1" is held: its read is behind the gate
             assert llm.abort_request("1") is not None
             aborted = True
         if out.finished:
             final[out.request_id] = out.outputs[0]
+            if out.request_id == "1":
+                assert [c.index for c in out.outputs] == list(range(held.n))
+                assert all(c.finish_reason == "abort" and not c.token_ids for c in out.outputs)
     assert final["1"].finish_reason == "abort" and final["1"].token_ids == []
     assert final["0"].token_ids == _plain(tiny_llama, [short], GREEDY, num_blocks=POOL)[0]
     assert llm.stats()["remote"]["imported_blocks"] == 0

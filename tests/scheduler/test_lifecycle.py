@@ -212,3 +212,16 @@ def test_abort_before_an_n_request_forks_returns_n_completions(make_manager) -> 
         result = sched.abort_request(rid)
         assert [c.index for c in result.outputs] == [0, 1, 2]
         assert all(c.token_ids == [] and c.finish_reason == "abort" for c in result.outputs)
+
+
+def test_abort_before_a_beam_request_forks_returns_n_completions(make_manager) -> None:
+    # As for n > 1 sampling: n completions (here 2 of 3 beams), the unforked ones empty.
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig(max_num_batched_tokens=3))
+    sched.add_request(Request("w", PROMPT, SamplingParams(beam_width=3, n=2)))
+    sched.add_request(Request("p", PROMPT, SamplingParams(beam_width=3, n=2)))
+    out = sched.schedule()  # "p" waits, "w" has its first chunk of three tokens
+    sched.update(out, fake_step(out))
+    for rid in ("w", "p"):
+        result = sched.abort_request(rid)
+        assert [c.index for c in result.outputs] == [0, 1]
+        assert all(c.token_ids == [] and c.finish_reason == "abort" for c in result.outputs)

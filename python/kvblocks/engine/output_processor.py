@@ -82,8 +82,7 @@ class OutputProcessor:
         """The abort record of a request that never reached the scheduler (held for its
         prefetch): every completion it would have had, empty."""
         params = run.request.sampling_params
-        count = 1 if params.use_beam_search else params.n
-        outputs = [CompletionOutput(i, [], 0.0, FinishReason.ABORT) for i in range(count)]
+        outputs = [CompletionOutput(i, [], 0.0, FinishReason.ABORT) for i in range(params.n)]
         prompt = np.asarray(run.request.prompt_token_ids).tolist()
         return RequestOutput(run.request.request_id, prompt, outputs, 0, True)
 

@@ -227,6 +227,11 @@ class Records:
             ordered = _best_beams(
                 hyps + state.hypotheses, state.params.length_penalty, state.params.n
             )
+            # A beam search that has not forked yet has one beam: the others are empty,
+            # as an unforked n > 1 request's samples are.
+            ordered += [
+                CompletionOutput(i, [], 0.0, reason) for i in range(len(ordered), state.params.n)
+            ]
         return RequestOutput(
             request_id=state.request.request_id,
             prompt_token_ids=state.prompt_list,
