@@ -317,6 +317,30 @@ def test_abort_of_another_request_is_the_streams_next_record(llm: LLM) -> None:
     assert [finals[i].token_ids for i in (0, 2)] == [expected[i].token_ids for i in (0, 2)]
 
 
+def test_abort_keeps_the_tokens_its_step_generated(llm: LLM) -> None:
+    # Request 1 drew its third token in the step whose record of request 0 aborts it,
+    # before its own record of that step was yielded: the abort's record still has the
+    # token (the scheduler generated it; its cumulative log-prob counts it).
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    expected = llm.generate(PROMPTS, params)
+    returned = None
+    for rec in llm.stream(PROMPTS, params):
+        if returned is None and rec.prompt_index == 0 and len(rec.outputs[0].token_ids) == 3:
+            returned = llm.abort_request(str(int(rec.request_id) + 1))
+    assert returned is not None
+    (aborted,) = returned.outputs
+    assert aborted.token_ids == expected[1].token_ids[:3]
+    assert aborted.finish_reason == FinishReason.ABORT
+    assert aborted.logprobs is not None
+    assert [e.logprob for e in aborted.logprobs] == pytest.approx(
+        [e.logprob for e in expected[1].outputs[0].logprobs[:3]], abs=1e-5
+    )
+    seq = torch.tensor([PROMPTS[1] + aborted.token_ids])
+    lps = torch.log_softmax(dense_logits(llm.model, seq)[0].float(), -1)
+    want = sum(float(lps[len(PROMPTS[1]) - 1 + j, t]) for j, t in enumerate(aborted.token_ids))
+    assert aborted.cumulative_logprob == pytest.approx(want, abs=1e-4)
+
+
 def test_abort_refuses_a_request_id_that_is_not_a_string(llm: LLM) -> None:
     # An unhashable id raised a bare TypeError from the call's dict of runs.
     params = SamplingParams(max_tokens=4, temperature=0.0)

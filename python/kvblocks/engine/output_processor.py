@@ -39,17 +39,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.runs: dict[str, RequestRun] = {}
         self._aborted: list[GenerationOutput] = []  # abort records not yielded yet
+        # The log-probs of the step whose records are being yielded: an abort among them
+        # may carry that step's token of a request whose record was not yielded yet.
+        self._step_logprobs: StepLogprobs = {}
 
     # -- the call --------------------------------------------------------------------------
     def begin(self, runs: list[RequestRun]) -> None:
         """Track a new call's requests."""
         self.runs = {run.request.request_id: run for run in runs}
         self._aborted = []
+        self._step_logprobs = {}
 
     def end(self) -> None:
         """Forget the call (its records were yielded or dropped)."""
         self.runs = {}
         self._aborted = []
+        self._step_logprobs = {}
 
     def active(self, request_id: str) -> RequestRun | None:
         """The call's request ``request_id`` while it is unfinished, else None."""
@@ -66,7 +71,7 @@ class OutputProcessor:
         also the abort's answer (the request's record as it stands, should the abort have
         changed nothing to yield)."""
         run = self.runs[record.request_id]
-        output = next(self.emit(record, {}, scheduler), None)
+        output = next(self.emit(record, self._step_logprobs, scheduler), None)
         if output is None:
             return run.output()
         self._aborted.append(output)
@@ -130,6 +135,7 @@ class OutputProcessor:
     ) -> Iterator[GenerationOutput]:
         """Turn one scheduler record into the stream's record (if anything changed); a
         completion that matched a stop string is ended in ``scheduler``."""
+        self._step_logprobs = logprobs
         run = self.runs.get(record.request_id)
         if run is None or run.finished:
             return

@@ -93,8 +93,14 @@ class RequestRun:
             comp = self._completion(c.index, tokenizer)
             if comp.finish_reason is not None:
                 continue  # ended here (a stop string) while the scheduler ran it on
-            if c.new_token_ids:
-                self._add_tokens(comp, c.new_token_ids, logprobs)
+            new = c.new_token_ids
+            if c.finish_reason is not None and len(c.token_ids) > len(comp.tokens):
+                # A final record carries every token: an abort called before this step's
+                # record of the request was yielded still has the step's token (its
+                # cumulative log-prob counts it), which that skipped record alone had.
+                new = c.token_ids[len(comp.tokens) :]
+            if new:
+                self._add_tokens(comp, new, logprobs)
                 comp.cum_logprob = float(c.cumulative_logprob)
                 comp.changed = True
                 if self.params.stop:
