@@ -85,13 +85,16 @@ class _ReadJob:
 class _WriteJob:
     hashes: list[bytes]
     rows: torch.Tensor
+    # The per-block views put in the staged map: unstaging compares by identity, and
+    # each ``unbind`` makes new view objects.
+    views: tuple[torch.Tensor, ...]
 
     def run(self, worker: Worker) -> None:
         worker.calls.write_store(self.hashes, self.rows)
 
     def settle(self, worker: Worker) -> None:
         """Release the job's queued blocks and its staged rows (the caller holds the lock)."""
-        worker.unstage(self.hashes, self.rows)
+        worker.unstage(self.hashes, self.views)
 
 
 class Worker:
@@ -132,16 +135,18 @@ class Worker:
             room = 0 if self._stopping else self._max_pending - self._pending_blocks
             keep = max(0, min(room, len(hashes)))
             if keep:
-                self._writes.append(_WriteJob(hashes[:keep], rows[:keep]))
-                self._staged.update(zip(hashes[:keep], rows[:keep].unbind(0), strict=True))
+                views = rows[:keep].unbind(0)
+                self._writes.append(_WriteJob(hashes[:keep], rows[:keep], views))
+                self._staged.update(zip(hashes[:keep], views, strict=True))
                 self._pending_blocks += keep
                 self._cond.notify_all()
             return len(hashes) - keep
 
-    def unstage(self, hashes: list[bytes], rows: torch.Tensor) -> None:
-        """Forget a finished write's staged rows (unless a later write restaged a hash)."""
+    def unstage(self, hashes: list[bytes], views: tuple[torch.Tensor, ...]) -> None:
+        """Forget a finished write's staged rows, the views :meth:`submit_write` staged
+        (unless a later write restaged a hash)."""
         self._pending_blocks -= len(hashes)
-        for h, row in zip(hashes, rows.unbind(0), strict=True):
+        for h, row in zip(hashes, views, strict=True):
             if self._staged.get(h) is row:
                 del self._staged[h]
 
