@@ -172,8 +172,9 @@ class BlockStored:
         and ``("cache_salt", salt)``."""
     @property
     def medium(self) -> Literal["GPU", "CPU"]:
-        """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier; blocks offloaded at
-        eviction carry hashes only: no parent, no tokens, no LoRA)."""
+        """``"GPU"`` (the prefix cache) or ``"CPU"`` (the host tier, announced by the
+        ``confirm_memory_ops`` that completes the block's write, from which it is a hit;
+        blocks offloaded at eviction carry hashes only: no parent, no tokens, no LoRA)."""
     @property
     def group_idx(self) -> int:
         """The KV cache group of the blocks (vLLM's ``group_idx``; 0 with one group)."""
@@ -669,7 +670,18 @@ class KVCacheManager:
         """
     def confirm_memory_ops(self) -> None:
         """Every op taken by ``take_memory_ops`` so far has completed: unpin their
-        host-tier slots. Ops queued since stay pinned. A no-op without a tier."""
+        host-tier slots (the blocks written into them become hits, and their
+        ``BlockStored`` events, medium ``"CPU"``, are queued now). Ops queued since stay
+        pinned. A no-op without a tier."""
+    def discard_memory_ops(self) -> None:
+        """The engine could not finish the ops taken by ``take_memory_ops`` so far (a copy
+        into the host pool raised, a fetched block could not be written): release their
+        host-tier pins without trusting what they wrote. The slots offloads and
+        ``import_tier_blocks`` were writing become empty (never prefix hits; their
+        ``BlockStored`` events are never queued); a load's source keeps its block. Ops
+        queued since stay pinned. GPU blocks the failed ops wrote (loads, swaps, copies)
+        are the engine's to drop: free their sequences and ``reset_prefix_cache``. A
+        no-op without a tier."""
     def tier_slot_hashes(self, slots: Sequence[int] | npt.ArrayLike) -> list[bytes | None]:
         """The block hash each host-tier slot holds or is being written with (None: an
         empty slot, an id out of range, or no tier). Read it before confirming an offload
@@ -704,7 +716,8 @@ class KVCacheManager:
         the tier (``None``: the default, 35), as the requesting sequence's own blocks
         would. Reserved slots are pinned and no prefix hit until ``confirm_memory_ops``;
         then probes find them and claims load them like offloaded blocks. Emits
-        ``BlockStored`` with medium ``"CPU"`` per reserved slot.
+        ``BlockStored`` with medium ``"CPU"`` per reserved slot at that
+        ``confirm_memory_ops``.
 
         Raises:
             InvalidArgumentError: no host tier or no prefix caching, a hash that is not
@@ -899,10 +912,11 @@ class KVCacheManager:
         """Forget every cached hash; only when no block is in use. Returns success.
 
         The host tier drops its blocks too, except those pinned by unconfirmed memory ops.
-        Events: one ``AllBlocksCleared`` for every medium, then, if the tier kept blocks,
-        one ``BlockStored`` with ``medium="CPU"`` announcing them again (hashes only), so
-        a consumer that clears all tiers on ``AllBlocksCleared`` holds exactly what the
-        manager holds.
+        Events: one ``AllBlocksCleared`` for every medium, then, if the tier kept written
+        blocks (sources of unconfirmed loads), one ``BlockStored`` with ``medium="CPU"``
+        announcing them again (hashes only); kept blocks still being written are announced
+        by the ``confirm_memory_ops`` that makes them hits. So a consumer that clears all
+        tiers on ``AllBlocksCleared`` holds exactly the blocks the manager serves.
         """
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """Drain the KV cache events recorded since the last call.

@@ -210,6 +210,10 @@ class BlockManager(Protocol):
         """The taken memory ops were applied."""
         ...
 
+    def discard_memory_ops(self) -> None:
+        """The taken memory ops failed: nothing they wrote into the host tier is trusted."""
+        ...
+
     def block_tables(
         self, seq_ids: _Ids, *, max_blocks: int | None = None, group: int = 0
     ) -> npt.NDArray[np.int32]:

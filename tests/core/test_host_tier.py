@@ -96,10 +96,13 @@ def test_events_carry_the_medium() -> None:
     assert media == {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU")}
     m = tiered(policy="commit")
     prefill(m, 1, list(range(8)))
+    # Queued, not written: announced by the confirmation that makes them hits.
+    assert [e.medium for e in m.take_events()] == ["GPU"]
+    assert [kind for kind, _ in m.take_memory_ops()] == ["offload"]
+    m.confirm_memory_ops()
     stored = [e for e in m.take_events() if e.medium == "CPU"]
     # Write-through knows the tokens: full events.
     assert [e.token_ids for e in stored] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [kind for kind, _ in m.take_memory_ops()] == ["offload"]
 
 
 def test_copy_drain_refuses_while_tier_ops_are_queued() -> None:
@@ -170,10 +173,19 @@ class StrictConsumer:
 def test_a_consumer_that_clears_every_medium_holds_what_the_reset_kept() -> None:
     """Regression: the reset sent AllBlocksCleared, then a CPU BlockRemoved for blocks the
     consumer had just dropped, and nothing for the pinned tier blocks it kept, so the
-    consumer forgot blocks the instance still serves as hits."""
+    consumer forgot blocks the instance still serves as hits. And: the kept blocks still
+    being written were announced right after the clear, before they were hits, so until
+    their confirmation the consumer counted hits the instance did not give."""
     m = tiered(num_blocks=8, policy="commit")
     consumer = StrictConsumer()
     a, b = list(range(9)), list(range(100, 109))
+
+    def serves(prompt: list[int], sid: int) -> set[bytes]:
+        """Hashes of the prompt's blocks the instance gives as a hit now."""
+        n = m.add_sequence(sid, prompt) // 4
+        m.free(sid)
+        return set(m.block_hasher().block_hashes(prompt)[:n])
+
     prefill(m, 1, a)
     m.take_memory_ops()
     m.confirm_memory_ops()  # a's two blocks are written: unpinned
@@ -181,19 +193,21 @@ def test_a_consumer_that_clears_every_medium_holds_what_the_reset_kept() -> None
     m.free(1)
     m.free(2)
     consumer.apply(m.take_events())
-    assert len(consumer.held["CPU"]) == 4
+    assert len(consumer.held["CPU"]) == 2  # a's; b's are announced once written
     assert m.reset_prefix_cache()
     events = m.take_events()
-    assert [(type(e).__name__, getattr(e, "medium", None)) for e in events] == [
-        ("AllBlocksCleared", None),
-        ("BlockStored", "CPU"),
-    ]
+    assert [type(e).__name__ for e in events] == ["AllBlocksCleared"]
     consumer.apply(events)
     assert m.stats()["num_host_cached_blocks"] == 2
-    assert consumer.held == {"GPU": set(), "CPU": set(events[1].block_hashes)}
-    # What the consumer holds is what the instance serves: b hits in the tier, a misses.
+    # What the consumer holds is what the instance serves, at every point: nothing until
+    # b's writes are confirmed, then b in the tier; a misses.
+    assert consumer.held == {"GPU": set(), "CPU": set()} and serves(b, 10) == set()
     m.take_memory_ops()
     m.confirm_memory_ops()
+    events = m.take_events()
+    assert [(type(e).__name__, e.medium) for e in events] == [("BlockStored", "CPU")] * 2
+    consumer.apply(events)
+    assert consumer.held == {"GPU": set(), "CPU": serves(b, 11)} and len(serves(b, 12)) == 2
     assert (m.add_sequence(3, b), m.num_tier_tokens(3)) == (8, 8)
     assert m.add_sequence(4, a) == 0
 

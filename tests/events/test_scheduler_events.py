@@ -10,7 +10,7 @@ import vllm_structs as vllm
 from zmq_helpers import Subscriber, wait_for
 
 from kvblocks import InvalidArgumentError, KVCacheManager
-from kvblocks.events import ZmqEventPublisher
+from kvblocks.events import PublisherClosedError, ZmqEventPublisher
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import ModelStepResult, Request, Scheduler, SchedulerConfig
 
@@ -149,7 +149,9 @@ def test_llm_publishes_its_prefix_cache() -> None:
 def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None:
     """A step that fails between schedule() and update() drops the prefix cache (its blocks
     may hold unfinished KV); the replacement scheduler keeps the publisher, so routers hear
-    AllBlocksCleared and their index matches the cache again."""
+    AllBlocksCleared and their index matches the cache again: when the failed call
+    returns, not only once a later call runs a step (an idle instance would otherwise be
+    routed requests for blocks it dropped)."""
     pytest.importorskip("torch")
     from kvblocks.engine import LLM
 
@@ -173,10 +175,17 @@ def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None
             llm.runner.execute = failing  # type: ignore[method-assign]
             with pytest.raises(RuntimeError, match="device lost"):
                 llm.generate([list(range(100, 140))], params)
-            llm.generate(prompts, params)
             assert pub.flush()
             index = Index()
             kinds: list[str] = []
+            while (got := sub.recv(timeout_ms=1000)) is not None:
+                kinds += [type(e).__name__ for e in DECODE.decode(got[2]).events]
+                index.apply(got[1], got[2])
+            assert kinds[-1:] == ["AllBlocksCleared"]
+            assert len(index.blocks) == llm.manager.stats()["num_cached_blocks"] == 0
+            assert llm.manager.take_events() == []  # nothing left for a later step to send
+            llm.generate(prompts, params)
+            assert pub.flush()
             while (got := sub.recv(timeout_ms=1000)) is not None:
                 kinds += [type(e).__name__ for e in DECODE.decode(got[2]).events]
                 index.apply(got[1], got[2])
@@ -184,3 +193,41 @@ def test_llm_failing_mid_step_publishes_the_clear_and_stays_consistent() -> None
             sub.close()
     assert "AllBlocksCleared" in kinds
     assert len(index.blocks) == llm.manager.stats()["num_cached_blocks"] > 0
+
+
+def test_a_failing_publisher_does_not_hide_why_a_call_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call that fails mid-step publishes its clear on the way out; a publisher that
+    raises there (closed by then, say) replaced the call's own error with its own. The
+    call's error propagates now and the publisher's is logged."""
+    pytest.importorskip("torch")
+    from kvblocks.engine import LLM
+
+    class Closing:
+        closed = False
+
+        def publish(self, events: object) -> None:
+            if self.closed:
+                raise PublisherClosedError("publish after close()")
+
+    pub = Closing()
+    llm = LLM(num_blocks=64, block_size=8, device="cpu", event_publisher=pub)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    real = llm.runner.execute
+
+    def failing(out: object) -> object:
+        pub.closed = True
+        raise RuntimeError("device lost")
+
+    llm.runner.execute = failing  # type: ignore[method-assign]
+    with (
+        caplog.at_level("ERROR", logger="kvblocks.engine"),
+        pytest.raises(RuntimeError, match="device lost"),
+    ):
+        llm.generate([list(range(1, 30))], params)
+    assert "cut short failed" in caplog.text and "publish after close" in caplog.text
+    # A call that ends normally still reports a publisher's error.
+    llm.runner.execute = real  # type: ignore[method-assign]
+    with pytest.raises(PublisherClosedError):
+        llm.generate([list(range(1, 30))], params)

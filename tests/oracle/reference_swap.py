@@ -37,6 +37,9 @@ class ReferenceSwap(ReferencePool):
     def confirm_memory_ops(self) -> None:
         """No host tier: nothing to confirm."""
 
+    def discard_memory_ops(self) -> None:
+        """No host tier: nothing to discard."""
+
     # -- swap ------------------------------------------------------------------------
     def _swap_group(self, seq_ids: object, want_swapped: bool) -> list[_Sequence]:
         group = self._batch_seqs(_int_list(seq_ids, "seq_ids", 0, _MAX_SEQ_ID))

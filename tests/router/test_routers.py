@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from kvblocks import KVCacheManager
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.router import (
     BlockStoredRecord,
     CacheAwareRouter,
     InstanceLoad,
     LeastLoadedRouter,
+    PromptHasher,
     RoundRobinRouter,
     make_router,
+    records_from_manager,
 )
 
 H = tuple(bytes([i]) * 16 for i in range(10))
@@ -96,3 +100,56 @@ def test_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError):
         r.set_load(2, InstanceLoad())
     assert isinstance(make_router("least-loaded", 2), LeastLoadedRouter)
+
+
+def test_a_block_aligned_prompt_s_last_block_is_not_credited() -> None:
+    """A claim never covers a prompt's last token, so an instance holding every block of
+    a block-aligned prompt serves one block less than it holds: the router credits what
+    the manager then gives, not the blocks held."""
+    prompt = list(range(1, 9))  # two full blocks of 4
+    managers = [KVCacheManager(16, 4), KVCacheManager(16, 4)]
+    for m, tokens in zip(managers, (prompt, [*prompt[:4], 90, 91, 92, 93]), strict=True):
+        m.add_sequence(0, tokens)
+        m.allocate_slots(0, 8)
+        m.commit(0, 8)
+        m.free(0)
+    r = CacheAwareRouter(2)
+    for i, m in enumerate(managers):
+        r.apply_events(records_from_manager(i, m.take_events()))
+    hashes = PromptHasher(4).block_hashes(prompt)
+    assert len(hashes) == 2 and r.index.overlaps(hashes) == {0: 2, 1: 1}  # blocks held
+    for m in managers:
+        assert m.add_sequence(1, prompt) == 4  # ... but each serves one block
+    r.set_load(0, InstanceLoad(active_blocks=1))
+    # cost = 8 * (2 - 1) + active: instance 1, less loaded, for the same hit.
+    assert r.costs(hashes, 2) == [9.0, 8.0]
+    assert r.route(hashes, 2) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cost_credits_the_hit_a_real_manager_gives(seed: int) -> None:
+    """Random prompts over one shared text, block-aligned ones included, on a real manager
+    whose events feed the router: the cost of every new prompt credits exactly the hit
+    the manager then gives it."""
+    rng = np.random.default_rng(seed)
+    bs = 4
+    m = KVCacheManager(24, bs)  # small enough to evict
+    r = CacheAwareRouter(1, prefill_weight=1.0)  # cost = P - credit at no load
+    hasher = PromptHasher.from_manager(m)
+    text = rng.integers(1, 50, 48).tolist()
+    whole = 0  # block-aligned prompts the manager held whole
+    for sid in range(60):
+        prompt = text[: int(rng.integers(1, len(text) + 1))]
+        if rng.random() < 0.3:
+            prompt += rng.integers(50, 99, int(rng.integers(1, 6))).tolist()
+        m.add_sequence(sid, prompt)
+        p = -(-len(prompt) // bs)
+        hashes = hasher.block_hashes(prompt)
+        hit = m.num_cached_tokens(sid) // bs
+        assert r.costs(hashes, p) == [float(p - hit)], (sid, len(prompt), hit)
+        whole += len(hashes) == p and m.num_cached_prefix_blocks(hashes) == p
+        if m.allocate_slots(sid, len(prompt) - hit * bs) is not None:
+            m.commit(sid, len(prompt) - hit * bs)
+        m.free(sid)
+        r.apply_events(records_from_manager(0, m.take_events()))
+    assert whole > 0

@@ -101,3 +101,53 @@ def test_a_written_block_leaves_the_staged_rows(link: RemoteTierLink) -> None:
     got = worker.read_through_staged(hashes)
     assert got is not None and got[0] is None
     assert got[1] is not None and torch.equal(got[1], rows[1])
+
+
+class _FailingPool:
+    """A host pool whose rows cannot be written (a copy that raises)."""
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self.pool[index]  # type: ignore[index]
+
+    def __setitem__(self, index: object, value: object) -> None:
+        raise RuntimeError("copy into the host pool failed")
+
+
+def test_a_failed_import_leaves_no_unwritten_slot_a_hit(link: RemoteTierLink) -> None:
+    """``complete`` reserved host-tier slots for the fetched blocks, then writing their
+    rows raised: it confirmed the reservations and reset the prefix cache, which keeps
+    everything while a sequence holds blocks, so the unwritten slots became prefix hits
+    (3 garbage blocks here). The reservations are discarded now: no hit, no event."""
+    from kvblocks.router import PromptHasher
+    from kvblocks.tiers.remote_link import TierRead
+
+    m = link.manager
+    prompt = list(range(1, 50))  # three full blocks of 16
+    hashes = list(PromptHasher(m.block_size, hash_algo=m.hash_algo).block_hashes(prompt))[:3]
+    link.write_store(hashes, torch.stack([random_payload(link.store.layout, i) for i in range(3)]))
+    m.add_sequence(99, list(range(500, 520)))  # a sequence holding blocks: no reset
+    assert m.allocate_slots(99, 20) is not None
+    m.take_events()
+    fetch = link.prefetch(TierRead(prompt))
+    assert fetch is not None
+    fetch.wait(10.0)
+    link.host_pool = _FailingPool(link.host_pool)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="host pool failed"):
+        link.complete(fetch)
+    assert m.num_cached_prefix_blocks(hashes) == 0
+    assert m.tier_slot_hashes(list(range(m.host_cache_blocks))) == [None] * 4
+    assert not [e for e in m.take_events() if getattr(e, "medium", None) == "CPU"]
+    m.check_invariants()
+    # The emptied slots take the next import.
+    link.host_pool = link.host_pool.pool  # type: ignore[attr-defined]
+    fetch = link.prefetch(TierRead(prompt))
+    assert fetch is not None
+    fetch.wait(10.0)
+    assert link.complete(fetch) == 3
+    assert m.num_cached_prefix_blocks(hashes) == 3
+    # Announced once, by the import that wrote them (none left over from the failed one).
+    stored = [e for e in m.take_events() if getattr(e, "medium", None) == "CPU"]
+    assert [bytes(h) for e in stored for h in e.block_hashes] == hashes

@@ -173,17 +173,40 @@ class EngineCore:
 
         Held requests and tracked sequences are dropped; ``unfinished`` requests are
         aborted; a step left in flight is cancelled (:meth:`_cancel_step`); the host-tier
-        ops the last step queued are applied (:meth:`_flush_tier_ops`).
+        ops the last step queued are applied (:meth:`_flush_tier_ops`); KV events queued
+        since the last step (a cancelled step's, its clear) are published.
         """
         if self.admission is not None:
             self.admission.clear()
+        # A call cut short is raising already (or its consumer left the stream): its
+        # error is the one to see, not the publisher's.
+        cut_short = bool(unfinished) or self._in_flight is not None
         for rid in unfinished:
             self.scheduler.abort_request(rid)
         self.runner.sampler.forget(unfinished)
-        if self._in_flight is not None:
-            self._cancel_step(self._in_flight)
-        self._flush_tier_ops()
+        try:
+            if self._in_flight is not None:
+                self._cancel_step(self._in_flight)
+            self._flush_tier_ops()
+        finally:
+            # A cancelled step's clear (or a failed flush's) changed the cache outside a
+            # step: routers hear it now, not at the next call's first update(), which an
+            # idle instance may never run while they route to blocks it dropped.
+            try:
+                self._publish_events()
+            except Exception:
+                if not cut_short:
+                    raise
+                logger.exception("publishing the KV events of a call cut short failed")
         self.runner.sampler.num_logprobs = 0
+
+    def _publish_events(self) -> None:
+        """Publish the manager's events queued since the last ``update()``, as one batch."""
+        publisher = self.scheduler.event_publisher
+        if publisher is not None:
+            events = self.manager.take_events()
+            if events:
+                publisher.publish(events)
 
     def _cancel_step(self, out: SchedulerOutput) -> None:
         """Cancel the step between ``schedule()`` and ``update()`` of a failed call.
@@ -193,8 +216,8 @@ class EngineCore:
         are the placeholder draws from the generated-token count). The KV memory may not
         hold what the manager's tables say (a forward pass or a swap-in cut short), so
         every sequence is freed and the prefix cache dropped (its blocks may hold
-        unfinished KV); the step's events reach the publisher with the next step's,
-        followed by the clear.
+        unfinished KV); the step's events and the clear are published by
+        :meth:`end_call`, in one batch.
         """
         self._in_flight = None
         scheduler = self.scheduler
@@ -212,11 +235,11 @@ class EngineCore:
         manager = self.manager
         for seq in manager.seq_ids().tolist():
             manager.free(int(seq))
-        # Block moves for sequences that no longer exist: drained and confirmed so that
-        # host-tier slots unpin; reset_prefix_cache then drops every unpinned slot,
-        # including those whose offload never ran.
+        # Block moves for sequences that no longer exist, applied or not: drained and
+        # discarded, so that the host-tier slots they were writing are emptied, never hits;
+        # reset_prefix_cache then drops the GPU blocks the failed step may have written.
         manager.take_memory_ops()
-        manager.confirm_memory_ops()
+        manager.discard_memory_ops()
         manager.reset_prefix_cache()
 
     def _flush_tier_ops(self) -> None:
@@ -225,7 +248,8 @@ class EngineCore:
         The last step's ``update()`` can queue offloads (write-through commits); the next
         step would carry them, but between calls the tier should hold what it claims and
         no slot stay pinned. If applying them fails, nothing they named is trusted: the
-        prefix cache and the tier's unpinned slots are dropped.
+        slots they were writing are emptied, and the prefix cache and the tier's unpinned
+        slots are dropped.
         """
         manager = self.manager
         memory_ops = manager.take_memory_ops()
@@ -234,7 +258,7 @@ class EngineCore:
         try:
             self.runner.apply_block_ops(memory_ops)
         except BaseException:
-            manager.confirm_memory_ops()
+            manager.discard_memory_ops()
             manager.reset_prefix_cache()
             raise
         if self.remote is not None:

@@ -15,8 +15,10 @@ indexer and Dynamo's relay consume a kvblocks instance unchanged:
 Publishing never blocks a step: :meth:`ZmqEventPublisher.publish` numbers the batch and
 appends it to a bounded queue that a background thread converts, encodes and sends. When
 the queue is full the *oldest* queued batch is dropped (counted in ``dropped_batches``):
-its sequence number is then never sent, so subscribers see the gap, and a later batch,
-which describes the newer cache state, is never the one lost.
+its sequence number is then never sent nor replayable, so subscribers see a gap they
+cannot fill. Batches are deltas: an index built from the stream stays wrong (a routing
+error, never a wrong token) until the next ``AllBlocksCleared``, so ``max_queue_size``
+should cover the sending thread's longest stall.
 """
 
 from __future__ import annotations

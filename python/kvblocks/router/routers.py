@@ -6,11 +6,13 @@ request of ``P`` prompt blocks to instance ``i`` (after NVIDIA Dynamo's KV route
 
     ``cost_i = prefill_weight * (P - overlap_i + queued_prefill_blocks_i) + active_blocks_i``
 
-where ``overlap_i`` is the prompt's leading blocks instance ``i`` holds (counted per tier:
-a block in a lower tier ``m`` credits ``tier_credit[m]`` of a block, since it must be
-loaded, not recomputed), ``queued_prefill_blocks_i`` the prompt blocks the instance still
-has to compute for requests it has queued, and ``active_blocks_i`` the KV blocks its
-running requests hold (what decode steps read). The lowest cost wins; ties go to the tied
+where ``overlap_i`` is the prompt's leading blocks instance ``i`` holds, at most ``P - 1``
+(a claim never covers the prompt's last token, so the last block of a block-aligned
+prompt is computed even where it is cached), counted per tier (a block in a lower tier
+``m`` credits ``tier_credit[m]`` of a block, since it must be loaded, not recomputed),
+``queued_prefill_blocks_i`` the prompt blocks the instance still has to compute for
+requests it has queued, and ``active_blocks_i`` the KV blocks its running requests hold
+(what decode steps read). The lowest cost wins; ties go to the tied
 instance after the last one picked (round-robin among equals), so an empty fleet spreads
 requests instead of piling them on instance 0. :class:`LeastLoadedRouter` uses the same
 cost with ``overlap_i = 0``, so the comparison isolates the cache credit.
@@ -156,7 +158,9 @@ class _CostRouter(Router):
 
     def costs(self, block_hashes: Sequence[BlockHash], num_prompt_blocks: int) -> list[float]:
         """Each instance's cost for this request (see the module docstring)."""
-        credit = self.overlaps(block_hashes)
+        # A claim never covers the prompt's last token: of a block-aligned prompt, the
+        # last full block is computed even where it is cached.
+        credit = self.overlaps(block_hashes[: max(num_prompt_blocks - 1, 0)])
         w = self.prefill_weight
         return [
             w * (num_prompt_blocks - credit[i] + load.queued_prefill_blocks) + load.active_blocks
@@ -231,7 +235,9 @@ class CacheAwareRouter(_CostRouter):
 
     def overlaps(self, block_hashes: Sequence[BlockHash]) -> list[float]:
         """Credited prompt blocks per instance: each leading block held counts the credit
-        of the best tier holding it; the match ends at the first block held in no tier."""
+        of the best tier holding it; the match ends at the first block held in no tier.
+        Every hash given is counted: for the hit an instance serves, give the blocks
+        before the prompt's last token (:meth:`costs` does)."""
         credit = [0.0] * self.num_instances
         for inst, c in self.index.credited_overlaps(block_hashes, self._credit).items():
             if isinstance(inst, int) and 0 <= inst < self.num_instances:

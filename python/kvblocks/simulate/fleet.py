@@ -348,7 +348,10 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             if sim.arrival_time < now:  # held back by the client pool
                 sim = replace(sim, arrival_time=now)
         tokens = sim.prompt_token_ids
-        hashes = hasher.block_hashes(tokens) if router.uses_prefix else []
+        # A claim never covers the last token: only the blocks before it can be hits
+        # (a block-aligned prompt's last block is computed even where it is cached).
+        limit = max(len(tokens) - 1, 0) // bs
+        hashes = hasher.block_hashes(tokens)[:limit] if router.uses_prefix else []
         prompt_blocks = -(-len(tokens) // bs)
         i = router.route(hashes, prompt_blocks)
         credit = router.overlaps(hashes)[i] if hashes else 0.0
@@ -356,8 +359,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         index = arrived
         arrived += 1
         if remote is not None and len(tokens) > bs:
-            # A claim never covers the last token: only the blocks before it are read.
-            limit = (len(tokens) - 1) // bs
+            # Only the blocks a claim can cover are read.
             digests = hashes if hashes else hasher.block_hashes(tokens)
             claimable = cast("list[bytes]", list(digests[:limit]))
             found = remote.lookup(inst.manager, claimable, now)

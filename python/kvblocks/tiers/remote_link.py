@@ -393,32 +393,31 @@ class RemoteTierLink:
             return 0
         entries: list[int] = []
         slot_ids: list[int] = []
-        for group, chosen in enumerate(plan.imports(hit)):
-            if not chosen:
-                continue
-            got = self.manager.import_tier_blocks(
-                [plan.hashes[plan.entries[i][1]] for i in chosen],
-                retention_priority=fetch.retention_priority,
-                group=group,
-            )
-            for i, slot in zip(chosen, got.tolist(), strict=True):
-                if slot >= 0:
-                    entries.append(i)
-                    slot_ids.append(slot)
-        rows = entries
         try:
-            if rows:
-                data = torch.stack([payloads[i] for i in rows])  # type: ignore[misc]
+            for group, chosen in enumerate(plan.imports(hit)):
+                if not chosen:
+                    continue
+                got = self.manager.import_tier_blocks(
+                    [plan.hashes[plan.entries[i][1]] for i in chosen],
+                    retention_priority=fetch.retention_priority,
+                    group=group,
+                )
+                for i, slot in zip(chosen, got.tolist(), strict=True):
+                    if slot >= 0:
+                        entries.append(i)
+                        slot_ids.append(slot)
+            if entries:
+                data = torch.stack([payloads[i] for i in entries])  # type: ignore[misc]
                 self.host_pool[torch.as_tensor(slot_ids, dtype=torch.long)] = data
         except BaseException:
-            # Nothing reserved may become a hit with unwritten bytes: drop the tier's
-            # unpinned blocks once the reservations are released.
-            self.manager.confirm_memory_ops()
-            self.manager.reset_prefix_cache()
+            # No reserved slot may become a hit with unwritten bytes: the reservations of
+            # every group so far are released empty (a reset of the prefix cache would
+            # keep them while any sequence holds blocks).
+            self.manager.discard_memory_ops()
             raise
         self.manager.confirm_memory_ops()
-        self._counters.add("imported_blocks", len(rows))
-        return len(rows)
+        self._counters.add("imported_blocks", len(entries))
+        return len(entries)
 
     def refetch(self, reads: Sequence[TierRead]) -> int:
         """Read and import several sequences' missing blocks now (sequences preempted by

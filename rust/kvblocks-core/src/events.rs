@@ -54,7 +54,9 @@ pub struct BlockStored {
     /// block. Events of blocks offloaded at eviction carry none (see `medium`).
     pub extra_keys: Option<Arc<SeqExtraKeys>>,
     /// Where the blocks were stored. Host-tier events of blocks offloaded at eviction
-    /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens.
+    /// carry the hashes only (no parent, no tokens): the GPU cache keeps no tokens. A
+    /// host-tier block is announced when its write is confirmed (`confirm_memory_ops`),
+    /// from which it is a prefix hit, not when its offload or import is queued.
     pub medium: Medium,
     /// The KV cache group the blocks belong to (vLLM's `group_idx`).
     pub group_idx: u32,
@@ -99,8 +101,9 @@ pub enum KvCacheEvent {
     BlockRemoved(BlockRemoved),
     /// `reset_prefix_cache` dropped every cached block, on every medium (vLLM's event has
     /// no medium, and its consumers clear all tiers of the instance): no `BlockRemoved`
-    /// follows for the dropped blocks. Host-tier blocks the reset had to keep (pinned by
-    /// unconfirmed memory ops) are announced again right after it, by one `BlockStored`
-    /// with medium CPU (hashes only).
+    /// follows for the dropped blocks. Written host-tier blocks the reset had to keep
+    /// (pinned by unconfirmed loads) are announced again right after it, by one
+    /// `BlockStored` with medium CPU (hashes only); kept blocks still being written are
+    /// announced when their write is confirmed, as every host-tier block is.
     AllBlocksCleared,
 }

@@ -38,17 +38,20 @@ fn evicted_blocks_are_offloaded_then_loaded_on_a_hit() {
     let ops = m.take_memory_ops();
     // The three cached blocks of prompt 1 were evicted (one per pop): three offloads.
     assert_eq!(kinds(&ops), vec![MemoryOpKind::Offload; 3]);
-    let tier_events: Vec<_> = m
-        .take_events()
-        .into_iter()
-        .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
-        .collect();
-    assert_eq!(tier_events.len(), 3);
+    let tier_events = |m: &mut KVCacheManager| {
+        m.take_events()
+            .into_iter()
+            .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
+            .count()
+    };
     m.check_invariants().unwrap();
-    // Not confirmed: the slots are being written, no hit yet.
+    // Not confirmed: the slots are being written, no hit yet, and not announced yet.
+    assert_eq!(tier_events(&mut m), 0);
     assert_eq!(m.add_sequence(3, &prompt, None, None).unwrap(), 0);
     m.free(3).unwrap();
     m.confirm_memory_ops();
+    // Written: announced with the confirmation that makes them hits.
+    assert_eq!(tier_events(&mut m), 3);
     // Two blocks hit (never the whole prompt): both from the tier.
     assert_eq!(m.add_sequence(4, &prompt, None, None).unwrap(), 8);
     assert_eq!(m.num_tier_tokens(4).unwrap(), 8);
@@ -122,18 +125,22 @@ fn write_through_offloads_at_commit_and_eviction_copies_nothing() {
     prefill(&mut m, 1, &prompt);
     let ops = m.take_memory_ops();
     assert_eq!(kinds(&ops), vec![MemoryOpKind::Offload; 3]);
-    let stored: Vec<_> = m
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s),
-            _ => None,
-        })
-        .collect();
+    let cpu_stored = |m: &mut KVCacheManager| -> Vec<_> {
+        m.take_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s),
+                _ => None,
+            })
+            .collect()
+    };
+    // Queued, not written: no host-tier event until the confirmation.
+    assert!(cpu_stored(&mut m).is_empty());
+    m.confirm_memory_ops();
+    let stored = cpu_stored(&mut m);
     // At commit the tokens are known: full events.
     assert_eq!(stored.len(), 3);
     assert_eq!(stored[1].token_ids, toks(4, 4));
-    m.confirm_memory_ops();
     m.free(1).unwrap();
     evict_all(&mut m, 2, 4);
     let ops = m.take_memory_ops();
@@ -196,27 +203,34 @@ fn tier_needs_prefix_caching_and_reset_keeps_pinned_slots() {
     let mut m = tiered(5, 8, OffloadPolicy::WriteThrough);
     prefill(&mut m, 1, &toks(0, 8));
     m.free(1).unwrap();
-    let stored: Vec<BlockHash> = m
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu => Some(s.block_hashes),
-            _ => None,
-        })
-        .flatten()
-        .collect();
+    let hashes_of = |events: Vec<KvCacheEvent>, medium: Medium| -> Vec<BlockHash> {
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                KvCacheEvent::BlockStored(s) if s.medium == medium => Some(s.block_hashes),
+                _ => None,
+            })
+            .flatten()
+            .collect()
+    };
+    let events = m.take_events();
+    let stored = hashes_of(events.clone(), Medium::Gpu);
     assert_eq!(stored.len(), 2);
-    // Offloads not confirmed: reset keeps them, and announces them again after the
-    // clear (which covers every medium: no host-tier `BlockRemoved`).
+    // The write-through offloads are queued, not written: no host-tier event yet.
+    assert!(hashes_of(events, Medium::Cpu).is_empty());
+    // Offloads not confirmed: reset keeps their slots, which are no hits yet, so the
+    // clear (which covers every medium: no host-tier `BlockRemoved`) is all it sends ...
     assert!(m.reset_prefix_cache());
     assert_eq!(m.stats().host_tier.unwrap().num_blocks, 2);
-    match &m.take_events()[..] {
-        [KvCacheEvent::AllBlocksCleared, KvCacheEvent::BlockStored(kept)] => {
-            assert_eq!((kept.medium, &kept.block_hashes), (Medium::Cpu, &stored));
-            assert!(kept.token_ids.is_empty() && kept.parent_block_hash.is_none());
-        }
-        other => panic!("unexpected reset events {other:?}"),
-    }
+    assert_eq!(m.take_events(), vec![KvCacheEvent::AllBlocksCleared]);
+    assert_eq!(m.add_sequence(2, &toks(0, 9), None, None).unwrap(), 0);
+    m.free(2).unwrap();
+    // ... and the kept blocks are announced by the confirmation that makes them hits.
+    m.take_memory_ops();
+    m.confirm_memory_ops();
+    assert_eq!(hashes_of(m.take_events(), Medium::Cpu), stored);
+    assert_eq!(m.add_sequence(3, &toks(0, 9), None, None).unwrap(), 8);
+    m.free(3).unwrap();
     m.take_memory_ops();
     m.confirm_memory_ops();
     assert!(m.reset_prefix_cache());
@@ -364,12 +378,14 @@ fn imported_blocks_hit_only_after_confirmation_and_load() {
             .unwrap(),
         vec![0, 1, -1]
     );
-    let cpu_stored = b
-        .take_events()
-        .into_iter()
-        .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
-        .count();
-    assert_eq!(cpu_stored, 2);
+    let cpu_stored = |b: &mut KVCacheManager| {
+        b.take_events()
+            .into_iter()
+            .filter(|e| matches!(e, KvCacheEvent::BlockStored(s) if s.medium == Medium::Cpu))
+            .count()
+    };
+    // Reserved, not written: announced only once confirmed (then they are hits).
+    assert_eq!(cpu_stored(&mut b), 0);
     b.check_invariants().unwrap();
     // Held already (being written): nothing to write again.
     assert_eq!(
@@ -381,6 +397,7 @@ fn imported_blocks_hit_only_after_confirmation_and_load() {
     assert_eq!(b.add_sequence(2, &prompt, None, None).unwrap(), 0);
     b.free(2).unwrap();
     b.confirm_memory_ops();
+    assert_eq!(cpu_stored(&mut b), 2);
     b.check_invariants().unwrap();
     assert_eq!(b.add_sequence(3, &prompt, None, None).unwrap(), 8);
     assert_eq!(b.num_tier_tokens(3).unwrap(), 8);

@@ -139,7 +139,12 @@ fn block_stored_events_carry_the_lora_name_and_vllm_extra_keys() {
         .block_extra_keys(1)
         .expect("second block has the LoRA key");
     assert!(lora.is_some() && salt.is_none());
-    // Write-through copies carry the same keys, one block each: the salt only on block 0.
+    // Write-through copies carry the same keys, one block each: the salt only on block 0
+    // (announced once their writes are confirmed).
+    assert!(events.iter().all(|s| s.medium == Medium::Gpu));
+    m.take_memory_ops();
+    m.confirm_memory_ops();
+    let events = stored(&mut m);
     let cpu: Vec<_> = events.iter().filter(|s| s.medium == Medium::Cpu).collect();
     assert_eq!(cpu.len(), 2);
     assert_eq!(cpu[0].block_extra_keys(0).unwrap().1, Some("tenant"));

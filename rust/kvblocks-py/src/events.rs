@@ -113,8 +113,9 @@ impl BlockStored {
         self.inner.kv_cache_spec.sliding_window()
     }
 
-    /// Where the blocks were stored: ``"GPU"`` or ``"CPU"`` (the host tier; blocks
-    /// offloaded at eviction carry hashes only, no parent and no tokens).
+    /// Where the blocks were stored: ``"GPU"`` or ``"CPU"`` (the host tier, announced by
+    /// the ``confirm_memory_ops`` that completes the block's write; blocks offloaded at
+    /// eviction carry hashes only, no parent and no tokens).
     #[getter]
     fn medium(&self) -> &'static str {
         self.inner.medium.as_str()

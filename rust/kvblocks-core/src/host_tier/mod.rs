@@ -191,6 +191,18 @@ impl HostTier {
         Some((s, evicted))
     }
 
+    /// The slot holding (or being written with) block `hash` of `group`, if any.
+    pub fn slot_of(&self, group: usize, hash: &BlockHash) -> Option<u32> {
+        self.map.get(&key(group, *hash)).copied()
+    }
+
+    /// Whether slot `s` holds a written block (a prefix hit unless pinned by a load).
+    pub fn is_ready(&self, s: u32) -> bool {
+        self.slots
+            .get(s as usize)
+            .is_some_and(|slot| slot.phase == Phase::Ready)
+    }
+
     /// The group and hash slot `s` holds or is being written with (`None`: empty or out
     /// of range).
     pub fn slot_key(&self, s: usize) -> Option<(usize, BlockHash)> {
@@ -256,15 +268,43 @@ impl HostTier {
                         self.lru.push_back(s, slot.level());
                     }
                 }
-                Pin::Read(s) => {
-                    let slot = &mut self.slots[s as usize];
-                    slot.readers -= 1;
-                    if slot.readers == 0 && slot.phase == Phase::Ready {
-                        self.lru.push_back(s, slot.level());
-                    }
-                }
+                Pin::Read(s) => self.release_read(s),
             }
         }
+    }
+
+    /// A load from slot `s` ended: with no reader left, a written slot returns to the LRU
+    /// list as most recently used.
+    fn release_read(&mut self, s: u32) {
+        let slot = &mut self.slots[s as usize];
+        slot.readers -= 1;
+        if slot.readers == 0 && slot.phase == Phase::Ready {
+            self.lru.push_back(s, slot.level());
+        }
+    }
+
+    /// The engine could not finish the taken ops: release their pins trusting nothing
+    /// they wrote. A slot an offload or import was writing becomes empty (never a hit; it
+    /// is reused first); a load's source keeps its block (a load only read it). Returns
+    /// the emptied slots.
+    pub fn discard(&mut self) -> Vec<u32> {
+        let mut emptied = Vec::new();
+        for pin in std::mem::take(&mut self.in_flight) {
+            match pin {
+                Pin::Write(s) => {
+                    let slot = &mut self.slots[s as usize];
+                    // A slot being written was taken from the LRU list with no reader,
+                    // and loads pin only written slots: nothing else pins it.
+                    debug_assert_eq!(slot.readers, 0);
+                    self.map.remove(&(slot.group, slot.hash));
+                    slot.phase = Phase::Empty;
+                    self.lru.push_front(s, EMPTY_LEVEL);
+                    emptied.push(s);
+                }
+                Pin::Read(s) => self.release_read(s),
+            }
+        }
+        emptied
     }
 
     /// Drop every written, unpinned block; returns their groups and hashes.
@@ -285,11 +325,11 @@ impl HostTier {
         removed
     }
 
-    /// `(group, hash)` of the blocks held (written or being written), in slot order.
-    pub fn held_hashes(&self) -> Vec<(usize, BlockHash)> {
+    /// `(group, hash)` of the written blocks, in slot order.
+    pub fn ready_hashes(&self) -> Vec<(usize, BlockHash)> {
         self.slots
             .iter()
-            .filter(|slot| slot.phase != Phase::Empty)
+            .filter(|slot| slot.phase == Phase::Ready)
             .map(|slot| (slot.group as usize, slot.hash))
             .collect()
     }

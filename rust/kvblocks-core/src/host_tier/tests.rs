@@ -50,3 +50,42 @@ fn lru_eviction_and_pins() {
     t.check().unwrap();
     assert_eq!(t.stats().num_blocks, 0);
 }
+
+/// Ops the engine could not finish: the slots they were writing are emptied (no hit, no
+/// map entry, reused first), a load's source keeps its block and is unpinned, and ops
+/// queued after the taken ones stay pinned.
+#[test]
+fn discard_empties_written_slots_and_unpins_reads() {
+    let mut t = HostTier::new(4, OffloadPolicy::OnEvict);
+    let mut ops = Vec::new();
+    assert_eq!(t.offload(0, 5, hash(1), P, &mut ops), (None, true));
+    t.mark_taken();
+    t.confirm();
+    let ready = t.lookup_ready(0, &hash(1)).unwrap();
+    // A load from the written slot, an offload and an import, all taken and failed.
+    t.pin_read(ready);
+    assert_eq!(t.offload(0, 6, hash(2), P, &mut ops), (None, true));
+    t.mark_taken();
+    let (imported, _) = t.reserve(0, hash(3), P).unwrap();
+    // An offload queued after them, not taken.
+    assert_eq!(t.offload(1, 7, hash(4), P, &mut ops), (None, true));
+    t.check().unwrap();
+    let mut emptied = t.discard();
+    emptied.sort_unstable();
+    let written = t.slot_of(0, &hash(2));
+    assert!(written.is_none() && t.slot_of(0, &hash(3)).is_none());
+    assert_eq!(emptied.len(), 2);
+    assert!(emptied.contains(&imported));
+    assert_eq!(t.lookup_ready(0, &hash(1)), Some(ready));
+    t.check().unwrap();
+    // The queued offload is still pinned: it becomes a hit only once taken and confirmed.
+    t.confirm();
+    assert!(t.lookup_ready(1, &hash(4)).is_none());
+    t.mark_taken();
+    t.confirm();
+    assert!(t.lookup_ready(1, &hash(4)).is_some());
+    // An emptied slot is reused before the written one is evicted.
+    assert_eq!(t.offload(0, 8, hash(5), P, &mut ops), (None, true));
+    assert_eq!(t.lookup_ready(0, &hash(1)), Some(ready));
+    t.check().unwrap();
+}

@@ -48,9 +48,10 @@ impl KVCacheManager {
     /// The host tier drops its blocks too, except those pinned by unconfirmed ops.
     ///
     /// Events: one `AllBlocksCleared`, meaning every medium (no `BlockRemoved` follows
-    /// for what it dropped), then one host-tier `BlockStored` of the blocks the tier kept,
-    /// if any, so a consumer that clears every tier of the instance ends up holding
-    /// exactly what the manager holds.
+    /// for what it dropped), then one host-tier `BlockStored` of the written blocks the
+    /// tier kept, if any (kept blocks still being written are announced when their write
+    /// is confirmed), so a consumer that clears every tier of the instance holds exactly
+    /// the blocks the manager serves.
     ///
     /// Free-queue order is kept. With prefix caching off this is a no-op returning true.
     pub fn reset_prefix_cache(&mut self) -> bool {
@@ -60,10 +61,12 @@ impl KVCacheManager {
         if self.pools.caching {
             self.pools.cache.clear();
             // The host tier keeps blocks pinned by unconfirmed ops (an engine may still be
-            // copying them, and they stay hits); the rest go.
+            // copying them); the rest go. Of those kept, the written ones (sources of
+            // loads) are hits now and announced below; those being written are announced
+            // when their write is confirmed, as every offload is.
             let kept = self.pools.tier.as_mut().map_or_else(Vec::new, |t| {
                 t.clear_unpinned();
-                t.held_hashes()
+                t.ready_hashes()
             });
             if self.pools.record_events {
                 self.pools.events.push(KvCacheEvent::AllBlocksCleared);

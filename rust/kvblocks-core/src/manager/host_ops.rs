@@ -17,7 +17,6 @@ use super::pools::host_stored;
 use super::KVCacheManager;
 use crate::block_hash::BlockHash;
 use crate::error::{KvError, Result};
-use crate::events::KvCacheEvent;
 use crate::host_tier::{MemoryOp, MemoryOpKind, TierStats};
 use crate::retention::RetentionPriority;
 
@@ -33,12 +32,22 @@ impl KVCacheManager {
     }
 
     /// The engine finished every op taken by `take_memory_ops` so far: unpin their
-    /// host-tier slots (offloaded blocks become prefix hits). Ops still queued stay
-    /// pinned. A no-op without a host tier.
+    /// host-tier slots (offloaded blocks become prefix hits, and their `BlockStored`
+    /// events, medium CPU, are queued now). Ops still queued stay pinned. A no-op without
+    /// a host tier.
     pub fn confirm_memory_ops(&mut self) {
-        if let Some(t) = self.pools.tier.as_mut() {
-            t.confirm();
-        }
+        self.pools.confirm_tier();
+    }
+
+    /// The engine could not finish the ops taken by `take_memory_ops` so far (a copy
+    /// into the host pool raised, a fetched block could not be written): release their
+    /// host-tier pins without trusting what they wrote. The slots offloads or imports
+    /// were writing become empty, never prefix hits, and their `BlockStored` events are
+    /// never queued; load sources keep their blocks. Ops still queued stay pinned. GPU
+    /// blocks the failed ops wrote (loads, swaps, copies) are the engine's to drop (free
+    /// their sequences, `reset_prefix_cache`). A no-op without a host tier.
+    pub fn discard_memory_ops(&mut self) {
+        self.pools.discard_tier();
     }
 
     /// The block hash each host-tier slot holds or is being written with (`None` for an
@@ -92,7 +101,8 @@ impl KVCacheManager {
     /// every slot pinned or holding blocks of higher retention priority than `priority`,
     /// which the imported blocks keep in the tier). Reserved slots are pinned and no prefix hit until the engine
     /// has written them and called `confirm_memory_ops`; then a probe finds them and a
-    /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot.
+    /// claim loads them like offloaded blocks. Emits `BlockStored` (medium CPU) per slot at
+    /// that `confirm_memory_ops`.
     ///
     /// Fails with `InvalidArgument` (nothing reserved) without a host tier, without
     /// prefix caching, for a group out of range, or for a digest whose length is not the
@@ -143,8 +153,7 @@ impl KVCacheManager {
             if self.pools.record_events {
                 self.pools.record_host_eviction(evicted);
                 self.pools
-                    .events
-                    .push(KvCacheEvent::BlockStored(host_stored(group, vec![hash])));
+                    .announce_when_written(group, hash, host_stored(group, vec![hash]));
             }
         }
         Ok(slots)

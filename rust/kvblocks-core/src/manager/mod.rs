@@ -76,6 +76,7 @@ impl KVCacheManager {
                 caching,
                 record_events: config.record_events,
                 events: Vec::new(),
+                announce: Vec::new(),
                 counters: Counters::default(),
                 tier: (config.host_cache_blocks > 0)
                     .then(|| HostTier::new(config.host_cache_blocks, config.host_offload)),

@@ -32,6 +32,11 @@ pub(super) struct Pools {
     /// Whether cache events are queued for `take_events` (see `ManagerConfig::record_events`).
     pub record_events: bool,
     pub events: Vec<KvCacheEvent>,
+    /// Host-tier `BlockStored` events held back until their slot's write is confirmed
+    /// (`confirm_memory_ops`), with the slot: a slot being written is no prefix hit, so
+    /// a router told of it earlier would count a hit the instance does not give (as
+    /// vLLM's offloading manager announces a stored block at `complete_store`).
+    pub announce: Vec<(u32, BlockStored)>,
     pub counters: Counters,
     /// The host tier below the GPU pool, if configured.
     pub tier: Option<HostTier>,
@@ -138,7 +143,47 @@ impl Pools {
         if stored {
             let mut ev = event();
             ev.block_hashes.push(hash);
-            self.events.push(KvCacheEvent::BlockStored(ev));
+            self.announce_when_written(group, hash, ev);
+        }
+    }
+
+    /// Queue the host-tier `BlockStored` `ev` of block `hash` of `group` until the write
+    /// of its slot is confirmed (callers check `record_events`).
+    pub fn announce_when_written(&mut self, group: usize, hash: BlockHash, ev: BlockStored) {
+        if let Some(slot) = self.tier.as_ref().and_then(|t| t.slot_of(group, &hash)) {
+            self.announce.push((slot, ev));
+        }
+    }
+
+    /// Confirm the tier's taken ops and publish the `BlockStored` of every slot whose
+    /// write they completed, in the order the blocks were stored.
+    pub fn confirm_tier(&mut self) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        tier.confirm();
+        if self.announce.is_empty() {
+            return;
+        }
+        let (done, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.announce)
+            .into_iter()
+            .partition(|(slot, _)| tier.is_ready(*slot));
+        self.announce = waiting;
+        self.events.extend(
+            done.into_iter()
+                .map(|(_, ev)| KvCacheEvent::BlockStored(ev)),
+        );
+    }
+
+    /// The engine could not finish the taken ops: the tier slots they were writing are
+    /// emptied and never announced (see `HostTier::discard`).
+    pub fn discard_tier(&mut self) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        let emptied = tier.discard();
+        if !emptied.is_empty() {
+            self.announce.retain(|(slot, _)| !emptied.contains(slot));
         }
     }
 

@@ -39,6 +39,13 @@ impl KVCacheManager {
         self.run(py, Work::Short, |m| m.confirm_memory_ops())
     }
 
+    /// The engine could not finish the ops taken by ``take_memory_ops`` so far: release
+    /// their host-tier pins without trusting what they wrote (slots being written become
+    /// empty, never hits nor announced). A no-op without a host tier.
+    fn discard_memory_ops(&self, py: Python<'_>) {
+        self.run(py, Work::Short, |m| m.discard_memory_ops())
+    }
+
     /// The block hash each host-tier slot holds or is being written with (``None``: empty
     /// slot, id out of range, or no tier).
     fn tier_slot_hashes<'py>(
