@@ -118,3 +118,13 @@ def test_bad_directories(tmp_path: Path) -> None:
     )
     with pytest.raises(InvalidArgumentError, match="shards that do not exist"):
         load_checkpoint(tmp_path)
+
+
+def test_a_config_its_family_cannot_carry_is_not_saved(tmp_path: Path) -> None:
+    """A Llama model object with a sliding window (or Gemma's scalars) runs with them, but a
+    Llama ``config.json`` has no key for them: the saved checkpoint reloaded as another
+    model, silently. ``save_checkpoint`` refuses it now and writes nothing."""
+    model = build_tiny_model(tiny_config("llama", sliding_window=8, attn_logit_softcapping=5.0))
+    with pytest.raises(InvalidArgumentError, match="sliding_window, attn_logit_softcapping"):
+        save_checkpoint(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

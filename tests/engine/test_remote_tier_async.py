@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -260,6 +263,49 @@ def test_a_hung_server_drops_writes_and_times_out_reads(
     assert remote["dropped_writes"] >= 1
     assert remote["fetch_timeouts"] >= 1 and remote["imported_blocks"] == 0
     llm.manager.check_invariants()
+
+
+# A process whose engine's write is still under way when it exits (close_timeout_s=0:
+# close() does not wait); the write frees tensors the whole time.
+_EXIT_MID_WRITE = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch
+    from kvblocks.engine import LLM
+    from kvblocks.sampling_params import SamplingParams
+    from kvblocks.tiers import DiskTier, RemoteTierOptions
+
+    started = threading.Event()
+
+    class Busy(DiskTier):
+        def put_many(self, hashes, kvs, *, priority=0):
+            started.set()
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                torch.empty(16)  # freeing a tensor releases and retakes the GIL
+            return super().put_many(hashes, kvs, priority=priority)
+
+    llm = LLM(block_size=16, num_blocks=12, device="cpu", host_cache_blocks=8,
+              host_offload="commit", remote_tier=lambda layout: Busy(sys.argv[1], layout, 64),
+              remote_tier_options=RemoteTierOptions(close_timeout_s=0.0))
+    llm.generate([list(range(1, 34))], SamplingParams(max_tokens=1, temperature=0.0))
+    assert started.wait(60)
+    assert not llm.close()  # the write is still under way
+    """
+)
+
+
+def test_a_process_exiting_mid_write_exits_cleanly(tmp_path: Path) -> None:
+    """The worker thread still in a store call when the interpreter exits: the exit must
+    not abort the process (a daemon thread taking the GIL back during finalization is
+    ended inside torch's C++ code: std::terminate, exit status 134)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_MID_WRITE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_remote_tier_options_are_checked(tiny_llama: LlamaForCausalLM, tmp_path: Path) -> None:

@@ -97,6 +97,27 @@ def test_different_weights_with_the_same_shapes_never_share(
     assert _imported(a2) == LOADABLE
 
 
+@pytest.mark.parametrize(
+    "change", [{"query_pre_attn_scalar": 1.0}, {"sliding_window": 32}], ids=str
+)
+def test_the_same_tensors_under_another_config_never_share(
+    tmp_path: Path, change: dict[str, float]
+) -> None:
+    """A config field the HF dict of a Llama leaves out still changes its forward (and
+    every later layer's KV): a model object of A's tensors under it imports nothing."""
+    a_model = _model(0)
+    b_model = build_tiny_model(dataclasses.replace(tiny_config("llama"), **change))
+    b_model.load_state_dict(a_model.state_dict())
+    b_alone = _tokens(_engine(b_model), TARGET)
+    assert b_alone != _tokens(_engine(a_model), TARGET), "the two models must tell apart"
+    a = _engine(a_model, _disk(tmp_path))
+    _tokens(a, TARGET)
+    assert a.stats()["remote"]["puts"] >= LOADABLE
+    b = _engine(b_model, _disk(tmp_path))
+    assert _tokens(b, TARGET) == b_alone
+    assert _imported(b) == 0
+
+
 def test_a_layout_that_names_no_weights_is_refused(server: ServerProcess, tmp_path: Path) -> None:
     """An explicit KVLayout with only a model_id (empty or shared) never reaches a store,
     and one made for A's weights is refused by an engine of B's."""

@@ -320,6 +320,31 @@ def tiny_filesystem(tmp_path: Path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+def test_a_directory_removed_under_the_tier_is_made_again(tmp_path: Path, layout: KVLayout) -> None:
+    """Its directory removed under a running tier (a cleanup job, an operator): the blocks
+    it held read as misses, and the next puts store again, instead of every later put
+    being dropped until a restart."""
+    import shutil
+
+    tier = DiskTier(tmp_path, layout, 10)
+    assert (
+        tier.put_many([block_hash(i) for i in (0, 1)], [random_payload(layout, i) for i in (0, 1)])
+        == 2
+    )
+    shutil.rmtree(tmp_path)
+    assert tier.get_many([block_hash(0)]) == [None]
+    assert tier.put(block_hash(2), random_payload(layout, 2))
+    got = tier.get_many([block_hash(1), block_hash(2)])
+    assert got[0] is None and got[1] is not None
+    assert torch.equal(got[1], random_payload(layout, 2))
+    assert tier.stats().dropped_puts == 0
+    assert json.loads((tier.root / "layout.json").read_text())["fingerprint"] == (
+        layout.fingerprint.hex()
+    )
+    again = DiskTier(tmp_path, layout, 10)  # a restart finds what was stored since
+    assert again.contains_many([block_hash(2)]) == [True]
+
+
 def test_full_disk_evicts_lru_never_fails(tiny_filesystem: Path, layout: KVLayout) -> None:
     tier = DiskTier(tiny_filesystem, layout, 1000)
     n = 40  # 40 blocks of 16 KiB do not fit in 256 KiB

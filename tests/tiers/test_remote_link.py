@@ -84,6 +84,25 @@ def test_synchronous_and_background_links_count_alike(tmp_path: Path) -> None:
         store.close()
 
 
+def test_a_written_block_leaves_the_staged_rows(link: RemoteTierLink) -> None:
+    """Queued rows answer reads only until their write reached the store: then they are
+    released (a long-running engine would otherwise keep every block it ever wrote in
+    memory) and reads go to the store, which may have evicted the block since."""
+    worker = link._worker
+    assert worker is not None
+    layout = link.store.layout
+    hashes = [block_hash(i) for i in range(3)]
+    rows = torch.stack([random_payload(layout, i) for i in range(3)])
+    assert worker.submit_write(hashes, rows) == 0
+    assert link.flush(10.0)
+    assert link.stats().published_blocks == 3
+    assert worker._staged == {}
+    assert link.store.evict(hashes[0])
+    got = worker.read_through_staged(hashes)
+    assert got is not None and got[0] is None
+    assert got[1] is not None and torch.equal(got[1], rows[1])
+
+
 class _FailingPool:
     """A host pool whose rows cannot be written (a copy that raises)."""
 

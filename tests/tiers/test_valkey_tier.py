@@ -99,6 +99,22 @@ def test_bad_values_are_rejected_never_loaded(
     assert (stats.rejected, stats.misses, stats.hits) == (1, 1, 1)
 
 
+def test_many_bad_values_log_one_warning(
+    valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged store (or a fleet writing without the readers' key) rejects every read:
+    one warning per tier, as the disk tier, not one per record read."""
+    tier = _tier(valkey_server, layout, key_prefix="many-bad:")
+    hashes = [block_hash(i) for i in range(5)]
+    for h in hashes:
+        tier.client.set(tier.key_of(h), b"not a record")
+    with logs_warning(caplog, "rejected"):
+        assert tier.get_many(hashes) == [None] * 5
+        assert tier.get_many(hashes) == [None] * 5
+    assert len(tier_warnings(caplog)) == 1, tier_warnings(caplog)
+    assert tier.stats().rejected == 10
+
+
 def test_killed_server_gives_misses_one_warning_and_no_hang(
     valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -9,14 +9,17 @@ the tiny model).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvblocks.engine.hf_config import config_from_file, config_to_hf_dict
+from kvblocks.engine.config import ModelConfig
+from kvblocks.engine.hf_config import config_from_file, config_from_hf_dict, config_to_hf_dict
 from kvblocks.engine.models import CausalLM, build_model
 from kvblocks.errors import InvalidArgumentError
 
@@ -143,13 +146,23 @@ def save_checkpoint(
 
     With ``max_shard_bytes`` the tensors are split into ``model-0000i-of-0000n`` shards
     plus a ``model.safetensors.index.json``; tied output weights are not stored twice.
+
+    Raises:
+        InvalidArgumentError: the model's config has a field its family's ``config.json``
+            cannot carry (a Llama with a sliding window, say): the checkpoint would load
+            as another model. Nothing is written.
     """
+    config = model.config
+    raw = {**config_to_hf_dict(config), "torch_dtype": _dtype_name(model)}
+    lost = _fields_lost(config, raw)
+    if lost:
+        raise InvalidArgumentError(
+            f"a {config.model_type!r} config.json cannot carry {', '.join(lost)}: the "
+            "checkpoint would load as another model"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    (path / "config.json").write_text(
-        json.dumps({**config_to_hf_dict(config), "torch_dtype": _dtype_name(model)}, indent=2)
-    )
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     tensors = {
         name: param.detach().to("cpu").contiguous().clone()
         for name, param in _expected_parameters(model).items()
@@ -178,6 +191,16 @@ def save_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / _INDEX_FILE).write_text(json.dumps(index, indent=2))
     return written
+
+
+def _fields_lost(config: ModelConfig, raw: dict[str, Any]) -> list[str]:
+    """The config fields that ``raw`` (its ``config.json``) reads back as other values."""
+    back = config_from_hf_dict(json.loads(json.dumps(raw)))
+    return [
+        f.name
+        for f in dataclasses.fields(config)
+        if f.name != "torch_dtype" and getattr(back, f.name) != getattr(config, f.name)
+    ]
 
 
 def _dtype_name(model: CausalLM) -> str:

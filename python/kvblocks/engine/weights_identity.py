@@ -8,9 +8,11 @@ as it runs (after any cast to the engine's dtype).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
-from kvblocks.engine.hf_config import config_to_hf_dict
+from kvblocks.engine.config import ModelConfig
 from kvblocks.engine.loader import weight_files
 from kvblocks.engine.models import CausalLM
 from kvblocks.errors import InvalidArgumentError
@@ -20,8 +22,15 @@ __all__ = ["checkpoint_weights", "model_weights_digest", "weights_digest"]
 
 
 def model_weights_digest(model: CausalLM) -> str:
-    """The weights digest of a model object: its state dict and its config."""
-    return tensors_digest(dict(model.state_dict()), config_to_hf_dict(model.config))
+    """The weights digest of a model object: its state dict and every field of its config."""
+    return tensors_digest(dict(model.state_dict()), _config_identity(model.config))
+
+
+def _config_identity(config: ModelConfig) -> dict[str, Any]:
+    """Every field of ``config`` as JSON data. Not its HF dict: that leaves out what a
+    family's ``config.json`` has no key for (a Llama's ``sliding_window`` or
+    ``query_pre_attn_scalar``), yet the model object runs with it, and its KV differs."""
+    return {"kvblocks-model-config-v1": dataclasses.asdict(config)}
 
 
 def checkpoint_weights(path: str | Path) -> CheckpointDigest:

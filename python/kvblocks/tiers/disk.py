@@ -307,6 +307,7 @@ class DiskTier:
         if block_hash not in self._index:
             while len(self._index) >= self._capacity:
                 self._evict_lru()
+        remade = False
         while True:
             try:
                 self._write(path, record)
@@ -315,12 +316,30 @@ class DiskTier:
                 self._stats.errors += 1
                 if exc.errno in _NO_SPACE and self._evict_lru(keep=block_hash):
                     continue
+                if exc.errno == errno.ENOENT and not remade and self._remake_root():
+                    remade = True
+                    continue
                 self._stats.dropped_puts += 1
                 self._warn_once(f"disk tier {self._root}: a put failed and was dropped: {exc}")
                 return False
         self._index.insert(block_hash, 0, priority)
         self._stats.puts += 1
         self._stats.bytes_in += self.layout.payload_nbytes
+        return True
+
+    def _remake_root(self) -> bool:
+        """Make the block directory again when it was removed under the tier (a cleanup
+        job): otherwise every later put would fail until a restart. The blocks it held
+        are gone; the index still names them, and reading one unindexes it (a miss).
+        Whether it exists now."""
+        if self._root.is_dir():
+            return False  # not what failed
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        logger.warning(f"disk tier {self._root}: the directory was removed; made again")
+        self._write_layout_description()
         return True
 
     def put_many(

@@ -5,12 +5,19 @@ bookkeeping: a :class:`PendingFetch` (a read whose payloads the step thread impo
 and a write-back of staged rows. Writes are bounded (``max_pending`` blocks queued); a
 read that overtakes a queued write of the same block (reads go first) is answered from the
 staged rows, so an instance always reads its own writes.
+
+At interpreter exit every worker still running is stopped (what is queued is dropped) and
+joined while its store call under way ends: a daemon thread that takes the GIL back during
+finalization is ended where it stands (``pthread_exit``), and inside torch's C++ code (a
+tensor freed) that is ``std::terminate``, which aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +27,9 @@ import torch
 from kvblocks.tiers.remote_groups import FetchPlan
 
 __all__ = ["PendingFetch", "StoreCalls", "Worker"]
+
+# How long the exit waits for a store call under way (a hung one is left to its fate).
+_EXIT_JOIN_S = 10.0
 
 
 class PendingFetch:
@@ -85,13 +95,16 @@ class _ReadJob:
 class _WriteJob:
     hashes: list[bytes]
     rows: torch.Tensor
+    # The per-block views put in the staged map: unstaging compares by identity, and
+    # each ``unbind`` makes new view objects.
+    views: tuple[torch.Tensor, ...]
 
     def run(self, worker: Worker) -> None:
         worker.calls.write_store(self.hashes, self.rows)
 
     def settle(self, worker: Worker) -> None:
         """Release the job's queued blocks and its staged rows (the caller holds the lock)."""
-        worker.unstage(self.hashes, self.rows)
+        worker.unstage(self.hashes, self.views)
 
 
 class Worker:
@@ -116,6 +129,7 @@ class Worker:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvblocks-remote-tier", daemon=True)
         self._thread.start()
+        _LIVE.add(self)  # the running thread holds the worker: kept until the thread ends
 
     def submit_read(self, fetch: PendingFetch) -> None:
         """Queue a read (answered at once with nothing once the worker is stopping)."""
@@ -132,16 +146,18 @@ class Worker:
             room = 0 if self._stopping else self._max_pending - self._pending_blocks
             keep = max(0, min(room, len(hashes)))
             if keep:
-                self._writes.append(_WriteJob(hashes[:keep], rows[:keep]))
-                self._staged.update(zip(hashes[:keep], rows[:keep].unbind(0), strict=True))
+                views = rows[:keep].unbind(0)
+                self._writes.append(_WriteJob(hashes[:keep], rows[:keep], views))
+                self._staged.update(zip(hashes[:keep], views, strict=True))
                 self._pending_blocks += keep
                 self._cond.notify_all()
             return len(hashes) - keep
 
-    def unstage(self, hashes: list[bytes], rows: torch.Tensor) -> None:
-        """Forget a finished write's staged rows (unless a later write restaged a hash)."""
+    def unstage(self, hashes: list[bytes], views: tuple[torch.Tensor, ...]) -> None:
+        """Forget a finished write's staged rows, the views :meth:`submit_write` staged
+        (unless a later write restaged a hash)."""
         self._pending_blocks -= len(hashes)
-        for h, row in zip(hashes, rows.unbind(0), strict=True):
+        for h, row in zip(hashes, views, strict=True):
             if self._staged.get(h) is row:
                 del self._staged[h]
 
@@ -171,9 +187,22 @@ class Worker:
         running is left to the daemon thread, which ends after it.
         """
         flushed = self.flush(timeout)
+        self._halt(drop_writes=not flushed)
+        self._thread.join(max(0.0, min(timeout, 1.0)) if not flushed else timeout)
+        return not self._thread.is_alive()
+
+    def end_at_exit(self, timeout: float) -> None:
+        """Drop what is queued and wait (up to ``timeout``) for the thread to end: the
+        interpreter is exiting (see the module docstring)."""
+        self._halt(drop_writes=True)
+        self._thread.join(timeout)
+
+    def _halt(self, *, drop_writes: bool) -> None:
+        """Take no more jobs; answer queued reads with nothing, and drop queued writes
+        (counted) when ``drop_writes``."""
         with self._cond:
             self._stopping = True
-            if not flushed:
+            if drop_writes:
                 self.calls.count_dropped_writes(sum(len(job.hashes) for job in self._writes))
                 self._writes.clear()
                 self._staged.clear()
@@ -182,8 +211,6 @@ class Worker:
                 job.fetch.finish(None)
             self._reads.clear()
             self._cond.notify_all()
-        self._thread.join(max(0.0, min(timeout, 1.0)) if not flushed else timeout)
-        return not self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -205,3 +232,13 @@ class Worker:
                     self._busy = False
                     job.settle(self)
                     self._cond.notify_all()
+
+
+_LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_workers_at_exit() -> None:
+    # atexit runs before finalization ends daemon threads (see the module docstring).
+    for worker in list(_LIVE):
+        worker.end_at_exit(_EXIT_JOIN_S)

@@ -53,7 +53,8 @@ class ValkeyTier:
     instances of the same weights and layout share blocks and others never meet them (the
     layout must name its weights: :meth:`~kvblocks.tiers.layout.KVLayout.require_identity`). Reads
     are pipelined MGETs of ``batch_size`` keys; a value that is short, corrupted, or made
-    for another layout or block is rejected (``stats().rejected``) and read as a miss.
+    for another layout or block is rejected (``stats().rejected``; the first one warned
+    about, once per tier, the rest logged at debug level) and read as a miss.
 
     Capacity and eviction are the server's: run it with ``maxmemory`` and an LRU
     ``maxmemory-policy`` (``allkeys-lru``); ``ttl_s`` optionally expires blocks. The server
@@ -127,6 +128,7 @@ class ValkeyTier:
         self._stats = TierStats()
         self._down_until = 0.0
         self._outage = False
+        self._warned_rejected = False
 
     @property
     def capacity_blocks(self) -> None:
@@ -250,7 +252,17 @@ class ValkeyTier:
         try:
             payload = decode_block(self.layout, block_hash, value, self._key)
         except CorruptBlockError as exc:
-            logger.warning("Valkey tier rejected block %s: %s", block_hash.hex(), exc)
+            # One warning per tier (as the disk tier): a damaged store, or writers without
+            # this reader's key, reject every read, and each is counted in the stats.
+            level = logging.DEBUG if self._warned_rejected else logging.WARNING
+            self._warned_rejected = True
+            logger.log(
+                level,
+                "Valkey tier rejected block %s: %s; such blocks read as misses "
+                "(stats().rejected counts them)",
+                block_hash.hex(),
+                exc,
+            )
             self._stats.rejected += 1
             if isinstance(exc, UnauthenticatedBlockError):
                 self._stats.unauthenticated += 1
