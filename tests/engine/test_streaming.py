@@ -382,6 +382,20 @@ def test_bad_new_parameters_raise() -> None:
             SamplingParams(**kwargs)
 
 
+def test_stream_checks_the_schedulers_limits_before_the_first_record() -> None:
+    """``stream()`` promises its arguments are checked when it is called; a request of more
+    sequences than a step holds was refused only once iteration started (by the
+    scheduler's ``add_request``)."""
+    engine = LLM(num_blocks=64, block_size=8, device="cpu", max_num_seqs=2)
+    params = SamplingParams(max_tokens=2, n=3, temperature=1.0)
+    with pytest.raises(InvalidArgumentError, match="sequences at once"):
+        engine.stream([[1, 2, 3]], params)
+    with pytest.raises(InvalidArgumentError, match="sequences at once"):
+        engine.generate([[1, 2, 3]], params)
+    ok = SamplingParams(max_tokens=2, temperature=0.0)
+    assert len(engine.generate([[1, 2, 3]], ok)[0].token_ids) == 2
+
+
 def test_incremental_detokenizer_paths() -> None:
     text = "héllo wörld ✓"
     ids = list(text.encode())

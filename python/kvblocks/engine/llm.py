@@ -286,7 +286,7 @@ class LLM:
         """
         if stream:
             return self.stream(prompts, sampling_params, priority=priority)
-        runs = self._inputs.prepare(prompts, sampling_params, priority)
+        runs = self._prepare(prompts, sampling_params, priority)
         final: dict[str, GenerationOutput] = {}
         for out in self._run(runs):
             if out.finished:
@@ -316,10 +316,26 @@ class LLM:
         loop early aborts what is unfinished.
 
         Arguments are checked (and ``InvalidArgumentError`` raised) here, before the
-        first record; the requests are queued when the iteration starts.
+        first record, the scheduler's limits included (``n``/``beam_width`` a step holds);
+        the requests are queued when the iteration starts, where a prompt the pool can
+        never hold is refused.
         """
-        runs = self._inputs.prepare(prompts, sampling_params, priority)
+        runs = self._prepare(prompts, sampling_params, priority)
         return self._run(runs)
+
+    def _prepare(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: int | Sequence[int] | None,
+    ) -> list[RequestRun]:
+        """The call's requests, checked against the scheduler's limits too (sequences a
+        step holds, a prompt over the budget with chunked prefill off) before anything is
+        queued: ``stream`` raises here, not when its iteration starts."""
+        runs = self._inputs.prepare(prompts, sampling_params, priority)
+        for run in runs:
+            self.scheduler.config.check_request(run.request)
+        return runs
 
     def abort_request(self, request_id: str) -> GenerationOutput | None:
         """Abort a request of the running :meth:`stream` (``GenerationOutput.request_id``)
