@@ -2,9 +2,11 @@
 
 An engine hands FlashInfer or FlashAttention the step's page tables, one per KV cache
 group (``SchedulerOutput.flashinfer_page_table(block_size, group)`` and
-``flash_attention_page_table``); the kernel reads a sequence's position ``p`` from the
-page that export names. :func:`check_step_exports` reads, through every export of every
-group, the positions the step's queries of that group may attend to (the oracle's
+``flash_attention_page_table``, or every group's at once from one gather); the kernel
+reads a sequence's position ``p`` from the page that export names.
+:func:`check_step_exports` reads, through every export of every group (the per-group
+calls and the stacked ones take different paths: a persistent table's rows against the
+stacked tables), the positions the step's queries of that group may attend to (the oracle's
 :class:`~oracle.kv_memory.Attention` rule: from ``first_visible`` of the step's first
 query to the last query) and compares them with the KV ids the sequence wrote, as the
 kernel would read them. A FlashInfer table built with ``skip_released`` must also start
@@ -58,7 +60,8 @@ def check_step_exports(
     seen: Counter[str],
 ) -> None:
     """Every group's FlashInfer (pages in place and with ``skip_released``) and
-    FlashAttention exports of ``out`` read what its queries may attend to.
+    FlashAttention exports of ``out``, from the stacked calls and (with several groups)
+    the per-group ones, read what its queries may attend to.
 
     ``contexts``: ``(name, group, batch index, KV ids, rule)`` of every scheduled
     sequence and group. ``seen`` counts the exports that skipped released pages.
@@ -69,15 +72,21 @@ def check_step_exports(
     fa = out.group_flash_attention_page_tables(bs)
     assert len(in_place) == len(fa) == groups
     # Attention groups only (a recurrent-state group's table holds states, not KV).
-    skipped = {
-        g: out.flashinfer_page_table(bs, g, skip_released=True) for g in {c[1] for c in contexts}
-    }
+    attention = {c[1] for c in contexts}
+    skipped = {g: out.flashinfer_page_table(bs, g, skip_released=True) for g in attention}
+    # One group's own calls: its persistent table's rows, not the stacked gather (with a
+    # single group the stacked calls are these).
+    single_fi = {g: out.flashinfer_page_table(bs, g) for g in attention if groups > 1}
+    single_fa = {g: out.flash_attention_page_table(bs, g) for g in attention if groups > 1}
     seq_lens = out.seq_lens
     num_new = out.num_scheduled_tokens
     for name, g, i, ids, rule in contexts:
         seq_len, n = int(seq_lens[i]), int(num_new[i])
         first = rule.first_visible(seq_len - n)
-        for kind, pt in (("flashinfer", in_place[g]), ("flashinfer skip", skipped[g])):
+        fi = [("flashinfer", in_place[g]), ("flashinfer skip", skipped[g])]
+        if g in single_fi:
+            fi.append(("flashinfer of the group", single_fi[g]))
+        for kind, pt in fi:
             lo, hi = int(pt.kv_indptr[i]), int(pt.kv_indptr[i + 1])
             start = 0 if pt.kv_start is None else int(pt.kv_start[i])
             kv_len = 0 if hi == lo else (hi - lo - 1) * bs + int(pt.kv_last_page_len[i])
@@ -92,6 +101,10 @@ def check_step_exports(
             )
         if start > 0:
             seen["skipped"] += 1
-        if int(fa[g].cache_seqlens[i]) != seq_len:
-            raise ContentError(f"{name}: FlashAttention's cache_seqlens is not {seq_len}")
-        check_pages(mem, (name, "flash_attention"), fa[g].block_table[i], 0, ids, seq_len, first)
+        fas = [("flash_attention", fa[g])]
+        if g in single_fa:
+            fas.append(("flash_attention of the group", single_fa[g]))
+        for kind, table in fas:
+            if int(table.cache_seqlens[i]) != seq_len:
+                raise ContentError(f"{name} ({kind}): cache_seqlens is not {seq_len}")
+            check_pages(mem, (name, kind), table.block_table[i], 0, ids, seq_len, first)
