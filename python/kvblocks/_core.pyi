@@ -805,9 +805,11 @@ class KVCacheManager:
         and the cache slot (``block * block_size + offset``) of each sequence's token at
         ``positions[i]``, read from its row just written (-1 when group 0 is a
         recurrent-state group, as :meth:`slot_mapping`): the scheduler's decode-only step
-        in one call. A position past the table's columns, or ``positions`` not one per
-        sequence, is :class:`InvalidArgumentError` with nothing written; otherwise the
-        errors of :meth:`update_block_table`."""
+        in one call. A position past the table's columns or in no block the sequence
+        holds (past its table, or in a released window block: the row's null padding
+        there would name a slot of the null block), or ``positions`` not one per
+        sequence, is :class:`InvalidArgumentError` with nothing written or consumed;
+        otherwise the errors of :meth:`update_block_table`."""
     def allocate_decode_step(
         self,
         block_table: npt.NDArray[np.int32],
@@ -833,8 +835,9 @@ class KVCacheManager:
         Raises:
             InvalidArgumentError: a manager with more than one KV cache group;
                 ``rows`` or ``positions`` not one per sequence, a row outside the
-                table or listed twice; or what :meth:`allocate_slots_batch` raises.
-                Nothing changes then.
+                table or listed twice, a position in no block the sequence holds once
+                served (past its table or in a released window block); or what
+                :meth:`allocate_slots_batch` raises. Nothing changes then.
         """
     def update_group_block_tables(
         self,

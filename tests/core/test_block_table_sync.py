@@ -256,3 +256,55 @@ def test_decode_step_syncs_nothing_when_the_table_is_too_narrow(m: KVCacheManage
     assert (table == 5).all()
     with pytest.raises(kvblocks.InvalidArgumentError):
         m.allocate_decode_step(table, [1, 2], [0, 0], positions)  # a row twice
+
+
+def _positions_outside(m: KVCacheManager, reserved: bool) -> list[list[int]]:
+    """Positions of sequence 1 (beside sequence 2's next token) inside a 16-column table
+    but in no block sequence 1 holds (after its step's reservation when ``reserved``):
+    past its table, far past it."""
+    bs = m.block_size
+    blocks = len(m.block_table(1)) + (0 if reserved else 1)  # the step may add a block
+    return [[blocks * bs + off, m.num_tokens(2) - 1] for off in (0, bs - 1, 5 * bs)]
+
+
+def test_decode_sync_refuses_positions_outside_the_sequences_table(m: KVCacheManager) -> None:
+    # They were read from the row's null padding: a slot of the null block, where the
+    # token's K/V would have been written and lost.
+    ids = np.array([1, 2], dtype=np.int64)
+    m.allocate_slots_batch(ids, 1)
+    for positions in _positions_outside(m, reserved=True):
+        table = np.full((4, 16), 5, dtype=np.int32)
+        with pytest.raises(kvblocks.InvalidArgumentError, match="position"):
+            m.update_decode_block_table(table, ids, [0, 1], positions)
+        assert (table == 5).all()
+    # Nothing was consumed: the next sync still writes both tables whole.
+    assert m.update_block_table(table, [1, 2], [0, 1]).reset.tolist() == [True, True]
+
+
+def test_decode_sync_refuses_positions_in_released_window_blocks() -> None:
+    m = KVCacheManager(64, 4, sliding_window=4)
+    _running(m, 1, list(range(17)))  # blocks 0..2 released: the window sees 14..17
+    m.allocate_slots(1, 1)
+    assert m.block_table(1)[0] == 0
+    table = np.full((2, 8), 5, dtype=np.int32)
+    with pytest.raises(kvblocks.InvalidArgumentError, match="position"):
+        m.update_decode_block_table(table, [1], [0], [1])
+    assert (table == 5).all()
+    _, slots = m.update_decode_block_table(table, [1], [0], [17])
+    np.testing.assert_array_equal(slots, m.slot_mapping([1], 1))
+
+
+def test_decode_step_refuses_positions_outside_the_sequences_table(m: KVCacheManager) -> None:
+    ids = np.array([1, 2], dtype=np.int64)
+    free, tokens = m.num_free_blocks(), [m.num_tokens(1), m.num_tokens(2)]
+    for positions in _positions_outside(m, reserved=False):
+        table = np.full((4, 16), 5, dtype=np.int32)
+        with pytest.raises(kvblocks.InvalidArgumentError, match="position"):
+            m.allocate_decode_step(table, ids, [0, 1], positions)
+        assert (table == 5).all()
+    # Nothing changed: no block taken, no slot reserved (the right positions still work).
+    assert m.num_free_blocks() == free
+    positions = [t - 1 for t in tokens]
+    served, synced = m.allocate_decode_step(table, ids, [0, 1], positions)
+    assert served == 2 and synced is not None
+    np.testing.assert_array_equal(synced[1], m.slot_mapping(ids, 1))

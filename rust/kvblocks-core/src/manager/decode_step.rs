@@ -40,7 +40,9 @@ impl KVCacheManager {
     ///
     /// Errors, checked before anything changes: `InvalidArgument` for a manager with more
     /// than one KV cache group, `positions` or `rows` not one per sequence, a row outside
-    /// `[0, num_rows)` or listed twice; and those of `allocate_slots_batch`.
+    /// `[0, num_rows)` or listed twice, a position in no block the sequence holds once
+    /// served (see [`KVCacheManager::check_decode_positions`]); and those of
+    /// `allocate_slots_batch`.
     pub fn allocate_decode_step(
         &mut self,
         seq_ids: &[u64],
@@ -67,22 +69,27 @@ impl KVCacheManager {
         Self::check_table_rows(rows, seq_ids.len(), num_rows)?;
         let slots = self.batch_slots(seq_ids)?;
         let bs = self.config.block_size;
+        let stateful = self.pools.groups[0].is_recurrent();
         let mut fits = true;
         let mut total = 0usize;
-        for (&slot, &pos) in slots.iter().zip(positions) {
+        for (i, (&slot, &pos)) in slots.iter().zip(positions).enumerate() {
             let slot = slot as usize;
             self.validate_allocation(slot, 1, num_lookahead_tokens)?;
             let seq = &self.slots[slot];
             let t = &seq.tables[0];
             // The table's length once served (as `plan_allocation` counts it; the usual
-            // case without its pool lookups).
-            let len = if seq.allocated {
+            // case without its pool lookups), and its first held entry then.
+            let (len, first) = if seq.allocated {
                 let reserved = seq.num_computed + 1 + num_lookahead_tokens;
-                reserved.div_ceil(bs).max(t.blocks.len())
+                (reserved.div_ceil(bs).max(t.blocks.len()), t.num_released)
             } else {
                 let (plan, _) = self.plan_allocation(slot, 1, num_lookahead_tokens);
-                plan.claim + plan.append
+                let claimed = self.pools.hit_range(0, plan.claim).start;
+                (plan.claim + plan.append, claimed)
             };
+            if !stateful {
+                Self::check_decode_position(seq.id, i, pos, bs, first..len)?;
+            }
             fits &= len <= num_cols && pos / bs < num_cols;
             total += len.saturating_sub(t.dirty_from);
         }
@@ -114,7 +121,6 @@ impl KVCacheManager {
         // The row holds the sequence's table padded with the null block: read the slot
         // from the table itself. A recurrent-state group keeps no per-token KV: its slots
         // are -1, as `slot_mapping` gives them (its table's blocks hold states).
-        let stateful = self.pools.groups[0].is_recurrent();
         let mut out = Vec::with_capacity(slots.len());
         let delta = self.write_rows(0, &slots, rows, false, total, |i, blocks| {
             if stateful {
@@ -129,5 +135,56 @@ impl KVCacheManager {
             num_served,
             synced: Some((delta, out)),
         })
+    }
+
+    /// `InvalidArgument` unless every `positions[i]` lies in a block the group-0 table of
+    /// `seq_ids[i]` holds now (from its first unreleased entry to its end): the check
+    /// `update_decode_block_table` makes before syncing, after the step's allocation.
+    /// Past the table (or in a released window block) the caller's row holds the null
+    /// block, so the slot read from it would send the token's K/V to the null block, to
+    /// be lost. A recurrent-state group 0 keeps no per-token KV (its slots are -1): no
+    /// position is checked then.
+    ///
+    /// Errors: those of the check; `UnknownSequence`; `InvalidArgument` when `positions`
+    /// is not one per sequence.
+    pub fn check_decode_positions(&mut self, seq_ids: &[u64], positions: &[usize]) -> Result<()> {
+        if positions.len() != seq_ids.len() {
+            return Err(KvError::InvalidArgument(format!(
+                "positions has {} entries, expected one per sequence ({})",
+                positions.len(),
+                seq_ids.len()
+            )));
+        }
+        if self.pools.groups[0].is_recurrent() {
+            return Ok(());
+        }
+        let bs = self.config.block_size;
+        let slots = self.batch_slots(seq_ids)?;
+        for (i, (&slot, &pos)) in slots.iter().zip(positions).enumerate() {
+            let seq = &self.slots[slot as usize];
+            let t = &seq.tables[0];
+            Self::check_decode_position(seq.id, i, pos, bs, t.num_released..t.blocks.len())?;
+        }
+        Ok(())
+    }
+
+    /// `InvalidArgument` unless block `pos / bs` is in `held` (the entries of sequence
+    /// `seq_id`'s table that hold blocks).
+    fn check_decode_position(
+        seq_id: u64,
+        i: usize,
+        pos: usize,
+        bs: usize,
+        held: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let block = pos / bs;
+        if held.contains(&block) {
+            return Ok(());
+        }
+        Err(KvError::InvalidArgument(format!(
+            "positions[{i}] = {pos} is in block {block} of sequence {seq_id}, which holds \
+             blocks {}..{} (of {bs} tokens): its slot would be the null block's",
+            held.start, held.end
+        )))
     }
 }

@@ -186,8 +186,11 @@ impl KVCacheManager {
                 "positions[{i}] = {pos} is past the table's {num_cols} columns of {bs} tokens"
             )));
         }
+        // A position in no block the sequence holds would read the row's null padding:
+        // refused before the sync writes or consumes anything.
         let delta = self
             .run(py, Work::for_batch(ids.len()), |m| {
+                m.check_decode_positions(&ids, &positions)?;
                 m.sync_group_block_table(0, &ids, &rows, num_rows, num_cols, None, false)
             })
             .py_err()?;
