@@ -116,6 +116,10 @@ fn bad_calls_fail_and_change_nothing() {
         (vec![1, 2], vec![0, 4], vec![6, 6]), // a row past the table
         (vec![1, 2], vec![1, 1], vec![6, 6]), // a row twice
         (vec![1, 1], vec![0, 1], vec![6, 6]), // a sequence twice
+        // Positions in no block the sequence holds once served (2 blocks of 4): the row's
+        // null padding there would name a slot of the null block.
+        (vec![1, 2], vec![0, 1], vec![6, 8]),
+        (vec![1, 2], vec![0, 1], vec![31, 6]),
     ];
     for (ids, rows, pos) in cases {
         assert_fails_unchanged(
@@ -186,4 +190,23 @@ fn a_lone_window_or_state_group_gets_the_slots_slot_mapping_gives() {
             }
         }
     }
+}
+
+#[test]
+fn positions_in_released_window_blocks_are_refused() {
+    let mut m = manager_with(64, 4, |c| {
+        c.groups = vec![GroupSpec::SlidingWindow { window: 4 }]
+    });
+    running(&mut m, &[1], 17); // the next query, at 17, sees 14..17: blocks 0..2 released
+    let is_arg = |e: &KvError| matches!(e, KvError::InvalidArgument(_));
+    assert_fails_unchanged(
+        &mut m,
+        |m| m.allocate_decode_step(&[1], 0, &[0], 4, 8, &[1]),
+        is_arg,
+    );
+    m.allocate_slots_batch(&[1], BatchArg::Scalar(1), 0)
+        .unwrap();
+    assert_fails_unchanged(&mut m, |m| m.check_decode_positions(&[1], &[11]), is_arg);
+    assert_fails_unchanged(&mut m, |m| m.check_decode_positions(&[1], &[20]), is_arg);
+    m.check_decode_positions(&[1], &[17]).unwrap();
 }
