@@ -193,20 +193,12 @@ class EngineCore:
             # step: routers hear it now, not at the next call's first update(), which an
             # idle instance may never run while they route to blocks it dropped.
             try:
-                self._publish_events()
+                self.scheduler.publish_events()
             except Exception:
                 if not cut_short:
                     raise
                 logger.exception("publishing the KV events of a call cut short failed")
         self.runner.sampler.num_logprobs = 0
-
-    def _publish_events(self) -> None:
-        """Publish the manager's events queued since the last ``update()``, as one batch."""
-        publisher = self.scheduler.event_publisher
-        if publisher is not None:
-            events = self.manager.take_events()
-            if events:
-                publisher.publish(events)
 
     def _cancel_step(self, out: SchedulerOutput) -> None:
         """Cancel the step between ``schedule()`` and ``update()`` of a failed call.

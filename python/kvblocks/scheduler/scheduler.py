@@ -413,12 +413,18 @@ class Scheduler:
             decode = self._results.apply(output, plan, sampled, logprobs, result, upd)
         for state in plan.aborted:
             self._placement.drop(state)
+        self.publish_events()
+        return StepOutputs(upd.finished, upd.events, decode, states)
+
+    def publish_events(self) -> None:
+        """Publish the manager's KV events queued since the last publish, in order, as one
+        batch (nothing without a publisher or an event). ``update()`` calls it; an engine
+        that changes the cache between steps (a failed step's clear) calls it too, so
+        routers hear of it before the next step."""
         if self.event_publisher is not None:
-            # Everything since the last update (admission evictions included), in order.
             kv_events = self.manager.take_events()
             if kv_events:
                 self.event_publisher.publish(kv_events)
-        return StepOutputs(upd.finished, upd.events, decode, states)
 
     def _now(self) -> float:
         """The step's time while a step is in flight, else the clock."""
