@@ -381,6 +381,7 @@ class LLM:
                     break
                 steps += 1
                 computed += step.num_tokens
+                outputs.begin_step(step.logprobs)
                 for record in step.records:
                     yield from outputs.emit(record, step.logprobs, self.scheduler)
                     # An abort called on that record is the stream's next record, before

@@ -65,6 +65,11 @@ class OutputProcessor:
         """Ids of the call's requests that have not finished."""
         return [rid for rid, run in self.runs.items() if not run.finished]
 
+    def begin_step(self, logprobs: StepLogprobs) -> None:
+        """The records of a step with these log-probs are about to be yielded (an abort
+        among them may carry that step's token of a request not yielded yet)."""
+        self._step_logprobs = logprobs
+
     # -- aborts ----------------------------------------------------------------------------
     def add_aborted(self, record: RequestOutput, scheduler: Scheduler) -> GenerationOutput:
         """Turn an abort's scheduler record into the stream's record, to yield next; it is
@@ -135,7 +140,6 @@ class OutputProcessor:
     ) -> Iterator[GenerationOutput]:
         """Turn one scheduler record into the stream's record (if anything changed); a
         completion that matched a stop string is ended in ``scheduler``."""
-        self._step_logprobs = logprobs
         run = self.runs.get(record.request_id)
         if run is None or run.finished:
             return
