@@ -102,7 +102,8 @@ def _save_tiny(directory: Path, seed: int) -> Path:
     return directory
 
 
-@pytest.fixture(params=["disk", "valkey"])
+# The disk tier in the fast tier, a real Valkey server in the slow one (both in `make test`).
+@pytest.fixture(params=["disk", pytest.param("valkey", marks=pytest.mark.slow)])
 def tier_args(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[list[str]]:
     """``--disk-tier DIR`` or ``--valkey-url`` of a real server, for one test."""
     if request.param == "disk":

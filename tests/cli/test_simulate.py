@@ -183,6 +183,7 @@ print(short_rss, long_rss, *peaks)
 """
 
 
+@pytest.mark.slow  # 6,000 simulated requests in a fresh interpreter: ~14 s
 def test_memory_does_not_grow_with_the_number_of_requests() -> None:
     """Issue 7, item 18: a long run keeps aggregates, not per-request or per-step records.
 

@@ -324,7 +324,9 @@ def test_remote_tier_options_are_checked(tiny_llama: LlamaForCausalLM, tmp_path:
 
 # A held beam search's record has its n completions, as a scheduled one's (all empty).
 @pytest.mark.parametrize(
-    "held", [GREEDY, SamplingParams(max_tokens=4, beam_width=3, n=2)], ids=["greedy", "beam"]
+    "held",
+    [GREEDY, pytest.param(SamplingParams(max_tokens=4, beam_width=3, n=2), marks=pytest.mark.slow)],
+    ids=["greedy", "beam"],
 )
 def test_a_request_held_for_its_prefetch_can_be_aborted(
     tiny_llama: LlamaForCausalLM, tmp_path: Path, held: SamplingParams

@@ -41,6 +41,9 @@ def run_python(code: str, cache: str) -> str:
     return proc.stdout
 
 
+# Compiles every fp16 head-128 kernel for sm_90 (~12 s); the fast tier keeps the cache's other
+# tests, which compile one kernel each.
+@pytest.mark.slow
 def test_a_second_process_loads_the_cached_cubins_without_compiling(tmp_path):
     first = run_python(
         "import torch, kvblocks.ops as ops\n"
