@@ -55,6 +55,9 @@ def _check_shared(first: dict[str, Any], second: dict[str, Any], reference: list
     assert second["stats"]["engine"]["computed_tokens"] == 16 + 3
 
 
+# Two CLI processes (~8 s); the fast tier keeps the engine-level restart
+# (test_disk_tier_engine.py::test_a_restarted_process_loads_the_prefix_from_disk).
+@pytest.mark.slow
 def test_a_disk_tier_carries_a_prefix_across_processes(tmp_path: Path, reference) -> None:
     argv = [*TIER, "--disk-tier", str(tmp_path / "kv")]
     first = _run(*argv)

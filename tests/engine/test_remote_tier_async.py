@@ -295,6 +295,7 @@ _EXIT_MID_WRITE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a real process killed mid-write (~5 s)
 def test_a_process_exiting_mid_write_exits_cleanly(tmp_path: Path) -> None:
     """The worker thread still in a store call when the interpreter exits: the exit must
     not abort the process (a daemon thread taking the GIL back during finalization is

@@ -284,6 +284,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a real writer process killed mid-put
 def test_killed_writer_leaves_no_corrupt_block(tmp_path: Path, layout: KVLayout) -> None:
     tests_dir = str(Path(__file__).resolve().parents[1])
     code = _WRITER.format(tests=tests_dir, root=str(tmp_path))
