@@ -501,9 +501,8 @@ class Reached:
     counters: SchedulerCounters
 
 
-#: By seed: each configuration's run, kept by the run that judged it (the content test's
-#: first batches, in this worker: the file runs on one) so that the coverage tests read
-#: what it reached instead of running it again.
+#: By seed, what each run reached (the file runs on one worker): the coverage tests read
+#: the content test's runs instead of running them again.
 _REACHED: dict[int, Reached] = {}
 
 
@@ -515,13 +514,9 @@ def run_config(seed: int) -> Harness:
         harness.run()
     except (AssertionError, ContentError) as exc:
         raise AssertionError(f"configuration seed={seed}: {exc}") from exc
-    _REACHED[seed] = Reached(
-        harness.tier_ops,
-        harness.group_reads,
-        harness.export_reads,
-        harness.cfg.sched.max_load_blocks_per_step is not None,
-        harness.sched.counters,
-    )
+    bounded = harness.cfg.sched.max_load_blocks_per_step is not None
+    h = harness
+    _REACHED[seed] = Reached(h.tier_ops, h.group_reads, h.export_reads, bounded, h.sched.counters)
     return harness
 
 
