@@ -15,6 +15,7 @@ head_size]``, so every (block, head) tile is one contiguous range.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from kvblocks.ops.checks import (
     check_block_ids,
     check_block_size,
     check_cache_pair,
+    check_copy_pairs_disjoint,
     check_dtype,
     check_head_size,
     check_index_tensor,
@@ -444,6 +446,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: MappingLike
     ``src``/``dst``: caches ``[num_blocks, ...]`` with equal per-block shape and dtype
     (typically GPU <-> pinned CPU). Contiguous runs of the mapping are merged into single
     copies, asynchronous on the current stream when one side is pinned host memory.
+
+    ``src`` and ``dst`` may be one tensor or views of one storage; then the pairs follow
+    :func:`copy_blocks`' rule: a block (its bytes) that one pair writes must not be read
+    or written by another pair, nor partly overlap its own source (a block copied onto
+    itself is fine), else :class:`~kvblocks.errors.InvalidArgumentError` and nothing is
+    copied.
     """
     for name, tensor in (("src", src), ("dst", dst)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
@@ -457,4 +465,24 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: MappingLike
         )
     mapping = as_block_mapping(block_mapping)
     check_block_ids(mapping, src.shape[0], dst.shape[0], "block_mapping")
+    _check_swap_within_storage(src, dst, mapping)
     reference.swap_blocks(src, dst, mapping)
+
+
+def _check_swap_within_storage(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Raise if ``src`` and ``dst`` share bytes and the pairs overlap (see :func:`swap_blocks`).
+
+    Compares byte addresses, so views of one storage at any offset are caught; two
+    tensors whose bytes are disjoint (the usual GPU <-> host swap) cost two comparisons.
+    """
+    if mapping.shape[0] == 0 or src.device != dst.device or src.device.type == "meta":
+        return
+    item = src.element_size()
+    src_start, dst_start = src.data_ptr(), dst.data_ptr()
+    if src_start + src.numel() * item <= dst_start or dst_start + dst.numel() * item <= src_start:
+        return
+    width = math.prod(src.shape[1:]) * item
+    pairs = mapping.numpy()
+    reads = src_start + pairs[:, 0] * width
+    writes = dst_start + pairs[:, 1] * width
+    check_copy_pairs_disjoint(reads, writes, width, "block_mapping")

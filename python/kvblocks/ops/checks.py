@@ -27,6 +27,7 @@ __all__ = [
     "check_block_ids",
     "check_block_size",
     "check_cache_pair",
+    "check_copy_pairs_disjoint",
     "check_dtype",
     "check_head_size",
     "check_index_tensor",
@@ -244,6 +245,37 @@ def check_block_ids(mapping: torch.Tensor, num_src: int, num_dst: int, name: str
         raise InvalidArgumentError(
             f"{name} destination block ids must be in [0, {num_dst}), got range "
             f"[{int(dst.min())}, {int(dst.max())}]"
+        )
+
+
+def check_copy_pairs_disjoint(
+    reads: np.ndarray, writes: np.ndarray, width: int, name: str, first_pair: int = 0
+) -> None:
+    """Raise unless the copies ``reads[i] -> writes[i]`` (start positions of ``width``-wide
+    ranges in one memory) may run in parallel: no pair writes a range another pair reads
+    or writes, and none overlaps its own source but exactly (a block copied onto itself).
+
+    ``copy_blocks``' rule, also :func:`kvblocks.ops.swap_blocks`' when ``src`` and
+    ``dst`` share memory (there its merged runs are single copies torch refuses to make
+    overlap, and pairwise order would silently decide the result).
+    """
+    if len(writes) == 0 or width <= 0:
+        return
+    order = np.argsort(reads, kind="stable")
+    sorted_reads = reads[order]
+    # Reads r with |r - w| < width overlap the write at w; the pair's own exact read not.
+    lo = np.searchsorted(sorted_reads, writes - width, side="right")
+    hi = np.searchsorted(sorted_reads, writes + width, side="left")
+    hits = (hi - lo) - (reads == writes)
+    unique_writes, counts = np.unique(writes, return_counts=True)
+    bad = np.flatnonzero((hits > 0) | np.isin(writes, unique_writes[counts > 1]))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"{name} pair {first_pair + i} writes a block that another pair reads or writes "
+            "(or that overlaps its own source): the pairs run in parallel, so as in "
+            "copy_blocks a block that is the destination of one pair must not be the source "
+            "or the destination of another; split the mapping into calls"
         )
 
 
