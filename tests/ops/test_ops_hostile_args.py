@@ -71,6 +71,7 @@ def _launch(**kw):
     return pl.prefill_launch(pl.plan_prefill(**_PLAN), **{**_LAUNCH, **kw})
 
 
+_CACHES = ops.allocate_kv_cache(1, 6, 16, 2, 64, torch.float32, "cpu")
 _BLOCKS = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
 
 
@@ -234,6 +235,9 @@ ROWS = [
     ("swap_blocks same tensor dst twice", lambda: _swap_within([(1, 4), (2, 4)]), "copy_blocks"),
     ("swap_blocks views, shifted blocks", lambda: _swap_views(4, [(0, 0)]), "copy_blocks"),
     ("swap_blocks views, shifted halves", lambda: _swap_views(2, [(1, 0)]), "copy_blocks"),
+    # copy_blocks: the rule its docstring states (on CUDA a chain is a race)
+    ("copy_blocks chained", lambda: ops.copy_blocks(_CACHES, [[1, 2], [2, 3]]), "copy_blocks"),
+    ("copy_blocks dst twice", lambda: ops.copy_blocks(_CACHES, [[1, 4], [2, 4]]), "copy_blocks"),
     # precompile: every row fails before anything is compiled
     ("precompile archs str", lambda: ops.precompile("sm_90"), "archs"),
     (
@@ -274,6 +278,7 @@ def test_swap_blocks_within_one_storage_when_pairs_do_not_overlap():
     flat = _BLOCKS.clone().reshape(-1)
     ops.swap_blocks(flat[:32].view(4, 8), flat[16:48].view(4, 8), [(0, 2)])  # 0 -> 4
     assert torch.equal(flat.view(6, 8)[4], _BLOCKS[0])
+    ops.copy_blocks(_CACHES, [[1, 1], [2, 4], [2, 5]])  # a self-copy; one source twice
 
 
 def test_decode_attention_rejected_calls_keep_the_plan():

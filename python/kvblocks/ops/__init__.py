@@ -417,8 +417,9 @@ def copy_blocks(
     ``[n, 2]`` (torch tensor, NumPy array or nested lists). On CUDA this is one launch
     covering all layers, K and V. Block ids are validated on the host. The pairs run in
     parallel: a block that is the destination of one pair must not be the source or the
-    destination of another in the same call (the CUDA result would depend on timing; the
-    reference reads every source before writing).
+    destination of another in the same call (the CUDA result would depend on timing), and
+    such a mapping raises :class:`~kvblocks.errors.InvalidArgumentError`; a pair may copy
+    a block onto itself, and one source may feed several destinations.
     """
     if not kv_caches:
         raise InvalidArgumentError("kv_caches must hold at least one (key, value) layer")
@@ -434,6 +435,8 @@ def copy_blocks(
     check_block_ids(mapping, shape[0], shape[0], "block_mapping")
     if mapping.shape[0] == 0:
         return
+    pairs = mapping.numpy()
+    check_copy_pairs_disjoint(pairs[:, 0], pairs[:, 1], 1, "block_mapping")
     if kv_caches[0][0].is_cuda:
         _cuda_backend().copy_blocks(kv_caches, mapping)
     else:
