@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 
@@ -28,6 +28,7 @@ __all__ = [
     "check_optional_int",
     "check_priority",
     "check_request_id",
+    "check_shape",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -157,3 +158,18 @@ def check_block_hashes(values: Iterable[object], name: str, *, numpy: bool = Fal
             continue
         if isinstance(h, bool) or not isinstance(h, kinds):
             raise InvalidTypeError(f"{name} must hold ints or bytes, got {type(h).__name__}")
+
+
+def check_shape(value: object, name: str, expected: Sequence[int | None], meaning: str) -> None:
+    """Raise unless ``value`` has a ``shape`` of ``len(expected)`` dimensions, each equal
+    to its entry of ``expected`` (``None``: any size). ``meaning`` says what each
+    dimension is, for the message ("one row per group, one column per token")."""
+    shape = getattr(value, "shape", None)
+    if (
+        not isinstance(shape, tuple)
+        or len(shape) != len(expected)
+        or any(want is not None and got != want for got, want in zip(shape, expected, strict=True))
+    ):
+        want = ", ".join("*" if d is None else str(d) for d in expected)
+        got = "no shape" if shape is None else f"shape {list(shape)}"
+        raise InvalidArgumentError(f"{name} must have shape [{want}] ({meaning}), got {got}")
