@@ -21,12 +21,15 @@ from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 __all__ = [
     "INT32_MAX",
     "RETENTION_PRIORITY_MAX",
+    "TOKEN_ID_MAX",
     "check_block_hashes",
     "check_bool",
     "check_int",
+    "check_int_array",
     "check_number",
     "check_optional_int",
     "check_priority",
+    "check_real_array",
     "check_request_id",
     "check_shape",
 ]
@@ -68,6 +71,9 @@ def check_int(
         )
     return result
 
+
+TOKEN_ID_MAX = 2**32 - 1
+"""The largest token id: prompts, stop tokens and the manager's token store are u32."""
 
 RETENTION_PRIORITY_MAX = 100
 """The highest retention priority (TensorRT-LLM's range, as the manager's)."""
@@ -173,3 +179,35 @@ def check_shape(value: object, name: str, expected: Sequence[int | None], meanin
         want = ", ".join("*" if d is None else str(d) for d in expected)
         got = "no shape" if shape is None else f"shape {list(shape)}"
         raise InvalidArgumentError(f"{name} must have shape [{want}] ({meaning}), got {got}")
+
+
+def _dtype_kind(value: object) -> str | None:
+    return getattr(getattr(value, "dtype", None), "kind", None)
+
+
+def check_int_array(value: object, name: str, *, minimum: int, maximum: int) -> None:
+    """Raise unless ``value`` (an array: NumPy's or one with ``dtype``, ``size``,
+    ``min()`` and ``max()``) holds integers (not bools) in ``[minimum, maximum]``; an
+    empty array of any dtype passes. Callers turn their argument into an array first
+    (``np.asarray(x)``, never ``np.asarray(x, dtype=np.int64)``: that cast truncates
+    floats, parses strings and wraps unsigned values, silently)."""
+    if not getattr(value, "size", 0):
+        return
+    kind = _dtype_kind(value)
+    if kind not in ("i", "u"):
+        dtype = getattr(value, "dtype", type(value).__name__)
+        raise InvalidArgumentError(f"{name} must hold integers, got dtype {dtype}")
+    low, high = int(value.min()), int(value.max())  # type: ignore[attr-defined]
+    if low < minimum or high > maximum:
+        raise InvalidArgumentError(
+            f"{name} must hold integers in [{minimum}, {maximum}], got range [{low}, {high}]"
+        )
+
+
+def check_real_array(value: object, name: str) -> None:
+    """Raise unless ``value`` (an array, as for :func:`check_int_array`) holds real
+    numbers: integers or floats, not bools, strings or objects. Values are not checked
+    (a log-prob may be ``-inf``). An empty array of any dtype passes."""
+    if getattr(value, "size", 0) and _dtype_kind(value) not in ("i", "u", "f"):
+        dtype = getattr(value, "dtype", type(value).__name__)
+        raise InvalidArgumentError(f"{name} must hold real numbers, got dtype {dtype}")
