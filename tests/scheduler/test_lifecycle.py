@@ -211,6 +211,27 @@ def test_hostile_beam_top_k_is_refused_and_changes_nothing(make_manager, how: st
     assert [c.token_ids for c in got["b"].outputs] == [c.token_ids for c in want["b"].outputs]
 
 
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        np.zeros(3, np.int64),
+        [7, 7, 7],
+        ModelStepResult([1, [2]]),
+        ModelStepResult([7] * 3, [1, [2]]),
+    ],  # type: ignore[arg-type]
+    ids=["None", "array", "list", "ragged tokens", "ragged logprobs"],
+)
+def test_a_result_that_is_no_result_is_refused(make_manager, result: object) -> None:
+    # AttributeError ('... has no attribute sampled_token_ids') or NumPy's ValueError.
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+    sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=2, n=3)))
+    out = sched.schedule()
+    with pytest.raises(InvalidArgumentError, match="ModelStepResult|sampled_"):
+        sched.update(out, result)  # type: ignore[arg-type]
+    sched.update(out, fake_step(out))
+
+
 def test_errors_are_kvblocks_errors() -> None:
     assert issubclass(InvalidArgumentError, KVBlocksError)
 

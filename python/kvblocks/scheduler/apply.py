@@ -11,10 +11,12 @@ it, no stop condition fires before ``min_tokens`` tokens
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.batch import StepPlan
 from kvblocks.scheduler.beam_search import BeamSearch
@@ -44,11 +46,13 @@ def check_result(
         InvalidArgumentError: ``result`` does not match ``output`` (token counts,
             missing top-K for beam rows).
     """
+    if not isinstance(result, ModelStepResult):
+        raise InvalidTypeError(f"update() takes a ModelStepResult, got {type(result).__name__}")
     counts = output.sample_counts
     # No dtype= in asarray: that cast would truncate floats, parse strings and wrap
     # unsigned values; -1 is the decode table's "no token", so a negative one would
     # silently drop the step's KV.
-    sampled = np.asarray(result.sampled_token_ids)
+    sampled = _as_array(result.sampled_token_ids, "sampled_token_ids")
     check_int_array(sampled, "sampled_token_ids", minimum=0, maximum=TOKEN_ID_MAX)
     sampled = sampled.astype(np.int64, copy=False)
     if sampled.ndim != 1:
@@ -62,7 +66,7 @@ def check_result(
     if result.sampled_logprobs is None:
         logprobs = np.zeros(total, dtype=np.float64)
     else:
-        logprobs = np.asarray(result.sampled_logprobs)
+        logprobs = _as_array(result.sampled_logprobs, "sampled_logprobs")
         check_real_array(logprobs, "sampled_logprobs")
         logprobs = logprobs.astype(np.float64, copy=False)
         if logprobs.ndim != 1:
@@ -76,6 +80,13 @@ def check_result(
     return sampled, logprobs
 
 
+def _as_array(value: object, name: str) -> npt.NDArray[Any]:
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged nesting
+        raise InvalidArgumentError(f"{name} must be an array: {exc}") from exc
+
+
 def _check_top_k(result: ModelStepResult, rows: int, k: int) -> None:
     """Raise unless the result's top-K arrays are ``[R, K']`` (``1 <= K' <= K``: the
     engine's sampler returns ``min(K, vocab)`` columns) of token ids and log-probs."""
@@ -83,7 +94,8 @@ def _check_top_k(result: ModelStepResult, rows: int, k: int) -> None:
         raise InvalidArgumentError(
             f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, {k}] are required"
         )
-    ids, lps = np.asarray(result.topk_token_ids), np.asarray(result.topk_logprobs)
+    ids = _as_array(result.topk_token_ids, "topk_token_ids")
+    lps = _as_array(result.topk_logprobs, "topk_logprobs")
     if (
         ids.ndim != 2
         or ids.shape[0] != rows
