@@ -232,6 +232,19 @@ def test_a_result_that_is_no_result_is_refused(make_manager, result: object) -> 
     sched.update(out, fake_step(out))
 
 
+@pytest.mark.parametrize("manager", [None, 3, "m", object(), np.zeros(3)])
+def test_a_manager_that_is_no_manager_is_refused(manager: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="manager"):
+        Scheduler(manager)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", [np.array(["swap", "recompute"]), np.array([]), ["swap"], 1])
+def test_a_preemption_mode_that_is_no_str_is_refused(mode: object) -> None:
+    # An array was NumPy's "truth value is ambiguous" ValueError.
+    with pytest.raises(InvalidArgumentError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode=mode)  # type: ignore[arg-type]
+
+
 def test_errors_are_kvblocks_errors() -> None:
     assert issubclass(InvalidArgumentError, KVBlocksError)
 
