@@ -29,7 +29,6 @@ from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
 from kvblocks._core import BlockRemoved as CoreBlockRemoved
 from kvblocks._core import BlockStored as CoreBlockStored
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
-from kvblocks.hashing import low64
 
 WireFormat = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
@@ -190,7 +189,9 @@ def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:
     """A kvblocks block hash as vLLM publishes it: the low 64 bits (the digest's last 8
     bytes, big-endian, unsigned) or the digest itself."""
     if hash_format == "int":
-        return low64(digest)
+        # low64 without its type check: the digests are the core's bytes, one per block
+        # of every published event.
+        return int.from_bytes(digest[-8:], "big")
     return bytes(digest)
 
 
