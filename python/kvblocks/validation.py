@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 
@@ -26,6 +27,7 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_int_array",
+    "check_iterable",
     "check_number",
     "check_optional_int",
     "check_priority",
@@ -211,3 +213,17 @@ def check_real_array(value: object, name: str) -> None:
     if getattr(value, "size", 0) and _dtype_kind(value) not in ("i", "u", "f"):
         dtype = getattr(value, "dtype", type(value).__name__)
         raise InvalidArgumentError(f"{name} must hold real numbers, got dtype {dtype}")
+
+
+def check_iterable(value: object, name: str, what: str) -> Iterable[Any]:
+    """``value`` if it can be iterated and is not a ``str`` or ``bytes`` (which iterate
+    as characters or ints); else raise :class:`InvalidTypeError` ("``name`` must be a
+    sequence of ``what``"). A generator passes unconsumed."""
+    if not isinstance(value, (str, bytes)):
+        try:
+            iter(value)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+        else:
+            return value  # type: ignore[return-value]
+    raise InvalidTypeError(f"{name} must be a sequence of {what}, got {type(value).__name__}")
