@@ -132,7 +132,13 @@ def test_what_is_no_sequence_of_hashes_is_refused(layout: KVLayout, value: objec
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"capacity_blocks": True}, {"capacity_blocks": 2**45}, {"pin_memory": "no"}]
+    "kwargs",
+    [
+        {"capacity_blocks": True},
+        {"capacity_blocks": 2**45},
+        {"capacity_blocks": 2**70},
+        {"pin_memory": "no"},
+    ],
 )
 def test_a_pool_that_cannot_be_built_is_refused(layout: KVLayout, kwargs: dict) -> None:
     # True was torch's TypeError, 2**45 slots its allocation RuntimeError, "no" pinned.

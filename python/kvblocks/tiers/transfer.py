@@ -201,7 +201,7 @@ def allocate_pool(
     make = torch.zeros if zeroed else torch.empty
     try:
         return make((num_slots, row_nbytes), dtype=torch.uint8, pin_memory=pin)
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError) as exc:  # out of memory; a size beyond int64
         raise InvalidArgumentError(
             f"a pool of {num_slots} slots of {row_nbytes} bytes cannot be allocated: {exc}"
         ) from exc
