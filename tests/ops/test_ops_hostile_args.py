@@ -75,6 +75,12 @@ _CACHES = ops.allocate_kv_cache(1, 6, 16, 2, 64, torch.float32, "cpu")
 _BLOCKS = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
 
 
+def _alloc(**kw):
+    args = {"num_layers": 1, "num_blocks": 4, "block_size": 16, "num_kv_heads": 2,
+            "head_size": 64, "dtype": torch.float16, "device": "cpu"}  # fmt: skip
+    return ops.allocate_kv_cache(**{**args, **kw})
+
+
 def _swap_within(mapping):
     """``swap_blocks`` with ``src`` and ``dst`` the same tensor; must leave it unchanged."""
     cache = _BLOCKS.clone()
@@ -238,6 +244,26 @@ ROWS = [
     # copy_blocks: the rule its docstring states (on CUDA a chain is a race)
     ("copy_blocks chained", lambda: ops.copy_blocks(_CACHES, [[1, 2], [2, 3]]), "copy_blocks"),
     ("copy_blocks dst twice", lambda: ops.copy_blocks(_CACHES, [[1, 4], [2, 4]]), "copy_blocks"),
+    # allocate_kv_cache: bools were counts, floats and arrays torch's TypeError/ValueError,
+    # sizes it cannot allocate its RuntimeError
+    ("alloc num_blocks True", lambda: _alloc(num_blocks=True), "num_blocks"),
+    ("alloc num_layers True", lambda: _alloc(num_layers=True), "num_layers"),
+    ("alloc num_blocks 2^70", lambda: _alloc(num_blocks=BIG), "num_blocks|allocated"),
+    ("alloc num_blocks 2^31", lambda: _alloc(num_blocks=2**31, num_layers=64), "allocated"),
+    ("alloc block_size 16.0", lambda: _alloc(block_size=16.0), "block_size"),
+    ("alloc head_size array", lambda: _alloc(head_size=np.array([64, 64])), "head_size"),
+    ("alloc device float", lambda: _alloc(device=2.7), "device"),
+    ("alloc device bogus", lambda: _alloc(device="bogus"), "device"),
+    ("alloc pin_memory str", lambda: _alloc(pin_memory="yes"), "pin_memory"),
+    # copy_blocks: caches that are no list of layers, a mapping without data
+    ("copy_blocks kv_caches str", lambda: ops.copy_blocks("kv", [[1, 2]]), "kv_caches"),
+    ("copy_blocks kv_caches int", lambda: ops.copy_blocks(np.int64(3), [[1, 2]]), "kv_caches"),
+    ("copy_blocks kv_caches array", lambda: ops.copy_blocks(np.ones(2), [[1, 2]]), "kv_caches"),
+    (
+        "copy_blocks mapping on meta",
+        lambda: ops.copy_blocks(_CACHES, torch.tensor([[1, 2]], device="meta")),
+        "block_mapping",
+    ),
     # precompile: every row fails before anything is compiled
     ("precompile archs str", lambda: ops.precompile("sm_90"), "archs"),
     (

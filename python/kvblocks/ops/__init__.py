@@ -52,7 +52,7 @@ from kvblocks.ops.checks import (
 from kvblocks.ops.cpu_attention import CpuAttentionPlan
 from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.ops.decode_attention import DecodeAttention
-from kvblocks.validation import check_optional_int
+from kvblocks.validation import check_bool, check_int, check_optional_int
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -123,20 +123,24 @@ def allocate_kv_cache(
         ("num_blocks", num_blocks),
         ("num_kv_heads", num_kv_heads),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        check_int(value, name, minimum=1, expected="a positive int")
     check_block_size(block_size)
     check_head_size(head_size)
     check_dtype(dtype, "the KV cache")
-    device = torch.device(device)
+    check_bool(pin_memory, "pin_memory")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device: {exc}") from exc
     if pin_memory and device.type != "cpu":
         raise InvalidArgumentError(f"pin_memory applies to CPU caches, not to {device}")
-    storage = torch.zeros(
-        (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size),
-        dtype=dtype,
-        device=device,
-        pin_memory=pin_memory,
-    )
+    shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size)
+    try:
+        storage = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    except (RuntimeError, TypeError) as exc:  # out of memory, no CUDA, beyond int64
+        raise InvalidArgumentError(
+            f"a KV cache of shape {list(shape)} {dtype} cannot be allocated on {device}: {exc}"
+        ) from exc
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(num_layers)]
 
 
@@ -421,8 +425,13 @@ def copy_blocks(
     such a mapping raises :class:`~kvblocks.errors.InvalidArgumentError`; a pair may copy
     a block onto itself, and one source may feed several destinations.
     """
-    if not kv_caches:
-        raise InvalidArgumentError("kv_caches must hold at least one (key, value) layer")
+    if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, Sequence) or not kv_caches:
+        raise InvalidArgumentError(
+            "kv_caches must be a list of at least one (key, value) layer, got "
+            f"{type(kv_caches).__name__}"
+        )
+    if not all(isinstance(layer, Sequence) and len(layer) == 2 for layer in kv_caches):
+        raise InvalidArgumentError("kv_caches must hold (key_cache, value_cache) pairs")
     shape = check_cache_pair(*kv_caches[0])
     for layer, (key_cache, value_cache) in enumerate(kv_caches):
         if check_cache_pair(key_cache, value_cache) != shape or (

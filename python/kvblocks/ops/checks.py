@@ -57,8 +57,13 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
 
 
 def check_head_size(head_size: int) -> None:
-    """Raise unless ``head_size`` is one of :data:`SUPPORTED_HEAD_SIZES`."""
-    if head_size not in SUPPORTED_HEAD_SIZES:
+    """Raise unless ``head_size`` is one of :data:`SUPPORTED_HEAD_SIZES` (an int: 64.0
+    compares equal to 64 but is no size, and an array cannot be compared)."""
+    if (
+        isinstance(head_size, bool)
+        or not isinstance(head_size, numbers.Integral)
+        or (head_size not in SUPPORTED_HEAD_SIZES)
+    ):
         raise InvalidArgumentError(
             f"head_size {head_size} is not supported; supported head sizes are "
             f"{list(SUPPORTED_HEAD_SIZES)}"
@@ -66,8 +71,13 @@ def check_head_size(head_size: int) -> None:
 
 
 def check_block_size(block_size: int) -> None:
-    """Raise unless ``block_size`` is one of :data:`SUPPORTED_BLOCK_SIZES`."""
-    if block_size not in SUPPORTED_BLOCK_SIZES:
+    """Raise unless ``block_size`` is one of :data:`SUPPORTED_BLOCK_SIZES` (an int, as
+    :func:`check_head_size`)."""
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, numbers.Integral)
+        or (block_size not in SUPPORTED_BLOCK_SIZES)
+    ):
         raise InvalidArgumentError(
             f"block_size {block_size} is not supported; supported block sizes are "
             f"{list(SUPPORTED_BLOCK_SIZES)}"
@@ -214,6 +224,8 @@ def as_block_mapping(block_mapping: MappingLike, name: str = "block_mapping") ->
     block ids are validated there), a NumPy array or nested sequences.
     """
     if isinstance(block_mapping, torch.Tensor):
+        if block_mapping.device.type == "meta":
+            raise InvalidArgumentError(f"{name} must hold data, got a meta tensor")
         mapping = block_mapping.detach().to("cpu")
     else:
         try:
