@@ -255,6 +255,7 @@ ROWS = [
     ("alloc device float", lambda: _alloc(device=2.7), "device"),
     ("alloc device bogus", lambda: _alloc(device="bogus"), "device"),
     ("alloc pin_memory str", lambda: _alloc(pin_memory="yes"), "pin_memory"),
+    ("alloc dtype array", lambda: _alloc(dtype=np.array([1, 2])), "dtype"),
     # copy_blocks: caches that are no list of layers, a mapping without data
     ("copy_blocks kv_caches str", lambda: ops.copy_blocks("kv", [[1, 2]]), "kv_caches"),
     ("copy_blocks kv_caches int", lambda: ops.copy_blocks(np.int64(3), [[1, 2]]), "kv_caches"),

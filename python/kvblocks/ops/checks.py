@@ -50,8 +50,9 @@ MappingLike = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
 
 def check_dtype(dtype: torch.dtype, what: str) -> None:
-    """Raise unless ``dtype`` is one of :data:`SUPPORTED_DTYPES`."""
-    if dtype not in SUPPORTED_DTYPES:
+    """Raise unless ``dtype`` is one of :data:`SUPPORTED_DTYPES` (a torch.dtype: an
+    array cannot be compared)."""
+    if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise InvalidArgumentError(f"{what} has dtype {dtype}; supported dtypes are {names}")
 
