@@ -127,16 +127,24 @@ def check_number(
     positive: bool = False,
     expected: str | None = None,
     numpy: bool = False,
+    infinite: bool = False,
 ) -> float:
     """``value`` as a ``float`` if it is a finite int or float (not a bool) in
     ``[minimum, maximum]``, and ``> 0`` if ``positive``; else raise. ``numpy=True`` also
-    accepts NumPy's scalars (any real number)."""
+    accepts NumPy's scalars (any real number); ``infinite=True`` also the infinities
+    that lie in the bounds (never NaN)."""
+    finite = "a number" if infinite else "a finite number"
     if positive:
-        described = "a finite number > 0" + (f" and <= {maximum}" if maximum is not None else "")
+        described = finite + " > 0" + (f" and <= {maximum}" if maximum is not None else "")
     else:
-        described = "a finite number" + _bounds(minimum, maximum)
+        described = finite + _bounds(minimum, maximum)
     kinds = numbers.Real if numpy else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or math.isnan(value)
+        or (not infinite and math.isinf(value))
+    ):
         raise InvalidArgumentError(f"{name} must be {expected or described}, got {value!r}")
     result = float(value)
     if (
