@@ -309,3 +309,10 @@ def test_simulation_fields_of_the_wrong_kind_are_refused(
 
     with pytest.raises(InvalidArgumentError, match=name):
         SimulationConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cost_model_times_are_kept_as_python_floats() -> None:
+    # A NumPy float16 time overflowed to inf in a step's sums (OverflowError in a run).
+    cost = CostModel(fixed_s=np.float16(1.0), per_token_s=np.float32(7e-5))
+    assert type(cost.fixed_s) is float and type(cost.per_token_s) is float
+    assert cost == CostModel(fixed_s=1.0, per_token_s=float(np.float32(7e-5)))

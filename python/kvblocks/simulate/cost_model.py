@@ -85,11 +85,13 @@ class CostModel:
 
     def __post_init__(self) -> None:
         # A NaN or negative time would make every step's time NaN or run time backwards.
+        # Kept as Python floats: a NumPy float16 overflowed to inf in the step-time sums.
         for name in ("fixed_s", "per_token_s", "per_context_token_s"):
-            check_number(getattr(self, name), name, minimum=0.0, numpy=True)
+            value = check_number(getattr(self, name), name, minimum=0.0, numpy=True)
+            object.__setattr__(self, name, value)
         check_int(self.kv_bytes_per_token, "kv_bytes_per_token", numpy=True)
         for name in ("host_bandwidth_bytes_per_s", "remote_bandwidth_bytes_per_s"):
-            check_number(getattr(self, name), name, numpy=True)
+            object.__setattr__(self, name, check_number(getattr(self, name), name, numpy=True))
         if self.kv_bytes_per_token < 1:
             raise InvalidArgumentError(
                 f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}"
