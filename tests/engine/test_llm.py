@@ -561,6 +561,7 @@ def test_generate_arguments_of_the_wrong_kind_are_refused(tiny_llama: LlamaForCa
     calls = [
         lambda: llm.generate(5, GREEDY),  # type: ignore[arg-type]  # 'int' is not iterable
         lambda: llm.generate(None, GREEDY),  # type: ignore[arg-type]
+        lambda: llm.generate(np.array(3), GREEDY),  # type: ignore[arg-type]  # a 0-d array
         lambda: llm.generate([[1, 2]], 2.5),  # type: ignore[arg-type]
         lambda: llm.generate([True, False], GREEDY),  # bools read as the prompt [1, 0]
         lambda: llm.generate([[1, 2]], GREEDY, stream="no"),  # type: ignore[call-overload]

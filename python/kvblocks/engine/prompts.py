@@ -65,6 +65,10 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 0:
+            raise InvalidArgumentError(
+                "prompts must be a prompt or a list of them, got a 0-d array"
+            )
         return [prompts] if prompts.ndim == 1 else list(prompts)
     items: list[Any] = list(check_iterable(prompts, "prompts", "prompts"))
     # A bool is no token id (True would be token 1): such a list is left to the prompt
