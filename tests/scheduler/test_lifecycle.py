@@ -227,7 +227,7 @@ def test_a_result_that_is_no_result_is_refused(make_manager, result: object) -> 
     sched = Scheduler(make_manager(64, 4), SchedulerConfig())
     sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=2, n=3)))
     out = sched.schedule()
-    with pytest.raises(InvalidArgumentError, match="ModelStepResult|sampled_"):
+    with pytest.raises(InvalidArgumentError, match=r"ModelStepResult|sampled_"):
         sched.update(out, result)  # type: ignore[arg-type]
     sched.update(out, fake_step(out))
 
