@@ -15,11 +15,19 @@ hashes an instance would give a prompt without adding it to a manager:
 from __future__ import annotations
 
 from kvblocks._core import BlockHasher
+from kvblocks.errors import InvalidTypeError
 
 __all__ = ["BlockHasher", "low64"]
 
 
 def low64(digest: bytes) -> int:
     """A block hash as vLLM publishes it by default: the digest's last 8 bytes as a
-    big-endian unsigned int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)."""
+    big-endian unsigned int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
+
+    Raises:
+        InvalidTypeError: ``digest`` is not ``bytes`` (``int.from_bytes`` would read a
+            list of ints as one, making up a hash).
+    """
+    if not isinstance(digest, bytes):
+        raise InvalidTypeError(f"digest must be bytes, got {type(digest).__name__}")
     return int.from_bytes(digest[-8:], "big")

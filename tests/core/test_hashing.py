@@ -202,3 +202,11 @@ def test_long_prompts_hash_with_the_gil_released() -> None:
     t.join()
     assert len(result[0]) == (1 << 21) // 16
     assert ticks > 100, f"{ticks} ticks in {time.perf_counter() - t0:.2f} s"
+
+
+@pytest.mark.parametrize("digest", ["ab", None, 5, [1, 2], np.array([1, 2]), np.uint64(3)])
+def test_low64_refuses_what_is_no_digest(digest: object) -> None:
+    # A list or an array of ints was read as bytes (a made-up hash); others raised bare
+    # TypeError or IndexError.
+    with pytest.raises(kvblocks.InvalidTypeError, match="digest"):
+        low64(digest)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 PRELUDE = textwrap.dedent(
@@ -193,3 +194,30 @@ def test_random_hostile_arguments_never_escape() -> None:
     assert done.returncode == 0 and "survived" in done.stdout, (
         f"exit {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}"
     )
+
+
+@pytest.mark.parametrize("value", [None, 3, 2.5, object(), np.int64(3), np.array(3), ""])
+@pytest.mark.parametrize(
+    "method",
+    ["tier_slot_hashes", "tier_slot_groups", "num_cached_prefix_blocks", "import_tier_blocks"],
+)
+def test_tier_lookups_refuse_what_is_no_sequence(method: str, value: object) -> None:
+    # A bare TypeError ('int' object is not iterable) escaped; "" hashed as no blocks.
+    import kvblocks
+
+    m = kvblocks.KVCacheManager(8, 4, host_cache_blocks=2)
+    before = dict(m.stats())
+    with pytest.raises(kvblocks.InvalidArgumentError):
+        getattr(m, method)(value)
+    assert dict(m.stats()) == before
+
+
+@pytest.mark.parametrize("slots", [[True], [0, False], [np.bool_(True)]])
+def test_tier_slot_lookups_refuse_bools(slots: list[object]) -> None:
+    # [True] read slot 1.
+    import kvblocks
+
+    m = kvblocks.KVCacheManager(8, 4, host_cache_blocks=2)
+    for method in (m.tier_slot_hashes, m.tier_slot_groups):
+        with pytest.raises(kvblocks.InvalidArgumentError, match="slots"):
+            method(slots)

@@ -530,3 +530,47 @@ def test_bad_seed_or_dtype_is_refused_by_name(
         LLM(tiny_llama, num_blocks=16, block_size=8, device="cpu", **kwargs)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
         LLM(None, num_blocks=16, block_size=8, device="cpu", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_blocks": "64"}, "num_blocks"),  # TypeError from the comparison
+        ({"num_blocks": np.array([64, 64])}, "num_blocks"),  # NumPy's ValueError
+        ({"num_cpu_blocks": [8]}, "num_cpu_blocks"),
+        ({"block_size": np.array([16, 16])}, "block_size"),
+        ({"tokenizer": 3}, "tokenizer"),  # kept, then an AttributeError on the first text
+    ],
+)
+def test_constructor_arguments_of_the_wrong_kind_are_refused(
+    tiny_llama: LlamaForCausalLM, kwargs: dict[str, object], name: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=name):
+        LLM(tiny_llama, device="cpu", **{"num_blocks": 32, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("model", [3, 2.5, ["m"], b"path"])
+def test_a_model_that_is_no_path_or_model_is_refused(model: object) -> None:
+    # A TypeError from Path() or os.fspath.
+    with pytest.raises(InvalidArgumentError, match="model"):
+        LLM(model, num_blocks=32, device="cpu")  # type: ignore[arg-type]
+
+
+def test_generate_arguments_of_the_wrong_kind_are_refused(tiny_llama: LlamaForCausalLM) -> None:
+    llm = LLM(tiny_llama, num_blocks=32, device="cpu")
+    calls = [
+        lambda: llm.generate(5, GREEDY),  # type: ignore[arg-type]  # 'int' is not iterable
+        lambda: llm.generate(None, GREEDY),  # type: ignore[arg-type]
+        lambda: llm.generate(np.array(3), GREEDY),  # type: ignore[arg-type]  # a 0-d array
+        lambda: llm.generate([[1, 2]], 2.5),  # type: ignore[arg-type]
+        lambda: llm.generate([True, False], GREEDY),  # bools read as the prompt [1, 0]
+        lambda: llm.generate([[1, 2]], GREEDY, stream="no"),  # type: ignore[call-overload]
+        lambda: llm.generate([[1, 2]], GREEDY, stream=np.array([1, 0])),  # type: ignore[call-overload]
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError):
+            call()
+    assert not llm.scheduler.has_unfinished_requests()
+    assert _tokens(llm.generate([[1, 2, 3]], GREEDY)) == dense_greedy_generate(
+        tiny_llama, [[1, 2, 3]], GREEDY.max_tokens
+    )

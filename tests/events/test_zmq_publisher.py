@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import vllm_array_structs as legacy
 import vllm_structs as vllm
@@ -292,6 +293,10 @@ def test_bad_arguments_raise_and_leave_nothing_open() -> None:
         ZmqEventPublisher(ANY_PORT, hash_format="hex")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         ZmqEventPublisher("nonsense://x")
+    # Any object was taken for its truth (an array raised NumPy's ValueError).
+    for frame in ("no", 1, np.array([1, 0])):
+        with pytest.raises(InvalidArgumentError, match="replay_topic_frame"):
+            ZmqEventPublisher(ANY_PORT, replay_topic_frame=frame)  # type: ignore[arg-type]
     with ZmqEventPublisher(ANY_PORT) as p:
         with pytest.raises(InvalidArgumentError):
             ZmqEventPublisher(p.endpoint, bind=True)  # address in use
@@ -359,7 +364,8 @@ def test_flush_checks_its_timeout() -> None:
     # "5" raised a bare TypeError (monotonic() + "5"); nan never reached the deadline.
     p = ZmqEventPublisher(ANY_PORT)
     try:
-        for bad in (float("nan"), -1.0, "5", True):
+        # An array was NumPy's ambiguous-truth ValueError from the inf comparison.
+        for bad in (float("nan"), -1.0, "5", True, np.array([1.0, 2.0])):
             with pytest.raises(InvalidArgumentError):
                 p.flush(bad)  # type: ignore[arg-type]
         assert p.flush(0.0) is True and p.flush(float("inf")) is True  # nothing queued

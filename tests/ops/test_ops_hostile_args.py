@@ -71,6 +71,31 @@ def _launch(**kw):
     return pl.prefill_launch(pl.plan_prefill(**_PLAN), **{**_LAUNCH, **kw})
 
 
+_CACHES = ops.allocate_kv_cache(1, 6, 16, 2, 64, torch.float32, "cpu")
+_BLOCKS = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+
+
+def _alloc(**kw):
+    args = {"num_layers": 1, "num_blocks": 4, "block_size": 16, "num_kv_heads": 2,
+            "head_size": 64, "dtype": torch.float16, "device": "cpu"}  # fmt: skip
+    return ops.allocate_kv_cache(**{**args, **kw})
+
+
+def _swap_within(mapping):
+    """``swap_blocks`` with ``src`` and ``dst`` the same tensor; must leave it unchanged."""
+    cache = _BLOCKS.clone()
+    try:
+        ops.swap_blocks(cache, cache, mapping)
+    finally:
+        assert torch.equal(cache, _BLOCKS)
+
+
+def _swap_views(shift, mapping):
+    """``swap_blocks`` between two views of one storage ``shift`` elements apart."""
+    flat = _BLOCKS.clone().reshape(-1)
+    ops.swap_blocks(flat[:40].view(5, 8), flat[shift : 40 + shift].view(5, 8), mapping)
+
+
 LENS = np.array([5, 300], dtype=np.int32)
 NOT_TENSOR = CASE.key_cache.numpy()
 
@@ -209,6 +234,37 @@ ROWS = [
         lambda: pl.prefill_launch(pl.plan_prefill(**_PLAN, sinks=True), **_LAUNCH),
         "sinks",
     ),
+    # swap_blocks within one storage: pairs that chain or overlap (copy_blocks' rule)
+    ("swap_blocks same tensor chained", lambda: _swap_within([(0, 1), (1, 2)]), "copy_blocks"),
+    ("swap_blocks same tensor reversed", lambda: _swap_within([(2, 1), (3, 2)]), "copy_blocks"),
+    ("swap_blocks same tensor unmerged", lambda: _swap_within([(5, 0), (0, 3)]), "copy_blocks"),
+    ("swap_blocks same tensor dst twice", lambda: _swap_within([(1, 4), (2, 4)]), "copy_blocks"),
+    ("swap_blocks views, shifted blocks", lambda: _swap_views(4, [(0, 0)]), "copy_blocks"),
+    ("swap_blocks views, shifted halves", lambda: _swap_views(2, [(1, 0)]), "copy_blocks"),
+    # copy_blocks: the rule its docstring states (on CUDA a chain is a race)
+    ("copy_blocks chained", lambda: ops.copy_blocks(_CACHES, [[1, 2], [2, 3]]), "copy_blocks"),
+    ("copy_blocks dst twice", lambda: ops.copy_blocks(_CACHES, [[1, 4], [2, 4]]), "copy_blocks"),
+    # allocate_kv_cache: bools were counts, floats and arrays torch's TypeError/ValueError,
+    # sizes it cannot allocate its RuntimeError
+    ("alloc num_blocks True", lambda: _alloc(num_blocks=True), "num_blocks"),
+    ("alloc num_layers True", lambda: _alloc(num_layers=True), "num_layers"),
+    ("alloc num_blocks 2^70", lambda: _alloc(num_blocks=BIG), "num_blocks|allocated"),
+    ("alloc num_blocks 2^31", lambda: _alloc(num_blocks=2**31, num_layers=64), "allocated"),
+    ("alloc block_size 16.0", lambda: _alloc(block_size=16.0), "block_size"),
+    ("alloc head_size array", lambda: _alloc(head_size=np.array([64, 64])), "head_size"),
+    ("alloc device float", lambda: _alloc(device=2.7), "device"),
+    ("alloc device bogus", lambda: _alloc(device="bogus"), "device"),
+    ("alloc pin_memory str", lambda: _alloc(pin_memory="yes"), "pin_memory"),
+    ("alloc dtype array", lambda: _alloc(dtype=np.array([1, 2])), "dtype"),
+    # copy_blocks: caches that are no list of layers, a mapping without data
+    ("copy_blocks kv_caches str", lambda: ops.copy_blocks("kv", [[1, 2]]), "kv_caches"),
+    ("copy_blocks kv_caches int", lambda: ops.copy_blocks(np.int64(3), [[1, 2]]), "kv_caches"),
+    ("copy_blocks kv_caches array", lambda: ops.copy_blocks(np.ones(2), [[1, 2]]), "kv_caches"),
+    (
+        "copy_blocks mapping on meta",
+        lambda: ops.copy_blocks(_CACHES, torch.tensor([[1, 2]], device="meta")),
+        "block_mapping",
+    ),
     # precompile: every row fails before anything is compiled
     ("precompile archs str", lambda: ops.precompile("sm_90"), "archs"),
     (
@@ -238,6 +294,18 @@ def test_valid_edges_still_accepted():
     )
     assert _launch(out=0, sliding_window=2**31 - 1).args[-2] == 2**31 - 1
     assert pl.plan_prefill(**{**_PLAN, "max_query_len": BIG}).q_tiles == pl.MAX_GRID_YZ
+
+
+def test_swap_blocks_within_one_storage_when_pairs_do_not_overlap():
+    """One tensor (or views of one storage) as both sides: disjoint pairs and pairs that
+    copy a block onto itself still run; only overlapping ones are refused."""
+    cache = _BLOCKS.clone()
+    ops.swap_blocks(cache, cache, [(0, 3), (1, 4), (2, 2)])
+    assert torch.equal(cache[3:5], _BLOCKS[0:2]) and torch.equal(cache[:3], _BLOCKS[:3])
+    flat = _BLOCKS.clone().reshape(-1)
+    ops.swap_blocks(flat[:32].view(4, 8), flat[16:48].view(4, 8), [(0, 2)])  # 0 -> 4
+    assert torch.equal(flat.view(6, 8)[4], _BLOCKS[0])
+    ops.copy_blocks(_CACHES, [[1, 1], [2, 4], [2, 5]])  # a self-copy; one source twice
 
 
 def test_decode_attention_rejected_calls_keep_the_plan():

@@ -212,3 +212,72 @@ def test_rows_of_a_zero_width_table_export_no_pages(groups: tuple[int, ...]) -> 
     pt = flashinfer_page_table(table, lens, 4, rows=rows)
     assert pt.kv_indptr.tolist() == [0, 0, 0] and pt.kv_last_page_len.tolist() == [0, 0]
     assert pt.kv_indices.shape == (*groups, 0) and pt.kv_indices.dtype == np.int32
+
+
+def _hand_built(**fields: object) -> SchedulerOutput:
+    """A one-sequence, three-token record built by hand (no scheduler), ``fields`` added."""
+    i32, i64 = np.int32, np.int64
+    return SchedulerOutput(
+        seq_ids=np.array([1], i64),
+        num_scheduled_tokens=np.array([3], i32),
+        input_token_ids=np.array([1, 2, 3], i64),
+        positions=np.array([0, 1, 2], i64),
+        slot_mapping=np.array([4, 5, 6], i64),
+        query_start_loc=np.array([0, 3], i32),
+        seq_lens=np.array([3], i32),
+        block_tables=np.array([[1]], i32),
+        logits_indices=np.array([2], i64),
+        sample_seq_ids=np.array([1], i64),
+        sample_request_ids=["r"],
+        sample_counts=np.array([1], i32),
+        temperature=np.zeros(1, np.float32),
+        top_p=np.ones(1, np.float32),
+        top_k=np.zeros(1, i32),
+        seeds=np.full(1, -1, i64),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+_SLOTS = np.array([[4, 5, 6], [8, 9, 10]], np.int64)
+_TABLES = np.ones((3, 1, 1), np.int32)  # three groups' persistent tables, one row
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"group_slot_mappings": _SLOTS},  # two groups of slots, one of tables
+        {"group_slot_mappings": _SLOTS, "group_block_table": _TABLES},  # two and three
+        {"group_slot_mappings": _SLOTS[:1], "group_block_table": _TABLES},  # one and three
+        {"group_slot_mappings": _SLOTS[0]},  # 1-D: its three tokens read as three groups
+        {"group_slot_mappings": _SLOTS[:1, :2]},  # two tokens of three
+        {"group_block_table": _TABLES[0]},  # 2-D: its one row read as one group
+    ],
+)
+def test_a_hand_built_record_whose_groups_disagree_is_rejected(
+    fields: dict[str, object],
+) -> None:
+    # Two slot-mapping rows beside one group of tables raised IndexError from the
+    # exports; a 1-D slot mapping was taken as one group per token.
+    out = _hand_built(block_table_rows=np.array([0], np.int32), **fields)
+    calls = [
+        lambda: out.num_groups,
+        lambda: out.flashinfer_page_table(BS, 1),
+        lambda: out.flash_attention_page_table(BS, 1),
+        lambda: out.group_flashinfer_page_tables(BS),
+        lambda: out.group_flash_attention_page_tables(BS),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError, match=r"group_(slot_mappings|block_table)"):
+            call()
+
+
+def test_a_hand_built_record_with_consistent_groups_exports_them() -> None:
+    out = _hand_built(group_slot_mappings=_SLOTS[:1])
+    assert out.num_groups == 1 and len(out.group_flashinfer_page_tables(BS)) == 1
+    both = _hand_built(
+        group_slot_mappings=_SLOTS,
+        group_block_table=np.array([[[1]], [[2]]], np.int32),
+        block_table_rows=np.array([0], np.int32),
+    )
+    assert both.num_groups == 2
+    assert both.flashinfer_page_table(BS, 1).kv_indices.tolist() == [2]

@@ -90,3 +90,16 @@ def test_bad_input_raises_and_the_hasher_still_works() -> None:
     assert len(hasher.block_hashes(np.arange(8))) == 2
     with pytest.raises(InvalidArgumentError):
         PromptHasher(0)
+
+
+@pytest.mark.parametrize("manager", [None, 4, "m", object()])
+def test_from_manager_refuses_what_is_no_manager(manager: object) -> None:
+    # An AttributeError (no block_size) before.
+    with pytest.raises(InvalidArgumentError, match="manager"):
+        PromptHasher.from_manager(manager)  # type: ignore[arg-type]
+
+
+def test_a_hash_format_that_is_no_str_is_refused() -> None:
+    # An array was NumPy's ambiguous-truth ValueError.
+    with pytest.raises(InvalidArgumentError, match="hash_format"):
+        PromptHasher(4).block_hashes([1, 2, 3, 4], hash_format=np.array(["int"]))  # type: ignore[arg-type]

@@ -239,3 +239,23 @@ def test_a_removed_copy_keeps_the_group_s_other_copies() -> None:
     idx.apply(BlockRemovedRecord(0, (H[0],), group_idx=1))
     assert idx.instances(H[0]) == set()
     assert idx.num_blocks(0) == 1
+
+
+@pytest.mark.parametrize("value", [None, 3, 2.5, np.array(3)])
+def test_what_is_no_sequence_is_refused(value: object) -> None:
+    # apply_all and set_group_specs iterated it: a bare TypeError.
+    index = PrefixIndex()
+    with pytest.raises(InvalidArgumentError, match="records"):
+        index.apply_all(value)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="groups"):
+        index.set_group_specs(0, value, 4)  # type: ignore[arg-type]
+    assert len(index) == 0 and index.group_rules(0) == {}
+
+
+@pytest.mark.parametrize("medium", [[], np.array(["GPU"]), 2.5])
+def test_num_blocks_refuses_a_tier_that_is_no_str(medium: object) -> None:
+    # A list or an array was a bare TypeError (unhashable), a float counted 0 blocks.
+    index = PrefixIndex()
+    index.apply(BlockStoredRecord(0, (H[0],)))
+    with pytest.raises(InvalidArgumentError, match="medium"):
+        index.num_blocks(0, medium)  # type: ignore[arg-type]

@@ -115,7 +115,7 @@ def test_decoded_forms_and_bad_events() -> None:
             records_from_wire(0, bad)
 
 
-@pytest.mark.parametrize("events", [None, 3, 1.5])
+@pytest.mark.parametrize("events", [None, 3, 1.5, np.array(3)])
 def test_a_batch_whose_events_are_not_a_list_is_refused(events: object) -> None:
     # A decoded KVEventBatch with a null or scalar events field: bare TypeError before.
     with pytest.raises(InvalidArgumentError, match="events"):
@@ -177,3 +177,21 @@ def test_hash_format_int_is_the_digests_low_64_bits() -> None:
     assert ints == [int.from_bytes(d[-8:], "big") for d in digests]  # type: ignore[index]
     with pytest.raises(InvalidArgumentError):
         hasher.block_hashes(np.arange(16), hash_format="hex")
+
+
+@pytest.mark.parametrize("events", [None, 3, np.array(3)])
+def test_event_conversions_refuse_what_is_no_sequence(events: object) -> None:
+    # records_from_manager and to_wire_events iterated it: a bare TypeError.
+    from kvblocks.router import records_from_manager
+
+    with pytest.raises(InvalidArgumentError, match="events"):
+        records_from_manager(0, events)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="events"):
+        events_mod.to_wire_events(events)
+
+
+@pytest.mark.parametrize("name", ["wire_format", "hash_format"])
+def test_a_format_that_is_no_str_is_refused(name: str) -> None:
+    # An array was NumPy's ambiguous-truth ValueError.
+    with pytest.raises(InvalidArgumentError, match=name):
+        events_mod.to_wire_events([], **{name: np.array(["map", "int"])})

@@ -140,6 +140,111 @@ def test_beam_rows_require_top_k(make_manager) -> None:
     sched.update(out, fake_step(out))
 
 
+def _bad_tokens(tokens: np.ndarray, how: str) -> object:
+    """``tokens`` (int64) made hostile: each was cast or taken as a token before."""
+    return {
+        "float": tokens + 0.5,  # truncated to the token below
+        "nan": np.full(tokens.shape, np.nan),
+        "bool": tokens > 0,  # taken as 0 and 1
+        "str": tokens.astype(str),  # parsed
+        "object": tokens.astype(object),
+        "negative": -np.ones_like(tokens),  # -1 is "no token": the step's KV was lost
+        "2**32": np.full_like(tokens, 2**32),  # the manager refused it mid-update
+        "uint64 max": np.full(tokens.shape, 2**64 - 1, np.uint64),  # wrapped to -1
+    }[how]
+
+
+HOSTILE_TOKENS = ["float", "nan", "bool", "str", "object", "negative", "2**32", "uint64 max"]
+
+
+@pytest.mark.parametrize("how", HOSTILE_TOKENS)
+def test_hostile_sampled_tokens_are_refused_and_change_nothing(make_manager, how: str) -> None:
+    def start() -> Scheduler:
+        sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+        sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=3)))
+        sched.add_request(Request("n", PROMPT[:3], SamplingParams(max_tokens=3, n=2)))
+        return sched
+
+    sched, twin = start(), start()
+    out = sched.schedule()
+    good = fake_step(out)
+    with pytest.raises(InvalidArgumentError, match="sampled_token_ids"):
+        sched.update(out, ModelStepResult(_bad_tokens(good.sampled_token_ids, how)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="sampled_logprobs"):
+        sched.update(out, ModelStepResult(good.sampled_token_ids, np.full(3, "x")))  # type: ignore[arg-type]
+    sched.update(out, good)
+    twin_out = twin.schedule()
+    twin.update(twin_out, fake_step(twin_out))
+    got, want = run_to_completion(sched)[0], run_to_completion(twin)[0]
+    assert {k: [c.token_ids for c in v.outputs] for k, v in got.items()} == {
+        k: [c.token_ids for c in v.outputs] for k, v in want.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "how", [*HOSTILE_TOKENS, "1-D", "no rows", "logprobs' shape", "no K", "2K"]
+)
+def test_hostile_beam_top_k_is_refused_and_changes_nothing(make_manager, how: str) -> None:
+    def start() -> Scheduler:
+        sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+        sched.add_request(Request("b", PROMPT, SamplingParams(beam_width=2, max_tokens=3)))
+        return sched
+
+    sched, twin = start(), start()
+    out = sched.schedule()
+    good = fake_step(out)
+    assert good.topk_token_ids is not None and good.topk_logprobs is not None
+    ids, lps = good.topk_token_ids, good.topk_logprobs
+    bad = {
+        "1-D": (ids.reshape(-1), lps.reshape(-1)),
+        "no rows": (ids[:0], lps[:0]),
+        "logprobs' shape": (ids, lps[:, :1]),
+        "no K": (ids[:, :0], lps[:, :0]),
+        "2K": (np.concatenate([ids, ids], 1), np.concatenate([lps, lps], 1)),
+    }.get(how) or (_bad_tokens(ids, how), lps)
+    with pytest.raises(InvalidArgumentError, match="topk_"):
+        sched.update(out, ModelStepResult(good.sampled_token_ids, None, *bad))  # type: ignore[arg-type]
+    sched.update(out, good)
+    twin_out = twin.schedule()
+    twin.update(twin_out, fake_step(twin_out))
+    got, want = run_to_completion(sched)[0], run_to_completion(twin)[0]
+    assert [c.token_ids for c in got["b"].outputs] == [c.token_ids for c in want["b"].outputs]
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        np.zeros(3, np.int64),
+        [7, 7, 7],
+        ModelStepResult([1, [2]]),
+        ModelStepResult([7] * 3, [1, [2]]),
+    ],  # type: ignore[arg-type]
+    ids=["None", "array", "list", "ragged tokens", "ragged logprobs"],
+)
+def test_a_result_that_is_no_result_is_refused(make_manager, result: object) -> None:
+    # AttributeError ('... has no attribute sampled_token_ids') or NumPy's ValueError.
+    sched = Scheduler(make_manager(64, 4), SchedulerConfig())
+    sched.add_request(Request("a", PROMPT, SamplingParams(max_tokens=2, n=3)))
+    out = sched.schedule()
+    with pytest.raises(InvalidArgumentError, match=r"ModelStepResult|sampled_"):
+        sched.update(out, result)  # type: ignore[arg-type]
+    sched.update(out, fake_step(out))
+
+
+@pytest.mark.parametrize("manager", [None, 3, "m", object(), np.zeros(3)])
+def test_a_manager_that_is_no_manager_is_refused(manager: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="manager"):
+        Scheduler(manager)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", [np.array(["swap", "recompute"]), np.array([]), ["swap"], 1])
+def test_a_preemption_mode_that_is_no_str_is_refused(mode: object) -> None:
+    # An array was NumPy's "truth value is ambiguous" ValueError.
+    with pytest.raises(InvalidArgumentError, match="preemption_mode"):
+        SchedulerConfig(preemption_mode=mode)  # type: ignore[arg-type]
+
+
 def test_errors_are_kvblocks_errors() -> None:
     assert issubclass(InvalidArgumentError, KVBlocksError)
 

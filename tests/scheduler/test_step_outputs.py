@@ -460,6 +460,30 @@ def test_a_failing_clock_changes_nothing(rust_manager) -> None:
     assert record.outputs[0].num_tokens == 1
 
 
+@pytest.mark.parametrize("value", ["2.5", b"1", None, [1.0], np.array([1.0]), float("nan"), 1j])
+def test_a_clock_that_returns_no_time_is_refused_and_changes_nothing(rust_manager, value) -> None:
+    # float() of it raised TypeError or ValueError from add_request, schedule and update,
+    # or parsed a str; a NaN made every later latency NaN.
+    now: list[object] = [1.0]
+    manager = rust_manager(64, 4)
+    sched = Scheduler(manager, clock=lambda: now[0])
+    now[0] = value
+    with pytest.raises(InvalidArgumentError, match="clock"):
+        sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    with pytest.raises(InvalidArgumentError, match="clock"):
+        sched.schedule()
+    assert len(manager) == 0 and not sched.has_unfinished_requests()
+    now[0] = 2.0
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=2)))
+    out = sched.schedule()
+    now[0] = value
+    with pytest.raises(InvalidArgumentError, match="clock"):
+        sched.update(out, fake_step(out))
+    now[0] = np.float32(3.0)  # any real number is a time
+    (record,) = sched.update(out, fake_step(out))
+    assert record.outputs[0].num_tokens == 1 and record.metrics.first_token_time == 3.0
+
+
 def test_rows_below_min_tokens_ban_eos_and_stop_tokens(rust_manager) -> None:
     """The step tells the engine which tokens each row may not draw: EOS and the stop
     tokens while the sequence has fewer than ``min_tokens`` tokens (vLLM's rule), nothing

@@ -264,3 +264,23 @@ def test_remote_runs_are_deterministic() -> None:
 def test_bad_configs_raise(kw: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         FleetConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        ({"num_instances": 2.5}, "num_instances"),
+        ({"num_instances": "8"}, "num_instances"),  # a TypeError from the comparison
+        ({"num_blocks": float("nan")}, "num_blocks"),
+        ({"router": ["cache-aware"]}, "router"),  # unhashable
+        ({"workload": None}, "workload"),  # an AttributeError in run_fleet
+        ({"scheduler": {}}, "scheduler"),
+        ({"cost_model": 1}, "cost_model"),
+        ({"remote_fetch_wait_s": "1"}, "remote_fetch_wait_s"),
+        ({"progress": "no"}, "progress"),
+        ({"hash_algo": 3}, "hash_algo"),
+    ],
+)
+def test_fleet_fields_of_the_wrong_kind_are_refused(kw: dict[str, object], name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=name):
+        FleetConfig(**kw)  # type: ignore[arg-type]

@@ -265,3 +265,54 @@ def test_bad_tier_options_are_one_line_and_exit_2(argv: list[str], message: str)
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("kvblocks simulate: error:") and message in err, err
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"fixed_s": float("nan")}, "fixed_s"),  # every step time NaN
+        ({"per_token_s": -1.0}, "per_token_s"),  # time running backwards
+        ({"per_context_token_s": "1"}, "per_context_token_s"),
+        ({"kv_bytes_per_token": 2.5}, "kv_bytes_per_token"),
+        ({"host_bandwidth_bytes_per_s": float("inf")}, "host_bandwidth_bytes_per_s"),
+        ({"remote_bandwidth_bytes_per_s": "1e9"}, "remote_bandwidth_bytes_per_s"),
+    ],
+)
+def test_cost_model_fields_of_the_wrong_kind_are_refused(
+    kwargs: dict[str, object], name: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=name):
+        CostModel(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"workload": None}, "workload"),  # each an AttributeError in run_simulation
+        ({"scheduler": {}}, "scheduler"),
+        ({"cost_model": 1}, "cost_model"),
+        ({"layer_mix": "gemma"}, "layer_mix"),
+        ({"num_blocks": 2.5}, "num_blocks"),
+        ({"block_size": True}, "block_size"),
+        ({"num_cpu_blocks": None}, "num_cpu_blocks"),
+        ({"host_cache_blocks": "8"}, "host_cache_blocks"),
+        ({"host_offload": 1}, "host_offload"),
+        ({"progress": "no"}, "progress"),  # any truthy object showed a progress bar
+        ({"stop_at_window": 1}, "stop_at_window"),
+        ({"enable_prefix_caching": None}, "enable_prefix_caching"),
+    ],
+)
+def test_simulation_fields_of_the_wrong_kind_are_refused(
+    kwargs: dict[str, object], name: str
+) -> None:
+    from kvblocks.simulate import SimulationConfig
+
+    with pytest.raises(InvalidArgumentError, match=name):
+        SimulationConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_cost_model_times_are_kept_as_python_floats() -> None:
+    # A NumPy float16 time overflowed to inf in a step's sums (OverflowError in a run).
+    cost = CostModel(fixed_s=np.float16(1.0), per_token_s=np.float32(7e-5))
+    assert type(cost.fixed_s) is float and type(cost.per_token_s) is float
+    assert cost == CostModel(fixed_s=1.0, per_token_s=float(np.float32(7e-5)))

@@ -240,3 +240,41 @@ def test_length_distribution_text_round_trips() -> None:
 def test_bad_workload_configs_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidArgumentError):
         WorkloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_requests": 2.5}, "num_requests"),  # a float count ran 3 requests
+        ({"num_requests": float("nan")}, "num_requests"),  # NaN < 1 is False
+        ({"num_requests": True}, "num_requests"),
+        ({"request_rate": True}, "request_rate"),
+        ({"request_rate": "5"}, "request_rate"),  # a TypeError from the comparison
+        ({"seed": "x"}, "seed"),  # kept, then numpy's TypeError mid-run
+        ({"seed": -1}, "seed"),
+        ({"prompt_len": 100}, "prompt_len"),  # an AttributeError mid-run
+        ({"output_len": None}, "output_len"),
+        ({"max_prompt_len": 64.5}, "max_prompt_len"),
+        ({"system_prompt_share": float("nan")}, "system_prompt_share"),
+        ({"num_priorities": 0}, "num_priorities"),
+        ({"num_priorities": "3"}, "num_priorities"),
+        ({"vocab_size": 2**40}, "vocab_size"),  # token ids are u32
+        ({"think_time_s": True}, "think_time_s"),
+        ({"arrival": ["poisson"]}, "arrival"),  # unhashable: a TypeError
+    ],
+)
+def test_workload_fields_of_the_wrong_kind_are_refused(
+    kwargs: dict[str, object], name: str
+) -> None:
+    with pytest.raises(InvalidArgumentError, match=name):
+        WorkloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "args", [("fixed", True), ("fixed", "8"), ("uniform", 1, float("nan")), (["fixed"], 8)]
+)
+def test_length_distribution_fields_of_the_wrong_kind_are_refused(args: tuple) -> None:
+    # True and "8" compared or failed in math.isfinite with a TypeError; a list kind was
+    # unhashable.
+    with pytest.raises(InvalidArgumentError):
+        LengthDist(*args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,3 +100,20 @@ def test_bad_arguments_raise(layout: KVLayout) -> None:
         encode_block(layout, block_hash(1), [0] * layout.payload_nbytes)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         KVLayout(0, 2, 16, 64, torch.float16)
+
+
+def test_arguments_of_the_wrong_kind_are_refused(layout: KVLayout) -> None:
+    # Each was an AttributeError, TypeError or NumPy's ValueError from inside.
+    payload = b"\0" * layout.payload_nbytes
+    record = encode_block(layout, block_hash(1), payload)
+    calls = [
+        lambda: encode_block("layout", block_hash(1), payload),  # type: ignore[arg-type]
+        lambda: encode_block(layout, block_hash(1), payload, "key"),  # type: ignore[arg-type]
+        lambda: decode_block(None, block_hash(1), record),  # type: ignore[arg-type]
+        lambda: decode_block(layout, np.zeros(2), record),  # type: ignore[arg-type]
+        lambda: decode_block(layout, block_hash(1), "record"),  # type: ignore[arg-type]
+        lambda: decode_block(layout, block_hash(1), record, b"key"),  # type: ignore[arg-type]
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError):
+            call()

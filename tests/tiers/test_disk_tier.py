@@ -408,3 +408,16 @@ def test_put_many_with_one_bad_block_stores_none(tmp_path: Path, layout: KVLayou
         with pytest.raises(InvalidArgumentError):
             tier.put_many(hashes, kvs)  # type: ignore[arg-type]
     assert len(tier) == 0 and not list(tier.root.glob("*.kvb")) and tier.stats().puts == 0
+
+
+def test_bad_fsync_and_hash_lists_are_refused(tmp_path: Path, layout: KVLayout) -> None:
+    # fsync took any truthy object; get_many of a non-sequence was a bare TypeError.
+    for fsync in ("no", 1, None):
+        with pytest.raises(InvalidArgumentError, match="fsync"):
+            DiskTier(tmp_path, layout, 4, fsync=fsync)  # type: ignore[arg-type]
+    tier = DiskTier(tmp_path, layout, 4)
+    for value in (None, 3):
+        with pytest.raises(InvalidArgumentError):
+            tier.get_many(value)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            tier.contains_many(value)  # type: ignore[arg-type]

@@ -107,3 +107,40 @@ def test_bad_priority_or_batch_entry_changes_nothing(layout: KVLayout) -> None:
         tier.put_many([block_hash(0), block_hash(1)], [random_payload(layout, 0), b"short"])
     assert len(tier) == 0 and tier.contains_many([block_hash(0)]) == [False]
     assert tier.stats().puts == 0
+
+
+def test_a_failed_put_stores_nothing(layout: KVLayout) -> None:
+    # A payload without data (a meta tensor) raised NotImplementedError after its hash had
+    # taken a slot: the tier then served the slot's old bytes as the block.
+    tier = HostTier(layout, 1)
+    tier.put(block_hash(0), random_payload(layout, 0))
+    meta = torch.zeros(layout.payload_nbytes, dtype=torch.uint8, device="meta")
+    with pytest.raises(InvalidArgumentError, match="payload"):
+        tier.put(block_hash(1), meta)
+    assert tier.contains_many([block_hash(0), block_hash(1)]) == [True, False]
+    assert tier.stats().puts == 1
+
+
+@pytest.mark.parametrize("value", [None, 3, 2.5])
+def test_what_is_no_sequence_of_hashes_is_refused(layout: KVLayout, value: object) -> None:
+    # A bare TypeError ('float' object is not iterable / has no len()).
+    tier = HostTier(layout, 1)
+    for call in (tier.get_many, tier.contains_many, lambda v: tier.put_many(v, v)):
+        with pytest.raises(InvalidArgumentError):
+            call(value)  # type: ignore[operator]
+    assert tier.stats().misses == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"capacity_blocks": True},
+        {"capacity_blocks": 2**45},
+        {"capacity_blocks": 2**70},
+        {"pin_memory": "no"},
+    ],
+)
+def test_a_pool_that_cannot_be_built_is_refused(layout: KVLayout, kwargs: dict) -> None:
+    # True was torch's TypeError, 2**45 slots its allocation RuntimeError, "no" pinned.
+    with pytest.raises(InvalidArgumentError):
+        HostTier(layout, **{"capacity_blocks": 1, **kwargs})

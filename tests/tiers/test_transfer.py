@@ -140,3 +140,58 @@ def test_no_blocks_is_an_empty_payload_and_a_no_op_scatter(layout: KVLayout) -> 
     scatter_blocks(layout, payloads, caches, [])
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [
+        [1.7],
+        np.array([1.5]),
+        [True],
+        np.array([True]),
+        "1",
+        np.array([2**64 - 1], np.uint64),
+        [[1, [2]]],
+    ],
+    ids=["float", "float array", "bool", "bool array", "str", "uint64 max", "ragged"],
+)
+def test_block_ids_that_are_no_ints_are_refused(layout: KVLayout, block_ids: object) -> None:
+    # A float was truncated (1.7 gathered block 1), a bool read as 1; the others were
+    # torch's TypeError, ValueError or RuntimeError.
+    caches = _random_cache(layout, 4, 0)
+    pool = allocate_host_pool(layout, 2, pin_memory=False)
+    before = pool.clone()
+    with pytest.raises(InvalidArgumentError, match=r"block ids|rows"):
+        gather_blocks(layout, caches, block_ids)  # type: ignore[arg-type]
+    rows = [[b, b] for b in block_ids] if isinstance(block_ids, list) else block_ids
+    with pytest.raises(InvalidArgumentError, match=r"block ids|rows"):
+        offload_blocks(layout, caches, pool, rows)
+    assert torch.equal(pool, before)
+
+
+def test_arguments_of_the_wrong_kind_are_refused(layout: KVLayout) -> None:
+    # Each was an AttributeError, TypeError or IndexError from inside.
+    caches = _random_cache(layout, 4, 0)
+    calls = [
+        lambda: gather_blocks("layout", caches, [0]),  # type: ignore[arg-type]
+        lambda: gather_blocks(layout, 3.5, [0]),  # type: ignore[arg-type]
+        lambda: gather_blocks(layout, np.zeros(2), [0]),  # type: ignore[arg-type]
+        lambda: scatter_blocks(None, [], caches, []),  # type: ignore[arg-type]
+        lambda: offload_blocks(layout, caches, "pool", [[0, 0]]),  # type: ignore[arg-type]
+        lambda: load_blocks(layout, None, caches, [[0, 0]]),  # type: ignore[arg-type]
+        lambda: allocate_host_pool("layout", 2),  # type: ignore[arg-type]
+        lambda: allocate_host_pool(layout, True),
+        lambda: allocate_host_pool(layout, 2, pin_memory="no"),  # type: ignore[arg-type]
+        lambda: allocate_host_pool(layout, 2**45, pin_memory=False),  # cannot be allocated
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgumentError):
+            call()
+
+
+def test_rows_with_negative_strides_are_read(layout: KVLayout) -> None:
+    # A reversed view of valid rows was torch.from_numpy's ValueError.
+    caches = _random_cache(layout, 4, 0)
+    pool = allocate_host_pool(layout, 2, pin_memory=False)
+    offload_blocks(layout, caches, pool, np.array([[2, 1], [3, 0]])[::-1])
+    assert torch.equal(pool, gather_blocks(layout, caches, [3, 2]))

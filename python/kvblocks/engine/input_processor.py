@@ -21,7 +21,7 @@ from kvblocks.engine.tokenizer import Tokenizer
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.sampling_params import SamplingParams, as_token_ids
 from kvblocks.scheduler import Request
-from kvblocks.validation import check_int
+from kvblocks.validation import check_int, check_iterable
 
 __all__ = ["InputProcessor"]
 
@@ -140,7 +140,7 @@ def _params_per_prompt(
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
-    params_list = list(sampling_params)
+    params_list = list(check_iterable(sampling_params, "sampling_params", "SamplingParams"))
     if len(params_list) != count:
         raise InvalidArgumentError(f"got {len(params_list)} SamplingParams for {count} prompts")
     for params in params_list:

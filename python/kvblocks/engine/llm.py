@@ -13,11 +13,13 @@ mid-stream. What the engine is built from (device, model, cache sizes, remote ti
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
+import numpy as np
 import torch
 
 from kvblocks import KVCacheManager, ops
@@ -31,12 +33,12 @@ from kvblocks.engine.prompts import Prompt
 from kvblocks.engine.runner import ModelRunner, kv_block_bytes
 from kvblocks.engine.stream_state import RequestRun
 from kvblocks.engine.tokenizer import Tokenizer, load_tokenizer
-from kvblocks.errors import InvalidArgumentError, OutOfBlocksError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError, OutOfBlocksError
 from kvblocks.protocols import EventPublisher, RemoteTier
 from kvblocks.sampling_params import SamplingParams
 from kvblocks.scheduler import Scheduler, SchedulerConfig
 from kvblocks.tiers.remote_link import RemoteTierLink, RemoteTierOptions
-from kvblocks.validation import check_request_id
+from kvblocks.validation import check_bool, check_optional_int, check_request_id
 
 __all__ = ["LLM", "Prompt"]
 
@@ -154,7 +156,12 @@ class LLM:
         state_checkpoint_blocks: int | None = None,
         kv_cache_groups: bool = True,
     ) -> None:
-        if block_size not in ops.SUPPORTED_BLOCK_SIZES:
+        _check_arguments(model, tokenizer, num_blocks, num_cpu_blocks)
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, (int, np.integer))
+            or block_size not in ops.SUPPORTED_BLOCK_SIZES
+        ):
             raise InvalidArgumentError(
                 f"block_size must be one of {ops.SUPPORTED_BLOCK_SIZES}, got {block_size!r}"
             )
@@ -284,7 +291,7 @@ class LLM:
             OutOfBlocksError: the engine stopped making progress (a pool too small for
                 what was asked, e.g. no CPU blocks for a beam search that must swap).
         """
-        if stream:
+        if check_bool(stream, "stream"):
             return self.stream(prompts, sampling_params, priority=priority)
         runs = self._prepare(prompts, sampling_params, priority)
         final: dict[str, GenerationOutput] = {}
@@ -456,3 +463,24 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_arguments(
+    model: object, tokenizer: object, num_blocks: object, num_cpu_blocks: object
+) -> None:
+    """Raise unless the constructor's model, tokenizer and pool sizes have their types
+    (each failed later as a TypeError from ``Path()`` or a comparison, or, a tokenizer,
+    as an AttributeError on the first text prompt)."""
+    if model is not None and not isinstance(model, (str, os.PathLike, CausalLM)):
+        raise InvalidTypeError(
+            f"model must be a path, a CausalLM or None, got {type(model).__name__}"
+        )
+    if tokenizer is not None and not (
+        callable(getattr(tokenizer, "encode", None))
+        and callable(getattr(tokenizer, "decode", None))
+    ):
+        raise InvalidTypeError(
+            f"tokenizer must have encode() and decode(), got {type(tokenizer).__name__}"
+        )
+    check_optional_int(num_blocks, "num_blocks", numpy=True)
+    check_optional_int(num_cpu_blocks, "num_cpu_blocks", numpy=True)

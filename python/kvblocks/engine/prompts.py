@@ -21,6 +21,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_iterable
 
 __all__ = ["Prompt", "PromptSpec", "TextPrompt", "TokensPrompt", "as_prompt_list", "parse_prompt"]
 
@@ -64,9 +65,15 @@ def as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if isinstance(prompts, np.ndarray):
+        if prompts.ndim == 0:
+            raise InvalidArgumentError(
+                "prompts must be a prompt or a list of them, got a 0-d array"
+            )
         return [prompts] if prompts.ndim == 1 else list(prompts)
-    items: list[Any] = list(prompts)
-    if items and all(isinstance(t, (int, np.integer)) for t in items):
+    items: list[Any] = list(check_iterable(prompts, "prompts", "prompts"))
+    # A bool is no token id (True would be token 1): such a list is left to the prompt
+    # checks, which refuse it.
+    if items and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
         return [[int(t) for t in items]]
     return items
 

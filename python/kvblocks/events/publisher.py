@@ -24,7 +24,6 @@ should cover the sending thread's longest stall.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -44,7 +43,7 @@ from kvblocks.events.wire import (
     check_formats,
     to_wire_events,
 )
-from kvblocks.validation import INT32_MAX, check_int, check_number, check_optional_int
+from kvblocks.validation import INT32_MAX, check_bool, check_int, check_number, check_optional_int
 
 logger = logging.getLogger("kvblocks.events")
 
@@ -163,6 +162,7 @@ class ZmqEventPublisher:
             maximum=2**63 - 1,
             expected="None or an int in [0, 2^63)",
         )
+        check_bool(replay_topic_frame, "replay_topic_frame")
         if bind is not None and not isinstance(bind, bool):
             raise InvalidArgumentError(f"bind must be a bool or None, got {bind!r}")
         if context is not None and not isinstance(context, zmq.Context):
@@ -247,8 +247,7 @@ class ZmqEventPublisher:
         Raises:
             InvalidArgumentError: ``timeout`` is not a number >= 0.
         """
-        if timeout != math.inf:
-            check_number(timeout, "timeout", minimum=0, expected="a number >= 0")
+        check_number(timeout, "timeout", minimum=0, expected="a number >= 0", infinite=True)
         deadline = time.monotonic() + timeout
         while self.published_batches + self.failed_batches + self.dropped_batches < (
             self._next_seq

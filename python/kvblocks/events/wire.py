@@ -29,7 +29,7 @@ from kvblocks._core import AllBlocksCleared as CoreAllBlocksCleared
 from kvblocks._core import BlockRemoved as CoreBlockRemoved
 from kvblocks._core import BlockStored as CoreBlockStored
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
-from kvblocks.hashing import low64
+from kvblocks.validation import check_iterable
 
 WireFormat = Literal["map", "array"]
 HashFormat = Literal["int", "bytes"]
@@ -190,15 +190,17 @@ def convert_hash(digest: bytes, hash_format: HashFormat) -> ExternalBlockHash:
     """A kvblocks block hash as vLLM publishes it: the low 64 bits (the digest's last 8
     bytes, big-endian, unsigned) or the digest itself."""
     if hash_format == "int":
-        return low64(digest)
+        # low64 without its type check: the digests are the core's bytes, one per block
+        # of every published event.
+        return int.from_bytes(digest[-8:], "big")
     return bytes(digest)
 
 
 def check_formats(wire_format: str, hash_format: str) -> None:
     """Raise :class:`InvalidArgumentError` for an unknown wire or hash format."""
-    if wire_format not in ("map", "array"):
+    if not isinstance(wire_format, str) or wire_format not in ("map", "array"):
         raise InvalidArgumentError(f"wire_format must be 'map' or 'array', got {wire_format!r}")
-    if hash_format not in ("int", "bytes"):
+    if not isinstance(hash_format, str) or hash_format not in ("int", "bytes"):
         raise InvalidArgumentError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
 
 
@@ -218,12 +220,13 @@ def to_wire_events(
 
     Raises:
         InvalidArgumentError: an unknown ``wire_format`` or ``hash_format``.
-        InvalidTypeError: an event that is neither a kvblocks nor a wire event.
+        InvalidTypeError: ``events`` is not a sequence, or an event that is neither a
+            kvblocks nor a wire event.
     """
     check_formats(wire_format, hash_format)
     array = wire_format == "array"
     out: list[WireEvent] = []
-    for ev in events:
+    for ev in check_iterable(events, "events", "KV cache events"):
         if isinstance(ev, CoreBlockStored):
             hashes = [convert_hash(h, hash_format) for h in ev.block_hashes]
             parent = ev.parent_block_hash

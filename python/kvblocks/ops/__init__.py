@@ -15,6 +15,7 @@ head_size]``, so every (block, head) tile is one contiguous range.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from kvblocks.ops.checks import (
     check_block_ids,
     check_block_size,
     check_cache_pair,
+    check_copy_pairs_disjoint,
     check_dtype,
     check_head_size,
     check_index_tensor,
@@ -50,7 +52,7 @@ from kvblocks.ops.checks import (
 from kvblocks.ops.cpu_attention import CpuAttentionPlan
 from kvblocks.ops.cpu_cache import CpuCacheSlots
 from kvblocks.ops.decode_attention import DecodeAttention
-from kvblocks.validation import check_optional_int
+from kvblocks.validation import check_bool, check_int, check_optional_int
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -121,20 +123,24 @@ def allocate_kv_cache(
         ("num_blocks", num_blocks),
         ("num_kv_heads", num_kv_heads),
     ):
-        if not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        check_int(value, name, minimum=1, expected="a positive int")
     check_block_size(block_size)
     check_head_size(head_size)
     check_dtype(dtype, "the KV cache")
-    device = torch.device(device)
+    check_bool(pin_memory, "pin_memory")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"device {device!r} is not a torch device: {exc}") from exc
     if pin_memory and device.type != "cpu":
         raise InvalidArgumentError(f"pin_memory applies to CPU caches, not to {device}")
-    storage = torch.zeros(
-        (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size),
-        dtype=dtype,
-        device=device,
-        pin_memory=pin_memory,
-    )
+    shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_size)
+    try:
+        storage = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+    except (RuntimeError, TypeError) as exc:  # out of memory, no CUDA, beyond int64
+        raise InvalidArgumentError(
+            f"a KV cache of shape {list(shape)} {dtype} cannot be allocated on {device}: {exc}"
+        ) from exc
     return [(storage[layer, 0], storage[layer, 1]) for layer in range(num_layers)]
 
 
@@ -415,11 +421,17 @@ def copy_blocks(
     ``[n, 2]`` (torch tensor, NumPy array or nested lists). On CUDA this is one launch
     covering all layers, K and V. Block ids are validated on the host. The pairs run in
     parallel: a block that is the destination of one pair must not be the source or the
-    destination of another in the same call (the CUDA result would depend on timing; the
-    reference reads every source before writing).
+    destination of another in the same call (the CUDA result would depend on timing), and
+    such a mapping raises :class:`~kvblocks.errors.InvalidArgumentError`; a pair may copy
+    a block onto itself, and one source may feed several destinations.
     """
-    if not kv_caches:
-        raise InvalidArgumentError("kv_caches must hold at least one (key, value) layer")
+    if isinstance(kv_caches, (str, bytes)) or not isinstance(kv_caches, Sequence) or not kv_caches:
+        raise InvalidArgumentError(
+            "kv_caches must be a list of at least one (key, value) layer, got "
+            f"{type(kv_caches).__name__}"
+        )
+    if not all(isinstance(layer, Sequence) and len(layer) == 2 for layer in kv_caches):
+        raise InvalidArgumentError("kv_caches must hold (key_cache, value_cache) pairs")
     shape = check_cache_pair(*kv_caches[0])
     for layer, (key_cache, value_cache) in enumerate(kv_caches):
         if check_cache_pair(key_cache, value_cache) != shape or (
@@ -432,6 +444,8 @@ def copy_blocks(
     check_block_ids(mapping, shape[0], shape[0], "block_mapping")
     if mapping.shape[0] == 0:
         return
+    pairs = mapping.numpy()
+    check_copy_pairs_disjoint(pairs[:, 0], pairs[:, 1], 1, "block_mapping")
     if kv_caches[0][0].is_cuda:
         _cuda_backend().copy_blocks(kv_caches, mapping)
     else:
@@ -444,6 +458,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: MappingLike
     ``src``/``dst``: caches ``[num_blocks, ...]`` with equal per-block shape and dtype
     (typically GPU <-> pinned CPU). Contiguous runs of the mapping are merged into single
     copies, asynchronous on the current stream when one side is pinned host memory.
+
+    ``src`` and ``dst`` may be one tensor or views of one storage; then the pairs follow
+    :func:`copy_blocks`' rule: a block (its bytes) that one pair writes must not be read
+    or written by another pair, nor partly overlap its own source (a block copied onto
+    itself is fine), else :class:`~kvblocks.errors.InvalidArgumentError` and nothing is
+    copied.
     """
     for name, tensor in (("src", src), ("dst", dst)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 1:
@@ -457,4 +477,24 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: MappingLike
         )
     mapping = as_block_mapping(block_mapping)
     check_block_ids(mapping, src.shape[0], dst.shape[0], "block_mapping")
+    _check_swap_within_storage(src, dst, mapping)
     reference.swap_blocks(src, dst, mapping)
+
+
+def _check_swap_within_storage(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Raise if ``src`` and ``dst`` share bytes and the pairs overlap (see :func:`swap_blocks`).
+
+    Compares byte addresses, so views of one storage at any offset are caught; two
+    tensors whose bytes are disjoint (the usual GPU <-> host swap) cost two comparisons.
+    """
+    if mapping.shape[0] == 0 or src.device != dst.device or src.device.type == "meta":
+        return
+    item = src.element_size()
+    src_start, dst_start = src.data_ptr(), dst.data_ptr()
+    if src_start + src.numel() * item <= dst_start or dst_start + dst.numel() * item <= src_start:
+        return
+    width = math.prod(src.shape[1:]) * item
+    pairs = mapping.numpy()
+    reads = src_start + pairs[:, 0] * width
+    writes = dst_start + pairs[:, 1] * width
+    check_copy_pairs_disjoint(reads, writes, width, "block_mapping")

@@ -27,6 +27,7 @@ __all__ = [
     "check_block_ids",
     "check_block_size",
     "check_cache_pair",
+    "check_copy_pairs_disjoint",
     "check_dtype",
     "check_head_size",
     "check_index_tensor",
@@ -49,15 +50,21 @@ MappingLike = torch.Tensor | np.ndarray | Sequence[Sequence[int]]
 
 
 def check_dtype(dtype: torch.dtype, what: str) -> None:
-    """Raise unless ``dtype`` is one of :data:`SUPPORTED_DTYPES`."""
-    if dtype not in SUPPORTED_DTYPES:
+    """Raise unless ``dtype`` is one of :data:`SUPPORTED_DTYPES` (a torch.dtype: an
+    array cannot be compared)."""
+    if not isinstance(dtype, torch.dtype) or dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
         raise InvalidArgumentError(f"{what} has dtype {dtype}; supported dtypes are {names}")
 
 
 def check_head_size(head_size: int) -> None:
-    """Raise unless ``head_size`` is one of :data:`SUPPORTED_HEAD_SIZES`."""
-    if head_size not in SUPPORTED_HEAD_SIZES:
+    """Raise unless ``head_size`` is one of :data:`SUPPORTED_HEAD_SIZES` (an int: 64.0
+    compares equal to 64 but is no size, and an array cannot be compared)."""
+    if (
+        isinstance(head_size, bool)
+        or not isinstance(head_size, numbers.Integral)
+        or (head_size not in SUPPORTED_HEAD_SIZES)
+    ):
         raise InvalidArgumentError(
             f"head_size {head_size} is not supported; supported head sizes are "
             f"{list(SUPPORTED_HEAD_SIZES)}"
@@ -65,8 +72,13 @@ def check_head_size(head_size: int) -> None:
 
 
 def check_block_size(block_size: int) -> None:
-    """Raise unless ``block_size`` is one of :data:`SUPPORTED_BLOCK_SIZES`."""
-    if block_size not in SUPPORTED_BLOCK_SIZES:
+    """Raise unless ``block_size`` is one of :data:`SUPPORTED_BLOCK_SIZES` (an int, as
+    :func:`check_head_size`)."""
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, numbers.Integral)
+        or (block_size not in SUPPORTED_BLOCK_SIZES)
+    ):
         raise InvalidArgumentError(
             f"block_size {block_size} is not supported; supported block sizes are "
             f"{list(SUPPORTED_BLOCK_SIZES)}"
@@ -213,6 +225,8 @@ def as_block_mapping(block_mapping: MappingLike, name: str = "block_mapping") ->
     block ids are validated there), a NumPy array or nested sequences.
     """
     if isinstance(block_mapping, torch.Tensor):
+        if block_mapping.device.type == "meta":
+            raise InvalidArgumentError(f"{name} must hold data, got a meta tensor")
         mapping = block_mapping.detach().to("cpu")
     else:
         try:
@@ -244,6 +258,37 @@ def check_block_ids(mapping: torch.Tensor, num_src: int, num_dst: int, name: str
         raise InvalidArgumentError(
             f"{name} destination block ids must be in [0, {num_dst}), got range "
             f"[{int(dst.min())}, {int(dst.max())}]"
+        )
+
+
+def check_copy_pairs_disjoint(
+    reads: np.ndarray, writes: np.ndarray, width: int, name: str, first_pair: int = 0
+) -> None:
+    """Raise unless the copies ``reads[i] -> writes[i]`` (start positions of ``width``-wide
+    ranges in one memory) may run in parallel: no pair writes a range another pair reads
+    or writes, and none overlaps its own source but exactly (a block copied onto itself).
+
+    ``copy_blocks``' rule, also :func:`kvblocks.ops.swap_blocks`' when ``src`` and
+    ``dst`` share memory (there its merged runs are single copies torch refuses to make
+    overlap, and pairwise order would silently decide the result).
+    """
+    if len(writes) == 0 or width <= 0:
+        return
+    order = np.argsort(reads, kind="stable")
+    sorted_reads = reads[order]
+    # Reads r with |r - w| < width overlap the write at w; the pair's own exact read not.
+    lo = np.searchsorted(sorted_reads, writes - width, side="right")
+    hi = np.searchsorted(sorted_reads, writes + width, side="left")
+    hits = (hi - lo) - (reads == writes)
+    unique_writes, counts = np.unique(writes, return_counts=True)
+    bad = np.flatnonzero((hits > 0) | np.isin(writes, unique_writes[counts > 1]))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"{name} pair {first_pair + i} writes a block that another pair reads or writes "
+            "(or that overlaps its own source): the pairs run in parallel, so as in "
+            "copy_blocks a block that is the destination of one pair must not be the source "
+            "or the destination of another; split the mapping into calls"
         )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from kvblocks._core import AllBlocksCleared, BlockRemoved, BlockStored
 from kvblocks.errors import InvalidTypeError
+from kvblocks.validation import check_iterable
 
 __all__ = [
     "DEFAULT_MEDIUM",
@@ -100,10 +101,11 @@ def records_from_manager(
     without a host tier, whose events are all on the GPU).
 
     Raises:
-        TypeError: an item is not one of the binding's three event classes.
+        InvalidTypeError: ``events`` is not a sequence, or an item is not one of the
+            binding's three event classes.
     """
     out: list[EventRecord] = []
-    for ev in events:
+    for ev in check_iterable(events, "events", "KV cache events"):
         if isinstance(ev, BlockStored):
             out.append(
                 BlockStoredRecord(

@@ -13,7 +13,6 @@ import numpy.typing as npt
 
 from kvblocks._core import BlockHasher, KVCacheManager
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.hashing import low64
 from kvblocks.validation import check_int
 
 __all__ = ["PromptHasher"]
@@ -43,7 +42,15 @@ class PromptHasher:
 
     @classmethod
     def from_manager(cls, manager: KVCacheManager) -> PromptHasher:
-        """A hasher with ``manager``'s block size, algorithm, seed and registered LoRAs."""
+        """A hasher with ``manager``'s block size, algorithm, seed and registered LoRAs.
+
+        Raises:
+            InvalidArgumentError: ``manager`` is not a :class:`kvblocks.KVCacheManager`.
+        """
+        if not isinstance(manager, KVCacheManager):
+            raise InvalidArgumentError(
+                f"manager must be a KVCacheManager, got {type(manager).__name__}"
+            )
         hasher = cls(manager.block_size, manager.hash_algo)
         hasher._hasher = manager.block_hasher()
         return hasher
@@ -80,10 +87,11 @@ class PromptHasher:
             InvalidArgumentError: token ids the core rejects (negative, too large, not 1-D),
                 a bad ``hash_format``, or a salt / LoRA the algorithm cannot key.
         """
-        if hash_format not in ("bytes", "int"):
+        if not isinstance(hash_format, str) or hash_format not in ("bytes", "int"):
             raise InvalidArgumentError(f"hash_format must be 'bytes' or 'int', got {hash_format!r}")
         tokens = token_ids if isinstance(token_ids, (list, np.ndarray)) else np.asarray(token_ids)
         hashes = self._hasher.block_hashes(tokens, cache_salt=cache_salt, lora_id=lora_id)
         if hash_format == "int":
-            return [low64(h) for h in hashes]
+            # low64 without its type check: the core's own bytes, one per block.
+            return [int.from_bytes(h[-8:], "big") for h in hashes]
         return hashes

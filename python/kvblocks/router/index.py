@@ -16,7 +16,7 @@ from kvblocks.router.events import (
     EventRecord,
 )
 from kvblocks.router.group_hit import GroupRule, longest_hit, needed_groups
-from kvblocks.validation import check_block_hashes, check_int
+from kvblocks.validation import check_block_hashes, check_int, check_iterable
 
 __all__ = ["MAX_GROUPS", "PrefixIndex"]
 
@@ -79,7 +79,7 @@ class PrefixIndex:
         _check_instance(instance)
         block_size = check_int(block_size, "block_size", minimum=1)
         rules = {}
-        for g, spec in enumerate(groups):
+        for g, spec in enumerate(check_iterable(groups, "groups", "GroupSpec")):
             kind = getattr(spec, "kind", None)
             if not isinstance(kind, str):
                 raise InvalidArgumentError(f"groups[{g}] is not a GroupSpec: {spec!r}")
@@ -182,8 +182,13 @@ class PrefixIndex:
         _check_hash_sequence(record.block_hashes, "block hashes", numpy=False)
 
     def apply_all(self, records: Iterable[EventRecord]) -> None:
-        """Apply records in stream order."""
-        for r in records:
+        """Apply records in stream order.
+
+        Raises:
+            InvalidTypeError: ``records`` is not a sequence of records (and the errors of
+                :meth:`apply`: the records before a bad one stay applied, as a stream's).
+        """
+        for r in check_iterable(records, "records", "event records"):
             self.apply(r)
 
     def _store(
@@ -241,6 +246,8 @@ class PrefixIndex:
     def num_blocks(self, instance: Hashable, medium: str | None = None) -> int:
         """Distinct blocks ``instance`` holds (in ``medium``, or summed over tiers)."""
         _check_instance(instance)
+        if medium is not None and not isinstance(medium, str):
+            _check_query((), medium)
         tiers = self._held.get(instance, {})
         if medium is not None:
             return len(tiers.get(medium, ()))

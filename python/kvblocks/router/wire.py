@@ -29,7 +29,7 @@ from kvblocks.router.events import (
     BlockStoredRecord,
     EventRecord,
 )
-from kvblocks.validation import check_block_hashes, check_int
+from kvblocks.validation import check_block_hashes, check_int, check_iterable
 
 __all__ = ["records_from_wire"]
 
@@ -88,7 +88,7 @@ def records_from_wire(instance: int, events: Iterable[Any]) -> list[EventRecord]
         # A decoded batch's events field is untrusted: null or a scalar on the wire.
         raise InvalidArgumentError(f"events must be a list of events, got {type(events).__name__}")
     out: list[EventRecord] = []
-    for event in events:
+    for event in check_iterable(events, "events", "events"):  # a 0-d array is Iterable
         kind, f = _fields(event)
         medium = f.get("medium") or DEFAULT_MEDIUM
         if not isinstance(medium, str):

@@ -11,10 +11,12 @@ it, no stop condition fires before ``min_tokens`` tokens
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.protocols import BlockManager
 from kvblocks.scheduler.batch import StepPlan
 from kvblocks.scheduler.beam_search import BeamSearch
@@ -26,6 +28,7 @@ from kvblocks.scheduler.request_state import RequestState, RequestStatus
 from kvblocks.scheduler.stats import SchedulerCounters
 from kvblocks.scheduler.step import UpdateState
 from kvblocks.scheduler.step_outputs import DecodeDeltas
+from kvblocks.validation import TOKEN_ID_MAX, check_int_array, check_real_array
 
 __all__ = ["ResultApplier", "check_result"]
 
@@ -43,8 +46,15 @@ def check_result(
         InvalidArgumentError: ``result`` does not match ``output`` (token counts,
             missing top-K for beam rows).
     """
+    if not isinstance(result, ModelStepResult):
+        raise InvalidTypeError(f"update() takes a ModelStepResult, got {type(result).__name__}")
     counts = output.sample_counts
-    sampled = np.asarray(result.sampled_token_ids, dtype=np.int64)
+    # No dtype= in asarray: that cast would truncate floats, parse strings and wrap
+    # unsigned values; -1 is the decode table's "no token", so a negative one would
+    # silently drop the step's KV.
+    sampled = _as_array(result.sampled_token_ids, "sampled_token_ids")
+    check_int_array(sampled, "sampled_token_ids", minimum=0, maximum=TOKEN_ID_MAX)
+    sampled = sampled.astype(np.int64, copy=False)
     if sampled.ndim != 1:
         sampled = sampled.reshape(-1)
     total = int(counts.sum()) if plan.special else len(counts)
@@ -56,19 +66,48 @@ def check_result(
     if result.sampled_logprobs is None:
         logprobs = np.zeros(total, dtype=np.float64)
     else:
-        logprobs = np.asarray(result.sampled_logprobs, dtype=np.float64)
+        logprobs = _as_array(result.sampled_logprobs, "sampled_logprobs")
+        check_real_array(logprobs, "sampled_logprobs")
+        logprobs = logprobs.astype(np.float64, copy=False)
         if logprobs.ndim != 1:
             logprobs = logprobs.reshape(-1)
         if logprobs.shape[0] != total:
             raise InvalidArgumentError(
                 f"sampled_logprobs has {logprobs.shape[0]} entries, expected {total}"
             )
-    if output.beam_topk and (result.topk_token_ids is None or result.topk_logprobs is None):
-        raise InvalidArgumentError(
-            f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, "
-            f"{output.beam_topk}] are required"
-        )
+    if output.beam_topk:
+        _check_top_k(result, len(counts), output.beam_topk)
     return sampled, logprobs
+
+
+def _as_array(value: object, name: str) -> npt.NDArray[Any]:
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:  # ragged nesting
+        raise InvalidArgumentError(f"{name} must be an array: {exc}") from exc
+
+
+def _check_top_k(result: ModelStepResult, rows: int, k: int) -> None:
+    """Raise unless the result's top-K arrays are ``[R, K']`` (``1 <= K' <= K``: the
+    engine's sampler returns ``min(K, vocab)`` columns) of token ids and log-probs."""
+    if result.topk_token_ids is None or result.topk_logprobs is None:
+        raise InvalidArgumentError(
+            f"this step has beam-search rows: topk_token_ids/topk_logprobs [R, {k}] are required"
+        )
+    ids = _as_array(result.topk_token_ids, "topk_token_ids")
+    lps = _as_array(result.topk_logprobs, "topk_logprobs")
+    if (
+        ids.ndim != 2
+        or ids.shape[0] != rows
+        or not 1 <= ids.shape[1] <= k
+        or lps.shape != ids.shape
+    ):
+        raise InvalidArgumentError(
+            f"topk_token_ids {list(ids.shape)} and topk_logprobs {list(lps.shape)} must both "
+            f"be [R={rows}, K] with K in [1, {k}] columns"
+        )
+    check_int_array(ids, "topk_token_ids", minimum=0, maximum=TOKEN_ID_MAX)
+    check_real_array(lps, "topk_logprobs")
 
 
 class ResultApplier:

@@ -92,7 +92,10 @@ class SchedulerConfig:
             raise InvalidArgumentError(
                 f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}"
             )
-        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+        if self.preemption_mode is not None and (
+            not isinstance(self.preemption_mode, str)
+            or self.preemption_mode not in PREEMPTION_MODES
+        ):
             raise InvalidArgumentError(
                 f"preemption_mode must be None, 'recompute' or 'swap'; got {self.preemption_mode!r}"
             )
@@ -155,11 +158,20 @@ def check_scheduler_args(
     arguments against ``manager``.
 
     Raises:
-        InvalidArgumentError: ``config`` is not a :class:`SchedulerConfig` or leaves no
+        InvalidArgumentError: ``manager`` is no block manager; ``config`` is not a
+            :class:`SchedulerConfig` or leaves no
             room for a decode step in the pool, or asks for lookahead slots with a
             recurrent-state group; ``clock`` is not callable;
             ``event_publisher`` has no ``publish()`` or the manager records no events.
     """
+    if not all(
+        isinstance(getattr(manager, name, None), int) for name in ("num_blocks", "block_size")
+    ) or not callable(getattr(manager, "allocate_slots", None)):
+        # What the constructor reads first: anything else was an AttributeError.
+        raise InvalidArgumentError(
+            f"manager must be a block manager (a kvblocks.KVCacheManager), got "
+            f"{type(manager).__name__}"
+        )
     if not callable(clock):
         raise InvalidArgumentError(f"clock must be callable, got {clock!r}")
     if event_publisher is not None:

@@ -27,7 +27,7 @@ from kvblocks.page_tables import (
     flashinfer_page_table,
 )
 from kvblocks.scheduler.memory_ops import MemoryOps, pairs_of
-from kvblocks.validation import check_int
+from kvblocks.validation import check_int, check_shape
 
 if TYPE_CHECKING:
     from kvblocks.scheduler.block_table import TableDelta
@@ -218,12 +218,31 @@ class SchedulerOutput:
     @property
     def num_groups(self) -> int:
         """``G``: the KV cache groups the step's per-group arrays cover (1 without
-        groups)."""
+        groups).
+
+        Raises:
+            InvalidArgumentError: a hand-built record whose per-group arrays disagree:
+                ``group_slot_mappings`` not ``[G, T]`` for the ``G`` groups of its tables
+                (``group_block_table``'s, or one), or ``group_block_table`` not 3-D.
+        """
+        groups = 1
         if self.group_block_table is not None:
-            return int(self.group_block_table.shape[0])
+            check_shape(
+                self.group_block_table,
+                "group_block_table",
+                (None, None, None),
+                "one table per KV cache group",
+            )
+            groups = int(self.group_block_table.shape[0])
         if self.group_slot_mappings is not None:
-            return int(self.group_slot_mappings.shape[0])
-        return 1
+            check_shape(
+                self.group_slot_mappings,
+                "group_slot_mappings",
+                (groups, self.num_tokens),
+                f"one row per KV cache group of the record's block tables ({groups}), one "
+                "column per token",
+            )
+        return groups
 
     @functools.cached_property
     def group_block_tables(self) -> npt.NDArray[np.int32]:

@@ -61,7 +61,7 @@ from kvblocks.scheduler.stats import (
 )
 from kvblocks.scheduler.step import Chunk, StepState, UpdateState
 from kvblocks.scheduler.step_outputs import StepOutputs
-from kvblocks.validation import check_int, check_request_id
+from kvblocks.validation import check_int, check_number, check_request_id
 
 __all__ = ["Scheduler"]
 
@@ -235,7 +235,7 @@ class Scheduler:
         if self._in_flight is not None:
             raise SequenceStateError("schedule() called again before update() of the last step")
         cfg = self.config
-        step = StepState(float(self._clock()), self.counters.num_steps, cfg.max_num_batched_tokens)
+        step = StepState(self._clock_time(), self.counters.num_steps, cfg.max_num_batched_tokens)
         placement = self._placement
         # Requests past max_wait_steps rank first in the waiting queue from now on.
         self.counters.num_requests_overdue += placement.wait_bound.promote(
@@ -401,7 +401,7 @@ class Scheduler:
         if plan is None or output is not plan.output:
             raise SequenceStateError("update() needs the output of the last schedule() call")
         sampled, logprobs = check_result(output, plan, result)
-        now = float(self._clock())  # before any change: a failing clock changes nothing
+        now = self._clock_time()  # before any change: a failing clock changes nothing
         self._in_flight = None
         # The engine applied the step's memory ops before computing it: their host-tier
         # copies are complete, so their slots are released (a no-op without a tier).
@@ -430,7 +430,14 @@ class Scheduler:
         """The step's time while a step is in flight, else the clock."""
         if self._in_flight is not None:
             return self._in_flight.now
-        return float(self._clock())
+        return self._clock_time()
+
+    def _clock_time(self) -> float:
+        """The clock's time, checked: a str would be parsed by ``float()`` and a NaN
+        would make every latency after it NaN."""
+        return check_number(
+            self._clock(), "the clock's time", expected="a finite real number", numpy=True
+        )
 
     def _num_live_seqs(self) -> int:
         return self._placement.num_live_seqs()

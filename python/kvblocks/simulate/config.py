@@ -7,13 +7,16 @@ baseline :mod:`kvblocks.simulate.contiguous`), so that neither imports the other
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler import SchedulerConfig
 from kvblocks.simulate.cost_model import CostModel
 from kvblocks.simulate.layer_mix import LayerMix
 from kvblocks.simulate.workload import WorkloadConfig
+from kvblocks.validation import check_bool, check_int
 
-__all__ = ["SimulationConfig"]
+__all__ = ["SimulationConfig", "check_parts"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,34 @@ class SimulationConfig:
     stop_at_window: bool = False
     follow_ups_first: bool = False
     layer_mix: LayerMix | None = None
+
+    def __post_init__(self) -> None:
+        check_parts(self)
+        check_bool(self.stop_at_window, "stop_at_window")
+        check_bool(self.follow_ups_first, "follow_ups_first")
+        if self.layer_mix is not None and not isinstance(self.layer_mix, LayerMix):
+            raise InvalidArgumentError(
+                f"layer_mix must be a LayerMix or None, got {type(self.layer_mix).__name__}"
+            )
+
+
+def check_parts(config: Any) -> None:
+    """Raise unless the fields a simulation and a fleet share have their types: the parts
+    are the config classes (each checked when built), the pool sizes ints, the switches
+    bools (the run would otherwise fail mid-way, or take any truthy object as True).
+    Ranges are the block manager's and the scheduler's, checked where they are built."""
+    for name, kind in (
+        ("workload", WorkloadConfig),
+        ("scheduler", SchedulerConfig),
+        ("cost_model", CostModel),
+    ):
+        if not isinstance(getattr(config, name), kind):
+            raise InvalidArgumentError(
+                f"{name} must be a {kind.__name__}, got {type(getattr(config, name)).__name__}"
+            )
+    for name in ("num_blocks", "block_size", "num_cpu_blocks", "host_cache_blocks"):
+        check_int(getattr(config, name), name, numpy=True)
+    for name in ("enable_prefix_caching", "progress"):
+        check_bool(getattr(config, name), name)
+    if not isinstance(config.host_offload, str):
+        raise InvalidArgumentError(f"host_offload must be a str, got {config.host_offload!r}")

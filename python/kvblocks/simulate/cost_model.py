@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.scheduler.output import SchedulerOutput
+from kvblocks.validation import check_int, check_number
 
 __all__ = [
     "DEFAULT_HOST_BANDWIDTH_GBPS",
@@ -83,6 +84,14 @@ class CostModel:
     remote_bandwidth_bytes_per_s: float = DEFAULT_REMOTE_BANDWIDTH_GBPS * 1e9
 
     def __post_init__(self) -> None:
+        # A NaN or negative time would make every step's time NaN or run time backwards.
+        # Kept as Python floats: a NumPy float16 overflowed to inf in the step-time sums.
+        for name in ("fixed_s", "per_token_s", "per_context_token_s"):
+            value = check_number(getattr(self, name), name, minimum=0.0, numpy=True)
+            object.__setattr__(self, name, value)
+        check_int(self.kv_bytes_per_token, "kv_bytes_per_token", numpy=True)
+        for name in ("host_bandwidth_bytes_per_s", "remote_bandwidth_bytes_per_s"):
+            object.__setattr__(self, name, check_number(getattr(self, name), name, numpy=True))
         if self.kv_bytes_per_token < 1:
             raise InvalidArgumentError(
                 f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}"

@@ -44,6 +44,7 @@ from kvblocks.router import (
 )
 from kvblocks.router.events import EventRecord
 from kvblocks.scheduler import Scheduler, SchedulerConfig
+from kvblocks.simulate.config import check_parts
 from kvblocks.simulate.cost_model import CostModel
 from kvblocks.simulate.fleet_remote import RemoteTotals, SharedRemoteTier
 from kvblocks.simulate.metrics import RequestMetrics
@@ -55,6 +56,7 @@ from kvblocks.simulate.runner import (
     request_for,
 )
 from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig, mean_turns
+from kvblocks.validation import check_bool, check_int, check_number, check_optional_int
 
 __all__ = ["FleetConfig", "FleetResult", "run_fleet"]
 
@@ -114,6 +116,23 @@ class FleetConfig:
     progress: bool = False
 
     def __post_init__(self) -> None:
+        check_parts(self)
+        for name in (
+            "num_instances",
+            "num_blocks",
+            "remote_max_pending_write_blocks",
+            "remote_tier_blocks",
+        ):
+            check_int(getattr(self, name), name, numpy=True)
+        check_optional_int(self.max_concurrency, "max_concurrency", numpy=True)
+        check_number(self.remote_fetch_wait_s, "remote_fetch_wait_s", numpy=True, infinite=True)
+        if not isinstance(self.hash_algo, str):
+            raise InvalidArgumentError(f"hash_algo must be a str, got {self.hash_algo!r}")
+        check_bool(self.follow_ups_first, "follow_ups_first")
+        if not isinstance(self.router, str):
+            raise InvalidArgumentError(
+                f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}"
+            )
         if self.num_instances < 1:
             raise InvalidArgumentError(f"num_instances must be >= 1, got {self.num_instances}")
         if self.router not in ROUTERS:

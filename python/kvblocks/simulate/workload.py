@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
+from kvblocks.validation import check_int, check_number
 
 __all__ = [
     "ARRIVAL_PROCESSES",
@@ -75,12 +76,13 @@ class LengthDist:
     b: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
+        if not isinstance(self.kind, str) or self.kind not in _KINDS:
             raise InvalidArgumentError(
                 f"length distribution kind must be one of {', '.join(_KINDS)}, got {self.kind!r}"
             )
-        if not (math.isfinite(self.a) and math.isfinite(self.b)):
-            raise InvalidArgumentError(f"length distribution parameters must be finite: {self}")
+        for name in ("a", "b"):
+            # Not {self} in the message: its __str__ formats the parameters as numbers.
+            check_number(getattr(self, name), f"length distribution parameter {name}", numpy=True)
         if self.kind == "lognormal" and not (self.a > 0 and self.b >= 0):
             raise InvalidArgumentError(f"lognormal needs mean > 0 and sigma >= 0, got {self}")
         if self.kind == "fixed" and self.a < 0:
@@ -186,11 +188,31 @@ class WorkloadConfig:
     vocab_size: int = 32000
 
     def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise InvalidArgumentError(f"num_requests must be >= 1, got {self.num_requests}")
-        if not self.request_rate > 0:
-            raise InvalidArgumentError(f"request_rate must be > 0, got {self.request_rate}")
-        if self.arrival not in ARRIVAL_PROCESSES:
+        # Types first: the comparisons below would take a float count, pass a NaN, or
+        # raise TypeError; a seed or a length distribution would fail only mid-run.
+        check_int(self.num_requests, "num_requests", minimum=1, numpy=True)
+        check_number(self.request_rate, "request_rate", positive=True, numpy=True, infinite=True)
+        check_int(self.seed, "seed", minimum=0, numpy=True)
+        for name in ("prompt_len", "output_len"):
+            if not isinstance(getattr(self, name), LengthDist):
+                raise InvalidArgumentError(
+                    f"{name} must be a LengthDist, got {type(getattr(self, name)).__name__}"
+                )
+        for name in (
+            "max_prompt_len",
+            "max_output_len",
+            "max_context_len",
+            "num_system_prompts",
+            "system_prompt_len",
+            "max_turns",
+        ):
+            check_int(getattr(self, name), name, numpy=True)
+        check_int(self.vocab_size, "vocab_size", minimum=1, maximum=2**32, numpy=True)
+        for name in ("system_prompt_share", "parallel_share", "multi_turn_share"):
+            check_number(getattr(self, name), name, minimum=0.0, maximum=1.0, numpy=True)
+        check_number(self.think_time_s, "think_time_s", minimum=0.0, numpy=True)
+        check_int(self.num_priorities, "num_priorities", minimum=1, numpy=True)
+        if not isinstance(self.arrival, str) or self.arrival not in ARRIVAL_PROCESSES:
             raise InvalidArgumentError(
                 f"arrival must be one of {', '.join(ARRIVAL_PROCESSES)}, got {self.arrival!r}"
             )

@@ -74,6 +74,9 @@ def as_payload_tensor(layout: KVLayout, kv: torch.Tensor) -> torch.Tensor:
 
     Raises InvalidArgumentError when ``kv`` does not hold exactly ``layout.payload_nbytes``.
     """
+    if kv.device.type == "meta":
+        # Checked here, before a tier takes a slot: copying it would fail half-way.
+        raise InvalidArgumentError("a payload must hold data, got a meta tensor")
     flat = kv.detach().contiguous().reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
@@ -127,11 +130,19 @@ def _checksum(fixed: bytes, block_hash: bytes, payload: memoryview | bytes) -> i
     return zlib.crc32(payload, zlib.crc32(block_hash, zlib.crc32(zeroed)))
 
 
+def _check_layout_and_key(layout: object, key: object) -> None:
+    if not isinstance(layout, KVLayout):
+        raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+    if key is not None and not isinstance(key, RecordKey):
+        raise InvalidTypeError(f"key must be a RecordKey or None, got {type(key).__name__}")
+
+
 def encode_block(
     layout: KVLayout, block_hash: bytes, kv: Payload, key: RecordKey | None = None
 ) -> bytes:
     """The record (header, hash, payload, and a MAC when ``key`` is given) of one block,
     as one bytes object."""
+    _check_layout_and_key(layout, key)
     block_hash = check_block_hash(block_hash)
     payload = as_payload_view(layout, kv)
     mac_len = MAC_SIZE if key is not None else 0
@@ -159,6 +170,10 @@ def decode_block(
     UnauthenticatedBlockError when ``key`` is given and the record carries no MAC or a
     wrong one (checked before anything else the record claims).
     """
+    _check_layout_and_key(layout, key)
+    block_hash = check_block_hash(block_hash)
+    if not isinstance(record, bytes | bytearray | memoryview):
+        raise InvalidTypeError(f"a record must be bytes, got {type(record).__name__}")
     view = memoryview(record).cast("B")
     if view.nbytes < _FIXED.size:
         raise CorruptBlockError(f"record is {view.nbytes} bytes, shorter than its header")

@@ -30,7 +30,7 @@ from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.mac import MAC_SIZE, RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
-from kvblocks.validation import check_int, check_priority
+from kvblocks.validation import check_bool, check_int, check_iterable, check_priority
 
 __all__ = ["DiskTier"]
 
@@ -117,7 +117,7 @@ class DiskTier:
         self.layout = layout
         self._key = resolve_key(mac_key)
         self._capacity = capacity_blocks
-        self._fsync = bool(fsync)
+        self._fsync = check_bool(fsync, "fsync")
         self._root = Path(directory) / layout.fingerprint.hex()
         fresh = not self._root.exists()
         try:
@@ -352,6 +352,7 @@ class DiskTier:
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Each block's verified payload, or None (absent, or rejected and deleted)."""
+        block_hashes = list(check_iterable(block_hashes, "block_hashes", "bytes"))
         paths = [self.path_of(h) for h in block_hashes]
         out: list[torch.Tensor | None] = []
         for path, raw_hash in zip(paths, block_hashes, strict=True):
@@ -417,7 +418,8 @@ class DiskTier:
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each block is indexed (its file is verified only when read)."""
-        return [check_block_hash(h) in self._index for h in block_hashes]
+        hashes = check_iterable(block_hashes, "block_hashes", "bytes")
+        return [check_block_hash(h) in self._index for h in hashes]
 
     def evict(self, block_hash: bytes) -> bool:
         """Delete one block's file."""

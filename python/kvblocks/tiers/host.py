@@ -7,13 +7,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvblocks.errors import InvalidArgumentError, InvalidTypeError
+from kvblocks.errors import InvalidTypeError
 from kvblocks.tiers.codec import Payload, as_payload_tensor, as_payload_view, check_block_hash
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.lru import RetentionLRU
 from kvblocks.tiers.stats import TierStats
 from kvblocks.tiers.store import put_each
-from kvblocks.validation import check_priority
+from kvblocks.tiers.transfer import allocate_pool
+from kvblocks.validation import check_int, check_iterable, check_priority
 
 __all__ = ["HostTier"]
 
@@ -32,16 +33,12 @@ class HostTier:
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        if not isinstance(capacity_blocks, int) or capacity_blocks < 1:
-            raise InvalidArgumentError(
-                f"capacity_blocks must be a positive int, got {capacity_blocks!r}"
-            )
-        pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        capacity_blocks = check_int(
+            capacity_blocks, "capacity_blocks", minimum=1, expected="a positive int"
+        )
         self.layout = layout
         self._capacity = capacity_blocks
-        self._pool = torch.empty(
-            (capacity_blocks, layout.payload_nbytes), dtype=torch.uint8, pin_memory=pin
-        )
+        self._pool = allocate_pool(capacity_blocks, layout.payload_nbytes, pin_memory, zeroed=False)
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self._slots: RetentionLRU[int] = RetentionLRU()
         self._stats = TierStats()
@@ -106,7 +103,9 @@ class HostTier:
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Copies of the stored payloads (one gather from the pool), None for misses."""
-        hashes = [check_block_hash(h) for h in block_hashes]
+        hashes = [
+            check_block_hash(h) for h in check_iterable(block_hashes, "block_hashes", "bytes")
+        ]
         slots = [self._slots.touch(h) for h in hashes]
         hit_rows = [s for s in slots if s is not None]
         hits = len(hit_rows)
@@ -121,7 +120,8 @@ class HostTier:
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each block is in the pool."""
-        return [check_block_hash(h) in self._slots for h in block_hashes]
+        hashes = check_iterable(block_hashes, "block_hashes", "bytes")
+        return [check_block_hash(h) in self._slots for h in hashes]
 
     def evict(self, block_hash: bytes) -> bool:
         """Free one block's slot."""

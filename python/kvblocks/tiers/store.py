@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.protocols import TierStore
 from kvblocks.tiers.codec import Payload, check_block_hash, check_payload
-from kvblocks.validation import check_priority
+from kvblocks.validation import check_iterable, check_priority
 
 __all__ = ["TierStore", "put_each"]
 
@@ -19,6 +19,8 @@ def put_each(
     """``put_many`` for a backend without a batched write: ``put`` each block in order;
     how many were stored. Every argument is checked before the first put, so a batch with
     one bad entry raises and stores nothing."""
+    block_hashes = list(check_iterable(block_hashes, "block_hashes", "bytes"))
+    kvs = list(check_iterable(kvs, "kvs", "payloads"))
     if len(block_hashes) != len(kvs):
         raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
     check_priority(priority)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.layout import KVLayout
+from kvblocks.validation import check_bool, check_int, check_int_array
 
 __all__ = [
     "allocate_host_pool",
@@ -32,31 +34,72 @@ __all__ = [
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+def _check_layout(layout: object) -> None:
+    if not isinstance(layout, KVLayout):
+        raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+
+
 def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> torch.device:
-    if len(kv_caches) != layout.num_layers:
+    _check_layout(layout)
+    if not isinstance(kv_caches, Sequence) or len(kv_caches) != layout.num_layers:
+        got = len(kv_caches) if isinstance(kv_caches, Sequence) else type(kv_caches).__name__
         raise InvalidArgumentError(
-            f"the layout has {layout.num_layers} layers, the cache {len(kv_caches)}"
+            f"kv_caches must be a list of {layout.num_layers} (key_cache, value_cache) "
+            f"pairs (the layout's layers), got {got}"
         )
-    device = kv_caches[0][0].device
-    for key, value in kv_caches:
+    device: torch.device | None = None
+    for pair in kv_caches:
+        try:
+            key, value = pair
+        except (TypeError, ValueError):
+            raise InvalidTypeError(
+                f"kv_caches must hold (key, value) pairs, got {type(pair).__name__}"
+            ) from None
         for cache in (key, value):
+            if not isinstance(cache, torch.Tensor):
+                raise InvalidTypeError(
+                    f"a cache must be a torch.Tensor, got {type(cache).__name__}"
+                )
             if tuple(cache.shape[1:]) != layout.tile_shape or cache.dtype != layout.dtype:
                 raise InvalidArgumentError(
                     f"a cache of shape {tuple(cache.shape)} {cache.dtype} does not match the "
                     f"layout's [*, {', '.join(map(str, layout.tile_shape))}] {layout.dtype}"
                 )
-            if cache.device != device:
+            if device is None:
+                device = cache.device
+            elif cache.device != device:
                 raise InvalidArgumentError("every cache must be on one device")
+    assert device is not None  # the layout has at least one layer
     return device
 
 
 def _block_index(
     block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device
 ) -> torch.Tensor:
-    ids = torch.as_tensor(block_ids, dtype=torch.long).reshape(-1)
+    ids = _as_ints(block_ids, "block ids").reshape(-1)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise InvalidArgumentError(f"block ids must lie in [0, {num_blocks})")
     return ids.to(device, non_blocking=True)
+
+
+def _as_ints(values: object, name: str) -> torch.Tensor:
+    """``values`` (a tensor, an array or nested lists of ints) as a CPU int64 tensor.
+
+    ``torch.as_tensor(values, dtype=torch.long)`` would truncate floats and take bools as
+    0 and 1, silently; a NumPy view with negative strides would be refused.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.numel() and (
+            values.is_floating_point() or values.is_complex() or values.dtype == torch.bool
+        ):
+            raise InvalidArgumentError(f"{name} must be integers, got dtype {values.dtype}")
+        return values.long()
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{name} must be an integer array: {exc}") from exc
+    check_int_array(array, name, minimum=-(2**63), maximum=2**63 - 1)
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
 
 
 def gather_blocks(
@@ -141,13 +184,33 @@ def allocate_host_pool(
 ) -> torch.Tensor:
     """A zeroed uint8 ``[num_slots, payload_nbytes]`` CPU pool for slot-addressed tier ops
     (page-locked by default when CUDA is available)."""
-    if not isinstance(num_slots, int) or num_slots < 1:
-        raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
+    _check_layout(layout)
+    num_slots = check_int(num_slots, "num_slots", minimum=1, expected="a positive int")
+    return allocate_pool(num_slots, layout.payload_nbytes, pin_memory, zeroed=True)
+
+
+def allocate_pool(
+    num_slots: int, row_nbytes: int, pin_memory: object, *, zeroed: bool
+) -> torch.Tensor:
+    """A uint8 ``[num_slots, row_nbytes]`` CPU pool (page-locked when ``pin_memory``, or
+    by default when CUDA is available); a pool the machine cannot allocate is an
+    :class:`InvalidArgumentError`, not torch's RuntimeError."""
+    if pin_memory is not None:
+        check_bool(pin_memory, "pin_memory")
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-    return torch.zeros((num_slots, layout.payload_nbytes), dtype=torch.uint8, pin_memory=pin)
+    make = torch.zeros if zeroed else torch.empty
+    try:
+        return make((num_slots, row_nbytes), dtype=torch.uint8, pin_memory=pin)
+    except (RuntimeError, TypeError) as exc:  # out of memory; a size beyond int64
+        raise InvalidArgumentError(
+            f"a pool of {num_slots} slots of {row_nbytes} bytes cannot be allocated: {exc}"
+        ) from exc
 
 
 def _check_pool_rows(layout: KVLayout, pool: torch.Tensor, rows: object) -> torch.Tensor:
+    _check_layout(layout)
+    if not isinstance(pool, torch.Tensor):
+        raise InvalidTypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() != 2 or pool.shape[1] != layout.payload_nbytes or pool.dtype != torch.uint8:
         raise InvalidArgumentError(
             f"a pool must be uint8 [slots, {layout.payload_nbytes}], got {pool.dtype} "
@@ -155,7 +218,7 @@ def _check_pool_rows(layout: KVLayout, pool: torch.Tensor, rows: object) -> torc
         )
     if pool.device.type != "cpu":
         raise InvalidArgumentError(f"a host pool lives on the CPU, not on {pool.device}")
-    pairs = torch.as_tensor(rows, dtype=torch.long)
+    pairs = _as_ints(rows, "rows")
     if pairs.dim() != 2 or pairs.shape[1] != 2:
         raise InvalidArgumentError(f"rows must be an int [n, 2] array, got {tuple(pairs.shape)}")
     return pairs

@@ -1,7 +1,7 @@
 //! Byte-string arguments: block hashes, cache salts, and the host-tier slots they sit in.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyString};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyString};
 
 use super::convert;
 use crate::errors::invalid_argument;
@@ -13,13 +13,21 @@ impl<'a, 'py> FromPyObject<'a, 'py> for BlockHashes {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        if obj.is_instance_of::<PyBytes>() {
-            return Err(invalid_argument(
-                "block_hashes must be a sequence of bytes, not one bytes object".to_string(),
-            ));
+        if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
+            // A str iterates as characters: "" would be a chain of no blocks.
+            return Err(invalid_argument(format!(
+                "block_hashes must be a sequence of bytes, not one {} object",
+                obj.get_type().name()?
+            )));
         }
+        let Ok(items) = obj.try_iter() else {
+            return Err(invalid_argument(format!(
+                "block_hashes must be a sequence of bytes, got {}",
+                obj.get_type().name()?
+            )));
+        };
         let mut digests: Vec<Vec<u8>> = Vec::new();
-        for item in obj.try_iter()? {
+        for item in items {
             let item = item?;
             let Ok(b) = item.cast::<PyBytes>() else {
                 return Err(invalid_argument(format!(
@@ -58,9 +66,19 @@ impl<'a, 'py> FromPyObject<'a, 'py> for SlotIds {
                 "slots must be a sequence of ints".to_string(),
             ));
         }
+        let Ok(items) = obj.try_iter() else {
+            return Err(invalid_argument(format!(
+                "slots must be a sequence of ints, got {}",
+                obj.get_type().name()?
+            )));
+        };
         let mut ids = Vec::new();
-        for item in obj.try_iter()? {
+        for item in items {
             let item = item?;
+            if item.is_instance_of::<PyBool>() {
+                // An int subclass: True would name slot 1.
+                return Err(invalid_argument("slots must be ints, got bool".to_string()));
+            }
             ids.push(match item.extract::<i64>() {
                 Ok(id) => id,
                 // An int beyond i64 names no slot either.
