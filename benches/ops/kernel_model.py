@@ -106,13 +106,15 @@ def render_table(rows: list[ModelRow]) -> str:
 
 
 MEASURED: dict[tuple[str, str, int, int, str], tuple[float, str]] = {
-    ("decode_tc", "fp16", 128, 8, "sm_90"): (0.866, "256 x 32k"),
-    ("prefill", "fp16", 128, 8, "sm_90"): (0.186, "1 x 32k causal"),
+    ("decode_tc", "fp16", 128, 8, "sm_90"): (0.864, "256 x 32k"),
+    ("prefill", "fp16", 128, 8, "sm_90"): (0.297, "1 x 32k causal"),
 }
-"""Fractions measured on an H100 80GB HBM3 (``benches/ops/bench_gpu.py`` at 194fe24, the
-kernels of that commit): decode of 256 sequences x 32k keys (2,900 GB/s of 3,350; a device
-copy of the same bytes reaches 90.3%), causal prefill of one 32k prompt (184 TFLOP/s of
-989). Keyed like the summary rows (kind, dtype, head, GQA, arch)."""
+"""Fractions measured on an H100 80GB HBM3 (``benches/ops/bench_gpu.py`` at 206a91a, whose
+kernels the rows model: the prefill kernel without sinks and the tensor-core decode compile to
+the same instructions since): decode of 256 sequences x 32k keys (86.6% at 194fe24; a device
+copy of the same bytes reaches 90.3%), causal prefill of one 32k prompt (294 TFLOP/s of 989;
+the WMMA kernel before it measured 18.6%). Keyed like the summary rows (kind, dtype, head,
+GQA, arch)."""
 
 
 _ANCHORS = {
