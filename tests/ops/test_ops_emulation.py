@@ -80,6 +80,29 @@ def test_decode_gqa_ratios_and_head_chunks(dtype, group):
     torch.testing.assert_close(emu_decode(case), ref_decode(case), **tolerance(dtype))
 
 
+@pytest.mark.parametrize(("dtype", "head_size", "group"), [(torch.float16, 128, 32),
+                                                           (torch.bfloat16, 256, 64)])  # fmt: skip
+def test_decode_mqa_sized_groups_span_several_head_chunks(dtype, head_size, group):
+    # 32/64 query heads per KV head: the tensor-core kernel in 2 head chunks of GROUP 16
+    # (head 128) or 8 of GROUP 8 (head 256, where 16 is not instantiated), split-K in
+    # chunks of 8; a split sequence is merged per head.
+    lens = [200, 1, 0, 37]
+    case = make_case(9, lens, [1] * 4, num_kv_heads=1, group=group, head_size=head_size,
+                     dtype=dtype)  # fmt: skip
+    launches = []
+    got = kernel_driver.run_paged_attention(
+        recording(launches), case.query, case.key_cache, case.value_cache, case.block_tables,
+        case.seq_lens, scale=None, sliding_window=None, soft_cap=None, max_seq_len=None,
+        seq_lens_host=case.seq_lens.numpy(), split_k_ctas=528, smem_limit=None,
+    )  # fmt: skip
+    assert launches[0].grid[1] == group // (16 if head_size == 128 else 8)
+    assert launches[-1].name.startswith("merge_partials_kernel")
+    want = ref_decode(case)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    got = emu_decode(case, target_ctas=1000, partition_tokens=64)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("sliding_window", "soft_cap"), [(None, 3.0), (17, None), (40, 2.0)])
 def test_decode_split_k_window_soft_cap(dtype, sliding_window, soft_cap):
@@ -143,6 +166,67 @@ def test_out_of_range_block_ids_are_clamped_to_the_null_block():
     got = emu_decode(case)
     case.block_tables[0, 1] = 0
     torch.testing.assert_close(got, ref_decode(case), rtol=1e-5, atol=1e-5)
+
+
+def _poison_unused_slots(case):
+    """NaN in every cache slot no query may see (past each sequence's length in its last
+    block, the null block, the spare blocks); returns the tables the kernels get, whose
+    padding entries are the null block, -1, a huge id and a spare block in turn (the
+    reference keeps the null block there)."""
+    num_blocks, _, block_size, _ = case.key_cache.shape
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    tables = case.block_tables.clone()
+    spare = sorted(set(range(1, num_blocks)) - set(case.block_tables.flatten().tolist()))
+    for s, n in enumerate(case.seq_lens.tolist()):
+        owned = -(-n // block_size)
+        for b in range(owned):
+            used[int(tables[s, b]), : min(block_size, n - b * block_size)] = True
+        for b in range(owned, tables.shape[1]):
+            tables[s, b] = [0, -1, 10**6, spare[0]][(s + b) % 4]
+    for cache in (case.key_cache, case.value_cache):
+        cache.permute(0, 2, 1, 3)[~used] = float("nan")
+    return tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_unused_cache_slots_and_table_padding_are_never_read(dtype, sliding_window):
+    # Slots past a sequence's length hold whatever their block last held (kvblocks.ops.
+    # reference), possibly NaN: no kernel may read one, not even for a masked score whose
+    # probability is 0 (0 x NaN is NaN). Extends start mid-block; the decode lengths split
+    # (the tensor-core plan on the default 4 CTAs, split-K on 64-token partitions).
+    seq_lens, q_lens = [45, 300, 0, 17, 33], [12, 70, 0, 17, 1]
+    case = make_case(41, seq_lens, q_lens, num_kv_heads=2, group=4, head_size=64,
+                     block_size=16, dtype=dtype)  # fmt: skip
+    tables = _poison_unused_slots(case)
+    kw = {"scale": None, "sliding_window": sliding_window, "soft_cap": None}
+    got = kernel_driver.run_prefill(
+        emu_launch, case.query, case.key_cache, case.value_cache, tables, case.query_start_loc,
+        case.seq_lens, max_query_len=70, target_ctas=528, **kw,
+    )  # fmt: skip
+    want = ref_prefill(case, sliding_window=sliding_window)
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    case.query = torch.randn(len(seq_lens), 8, 64).to(dtype)
+    want = ref_decode(case, sliding_window=sliding_window)
+    launches = []
+    got = kernel_driver.run_split_k_attention(
+        recording(launches), case.query, case.key_cache, case.value_cache, tables,
+        case.seq_lens, None, max_query_len=1, max_seq_len=None, target_ctas=1000,
+        partition_tokens=64, **kw,
+    )  # fmt: skip
+    assert launches[-1].name.startswith("merge_splits_kernel")
+    torch.testing.assert_close(got, want, **tolerance(dtype))
+    if dtype != torch.float32:
+        launches = []
+        got = kernel_driver.run_paged_attention(
+            recording(launches), case.query, case.key_cache, case.value_cache, tables,
+            case.seq_lens, max_seq_len=None, seq_lens_host=case.seq_lens.numpy(),
+            split_k_ctas=528, smem_limit=None, **kw,
+        )  # fmt: skip
+        merge = ["merge_partials_kernel"] if sliding_window is None else []  # a split
+        assert [item.name.split("<")[0] for item in launches] == ["decode_attention_kernel", *merge]
+        torch.testing.assert_close(got, want, **tolerance(dtype))
+    assert not got[2].any(), "a sequence without keys yields zeros"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -117,6 +117,39 @@ def test_understated_max_query_len_writes_every_row(max_query_len):
     torch.testing.assert_close(got, want, **tolerance(torch.float16))
 
 
+def test_overstated_max_query_len_idles_the_extra_tiles():
+    # A hint above the longest chunk (a CUDA graph captured for longer chunks) plans fewer
+    # heads per CTA and more query tiles than the chunks need: the tiles past q_len idle.
+    case = make_case(32, [40, 9, 70], [3, 1, 2], num_kv_heads=2, group=4, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    args = {"dtype": torch.bfloat16, "head_size": 64, "num_heads": 8, "num_kv_heads": 2,
+            "num_seqs": 3}  # fmt: skip
+    assert prefill_launch.plan_prefill(max_query_len=3, **args).heads_per_cta == 4
+    plan = prefill_launch.plan_prefill(max_query_len=300, **args)
+    assert (plan.heads_per_cta, plan.q_tiles) == (1, 3)
+    got = emu_prefill(case, max_query_len=300, sliding_window=30)
+    want = ref_prefill(case, sliding_window=30)
+    torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_size", "group", "short"),
+    [(torch.float16, 128, 32, [3, 1, 2]), (torch.bfloat16, 256, 64, [1, 1, 1])],
+)
+def test_mqa_sized_groups(dtype, head_size, group, short):
+    # Short chunks pack every head of a 32/64-head group into one CTA (4 queries of 128
+    # rows, 1 of 64 rows); a longer chunk takes one head per CTA, in `group` head chunks.
+    args = {"dtype": dtype, "head_size": head_size, "num_heads": group, "num_kv_heads": 1}
+    for seed, seq_lens, q_lens, heads_per_cta in (
+        (61, [40, 9, 17], short, group), (62, [90, 33], [70, 5], 1),
+    ):  # fmt: skip
+        case = make_case(seed, seq_lens, q_lens, num_kv_heads=1, group=group,
+                         head_size=head_size, block_size=16, dtype=dtype)  # fmt: skip
+        plan = prefill_launch.plan_prefill(num_seqs=len(q_lens), max_query_len=max(q_lens), **args)
+        assert plan.heads_per_cta == heads_per_cta
+        torch.testing.assert_close(emu_prefill(case), ref_prefill(case), **tolerance(dtype))
+
+
 def test_out_of_range_block_ids_read_the_null_block():
     # Corrupt ids (past the cache, negative) read block 0, never out of bounds (the ASan
     # build runs this too).
