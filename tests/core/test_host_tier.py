@@ -245,3 +245,44 @@ def test_bad_calls_raise_and_change_nothing() -> None:
     m.confirm_memory_ops()
     assert snapshot(m) == before
     m.check_invariants()
+
+
+def test_no_run_writes_one_destination_twice() -> None:
+    """A block loaded into, freed and claimed again for another tier hit before the ops
+    are taken gets two loads: they must not share a run, whose rows the engine applies
+    at once (one index copy; on CUDA duplicate destinations race and either load may
+    win). In separate runs they apply in issue order, the later load last."""
+    m = KVCacheManager(6, 4, watermark=0.0, host_cache_blocks=8)
+    a, b, c, d = (
+        list(range(start, start + n)) for start, n in ((0, 12), (100, 12), (200, 8), (300, 8))
+    )
+    # A history (found by a random search) that leaves a's and b's blocks in the tier
+    # and the pool's free blocks in the order that makes a's claim reuse b's.
+    steps: list[list[tuple[int, list[int] | None]]] = [
+        [(1, c), (1, None)],
+        [(2, a), (2, None), (3, d)],
+        [(4, b), (3, None), (5, d)],
+        [(5, None), (4, None), (6, a)],
+        [(7, d), (6, None)],
+    ]
+    for step in steps:
+        for sid, prompt in step:
+            if prompt is None:
+                m.free(sid)
+            else:
+                prefill(m, sid, prompt)
+        m.take_memory_ops()
+        m.confirm_memory_ops()
+    prefill(m, 8, b)
+    table_b = m.block_table(8)[:2].tolist()
+    m.free(8)
+    prefill(m, 9, a)  # reuses b's loaded blocks, which the tier holds (no offload between)
+    runs = m.take_memory_ops()
+    # Every load is there, b's before a's, and a block they share is written twice.
+    dsts = [int(dst) for kind, pairs in runs if kind == "load" for dst in pairs[:, 1]]
+    assert dsts == table_b + m.block_table(9)[:2].tolist()
+    assert len(set(dsts)) < len(dsts)
+    for kind, pairs in runs:
+        assert len(set(pairs[:, 1].tolist())) == len(pairs), (kind, pairs.tolist())
+    m.confirm_memory_ops()
+    m.check_invariants()

@@ -15,16 +15,23 @@ impl KVCacheManager {
     /// Drain every queued block move in issue order, as runs of one kind:
     /// ``[(kind, pairs int64 [n, 2]), ...]`` with kinds ``"swap_out"``, ``"swap_in"``,
     /// ``"copy"``, ``"offload"`` (gpu block, tier slot) and ``"load"`` (tier slot, gpu
-    /// block). Host-tier slots stay pinned until ``confirm_memory_ops``.
+    /// block); no ``"offload"`` or ``"load"`` run names a destination twice. Host-tier
+    /// slots stay pinned until ``confirm_memory_ops``.
     fn take_memory_ops<'py>(&self, py: Python<'py>) -> PyResult<Vec<OpRun<'py>>> {
         let ops = self.run(py, Work::Short, |m| m.take_memory_ops());
         let mut out = Vec::new();
         let mut i = 0;
         while i < ops.len() {
             let kind = ops[i].kind;
+            // A host-tier run is applied as one index copy: a destination written twice
+            // (a block loaded into, freed and loaded into again before the ops were taken)
+            // would race on CUDA, so a repeated destination starts the next run, which
+            // applies after this one, in issue order.
+            let tier = matches!(kind, core::MemoryOpKind::Offload | core::MemoryOpKind::Load);
+            let mut seen = std::collections::HashSet::new();
             let run: Vec<[i64; 2]> = ops[i..]
                 .iter()
-                .take_while(|o| o.kind == kind)
+                .take_while(|o| o.kind == kind && (!tier || seen.insert(o.dst)))
                 .map(|o| [o.src, o.dst])
                 .collect();
             i += run.len();
