@@ -124,6 +124,13 @@ ROWS = [
         "retry_interval_s",
     ),
     ("valkey ttl_s True", lambda: ValkeyTier(LAYOUT, ttl_s=True), "ttl_s"),
+    # The client's own URL errors were ValueErrors (the CLI caught them for --valkey-url).
+    ("valkey url scheme", lambda: ValkeyTier(LAYOUT, url="http://h:6379/0"), "url"),
+    ("valkey url empty", lambda: ValkeyTier(LAYOUT, url=""), "url"),
+    ("valkey url port 99999", lambda: ValkeyTier(LAYOUT, url="valkey://h:99999/0"), "url"),
+    ("valkey url port abc", lambda: ValkeyTier(LAYOUT, url="valkey://h:abc/0"), "url"),
+    ("valkey url db abc", lambda: ValkeyTier(LAYOUT, url="valkey://h:1/0?db=abc"), "url"),
+    ("valkey url ipv6", lambda: ValkeyTier(LAYOUT, url="valkey://[::1"), "url"),
     ("valkey batch_size True", lambda: ValkeyTier(LAYOUT, batch_size=True), "batch_size"),
     # ZmqEventPublisher: every check before the first socket
     ("zmq endpoint None", lambda: ZmqEventPublisher(None), "endpoint"),

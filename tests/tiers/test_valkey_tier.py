@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers import KVLayout, TierStore, encode_block
 from tiers.helpers import (
     TIERS_LOGGER,
@@ -200,4 +200,23 @@ def test_bad_arguments_raise(valkey_server: ServerProcess, layout: KVLayout) -> 
     # A priority is ignored here but checked as every tier checks it (ValueError before).
     with pytest.raises(InvalidArgumentError, match="priority"):
         tier.put(block_hash(0), random_payload(layout, 0), priority="x")  # type: ignore[arg-type]
+    # What cannot be iterated is refused as the other tiers refuse it (a bare TypeError).
+    for call in (tier.get_many, tier.contains_many, lambda v: tier.put_many(v, v)):
+        for value in (None, 5):
+            with pytest.raises(InvalidTypeError, match="block_hashes"):
+                call(value)
+    # Values the client or the server refuse only at the first command: named at once.
+    # (A host the resolver cannot encode raised UnicodeError out of the first put, a
+    # socket timeout past the clock's range OverflowError, a TTL past the server's
+    # range dropped every put.)
+    port = valkey_server.port
+    for kwargs, word in (
+        ({"host": "a..b", "port": port}, "host"),
+        ({"url": f"valkey://{'a' * 64}:{port}/0"}, "url"),
+        ({"port": port, "socket_timeout_s": 1e10}, "socket_timeout_s"),
+        ({"port": port, "ttl_s": 2**62}, "ttl_s"),
+        ({"client": 5}, "client"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=word):
+            ValkeyTier(layout, **kwargs)  # type: ignore[arg-type]
     assert len(tier) == 0 and tier.stats().puts == 0

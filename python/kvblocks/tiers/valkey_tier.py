@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,13 @@ from kvblocks.tiers.errors import CorruptBlockError, UnauthenticatedBlockError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.mac import RecordKey, resolve_key
 from kvblocks.tiers.stats import TierStats
-from kvblocks.validation import check_int, check_number, check_optional_int, check_priority
+from kvblocks.validation import (
+    check_int,
+    check_iterable,
+    check_number,
+    check_optional_int,
+    check_priority,
+)
 
 try:
     import valkey
@@ -36,6 +43,13 @@ except ModuleNotFoundError as _exc:
     raise_missing_extra(_exc, "kvblocks.tiers.valkey_tier", "tiers", ["valkey"])
 
 __all__ = ["ValkeyTier"]
+
+_TTL_MAX_S = 2**53
+"""Longest ``ttl_s``: the server refuses an expiry whose milliseconds from now overflow
+an int64 (2**62 s dropped every put), and 2**53 s keeps a margin of millennia."""
+
+# The client methods the tier calls: a ``client`` without them failed at the first call.
+_CLIENT_METHODS = ("pipeline", "scan_iter", "delete", "close")
 
 logger = logging.getLogger("kvblocks.tiers")
 
@@ -57,8 +71,9 @@ class ValkeyTier:
     about, once per tier, the rest logged at debug level) and read as a miss.
 
     Capacity and eviction are the server's: run it with ``maxmemory`` and an LRU
-    ``maxmemory-policy`` (``allkeys-lru``); ``ttl_s`` optionally expires blocks. The server
-    cannot keep per-block priorities, so ``priority`` is accepted and ignored.
+    ``maxmemory-policy`` (``allkeys-lru``); ``ttl_s`` optionally expires blocks (at most
+    2**53 s). The server cannot keep per-block priorities, so ``priority`` is accepted and
+    ignored.
 
     Faults: every command runs under ``socket_timeout_s``; when the server is unreachable the
     tier logs one warning (on the ``kvblocks.tiers`` logger), reads return misses and puts
@@ -92,9 +107,13 @@ class ValkeyTier:
             raise InvalidTypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         layout.require_identity("a ValkeyTier")
         # A NaN or infinite time passes a comparison here and fails only the socket later.
-        socket_timeout_s = check_number(socket_timeout_s, "socket_timeout_s", positive=True)
+        # Past threading.TIMEOUT_MAX the socket's deadline overflows the clock at the
+        # first command (OverflowError).
+        socket_timeout_s = check_number(
+            socket_timeout_s, "socket_timeout_s", positive=True, maximum=threading.TIMEOUT_MAX
+        )
         retry_interval_s = check_number(retry_interval_s, "retry_interval_s", minimum=0)
-        ttl_s = check_optional_int(ttl_s, "ttl_s", minimum=1, expected="a positive int or None")
+        ttl_s = check_optional_int(ttl_s, "ttl_s", minimum=1, maximum=_TTL_MAX_S)
         batch_size = check_int(batch_size, "batch_size", minimum=1, expected="a positive int")
         if not isinstance(key_prefix, str):
             raise InvalidArgumentError(f"key_prefix must be a str, got {key_prefix!r}")
@@ -105,6 +124,14 @@ class ValkeyTier:
             if not isinstance(host, str) or not host:
                 raise InvalidArgumentError(f"host must be a non-empty str, got {host!r}")
             port = check_int(port, "port", minimum=1, maximum=65535)
+            _check_host(host, "host")
+        if client is not None and not all(
+            callable(getattr(client, name, None)) for name in _CLIENT_METHODS
+        ):
+            raise InvalidArgumentError(
+                f"client must be a valkey.Valkey (or a client with {', '.join(_CLIENT_METHODS)}"
+                f"), got {type(client).__name__}"
+            )
         self.layout = layout
         self._key = resolve_key(mac_key)
         self._prefix = f"{key_prefix}{layout.fingerprint.hex()}:".encode()
@@ -121,7 +148,11 @@ class ValkeyTier:
                 "health_check_interval": 0,
             }
             if url is not None:
-                client = valkey.Valkey.from_url(url, **options)
+                try:
+                    client = valkey.Valkey.from_url(url, **options)
+                except ValueError as exc:  # a scheme, port, db or option it cannot read
+                    raise InvalidArgumentError(f"url {url!r} is no Valkey URL: {exc}") from None
+                _check_host(client.connection_pool.connection_kwargs.get("host"), f"url {url!r}")
             else:
                 client = valkey.Valkey(host=host, port=port, **options)
         self._client = client
@@ -185,6 +216,8 @@ class ValkeyTier:
         self, block_hashes: Sequence[bytes], kvs: Sequence[Payload], *, priority: int = 0
     ) -> int:
         """Store several blocks in one pipeline; how many were stored."""
+        block_hashes = list(check_iterable(block_hashes, "block_hashes", "bytes"))
+        kvs = list(check_iterable(kvs, "kvs", "payloads"))
         if len(block_hashes) != len(kvs):
             raise InvalidArgumentError(f"{len(block_hashes)} block hashes but {len(kvs)} payloads")
         check_priority(priority)
@@ -225,7 +258,9 @@ class ValkeyTier:
 
     def get_many(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor | None]:
         """Each block's verified payload (pipelined MGETs), None for misses and rejects."""
-        hashes = [check_block_hash(h) for h in block_hashes]
+        hashes = [
+            check_block_hash(h) for h in check_iterable(block_hashes, "block_hashes", "bytes")
+        ]
         if not hashes:
             return []
         if not self.is_available():
@@ -274,7 +309,7 @@ class ValkeyTier:
 
     def contains_many(self, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each block's key exists (one pipeline; all False when unreachable)."""
-        keys = [self.key_of(h) for h in block_hashes]
+        keys = [self.key_of(h) for h in check_iterable(block_hashes, "block_hashes", "bytes")]
         if not keys or not self.is_available():
             return [False] * len(keys)
         try:
@@ -313,3 +348,15 @@ class ValkeyTier:
         with contextlib.suppress(*_FAILURES):
             self._client.close()
         return True
+
+
+def _check_host(host: object, name: str) -> None:
+    """Raise InvalidArgumentError unless ``host`` (a str, a URL's host or None for a Unix
+    socket) is a name the socket layer can encode: one with an empty label (``a..b``) or
+    a label over 63 characters raised UnicodeError out of the first command."""
+    if host is None:
+        return
+    try:
+        str(host).encode("idna")
+    except UnicodeError as exc:
+        raise InvalidArgumentError(f"{name}: host {host!r} is no valid host name ({exc})") from None
