@@ -30,7 +30,12 @@ def test_parse() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "sliding", "sliding:0x2", "sliding:8x0", "full:0", "window:8", "full:x", "8"]
+    "text",
+    [
+        *("", "sliding", "sliding:0x2", "sliding:8x0", "full:0", "window:8", "full:x", "8"),
+        # Past int32 a window or count was an OverflowError out of the step accounting.
+        *(f"sliding:{2**70}x1", f"sliding:1024x{2**70}", f"full:{2**31},full:{2**31}"),
+    ],
 )
 def test_bad_mixes_are_refused(text: str) -> None:
     with pytest.raises(InvalidArgumentError):

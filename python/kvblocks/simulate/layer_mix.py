@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.validation import check_int, check_optional_int
+from kvblocks.validation import INT32_MAX, check_int, check_optional_int
 
 __all__ = ["LayerGroup", "LayerMix", "LayerMixTotals"]
 
@@ -67,9 +67,12 @@ class LayerMix:
     def __post_init__(self) -> None:
         if not self.groups:
             raise InvalidArgumentError("a layer mix needs at least one layer group")
+        # int32 bounds: the step accounting runs in int64 arrays (a window or count past
+        # them was an OverflowError there).
         for g in self.groups:
-            check_int(g.count, "layer count", minimum=1, expected="a positive int")
-            check_optional_int(g.window, "window", minimum=1, expected="a positive int")
+            check_int(g.count, "layer count", minimum=1, maximum=INT32_MAX)
+            check_optional_int(g.window, "window", minimum=1, maximum=INT32_MAX)
+        check_int(sum(g.count for g in self.groups), "layers in all", maximum=INT32_MAX)
 
     @classmethod
     def parse(cls, text: str) -> LayerMix:
