@@ -278,3 +278,19 @@ def test_length_distribution_fields_of_the_wrong_kind_are_refused(args: tuple) -
     # unhashable.
     with pytest.raises(InvalidArgumentError):
         LengthDist(*args)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"request_rate": 1e-320},  # the mean gap 1 / rate is inf
+        {"request_rate": 1e-306},  # each gap finite, their sum inf
+        {"think_time_s": 1e308, "multi_turn_share": 1.0},  # a drawn think time is inf
+    ],
+)
+def test_times_that_overflow_the_clock_are_refused(kwargs: dict[str, float]) -> None:
+    """Arrival times past the float range were inf: every latency inf in the table and a
+    ValueError out of the JSON report (allow_nan=False)."""
+    config = WorkloadConfig(num_requests=200, seed=0, **kwargs)
+    with pytest.raises(InvalidArgumentError, match=r"request_rate|think_time_s"):
+        run_simulation(SimulationConfig(workload=config, progress=False))

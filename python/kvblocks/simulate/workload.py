@@ -321,6 +321,11 @@ class SimRequest:
             [self.prompt_token_ids, np.asarray(output_token_ids, dtype=np.int64)]
         )
         base = self.request_id.split(".", 1)[0]
+        if not math.isfinite(finish_time + nxt.think_s):
+            raise InvalidArgumentError(
+                f"the turn after {self.request_id} arrives past the simulated clock's range "
+                "(think_time_s too large)"
+            )
         return SimRequest(
             request_id=f"{base}.{self.turn + 1}",
             arrival_time=finish_time + nxt.think_s,
@@ -405,8 +410,15 @@ def iter_workload(config: WorkloadConfig) -> Iterator[SimRequest]:
                 gaps = np.full(n, 1.0 / start_rate)
             else:
                 gaps = rng.exponential(1.0 / start_rate, size=n)
-            arrivals = clock + np.cumsum(gaps)
+            with np.errstate(over="ignore"):  # an overflow is refused just below
+                arrivals = clock + np.cumsum(gaps)
             clock = float(arrivals[-1])
+            if not math.isfinite(clock):
+                # Times past the float range are inf: every latency would be inf.
+                raise InvalidArgumentError(
+                    f"request_rate {config.request_rate} is too small: the arrival times "
+                    "of the trace overflow the simulated clock"
+                )
         first_lens = config.prompt_len.draw(rng, 1, config.max_prompt_len, n)
         output_lens = config.output_len.draw(rng, 1, config.max_output_len, n)
         uses_system = rng.random(n) < config.system_prompt_share
@@ -427,6 +439,11 @@ def iter_workload(config: WorkloadConfig) -> Iterator[SimRequest]:
                 msgs = config.prompt_len.draw(rng, 1, config.max_prompt_len, k)
                 outs = config.output_len.draw(rng, 1, config.max_output_len, k)
                 think = rng.exponential(config.think_time_s, size=k)
+                if not np.isfinite(think).all():
+                    raise InvalidArgumentError(
+                        f"think_time_s {config.think_time_s} is too large: the think times "
+                        "drawn overflow the simulated clock"
+                    )
                 fit = _fit_context(
                     config,
                     len(body),
