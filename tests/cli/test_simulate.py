@@ -91,6 +91,15 @@ def test_runtime_errors_are_one_line_too(capsys) -> None:
     assert err.startswith("kvblocks simulate: error:") and len(err.splitlines()) == 1
 
 
+def test_an_empty_plot_path_is_refused(capsys) -> None:
+    """--plot "" was read as no --plot: the run succeeded and wrote no plot, silently."""
+    assert main(["simulate", *SMALL, "--plot", ""]) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("kvblocks simulate: error:") and len(err.splitlines()) == 1, err
+    assert "plot path is empty" in err and captured.out == ""
+
+
 def test_help_of_every_subcommand(capsys) -> None:
     for argv in (["--help"], ["simulate", "--help"], ["generate", "--help"]):
         with pytest.raises(SystemExit) as info:

@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.request_rate is None:
         args.request_rate = math.inf if fleet else _DEFAULT_RATE
-    if args.plot:
+    if args.plot is not None:  # "" too: a path naming no file is refused, not ignored
         from kvblocks.simulate.plot import check_plot_path
 
         # Before the run: a long simulation must not end in an unwritable path.
@@ -354,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     )
     plan = run_plan(config, args.capacity, args.saturation_requests)
     print(format_json(plan) if args.json else format_table(plan))
-    if args.plot:
+    if args.plot is not None:
         from kvblocks.simulate.plot import write_plot
 
         write_plot(plan.paged, args.plot)
@@ -412,7 +412,7 @@ def _run_fleet(args: argparse.Namespace, workload: WorkloadConfig) -> int:
         )
         results.append(run_fleet(config))
     print(format_fleet_json(results) if args.json else format_fleet_table(results))
-    if args.plot:
+    if args.plot is not None:
         write_fleet_plot(results, args.plot)
         if not args.json:
             print(f"\nplot written to {args.plot}")

@@ -15,8 +15,9 @@ def check_plot_path(path: str | Path) -> None:
     """Check up front that :func:`write_plot` can write ``path``, before a long run.
 
     Raises:
-        InvalidArgumentError: matplotlib is missing, the folder does not exist or is not
-            writable, the path is a folder, or matplotlib has no writer for its extension.
+        InvalidArgumentError: matplotlib is missing, the path is empty, the folder does not
+            exist or is not writable, the path is a folder, or matplotlib has no writer for
+            its extension.
     """
     try:
         import matplotlib
@@ -27,6 +28,8 @@ def check_plot_path(path: str | Path) -> None:
         raise InvalidArgumentError(
             "--plot needs matplotlib (pip install 'kvblocks[cli]')"
         ) from None
+    if not str(path):  # Path("") is the current folder
+        raise InvalidArgumentError("plot path is empty; expected a file name")
     target = Path(path)
     if target.is_dir():
         raise InvalidArgumentError(f"plot path {str(path)!r} is a directory; expected a file name")
