@@ -311,3 +311,36 @@ def test_llm_remote_tier_arguments(tmp_path):
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     assert len(llm.generate([list(range(1, 40))], params)[0].outputs[0].token_ids) == 2
     assert llm.close(5.0)
+
+
+def test_remote_tier_link_arguments(tmp_path):
+    """RemoteTierLink names a manager, host pool or layout of the wrong kind at
+    construction (each was an AttributeError there, or a pool of the wrong shape or
+    dtype failed only in the first fetch's write, read as a miss)."""
+    from kvblocks import KVCacheManager
+    from kvblocks.tiers.remote_link import RemoteTierLink
+    from kvblocks.tiers.transfer import allocate_host_pool
+
+    layout = KVLayout(2, 2, 16, 64, torch.float16, "hostile", weights_digest="ab" * 32)
+    store = DiskTier(tmp_path, layout, 8)
+    manager = KVCacheManager(16, 16, host_cache_blocks=4)
+    pool = allocate_host_pool(layout, 4, pin_memory=False)
+    width = layout.payload_nbytes
+    options = RemoteTierOptions(async_io=False)
+    for args, word in (
+        ((store, None, pool, layout), "manager"),
+        ((store, "manager", pool, layout), "manager"),
+        ((store, manager, 5, layout), "host_pool"),
+        ((store, manager, torch.zeros(4, width), layout), "host_pool"),
+        ((store, manager, torch.zeros(4, 3, dtype=torch.uint8), layout), "host_pool"),
+        ((store, manager, torch.zeros(2, width, dtype=torch.uint8), layout), "host_pool"),
+        (
+            (store, manager, torch.zeros(4, width, dtype=torch.uint8, device="meta"), layout),
+            "host_pool",
+        ),
+        ((store, manager, pool, None), "layout"),
+        ((store, manager, pool, "layout"), "layout"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=word):
+            RemoteTierLink(*args, options)
+    RemoteTierLink(store, manager, pool, layout, options).close()

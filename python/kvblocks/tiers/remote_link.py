@@ -121,6 +121,29 @@ def _check_seconds(name: str, value: object) -> float:
     )
 
 
+def _check_host_pool(pool: object, slots: int, payload_nbytes: int) -> None:
+    """Raise InvalidArgumentError unless ``pool`` is a CPU uint8 ``[>= slots, >=
+    payload_nbytes]`` tensor: the link reads and writes the tier's slots' rows in it (a
+    pool of another shape or dtype failed only in the first fetch's write)."""
+    if (
+        not isinstance(pool, torch.Tensor)
+        or pool.dtype != torch.uint8
+        or pool.dim() != 2
+        or pool.device.type != "cpu"
+        or pool.shape[0] < slots
+        or pool.shape[1] < payload_nbytes
+    ):
+        got = (
+            f"{pool.dtype} {tuple(pool.shape)} on {pool.device}"
+            if isinstance(pool, torch.Tensor)
+            else type(pool).__name__
+        )
+        raise InvalidArgumentError(
+            f"host_pool must be a CPU uint8 [{slots}, {payload_nbytes}] tensor (the host "
+            f"tier's slots), got {got}"
+        )
+
+
 def check_store_layout(store_layout: KVLayout, engine_layout: KVLayout) -> None:
     """Raise InvalidArgumentError unless a store of ``store_layout`` may serve an engine of
     ``engine_layout`` (its cache shape and dtype, its ``weights_digest``).
@@ -242,8 +265,15 @@ class RemoteTierLink:
             raise InvalidArgumentError(
                 f"remote_tier must be a TierStore (e.g. ValkeyTier), got {type(store).__name__}"
             )
+        if not isinstance(manager, KVCacheManager):
+            raise InvalidArgumentError(
+                f"manager must be a KVCacheManager, got {type(manager).__name__}"
+            )
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if host_pool is None or manager.host_cache_blocks == 0:
             raise InvalidArgumentError("remote_tier needs a host tier (host_cache_blocks > 0)")
+        _check_host_pool(host_pool, manager.host_cache_blocks, layout.payload_nbytes)
         check_store_layout(store.layout, layout)
         if options is None:
             options = RemoteTierOptions()
