@@ -344,3 +344,14 @@ def test_remote_tier_link_arguments(tmp_path):
         with pytest.raises(InvalidArgumentError, match=word):
             RemoteTierLink(*args, options)
     RemoteTierLink(store, manager, pool, layout, options).close()
+
+
+def test_text_prompt_that_is_no_unicode_text():
+    """A lone surrogate (what a command line's undecodable bytes become) was a
+    UnicodeEncodeError out of the tokenizer; the engine keeps working after it."""
+    llm = LLM(None, num_blocks=16, block_size=16, num_cpu_blocks=0)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidArgumentError, match="prompt"):
+        llm.generate(["ok", "bad \udcff"], params)
+    assert len(llm.generate(["ok"], params)[0].outputs[0].token_ids) == 2
+    llm.close()

@@ -93,7 +93,13 @@ class InputProcessor:
                     "text prompts need a tokenizer (tokenizer.json in the model directory); "
                     "pass token ids instead"
                 )
-            ids = self.tokenizer.encode(spec.text)
+            try:
+                ids = self.tokenizer.encode(spec.text)
+            except UnicodeEncodeError as exc:  # a lone surrogate: undecodable argv bytes
+                raise InvalidArgumentError(
+                    f"a text prompt must be Unicode text, got {spec.text[:40]!r}: {exc.reason} "
+                    f"at position {exc.start}"
+                ) from None
         else:
             ids = as_token_ids(spec.token_ids, "prompt token ids")
         if not ids:
