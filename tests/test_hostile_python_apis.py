@@ -355,3 +355,12 @@ def test_text_prompt_that_is_no_unicode_text():
         llm.generate(["ok", "bad \udcff"], params)
     assert len(llm.generate(["ok"], params)[0].outputs[0].token_ids) == 2
     llm.close()
+
+
+def test_disk_tier_empty_directory(tmp_path, monkeypatch):
+    """An empty path was the current directory: kvblocks generate --disk-tier '' wrote
+    its tier into wherever it ran."""
+    monkeypatch.chdir(tmp_path)  # where a regression would write
+    with pytest.raises(InvalidArgumentError, match="directory"):
+        DiskTier("", LAYOUT, 4)
+    assert list(tmp_path.iterdir()) == [], "nothing was created"

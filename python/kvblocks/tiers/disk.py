@@ -114,6 +114,8 @@ class DiskTier:
         )
         if not isinstance(directory, (str, os.PathLike)):
             raise InvalidTypeError(f"directory must be a path, got {type(directory).__name__}")
+        if not os.fspath(directory):  # Path("") is the current directory: never meant
+            raise InvalidArgumentError("directory must be a non-empty path, got ''")
         self.layout = layout
         self._key = resolve_key(mac_key)
         self._capacity = capacity_blocks
