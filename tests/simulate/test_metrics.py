@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate import run_simulation
-from kvblocks.simulate.aggregates import RELATIVE_RESOLUTION
+from kvblocks.simulate.aggregates import RELATIVE_RESOLUTION, Distribution
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule, ThroughputWindow
 
@@ -98,3 +101,15 @@ def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
     never = ThroughputWindow(100)
     never.step(2.0, 5, saturated=False)
     assert not never.is_closed() and never.rate(clock=2.0) == 2.5  # falls back to the run
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_a_time_past_the_float_range_is_refused(value: float) -> None:
+    """A bandwidth so small that a transfer takes inf seconds (kvblocks simulate
+    --host-bandwidth-gbps 1e-320) made a latency inf: an OverflowError traceback from the
+    histogram's bucket index. It is an InvalidArgumentError; the distribution is kept."""
+    dist = Distribution()
+    dist.add(1.0)
+    with pytest.raises(InvalidArgumentError, match="float range"):
+        dist.add(value)
+    assert (dist.count, dist.total, dist.max) == (1, 1.0, 1.0)

@@ -43,7 +43,13 @@ class Distribution:
         self._counts = np.zeros(_NUM_BUCKETS, dtype=np.int64)
 
     def add(self, value: float) -> None:
-        """Record one value."""
+        """Record one value; one that is not finite raises InvalidArgumentError."""
+        if not math.isfinite(value):
+            # A cost past the float range (a bandwidth of 1e-320 GB/s) made a time inf.
+            raise InvalidArgumentError(
+                f"a simulated time or size is {value}, past the float range: a rate, "
+                "time or bandwidth option is too extreme"
+            )
         self.count += 1
         self.total += value
         if value > self.max:
