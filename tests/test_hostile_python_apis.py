@@ -131,6 +131,9 @@ ROWS = [
     ("valkey url port abc", lambda: ValkeyTier(LAYOUT, url="valkey://h:abc/0"), "url"),
     ("valkey url db abc", lambda: ValkeyTier(LAYOUT, url="valkey://h:1/0?db=abc"), "url"),
     ("valkey url ipv6", lambda: ValkeyTier(LAYOUT, url="valkey://[::1"), "url"),
+    # The client ignores a database path that is no number: the tier used db 0, silently.
+    ("valkey url db path abc", lambda: ValkeyTier(LAYOUT, url="valkey://h:1/abc"), "url"),
+    ("valkey url db path -1", lambda: ValkeyTier(LAYOUT, url="valkey://h:1/-1"), "url"),
     ("valkey batch_size True", lambda: ValkeyTier(LAYOUT, batch_size=True), "batch_size"),
     # ZmqEventPublisher: every check before the first socket
     ("zmq endpoint None", lambda: ZmqEventPublisher(None), "endpoint"),

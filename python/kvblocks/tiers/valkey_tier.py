@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,6 +154,7 @@ class ValkeyTier:
                 except ValueError as exc:  # a scheme, port, db or option it cannot read
                     raise InvalidArgumentError(f"url {url!r} is no Valkey URL: {exc}") from None
                 _check_host(client.connection_pool.connection_kwargs.get("host"), f"url {url!r}")
+                _check_db_path(url)
             else:
                 client = valkey.Valkey(host=host, port=port, **options)
         self._client = client
@@ -360,3 +362,14 @@ def _check_host(host: object, name: str) -> None:
         str(host).encode("idna")
     except UnicodeError as exc:
         raise InvalidArgumentError(f"{name}: host {host!r} is no valid host name ({exc})") from None
+
+
+def _check_db_path(url: str) -> None:
+    """Raise InvalidArgumentError unless a TCP url's path is empty or a database number:
+    the client ignores any other path (``/abc``, ``/-1``) and the tier used database 0."""
+    parsed = urllib.parse.urlparse(url)
+    db = parsed.path.strip("/")
+    if parsed.scheme != "unix" and db and not (db.isascii() and db.isdigit()):
+        raise InvalidArgumentError(
+            f"url {url!r}: the path must be a database number such as /0, got {parsed.path!r}"
+        )
