@@ -367,3 +367,11 @@ def test_disk_tier_empty_directory(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgumentError, match="directory"):
         DiskTier("", LAYOUT, 4)
     assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_empty_model_path(tmp_path, monkeypatch):
+    """An empty model path was the current directory (kvblocks generate --model '' loaded
+    whatever checkpoint was there); it is refused by name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="model path is empty"):
+        LLM("", num_blocks=16)

@@ -117,6 +117,8 @@ def build_model(
         )
     from kvblocks.engine.hf_config import config_from_file
 
+    if not str(model):  # Path("") is the current directory: never meant
+        raise InvalidArgumentError("model path is empty; expected a checkpoint directory")
     if not Path(model).is_dir():
         raise InvalidArgumentError(
             f"model path {model} is not a directory; expected a Hugging Face checkpoint "
