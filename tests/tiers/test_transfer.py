@@ -195,3 +195,24 @@ def test_rows_with_negative_strides_are_read(layout: KVLayout) -> None:
     pool = allocate_host_pool(layout, 2, pin_memory=False)
     offload_blocks(layout, caches, pool, np.array([[2, 1], [3, 0]])[::-1])
     assert torch.equal(pool, gather_blocks(layout, caches, [3, 2]))
+
+
+def test_a_destination_named_twice_is_refused(layout: KVLayout) -> None:
+    """One index copy writes every row at once: on CUDA two rows with one destination
+    race (either may win), so a repeated destination is refused, as copy_blocks refuses
+    it, and nothing is written. Sources may repeat."""
+    caches = _random_cache(layout, 4, 9)
+    pool = allocate_host_pool(layout, 4, pin_memory=False)
+    offload_blocks(layout, caches, pool, np.array([[0, 0], [0, 1], [2, 2]]))  # a source twice
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    pool_before = pool.clone()
+    payloads = gather_blocks(layout, caches, [1, 2])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        scatter_blocks(layout, payloads, caches, [3, 3])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        load_blocks(layout, pool, caches, np.array([[0, 3], [2, 3]]))
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        offload_blocks(layout, caches, pool, np.array([[1, 3], [2, 3]]))
+    assert torch.equal(pool, pool_before)
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -74,12 +74,31 @@ def _check_caches(layout: KVLayout, kv_caches: KVCaches) -> torch.device:
 
 
 def _block_index(
-    block_ids: Sequence[int] | torch.Tensor, num_blocks: int, device: torch.device
+    block_ids: Sequence[int] | torch.Tensor,
+    num_blocks: int,
+    device: torch.device,
+    *,
+    distinct: bool = False,
 ) -> torch.Tensor:
     ids = _as_ints(block_ids, "block ids").reshape(-1)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise InvalidArgumentError(f"block ids must lie in [0, {num_blocks})")
+    if distinct:
+        _check_distinct(ids.cpu(), "destination block")
     return ids.to(device, non_blocking=True)
+
+
+def _check_distinct(ids: torch.Tensor, what: str) -> None:
+    """Raise unless the CPU ``ids`` are distinct: one index copy writes every row at once
+    and on CUDA two rows with one destination race (either may win), the rule
+    :func:`kvblocks.ops.copy_blocks` enforces."""
+    if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        values, counts = torch.unique(ids, return_counts=True)
+        twice = values[counts > 1].tolist()
+        raise InvalidArgumentError(
+            f"a {what} is named twice ({twice[:8]}): the rows are written at once, so which "
+            "one would win is undefined on CUDA; split them into runs"
+        )
 
 
 def _as_ints(values: object, name: str) -> torch.Tensor:
@@ -159,7 +178,7 @@ def scatter_blocks(
             if rows
             else torch.empty((0, layout.payload_nbytes), dtype=torch.uint8)
         )
-    ids = _block_index(block_ids, kv_caches[0][0].shape[0], device)
+    ids = _block_index(block_ids, kv_caches[0][0].shape[0], device, distinct=True)
     n = ids.numel()
     if tuple(payloads.shape) != (n, layout.payload_nbytes) or payloads.dtype != torch.uint8:
         raise InvalidArgumentError(
@@ -238,6 +257,7 @@ def offload_blocks(layout: KVLayout, kv_caches: KVCaches, pool: torch.Tensor, ro
     """
     pairs = _check_pool_rows(layout, pool, rows)
     slots = _slot_index(pairs[:, 1], pool)
+    _check_distinct(slots, "destination tier slot")
     payloads = gather_blocks(layout, kv_caches, pairs[:, 0])
     pool.index_copy_(0, slots, payloads.cpu())
 
