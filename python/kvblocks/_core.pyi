@@ -667,8 +667,9 @@ class KVCacheManager:
         block); each run an ``int64 [n, 2]`` array, and no offload or load run names a
         destination twice (a block loaded into twice before the ops are taken gets a run
         per load: applied as one index copy, the two would race on CUDA). Apply them in
-        order before the step's attention. Host-tier slots named by the ops stay pinned (an offloaded slot
-        is no prefix hit, a load source is not evicted) until ``confirm_memory_ops``.
+        order before the step's attention. Host-tier slots named by the ops stay pinned
+        (an offloaded slot is no prefix hit, a load source is not evicted) until
+        ``confirm_memory_ops``.
         """
     def confirm_memory_ops(self) -> None:
         """Every op taken by ``take_memory_ops`` so far has completed: unpin their
