@@ -532,6 +532,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         c = inst.scheduler.counters
         prompt_total += c.num_prompt_tokens_admitted
         cached_total += c.num_cached_tokens_admitted
+        tier.readmitted_loads += c.num_readmitted_load_blocks
         per_hit.append(c.prefix_hit_rate)
     return FleetResult(
         config=config,

@@ -83,6 +83,8 @@ class TierTotals:
         transfer_s: seconds their bytes take over the host link.
         transfer_added_s: seconds they added to the steps (less than ``transfer_s`` where
             write-through offloads overlap compute; see :class:`CostModel`).
+        readmitted_loads: the loads of recompute readmissions (their own blocks coming
+            back, not prompt hits: the prefix hit rate counts first admissions only).
     """
 
     prefill_tokens_computed: int = 0
@@ -90,6 +92,7 @@ class TierTotals:
     blocks_offloaded: int = 0
     transfer_s: float = 0.0
     transfer_added_s: float = 0.0
+    readmitted_loads: int = 0
 
     def add(self, output: SchedulerOutput, cost: CostModel, block_size: int, step_s: float) -> None:
         """Count one step that the cost model charged ``step_s`` seconds."""
@@ -109,11 +112,12 @@ class TierTotals:
     ) -> dict[str, Any]:
         """JSON-ready numbers; the prefix hit rate split into GPU and host-tier hits.
 
-        ``prompt_tokens`` / ``cached_tokens``: prompt tokens admitted / found cached at
-        admission (GPU and tier). Tier hits are the loaded blocks' tokens; the rest of the
-        cached tokens are GPU hits.
+        ``prompt_tokens`` / ``cached_tokens``: prompt tokens first admitted / found cached
+        at first admission (GPU and tier), as in the scheduler's prefix hit rate. Tier
+        hits are the tokens of the blocks those admissions loaded (not
+        ``readmitted_loads``); the rest of the cached tokens are GPU hits.
         """
-        host_tokens = self.blocks_loaded * block_size
+        host_tokens = max(self.blocks_loaded - self.readmitted_loads, 0) * block_size
         denom = max(prompt_tokens, 1)
         return {
             "gpu_hit_rate": max(cached_tokens - host_tokens, 0) / denom,
@@ -410,6 +414,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             )
     finally:
         bar.close()
+    tier.readmitted_loads = scheduler.counters.num_readmitted_load_blocks
     return SimulationResult(
         config=config,
         num_requests=num_requests,
