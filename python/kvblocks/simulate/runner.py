@@ -142,7 +142,8 @@ class SimulationResult:
     maximum, percentiles within ~1%); ``saturated_requests_per_s`` is the completion rate
     of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`);
     ``history_tokens`` counts prompt tokens carried over from earlier turns; and
-    ``timeline`` holds exact per-step means and peaks of ``kv_usage``,
+    ``timeline`` holds exact per-step means and peaks (memory as the step runs,
+    before it frees its finished requests' blocks) of ``kv_usage``,
     ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
     ``used_blocks`` (paged) and ``contiguous_blocks`` (what prompt + max_tokens
     reservation would hold for the same running requests), plus a plot series of at
@@ -340,6 +341,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             t0 = time.perf_counter()
             output = scheduler.schedule()
             t1 = time.perf_counter()
+            # KV held while the step runs: update() frees the blocks of the requests it
+            # finishes, which the step still used.
+            usage = float(manager.usage())
             result = _fake_model(output, rng, vocab)
             t2 = time.perf_counter()
             outputs = scheduler.update(output, result)
@@ -381,10 +385,14 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             # The finished requests' final records (full token_ids), without building the
             # running requests' per-step records.
             done = outputs.finished
+            in_step = set(output.sample_request_ids) if done else ()
+            finished_reserved = 0  # the reservations of the batch's finished requests
             for out in done:
                 finished += 1
                 generated += sum(len(c.token_ids) for c in out.outputs)
                 entry = live.pop(out.request_id)
+                if out.request_id in in_step:
+                    finished_reserved += entry.reserved
                 awaiting_step.pop(out.request_id, None)
                 awaiting_token.pop(out.request_id, None)
                 sim = entry.sim
@@ -399,7 +407,6 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 bar.update(len(done))
                 if config.stop_at_window and window.is_closed():
                     break
-            usage = float(manager.usage())
             timeline.add(
                 clock,
                 (
@@ -409,7 +416,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                     float(queued),
                     scheduler.counters.prefix_hit_rate,
                     usage * usable,
-                    sum(live[r].reserved for r in running if r in live) / config.block_size,
+                    (sum(live[r].reserved for r in running if r in live) + finished_reserved)
+                    / config.block_size,
                 ),
             )
     finally:
