@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from kvblocks.simulate import run_simulation
+from kvblocks.scheduler import SchedulerConfig
+from kvblocks.simulate import FleetConfig, WorkloadConfig, make_workload, run_fleet, run_simulation
 from kvblocks.simulate.aggregates import RELATIVE_RESOLUTION
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule, ThroughputWindow
@@ -124,3 +127,22 @@ def test_kv_memory_is_what_each_step_holds(output_len: int, blocks: list[int]) -
     contiguous = (16 + 256) / 16  # prompt + max_tokens (256) per running request
     assert s["mean_contiguous_blocks"] == pytest.approx(contiguous)
     assert s["peak_contiguous_blocks"] == pytest.approx(contiguous)
+
+
+def test_quarters_split_the_trace_s_own_conversations() -> None:
+    """The stability rule's quarters are quarters of the conversations the trace has.
+    They were quarters of ``num_requests / mean_turns`` (a Monte Carlo expectation): on
+    this trace 45.9 for 40 conversations, so the 'last quarter' held the last 6 (15%),
+    and on the CLI's default 200 requests (seed 1) 123.5 for 149, the last 56 (38%)."""
+    workload = WorkloadConfig(num_requests=100, seed=3, multi_turn_share=0.5, request_rate=8)
+    conversations = len(make_workload(workload))
+    assert conversations == 40
+    cfg = replace(toy_config(), workload=workload, scheduler=SchedulerConfig())
+    runs = [
+        run_simulation(cfg).metrics,
+        run_contiguous(cfg).metrics,
+        run_fleet(FleetConfig(workload=workload, num_instances=2, progress=False)).metrics,
+    ]
+    for metrics in runs:
+        assert metrics.num_conversations == conversations
+        assert metrics._quarter_count == [10, 10, 10, 10]

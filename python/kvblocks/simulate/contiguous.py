@@ -17,7 +17,7 @@ import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, count_conversations
 
 if TYPE_CHECKING:
     from kvblocks.simulate.config import SimulationConfig
@@ -134,7 +134,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
     cost = config.cost_model
     num_requests = config.workload.num_requests
     arrivals = ArrivalQueue(config.workload)
-    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
+    metrics = RequestMetrics(num_requests, count_conversations(config.workload))
     window = ThroughputWindow(num_requests)
     waiting: deque[tuple[SimRequest, int]] = deque()
     follow_ups: deque[tuple[SimRequest, int]] = deque()  # ahead of waiting, if asked

@@ -62,9 +62,10 @@ class RequestMetrics:
 
     Args:
         num_requests: requests expected.
-        num_conversations: conversations expected (``num_requests`` over the mean turns
-            per conversation), to assign the start-order quarters; default
-            ``num_requests`` (every request a conversation of one turn).
+        num_conversations: conversations in the trace
+            (:func:`~kvblocks.simulate.workload.count_conversations`), to assign the
+            start-order quarters; default ``num_requests`` (every request a conversation
+            of one turn).
     """
 
     def __init__(self, num_requests: int, num_conversations: float | None = None) -> None:

@@ -26,7 +26,7 @@ from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel, tier_ops
 from kvblocks.simulate.layer_mix import LayerMixTotals
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, count_conversations
 
 __all__ = [
     "SimulationError",
@@ -295,7 +295,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     vocab = config.workload.vocab_size
     cost = config.cost_model
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
+    metrics = RequestMetrics(num_requests, count_conversations(config.workload))
     window = ThroughputWindow(num_requests)
     clock = 0.0
     sched_wall = 0.0
