@@ -150,6 +150,13 @@ class ThroughputWindow:
             self._time += dt
             self._count += finished_now
 
+    @property
+    def saturated(self) -> bool:
+        """Some step in the window left requests queued: :meth:`rate` is what the server
+        completes when never short of work. Otherwise it is the completion rate of a server
+        that was (what was offered: a lower bound on what it sustains)."""
+        return self._time > 0
+
     def is_closed(self) -> bool:
         """The 90% mark has been reached."""
         return self._finished >= self._high

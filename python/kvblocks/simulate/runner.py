@@ -140,7 +140,8 @@ class SimulationResult:
     latency on the simulated clock) and ``step_wall_s`` hold
     :class:`~kvblocks.simulate.aggregates.Distribution` summaries (exact mean and
     maximum, percentiles within ~1%); ``saturated_requests_per_s`` is the completion rate
-    of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`);
+    of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`;
+    ``window_saturated`` False: none was, and it is the whole run's completion rate);
     ``history_tokens`` counts prompt tokens carried over from earlier turns; and
     ``timeline`` holds exact per-step means and peaks (memory as the step runs,
     before it frees its finished requests' blocks) of ``kv_usage``,
@@ -169,6 +170,7 @@ class SimulationResult:
     timeline: Timeline
     tier: TierTotals = field(default_factory=TierTotals)
     layer_mix: LayerMixTotals | None = None
+    window_saturated: bool = True
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
@@ -205,6 +207,7 @@ class SimulationResult:
             "history_tokens": self.history_tokens,
             **self.metrics.summary(),
             "latency_stable": self.metrics.is_stable(),
+            "window_saturated": self.window_saturated,
             "mean_batch_seqs": t.mean("running_seqs"),
             "peak_batch_seqs": t.peak("running_seqs"),
             "mean_kv_usage": t.mean("kv_usage"),
@@ -438,6 +441,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         generated_tokens=generated,
         metrics=metrics,
         saturated_requests_per_s=window.rate(clock),
+        window_saturated=window.saturated,
         step_wall_s=step_wall,
         scheduler_stats=scheduler.stats(),
         timeline=timeline,
