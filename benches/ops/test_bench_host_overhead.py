@@ -74,7 +74,7 @@ def front_end_checks(b: dict[str, Any], max_seq_len: int | None) -> None:
     ops._check_hint(max_seq_len, "max_seq_len")
     ops._check_attention_args(
         b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens"],
-        BATCH, None, None, None,
+        BATCH, None, None, None, None,
     )  # fmt: skip
 
 

@@ -149,12 +149,17 @@ def _bad_tokens(tokens: np.ndarray, how: str) -> object:
         "str": tokens.astype(str),  # parsed
         "object": tokens.astype(object),
         "negative": -np.ones_like(tokens),  # -1 is "no token": the step's KV was lost
+        # Narrower and extreme negatives (the range check reads them as unsigned).
+        "negative int32": -np.ones(tokens.shape, np.int32),
+        "negative int8": np.full(tokens.shape, -128, np.int8),
+        "int64 min": np.full(tokens.shape, -(2**63), np.int64),
         "2**32": np.full_like(tokens, 2**32),  # the manager refused it mid-update
         "uint64 max": np.full(tokens.shape, 2**64 - 1, np.uint64),  # wrapped to -1
     }[how]
 
 
 HOSTILE_TOKENS = ["float", "nan", "bool", "str", "object", "negative", "2**32", "uint64 max"]
+HOSTILE_TOKENS += ["negative int32", "negative int8", "int64 min"]
 
 
 @pytest.mark.parametrize("how", HOSTILE_TOKENS)

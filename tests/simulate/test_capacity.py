@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 
-from kvblocks.simulate import run_simulation
+from kvblocks.simulate import run_plan, run_simulation
 from kvblocks.simulate.capacity import estimate_capacity, saturated_config, search_capacity
 from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
+from kvblocks.simulate.report import format_json, format_table
 from kvblocks.simulate.workload import WorkloadConfig
 
 from .toy import SERVICE_S, toy_config
@@ -132,3 +134,23 @@ def test_search_on_a_short_multi_turn_trace_finds_an_overload() -> None:
     # stable rate above the saturated throughput, which no server sustains, and says the
     # trace is too short rather than calling it a capacity.
     assert result.requests_per_s > 7.0 and result.trace_too_short
+
+
+def test_an_estimate_from_a_run_that_never_queued_is_a_lower_bound() -> None:
+    """20 requests fit one 64-sequence batch: the 'saturated' run never queues one, they
+    all finish after 0.09 s, and its completion rate (222 req/s) is what was offered,
+    not what the server sustains (64 per 0.09 s: 711 req/s). It was reported as 'at most
+    222.22 req/s': an upper bound 3.2x too low."""
+    plan = run_plan(toy_config(num_requests=20, max_num_seqs=64), "estimate", 20)
+    for server in plan.servers:
+        cap = server.capacity
+        assert cap is not None and cap.requests_per_s == pytest.approx(20 / SERVICE_S)
+        assert not cap.saturated
+    text = format_table(plan)
+    assert "at least 222.22 req/s" in text and "at most" not in text
+    assert ">= 222.22 (never queued)" in text and "paged" not in text.split("capacity, req/s")[1]
+    doc = json.loads(format_json(plan))
+    assert [s["capacity"]["saturated"] for s in doc["servers"]] == [False, False, False]
+    # One sequence at a time does queue: an upper bound, as before.
+    queued = run_plan(toy_config(num_requests=20), "estimate", 20).servers[0].capacity
+    assert queued is not None and queued.saturated

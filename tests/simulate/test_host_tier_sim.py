@@ -316,3 +316,28 @@ def test_cost_model_times_are_kept_as_python_floats() -> None:
     cost = CostModel(fixed_s=np.float16(1.0), per_token_s=np.float32(7e-5))
     assert type(cost.fixed_s) is float and type(cost.per_token_s) is float
     assert cost == CostModel(fixed_s=1.0, per_token_s=float(np.float32(7e-5)))
+
+
+def test_host_hit_rate_counts_only_first_admissions_like_the_prefix_hit_rate() -> None:
+    """Unique prompts share nothing (prefix hit rate 0), but a pool too small for the
+    batch preempts, and a recompute readmission loads its own offloaded blocks back:
+    those loads are not prompt hits. They were counted as host-tier hits over first
+    admissions' prompt tokens (104% host hit rate here, on a 0% prefix hit rate)."""
+    workload = WorkloadConfig(
+        num_requests=40,
+        seed=2,
+        request_rate=float("inf"),
+        system_prompt_share=0.0,
+        multi_turn_share=0.0,
+        parallel_share=0.0,
+        prompt_len=LengthDist.parse("fixed:200"),
+        output_len=LengthDist.parse("fixed:300"),
+    )
+    cfg = SimulationConfig(
+        workload=workload, num_blocks=120, host_cache_blocks=4000, progress=False
+    )
+    result = run_simulation(cfg)
+    s = result.summary()
+    assert s["preemptions_recompute"] > 0 and s["blocks_loaded"] > 0  # readmissions loaded
+    assert s["prefix_hit_rate"] == 0.0
+    assert (s["gpu_hit_rate"], s["host_hit_rate"]) == (0.0, 0.0)

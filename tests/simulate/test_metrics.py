@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from kvblocks.errors import InvalidArgumentError
-from kvblocks.simulate import run_simulation
+from kvblocks.scheduler import SchedulerConfig
+from kvblocks.simulate import FleetConfig, WorkloadConfig, make_workload, run_fleet, run_simulation
 from kvblocks.simulate.aggregates import RELATIVE_RESOLUTION, Distribution
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule, ThroughputWindow
@@ -101,6 +103,51 @@ def test_throughput_window_counts_saturated_steps_between_the_marks() -> None:
     never = ThroughputWindow(100)
     never.step(2.0, 5, saturated=False)
     assert not never.is_closed() and never.rate(clock=2.0) == 2.5  # falls back to the run
+
+
+@pytest.mark.parametrize(
+    ("output_len", "blocks"),
+    [
+        (1, [1]),  # the prefill step holds the prompt's block, then the request is done
+        # The prefill holds 16 tokens (1 block); decode k holds 16 + k tokens (2 blocks).
+        (9, [1] + [2] * 8),
+    ],
+)
+def test_kv_memory_is_what_each_step_holds(output_len: int, blocks: list[int]) -> None:
+    """KV utilisation, blocks held and the contiguous reservation of the same batch are
+    taken as the step runs: a request finishing in the step still holds its blocks. They
+    were taken after the step had freed the finished requests' blocks: single-token
+    outputs reported a peak KV usage of 0.0% (and 'paging saves 0%')."""
+    cfg = toy_config(num_requests=4, output_len=output_len)
+    s = run_simulation(cfg).summary()
+    usable = cfg.num_blocks - 1
+    assert s["num_steps"] == 4 * len(blocks)
+    assert s["peak_used_blocks"] == pytest.approx(max(blocks))
+    assert s["mean_used_blocks"] == pytest.approx(sum(blocks) / len(blocks))
+    assert s["peak_kv_usage"] == pytest.approx(max(blocks) / usable)
+    assert s["mean_kv_usage"] == pytest.approx(sum(blocks) / len(blocks) / usable)
+    contiguous = (16 + 256) / 16  # prompt + max_tokens (256) per running request
+    assert s["mean_contiguous_blocks"] == pytest.approx(contiguous)
+    assert s["peak_contiguous_blocks"] == pytest.approx(contiguous)
+
+
+def test_quarters_split_the_trace_s_own_conversations() -> None:
+    """The stability rule's quarters are quarters of the conversations the trace has.
+    They were quarters of ``num_requests / mean_turns`` (a Monte Carlo expectation): on
+    this trace 45.9 for 40 conversations, so the 'last quarter' held the last 6 (15%),
+    and on the CLI's default 200 requests (seed 1) 123.5 for 149, the last 56 (38%)."""
+    workload = WorkloadConfig(num_requests=100, seed=3, multi_turn_share=0.5, request_rate=8)
+    conversations = len(make_workload(workload))
+    assert conversations == 40
+    cfg = replace(toy_config(), workload=workload, scheduler=SchedulerConfig())
+    runs = [
+        run_simulation(cfg).metrics,
+        run_contiguous(cfg).metrics,
+        run_fleet(FleetConfig(workload=workload, num_instances=2, progress=False)).metrics,
+    ]
+    for metrics in runs:
+        assert metrics.num_conversations == conversations
+        assert metrics._quarter_count == [10, 10, 10, 10]
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan])

@@ -112,6 +112,8 @@ class Admission:
         if self.tiered:
             step.num_loads += loads
             self.counters.num_load_blocks += loads
+            if state.admitted:  # a recompute readmission loading its own blocks back
+                self.counters.num_readmitted_load_blocks += loads
         self._start_prefill(state, step)
         return Admitted(length)
 

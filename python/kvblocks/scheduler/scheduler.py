@@ -23,6 +23,7 @@ only on events (admission, prefill completion, finish, preemption, fork, beam st
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -435,9 +436,10 @@ class Scheduler:
     def _clock_time(self) -> float:
         """The clock's time, checked: a str would be parsed by ``float()`` and a NaN
         would make every latency after it NaN."""
-        return check_number(
-            self._clock(), "the clock's time", expected="a finite real number", numpy=True
-        )
+        now = self._clock()
+        if type(now) is float and math.isfinite(now):  # every step's case, at 1/8 the cost
+            return now
+        return check_number(now, "the clock's time", expected="a finite real number", numpy=True)
 
     def _num_live_seqs(self) -> int:
         return self._placement.num_live_seqs()

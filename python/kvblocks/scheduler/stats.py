@@ -26,8 +26,10 @@ class SchedulerCounters:
     """Counters since the scheduler was created (like the seed's ``Stats``).
 
     Host-tier loads (``SchedulerConfig.max_load_blocks_per_step``): ``num_load_blocks``
-    queued; ``num_loads_deferred``, the loads of admissions put off to a later step
-    because the step's bound was reached (counted at each step a request waits);
+    queued, of which ``num_readmitted_load_blocks`` by recompute readmissions (like
+    ``num_readmitted_cached_tokens``, not prompt hits); ``num_loads_deferred``, the loads
+    of admissions put off to a later step because the step's bound was reached (counted
+    at each step a request waits);
     ``num_loads_recomputed``, host-tier blocks computed instead of loaded because one
     request's loads exceeded the whole bound.
 
@@ -49,6 +51,7 @@ class SchedulerCounters:
     num_decode_tokens: int = 0
     num_generated_tokens: int = 0
     num_load_blocks: int = 0
+    num_readmitted_load_blocks: int = 0
     num_loads_deferred: int = 0
     num_loads_recomputed: int = 0
     num_requests_overdue: int = 0

@@ -57,6 +57,9 @@ class CapacityResult:
         trace_too_short: the search found a rate above the saturation estimate stable,
             which no server sustains: the trace ended before its queue could grow, so
             ``requests_per_s`` is not a capacity (run a longer trace).
+        saturated: the saturated run left requests queued in its window. False: every
+            request fit the batch, so the estimate is what was offered, a lower bound on
+            what the server sustains, not an upper one (raise the saturated requests).
     """
 
     mode: str
@@ -64,6 +67,7 @@ class CapacityResult:
     estimate_requests_per_s: float
     probes: list[tuple[float, bool]] = field(default_factory=list)
     trace_too_short: bool = False
+    saturated: bool = True
 
 
 def saturated_config(config: SimulationConfig, num_requests: int) -> SimulationConfig:

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvblocks.errors import InvalidArgumentError
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, count_conversations
 
 if TYPE_CHECKING:
     from kvblocks.simulate.config import SimulationConfig
@@ -64,6 +64,8 @@ class ContiguousResult:
         metrics: queueing delay, TTFT, TPOT and latency on the simulated clock.
         saturated_requests_per_s: completion rate of the saturated steps
             (:class:`~kvblocks.simulate.metrics.ThroughputWindow`).
+        window_saturated: some step in the window left requests queued (False: the rate
+            is the whole run's, a lower bound on what the server sustains).
     """
 
     rule: str
@@ -78,6 +80,7 @@ class ContiguousResult:
     peak_reserved_tokens: int
     metrics: RequestMetrics
     saturated_requests_per_s: float
+    window_saturated: bool = True
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
@@ -96,6 +99,7 @@ class ContiguousResult:
             "peak_reserved_tokens": self.peak_reserved_tokens,
             **self.metrics.summary(),
             "latency_stable": self.metrics.is_stable(),
+            "window_saturated": self.window_saturated,
         }
 
 
@@ -134,7 +138,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
     cost = config.cost_model
     num_requests = config.workload.num_requests
     arrivals = ArrivalQueue(config.workload)
-    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
+    metrics = RequestMetrics(num_requests, count_conversations(config.workload))
     window = ThroughputWindow(num_requests)
     waiting: deque[tuple[SimRequest, int]] = deque()
     follow_ups: deque[tuple[SimRequest, int]] = deque()  # ahead of waiting, if asked
@@ -252,6 +256,7 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
         peak_reserved_tokens=reserved_peak,
         metrics=metrics,
         saturated_requests_per_s=window.rate(clock),
+        window_saturated=window.saturated,
     )
 
 

@@ -55,7 +55,12 @@ from kvblocks.simulate.runner import (
     _progress_bar,
     request_for,
 )
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, WorkloadConfig, mean_turns
+from kvblocks.simulate.workload import (
+    ArrivalQueue,
+    SimRequest,
+    WorkloadConfig,
+    count_conversations,
+)
 from kvblocks.validation import check_bool, check_int, check_number, check_optional_int
 
 __all__ = ["FleetConfig", "FleetResult", "run_fleet"]
@@ -334,7 +339,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
     rng = np.random.default_rng(config.workload.seed + 1)
     vocab = config.workload.vocab_size
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
+    metrics = RequestMetrics(num_requests, count_conversations(config.workload))
     window = _CompletionWindow(num_requests)
     # (end time, instance) of the steps in flight
     ends: list[tuple[float, int]] = []
@@ -532,6 +537,7 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         c = inst.scheduler.counters
         prompt_total += c.num_prompt_tokens_admitted
         cached_total += c.num_cached_tokens_admitted
+        tier.readmitted_loads += c.num_readmitted_load_blocks
         per_hit.append(c.prefix_hit_rate)
     return FleetResult(
         config=config,

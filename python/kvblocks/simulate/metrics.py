@@ -62,9 +62,10 @@ class RequestMetrics:
 
     Args:
         num_requests: requests expected.
-        num_conversations: conversations expected (``num_requests`` over the mean turns
-            per conversation), to assign the start-order quarters; default
-            ``num_requests`` (every request a conversation of one turn).
+        num_conversations: conversations in the trace
+            (:func:`~kvblocks.simulate.workload.count_conversations`), to assign the
+            start-order quarters; default ``num_requests`` (every request a conversation
+            of one turn).
     """
 
     def __init__(self, num_requests: int, num_conversations: float | None = None) -> None:
@@ -148,6 +149,13 @@ class ThroughputWindow:
         if inside and saturated:
             self._time += dt
             self._count += finished_now
+
+    @property
+    def saturated(self) -> bool:
+        """Some step in the window left requests queued: :meth:`rate` is what the server
+        completes when never short of work. Otherwise it is the completion rate of a server
+        that was (what was offered: a lower bound on what it sustains)."""
+        return self._time > 0
 
     def is_closed(self) -> bool:
         """The 90% mark has been reached."""

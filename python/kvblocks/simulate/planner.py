@@ -173,8 +173,10 @@ def run_plan(
         if capacity != "off":
             _, rate, saturated = run(saturated_config(base, saturation_requests))
             report.saturated = saturated
-            report.capacity = CapacityResult("estimate", rate, rate)
+            full = bool(saturated.get("window_saturated", True))
+            report.capacity = CapacityResult("estimate", rate, rate, saturated=full)
             if capacity == "search":
                 report.capacity = search_capacity(_probe(run), base, rate)
+                report.capacity.saturated = full
         plan.servers.append(report)
     return plan

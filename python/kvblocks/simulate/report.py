@@ -6,6 +6,7 @@ import json
 import math
 from typing import Any
 
+from kvblocks.simulate.capacity import CapacityResult
 from kvblocks.simulate.metrics import PERCENTILES
 from kvblocks.simulate.planner import GROUPED_SERVER, PlanResult, ServerReport
 
@@ -32,6 +33,11 @@ def _capacity_text(server: ServerReport) -> str:
     if cap.mode == "search":
         return (
             f"{cap.requests_per_s:.2f} req/s (search; saturation {cap.estimate_requests_per_s:.2f})"
+        )
+    if not cap.saturated:
+        return (
+            f"at least {cap.requests_per_s:.2f} req/s (the saturated run never queued a "
+            "request: raise --saturation-requests, or --capacity search)"
         )
     return f"at most {cap.requests_per_s:.2f} req/s (saturation estimate; --capacity search)"
 
@@ -255,6 +261,10 @@ def _comparison(plan: PlanResult) -> list[str]:
         "capacity, req/s",
     ]
     base = plan.servers[0].capacity
+
+    def lower_bound(cap: CapacityResult) -> bool:
+        return cap.mode == "estimate" and not cap.saturated
+
     for server in plan.servers:
         a, sat, cap = server.at_rate, server.saturated, server.capacity
         col = [
@@ -272,11 +282,14 @@ def _comparison(plan: PlanResult) -> list[str]:
                 and base is not None
                 and cap.requests_per_s > 0
                 and not (base.trace_too_short or cap.trace_too_short)
+                and not (lower_bound(base) or lower_bound(cap))
             ):
                 ratio = f" (paged {base.requests_per_s / cap.requests_per_s:.2f}x)"
             capacity = (
                 "trace too short" if cap.trace_too_short else f"{cap.requests_per_s:.2f}{ratio}"
             )
+            if lower_bound(cap):
+                capacity = f">= {cap.requests_per_s:.2f} (never queued)"
             col += [
                 f"{float(sat['mean_batch_seqs']):.1f} / {float(sat['peak_batch_seqs']):.0f}",
                 capacity,
@@ -326,6 +339,7 @@ def format_json(plan: PlanResult) -> str:
                     "estimate_requests_per_s": cap.estimate_requests_per_s,
                     "probes": [{"rate": r, "stable": ok} for r, ok in cap.probes],
                     "trace_too_short": cap.trace_too_short,
+                    "saturated": cap.saturated,
                 },
             }
         )

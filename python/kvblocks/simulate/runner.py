@@ -26,7 +26,7 @@ from kvblocks.simulate.contiguous import ContiguousReservation
 from kvblocks.simulate.cost_model import CostModel, tier_ops
 from kvblocks.simulate.layer_mix import LayerMixTotals
 from kvblocks.simulate.metrics import RequestMetrics, ThroughputWindow
-from kvblocks.simulate.workload import ArrivalQueue, SimRequest, mean_turns
+from kvblocks.simulate.workload import ArrivalQueue, SimRequest, count_conversations
 
 __all__ = [
     "SimulationError",
@@ -83,6 +83,8 @@ class TierTotals:
         transfer_s: seconds their bytes take over the host link.
         transfer_added_s: seconds they added to the steps (less than ``transfer_s`` where
             write-through offloads overlap compute; see :class:`CostModel`).
+        readmitted_loads: the loads of recompute readmissions (their own blocks coming
+            back, not prompt hits: the prefix hit rate counts first admissions only).
     """
 
     prefill_tokens_computed: int = 0
@@ -90,6 +92,7 @@ class TierTotals:
     blocks_offloaded: int = 0
     transfer_s: float = 0.0
     transfer_added_s: float = 0.0
+    readmitted_loads: int = 0
 
     def add(self, output: SchedulerOutput, cost: CostModel, block_size: int, step_s: float) -> None:
         """Count one step that the cost model charged ``step_s`` seconds."""
@@ -109,11 +112,12 @@ class TierTotals:
     ) -> dict[str, Any]:
         """JSON-ready numbers; the prefix hit rate split into GPU and host-tier hits.
 
-        ``prompt_tokens`` / ``cached_tokens``: prompt tokens admitted / found cached at
-        admission (GPU and tier). Tier hits are the loaded blocks' tokens; the rest of the
-        cached tokens are GPU hits.
+        ``prompt_tokens`` / ``cached_tokens``: prompt tokens first admitted / found cached
+        at first admission (GPU and tier), as in the scheduler's prefix hit rate. Tier
+        hits are the tokens of the blocks those admissions loaded (not
+        ``readmitted_loads``); the rest of the cached tokens are GPU hits.
         """
-        host_tokens = self.blocks_loaded * block_size
+        host_tokens = max(self.blocks_loaded - self.readmitted_loads, 0) * block_size
         denom = max(prompt_tokens, 1)
         return {
             "gpu_hit_rate": max(cached_tokens - host_tokens, 0) / denom,
@@ -136,9 +140,11 @@ class SimulationResult:
     latency on the simulated clock) and ``step_wall_s`` hold
     :class:`~kvblocks.simulate.aggregates.Distribution` summaries (exact mean and
     maximum, percentiles within ~1%); ``saturated_requests_per_s`` is the completion rate
-    of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`);
+    of the saturated steps (:class:`~kvblocks.simulate.metrics.ThroughputWindow`;
+    ``window_saturated`` False: none was, and it is the whole run's completion rate);
     ``history_tokens`` counts prompt tokens carried over from earlier turns; and
-    ``timeline`` holds exact per-step means and peaks of ``kv_usage``,
+    ``timeline`` holds exact per-step means and peaks (memory as the step runs,
+    before it frees its finished requests' blocks) of ``kv_usage``,
     ``running_seqs``, ``waiting``, ``prefix_hit_rate``,
     ``used_blocks`` (paged) and ``contiguous_blocks`` (what prompt + max_tokens
     reservation would hold for the same running requests), plus a plot series of at
@@ -164,6 +170,7 @@ class SimulationResult:
     timeline: Timeline
     tier: TierTotals = field(default_factory=TierTotals)
     layer_mix: LayerMixTotals | None = None
+    window_saturated: bool = True
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-ready dict."""
@@ -200,6 +207,7 @@ class SimulationResult:
             "history_tokens": self.history_tokens,
             **self.metrics.summary(),
             "latency_stable": self.metrics.is_stable(),
+            "window_saturated": self.window_saturated,
             "mean_batch_seqs": t.mean("running_seqs"),
             "peak_batch_seqs": t.peak("running_seqs"),
             "mean_kv_usage": t.mean("kv_usage"),
@@ -290,7 +298,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
     vocab = config.workload.vocab_size
     cost = config.cost_model
     num_requests = config.workload.num_requests
-    metrics = RequestMetrics(num_requests, num_requests / mean_turns(config.workload))
+    metrics = RequestMetrics(num_requests, count_conversations(config.workload))
     window = ThroughputWindow(num_requests)
     clock = 0.0
     sched_wall = 0.0
@@ -336,6 +344,9 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             t0 = time.perf_counter()
             output = scheduler.schedule()
             t1 = time.perf_counter()
+            # KV held while the step runs: update() frees the blocks of the requests it
+            # finishes, which the step still used.
+            usage = float(manager.usage())
             result = _fake_model(output, rng, vocab)
             t2 = time.perf_counter()
             outputs = scheduler.update(output, result)
@@ -377,10 +388,14 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
             # The finished requests' final records (full token_ids), without building the
             # running requests' per-step records.
             done = outputs.finished
+            in_step = set(output.sample_request_ids) if done else ()
+            finished_reserved = 0  # the reservations of the batch's finished requests
             for out in done:
                 finished += 1
                 generated += sum(len(c.token_ids) for c in out.outputs)
                 entry = live.pop(out.request_id)
+                if out.request_id in in_step:
+                    finished_reserved += entry.reserved
                 awaiting_step.pop(out.request_id, None)
                 awaiting_token.pop(out.request_id, None)
                 sim = entry.sim
@@ -395,7 +410,6 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 bar.update(len(done))
                 if config.stop_at_window and window.is_closed():
                     break
-            usage = float(manager.usage())
             timeline.add(
                 clock,
                 (
@@ -405,11 +419,13 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                     float(queued),
                     scheduler.counters.prefix_hit_rate,
                     usage * usable,
-                    sum(live[r].reserved for r in running if r in live) / config.block_size,
+                    (sum(live[r].reserved for r in running if r in live) + finished_reserved)
+                    / config.block_size,
                 ),
             )
     finally:
         bar.close()
+    tier.readmitted_loads = scheduler.counters.num_readmitted_load_blocks
     return SimulationResult(
         config=config,
         num_requests=num_requests,
@@ -425,6 +441,7 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
         generated_tokens=generated,
         metrics=metrics,
         saturated_requests_per_s=window.rate(clock),
+        window_saturated=window.saturated,
         step_wall_s=step_wall,
         scheduler_stats=scheduler.stats(),
         timeline=timeline,

@@ -41,6 +41,7 @@ __all__ = [
     "SimRequest",
     "Turn",
     "WorkloadConfig",
+    "count_conversations",
     "iter_workload",
     "make_workload",
     "mean_turns",
@@ -472,6 +473,12 @@ def iter_workload(config: WorkloadConfig) -> Iterator[SimRequest]:
                 conversation=conv,
             )
             conv += 1
+
+
+def count_conversations(config: WorkloadConfig) -> int:
+    """Conversations in ``config``'s trace (a pass over :func:`iter_workload`, fixed
+    memory): the stability rule's quarters split these, not an expected count."""
+    return sum(1 for _ in iter_workload(config))
 
 
 def make_workload(config: WorkloadConfig) -> list[SimRequest]:
