@@ -52,9 +52,16 @@ def check_result(
     # No dtype= in asarray: that cast would truncate floats, parse strings and wrap
     # unsigned values; -1 is the decode table's "no token", so a negative one would
     # silently drop the step's KV.
-    sampled = _as_array(result.sampled_token_ids, "sampled_token_ids")
-    check_int_array(sampled, "sampled_token_ids", minimum=0, maximum=TOKEN_ID_MAX)
-    sampled = sampled.astype(np.int64, copy=False)
+    sampled = result.sampled_token_ids
+    # An engine's int64 array (every step's case) is range-checked in one reduction.
+    if not (
+        type(sampled) is np.ndarray
+        and sampled.dtype == np.int64
+        and (not sampled.size or int(sampled.view(np.uint64).max()) <= TOKEN_ID_MAX)
+    ):
+        sampled = _as_array(sampled, "sampled_token_ids")
+        check_int_array(sampled, "sampled_token_ids", minimum=0, maximum=TOKEN_ID_MAX)
+        sampled = sampled.astype(np.int64, copy=False)
     if sampled.ndim != 1:
         sampled = sampled.reshape(-1)
     total = int(counts.sum()) if plan.special else len(counts)
@@ -66,9 +73,11 @@ def check_result(
     if result.sampled_logprobs is None:
         logprobs = np.zeros(total, dtype=np.float64)
     else:
-        logprobs = _as_array(result.sampled_logprobs, "sampled_logprobs")
-        check_real_array(logprobs, "sampled_logprobs")
-        logprobs = logprobs.astype(np.float64, copy=False)
+        raw: Any = result.sampled_logprobs
+        if not (type(raw) is np.ndarray and raw.dtype.kind == "f"):
+            raw = _as_array(raw, "sampled_logprobs")
+            check_real_array(raw, "sampled_logprobs")
+        logprobs = raw.astype(np.float64, copy=False)
         if logprobs.ndim != 1:
             logprobs = logprobs.reshape(-1)
         if logprobs.shape[0] != total:
