@@ -207,14 +207,6 @@ def check_int_array(value: object, name: str, *, minimum: int, maximum: int) -> 
     if kind not in ("i", "u"):
         dtype = getattr(value, "dtype", type(value).__name__)
         raise InvalidArgumentError(f"{name} must hold integers, got dtype {dtype}")
-    bits = 8 * getattr(getattr(value, "dtype", None), "itemsize", 0)
-    if kind == "i" and minimum == 0 and 0 <= maximum < 2 ** (bits - 1):
-        # One reduction instead of two (the scheduler checks every step's tokens): as
-        # unsigned integers of the same width, negative values are at least 2**(bits-1),
-        # above the maximum.
-        unsigned = value.view(f"u{bits // 8}")  # type: ignore[attr-defined]
-        if int(unsigned.max()) <= maximum:
-            return
     low, high = int(value.min()), int(value.max())  # type: ignore[attr-defined]
     if low < minimum or high > maximum:
         raise InvalidArgumentError(
