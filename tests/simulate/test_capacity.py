@@ -14,7 +14,7 @@ from kvblocks.simulate.config import SimulationConfig
 from kvblocks.simulate.contiguous import run_contiguous
 from kvblocks.simulate.metrics import RequestMetrics, StabilityRule
 from kvblocks.simulate.report import format_json, format_table
-from kvblocks.simulate.workload import WorkloadConfig
+from kvblocks.simulate.workload import LengthDist, WorkloadConfig
 
 from .toy import SERVICE_S, toy_config
 
@@ -154,3 +154,40 @@ def test_an_estimate_from_a_run_that_never_queued_is_a_lower_bound() -> None:
     # One sequence at a time does queue: an upper bound, as before.
     queued = run_plan(toy_config(num_requests=20), "estimate", 20).servers[0].capacity
     assert queued is not None and queued.saturated
+
+
+def test_a_capacity_counts_only_what_fits_and_says_what_was_rejected() -> None:
+    """A pool of one usable block (16 tokens) holds none of 40-token prompts: every server
+    rejects every request, and a capacity is 'none', not the rate of nothing. With mixed
+    lengths and a pool some requests outgrow, the rate is of those that fit and the share
+    rejected is named (a contiguous server that rejected 71% read as more capacity than
+    the paged one that rejected 36%)."""
+    tiny = toy_config(num_requests=20, num_blocks=2)
+    tiny = dataclasses.replace(
+        tiny, workload=dataclasses.replace(tiny.workload, prompt_len=LengthDist("fixed", 40))
+    )
+    plan = run_plan(tiny, "estimate", 20)
+    for server in plan.servers:
+        cap = server.capacity
+        assert cap is not None and cap.rejected_share == 1.0 and cap.requests_per_s == 0.0
+    text = format_table(plan)
+    assert "none: the saturated run rejected every request" in text
+    assert text.split("capacity, req/s")[1].count("none (all rejected)") == 3
+    base = toy_config(num_requests=40)
+    mixed = dataclasses.replace(
+        base,
+        num_blocks=6,
+        workload=dataclasses.replace(
+            base.workload, output_len=LengthDist("lognormal", 40, 1.0), max_output_len=128
+        ),
+    )
+    plan = run_plan(mixed, "estimate", 200)
+    # Paged holds every request; contiguous max_tokens reserves 16 + 128 > 80 tokens for
+    # each; contiguous exact only for the longest outputs.
+    shares = [server.capacity.rejected_share for server in plan.servers if server.capacity]
+    assert shares[0] == 0.0 and shares[1] == 1.0 and 0 < shares[2] < 1, shares
+    text = format_table(plan).split("capacity, req/s")[1]
+    assert "none (all rejected)" in text and f"({100 * shares[2]:.0f}% rejected)" in text
+    assert "(paged" not in text  # no ratio against a server that served other requests
+    doc = json.loads(format_json(plan))
+    assert [s["capacity"]["rejected_share"] for s in doc["servers"]] == shares

@@ -60,6 +60,9 @@ class CapacityResult:
         saturated: the saturated run left requests queued in its window. False: every
             request fit the batch, so the estimate is what was offered, a lower bound on
             what the server sustains, not an upper one (raise the saturated requests).
+        rejected_share: the share of the saturated run's requests the server refused
+            (longer than its pool or limits allow): the rates count only those that fit,
+            and 1.0 means it serves none of this workload's requests.
     """
 
     mode: str
@@ -68,6 +71,7 @@ class CapacityResult:
     probes: list[tuple[float, bool]] = field(default_factory=list)
     trace_too_short: bool = False
     saturated: bool = True
+    rejected_share: float = 0.0
 
 
 def saturated_config(config: SimulationConfig, num_requests: int) -> SimulationConfig:

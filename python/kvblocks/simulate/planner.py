@@ -178,5 +178,10 @@ def run_plan(
             if capacity == "search":
                 report.capacity = search_capacity(_probe(run), base, rate)
                 report.capacity.saturated = full
+            # A rate of the requests that fit is no capacity for the others: say how many.
+            # (Of the requests the run ended: it stops when its throughput window closes.)
+            rejected = int(saturated.get("num_rejected", 0))
+            ended = rejected + int(saturated.get("num_finished", 0))
+            report.capacity.rejected_share = rejected / ended if ended > 0 else 0.0
         plan.servers.append(report)
     return plan

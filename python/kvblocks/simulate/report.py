@@ -25,6 +25,18 @@ def _capacity_text(server: ServerReport) -> str:
     cap = server.capacity
     if cap is None:
         return "not measured (--capacity off)"
+    if cap.rejected_share >= 1:
+        return "none: the saturated run rejected every request (longer than the pool holds)"
+    text = _capacity_rate_text(cap)
+    if cap.rejected_share > 0:
+        text += (
+            f"; of the requests that fit: the saturated run rejected "
+            f"{100 * cap.rejected_share:.0f}% (longer than the pool holds)"
+        )
+    return text
+
+
+def _capacity_rate_text(cap: CapacityResult) -> str:
     if cap.mode == "search" and cap.trace_too_short:
         return (
             f"not found: the trace is too short (stable up to {cap.requests_per_s:.2f} req/s, "
@@ -283,6 +295,7 @@ def _comparison(plan: PlanResult) -> list[str]:
                 and cap.requests_per_s > 0
                 and not (base.trace_too_short or cap.trace_too_short)
                 and not (lower_bound(base) or lower_bound(cap))
+                and not (base.rejected_share or cap.rejected_share)
             ):
                 ratio = f" (paged {base.requests_per_s / cap.requests_per_s:.2f}x)"
             capacity = (
@@ -290,6 +303,10 @@ def _comparison(plan: PlanResult) -> list[str]:
             )
             if lower_bound(cap):
                 capacity = f">= {cap.requests_per_s:.2f} (never queued)"
+            if cap.rejected_share >= 1:
+                capacity = "none (all rejected)"
+            elif cap.rejected_share > 0:
+                capacity += f" ({100 * cap.rejected_share:.0f}% rejected)"
             col += [
                 f"{float(sat['mean_batch_seqs']):.1f} / {float(sat['peak_batch_seqs']):.0f}",
                 capacity,
@@ -340,6 +357,7 @@ def format_json(plan: PlanResult) -> str:
                     "probes": [{"rate": r, "stable": ok} for r, ok in cap.probes],
                     "trace_too_short": cap.trace_too_short,
                     "saturated": cap.saturated,
+                    "rejected_share": cap.rejected_share,
                 },
             }
         )
