@@ -183,11 +183,10 @@ class _StateSteps:
 
     # -- rules replaced: no lookahead, a step that may not run, whole commits ------------
 
+    @precondition(lambda self: self._can_allocate())
     @rule(data=st.data(), lookahead=st.sampled_from([0, 0, 0, 2]), run=st.booleans())
     def allocate(self, data, lookahead, run):
         candidates = self._allocatable()  # type: ignore[attr-defined]
-        if not candidates:
-            return
         sid = data.draw(st.sampled_from(candidates))
         left = len(self.tokens[sid]) - self.m.num_computed_tokens(sid)
         new = data.draw(st.integers(0, left))
@@ -206,11 +205,10 @@ class _StateSteps:
         if run:
             self._write_reserved({sid: (new, 0)})
 
+    @precondition(lambda self: self._can_allocate())
     @rule(data=st.data(), run=st.booleans())
     def allocate_batch(self, data, run):
         candidates = self._allocatable()  # type: ignore[attr-defined]
-        if not candidates:
-            return
         sids = data.draw(st.lists(st.sampled_from(candidates), min_size=1, unique=True))
         news = [
             data.draw(st.integers(0, len(self.tokens[s]) - self.m.num_computed_tokens(s)))
