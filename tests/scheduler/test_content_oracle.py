@@ -232,18 +232,15 @@ class Harness:
         # The engine's (device) copy of every group's persistent block table, patched by
         # the per-group deltas.
         self.table: np.ndarray | None = None
-        # Admission decisions on requests whose prefix is being computed in the step: held
-        # back (True) or not (False), for test_the_oracle_reaches_same_step_prefix_holds.
+        # Holds (True) or not of requests whose prefix the step computes (coverage test).
         self.prefix_holds: Counter[bool] = Counter()
-        hold = self.sched._admission.prefix_hold
-        should_hold = hold.should_hold
+        self._should_hold = self.sched._admission.prefix_hold.should_hold
+        self.sched._admission.prefix_hold.should_hold = self._count_hold  # type: ignore[method-assign]
 
-        def counting(request: object, cached: int, in_flight: int) -> bool:
-            held = should_hold(request, cached, in_flight)
-            self.prefix_holds[held] += in_flight > 0
-            return held
-
-        hold.should_hold = counting  # type: ignore[method-assign]
+    def _count_hold(self, request: object, cached: int, in_flight: int) -> bool:
+        held = self._should_hold(request, cached, in_flight)
+        self.prefix_holds[held] += in_flight > 0
+        return held
 
     def sync_table(self, out) -> np.ndarray:
         """Bring the engine's copy of every group's table up to date from the step's
@@ -520,14 +517,12 @@ _REACHED: dict[int, Reached] = {}
 
 def run_config(seed: int) -> Harness:
     """Run one configuration to the end; raise with the seed on any failure."""
-    cfg = Config(seed)
-    harness = Harness(cfg)
+    harness = h = Harness(Config(seed))
     try:
         harness.run()
     except (AssertionError, ContentError) as exc:
         raise AssertionError(f"configuration seed={seed}: {exc}") from exc
     bounded = harness.cfg.sched.max_load_blocks_per_step is not None
-    h = harness
     _REACHED[seed] = Reached(
         h.tier_ops, h.group_reads, h.export_reads, bounded, h.sched.counters, h.prefix_holds
     )
