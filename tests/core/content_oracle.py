@@ -66,6 +66,7 @@ from .content_oracle_settings import (
     PRIORITIES,
     STEMS,
     TABLE_WIDTH,
+    pick,
 )
 from .content_oracle_table import BlockTableRows
 from .content_oracle_targeted import TargetedRules
@@ -235,7 +236,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
         tokens = stem[:cut] + extra
         if self.history and data.draw(st.booleans()):
             # Another sequence's tokens (possibly with its KV cached), maybe extended.
-            seen, ns = data.draw(st.sampled_from(self.history))
+            seen, ns = pick(data, self.history)
             tokens = seen[: data.draw(st.integers(1, len(seen)))] + extra[:4]
         sid = self.next_id
         self.next_id += 1
@@ -258,7 +259,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
     @rule(data=st.data(), lookahead=st.sampled_from([0, 0, 1, 3, 8]))
     def allocate(self, data, lookahead):
         candidates = self._allocatable()
-        sid = data.draw(st.sampled_from(candidates))
+        sid = pick(data, candidates)
         computed = self.m.num_computed_tokens(sid)
         left = len(self.tokens[sid]) - computed
         new = data.draw(st.integers(0, left))
@@ -299,7 +300,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), sample=st.booleans())
     def commit(self, data, sample):
-        sid = data.draw(st.sampled_from(sorted(self.pending)))
+        sid = pick(data, sorted(self.pending))
         wrote = self.pending.pop(sid)
         k = data.draw(st.integers(0, wrote))
         new_tokens = [data.draw(st.integers(0, 11))] if sample else []
@@ -329,7 +330,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
         """Fork any held sequence — waiting, running, mid-prefill — then each side appends
         its own sampled token (the documented protocol). Forking a sequence with a pending
         reservation, or a swapped-out one, must be refused."""
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        parent = pick(data, sorted(self.tokens))
         child = self.next_id
         if parent in self.pending or parent in self.swapped:
             with pytest.raises(kvblocks.SequenceStateError):
@@ -357,7 +358,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
     def free(self, data, reset):
         """Free a sequence; now and then try to reset the prefix cache (it succeeds only
         when no block is in use)."""
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        sid = pick(data, sorted(self.tokens))
         self._forget(sid)
         if reset == 0:
             COVERAGE["cache_reset"] += self.m.reset_prefix_cache()
@@ -377,7 +378,7 @@ class ContentOracle(TargetedRules, BlockTableRows, RuleBasedStateMachine):
         """Change a held sequence's retention priority (running, waiting or swapped out):
         the blocks it commits or claims from now on are evicted in that order. Out of
         range is refused and changes nothing."""
-        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        sid = pick(data, sorted(self.tokens))
         if not 0 <= priority <= 100:
             with pytest.raises(kvblocks.InvalidArgumentError):
                 self.m.set_retention_priority(sid, priority)
