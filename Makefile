@@ -13,6 +13,12 @@ EXTRAS  ?= dev,engine,cli
 DEMO_EXTRAS := cli
 DIST    ?= dist
 export PYO3_PYTHON := $(abspath $(PY))
+# Python keeps the bytecode it compiles, whatever the environment says: uv installs no .pyc
+# files, so with PYTHONDONTWRITEBYTECODE set (as on the machines this targets) every test
+# process compiled torch, transformers and kvblocks from source again (about 2.6 CPU-s each,
+# some 80 processes), and pytest re-rewrote every test module in each one. The bytecode goes
+# into __pycache__ directories (gitignored) in the venv and the tree.
+unexport PYTHONDONTWRITEBYTECODE
 # What lint and test-python build first; `make test` empties it for its second stage, which
 # runs after one build.
 NEEDS_BUILD ?= build

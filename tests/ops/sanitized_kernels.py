@@ -1,94 +1,79 @@
 """The attention-kernel instantiations each sanitizer build of the emulation harness holds.
 
 An ASan or TSan build of every instantiation (~300 of them) cost minutes of CPU for the
-few dozen its tests launch, so a sanitizer build compiles only those listed here, per test
-file of its runs (sanitized_pytest.py); the ``opt`` build keeps them all. The lists are
-what those runs launch, checked both ways: a kernel a run needs that is missing aborts it
-with the kernel's name (harness.cpp), and one listed that its run no longer uses fails
-run_sanitized, which prints the list to paste in either case.
+few dozen its tests launch, so a sanitizer build compiles only those listed here: what
+the one run of that flavor (test_sanitizers.py, over every file it selects from) looks
+up; the ``opt`` build keeps them all. The lists are checked both ways: a kernel a run
+needs that is missing aborts it with the kernel's name (harness.cpp), and one listed that
+its run no longer uses fails run_sanitized, which prints the list to paste in either case.
 """
 
 from __future__ import annotations
 
 import re
 
-#: flavor -> test file -> the attention kernels its sanitized selection looks up.
-KERNELS: dict[str, dict[str, tuple[str, ...]]] = {
-    "asan": {
-        "test_decode_kernel_emu.py": (
-            "decode_attention_kernel<__half, 128, 16, 8>",
-            "decode_attention_kernel<__half, 128, 8, 8>",
-            "decode_attention_kernel<__half, 64, 16, 2>",
-            "decode_attention_kernel<__half, 64, 16, 4>",
-            "decode_attention_kernel<__nv_bfloat16, 128, 16, 8>",
-            "decode_attention_kernel<__nv_bfloat16, 128, 8, 8>",
-            "decode_attention_kernel<__nv_bfloat16, 64, 16, 1>",
-            "decode_attention_kernel<__nv_bfloat16, 64, 16, 2>",
-            "decode_attention_kernel<__nv_bfloat16, 64, 16, 4>",
-            "merge_partials_kernel<__nv_bfloat16, 64>",
-        ),
-        "test_decode_plan_emulator.py": (
-            "decode_attention_kernel<__half, 128, 16, 8>",
-            "decode_attention_kernel<__half, 64, 16, 16>",
-            "decode_attention_kernel<__nv_bfloat16, 64, 16, 8>",
-            "merge_partials_kernel<__half, 128>",
-            "merge_partials_kernel<__half, 64>",
-            "merge_partials_kernel<__nv_bfloat16, 64>",
-        ),
-        "test_ops_emulation.py": (
-            "merge_splits_kernel<__nv_bfloat16, 64>",
-            "merge_splits_kernel<float, 64>",
-            "split_k_attention_kernel<__half, 128, 16>",
-            "split_k_attention_kernel<__half, 128, 8>",
-            "split_k_attention_kernel<__half, 256, 16>",
-            "split_k_attention_kernel<__half, 256, 8>",
-            "split_k_attention_kernel<__half, 64, 16>",
-            "split_k_attention_kernel<__half, 64, 8>",
-            "split_k_attention_kernel<__half, 80, 16>",
-            "split_k_attention_kernel<__nv_bfloat16, 128, 16>",
-            "split_k_attention_kernel<__nv_bfloat16, 128, 8>",
-            "split_k_attention_kernel<__nv_bfloat16, 256, 16>",
-            "split_k_attention_kernel<__nv_bfloat16, 256, 8>",
-            "split_k_attention_kernel<__nv_bfloat16, 64, 16>",
-            "split_k_attention_kernel<__nv_bfloat16, 64, 8>",
-            "split_k_attention_kernel<__nv_bfloat16, 80, 16>",
-            "split_k_attention_kernel<float, 128, 16>",
-            "split_k_attention_kernel<float, 128, 8>",
-            "split_k_attention_kernel<float, 256, 16>",
-            "split_k_attention_kernel<float, 256, 8>",
-            "split_k_attention_kernel<float, 64, 16>",
-            "split_k_attention_kernel<float, 64, 8>",
-            "split_k_attention_kernel<float, 80, 16>",
-        ),
-        "test_prefill_kernel_emulation.py": (
-            "prefill_attention_kernel<__half, 64>",
-            "prefill_attention_kernel<__nv_bfloat16, 128>",
-            "prefill_attention_kernel<__nv_bfloat16, 256>",
-            "prefill_attention_kernel<__nv_bfloat16, 64>",
-        ),
-    },
-    "tsan": {
-        "test_decode_kernel_emu.py": (
-            "decode_attention_kernel<__half, 64, 16, 1>",
-            "decode_attention_kernel<__half, 80, 16, 2>",
-            "decode_attention_kernel<__nv_bfloat16, 128, 16, 8>",
-            "merge_partials_kernel<__half, 64>",
-        ),
-        "test_ops_emulation.py": (
-            "merge_splits_kernel<__nv_bfloat16, 64>",
-            "merge_splits_kernel<float, 64>",
-            "split_k_attention_kernel<__half, 128, 8>",
-            "split_k_attention_kernel<__half, 80, 8>",
-            "split_k_attention_kernel<__nv_bfloat16, 64, 8>",
-            "split_k_attention_kernel<float, 64, 16>",
-            "split_k_attention_kernel<float, 64, 8>",
-        ),
-        "test_prefill_kernel_emulation.py": (
-            "prefill_attention_kernel<__nv_bfloat16, 128>",
-            "prefill_attention_kernel<__nv_bfloat16, 256>",
-            "prefill_attention_kernel<__nv_bfloat16, 64>",
-        ),
-    },
+#: flavor -> the attention kernels its sanitized run (test_sanitizers.py) looks up, over
+#: all the files it selects from.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "asan": (
+        "decode_attention_kernel<__half, 128, 16, 8>",
+        "decode_attention_kernel<__half, 128, 8, 8>",
+        "decode_attention_kernel<__half, 64, 16, 16>",
+        "decode_attention_kernel<__half, 64, 16, 2>",
+        "decode_attention_kernel<__half, 64, 16, 4>",
+        "decode_attention_kernel<__nv_bfloat16, 128, 16, 8>",
+        "decode_attention_kernel<__nv_bfloat16, 128, 8, 8>",
+        "decode_attention_kernel<__nv_bfloat16, 64, 16, 1>",
+        "decode_attention_kernel<__nv_bfloat16, 64, 16, 2>",
+        "decode_attention_kernel<__nv_bfloat16, 64, 16, 4>",
+        "decode_attention_kernel<__nv_bfloat16, 64, 16, 8>",
+        "merge_partials_kernel<__half, 128>",
+        "merge_partials_kernel<__half, 64>",
+        "merge_partials_kernel<__nv_bfloat16, 64>",
+        "merge_splits_kernel<__nv_bfloat16, 64>",
+        "merge_splits_kernel<float, 64>",
+        "prefill_attention_kernel<__half, 64>",
+        "prefill_attention_kernel<__nv_bfloat16, 128>",
+        "prefill_attention_kernel<__nv_bfloat16, 256>",
+        "prefill_attention_kernel<__nv_bfloat16, 64>",
+        "split_k_attention_kernel<__half, 128, 16>",
+        "split_k_attention_kernel<__half, 128, 8>",
+        "split_k_attention_kernel<__half, 256, 16>",
+        "split_k_attention_kernel<__half, 256, 8>",
+        "split_k_attention_kernel<__half, 64, 16>",
+        "split_k_attention_kernel<__half, 64, 8>",
+        "split_k_attention_kernel<__half, 80, 16>",
+        "split_k_attention_kernel<__nv_bfloat16, 128, 16>",
+        "split_k_attention_kernel<__nv_bfloat16, 128, 8>",
+        "split_k_attention_kernel<__nv_bfloat16, 256, 16>",
+        "split_k_attention_kernel<__nv_bfloat16, 256, 8>",
+        "split_k_attention_kernel<__nv_bfloat16, 64, 16>",
+        "split_k_attention_kernel<__nv_bfloat16, 64, 8>",
+        "split_k_attention_kernel<__nv_bfloat16, 80, 16>",
+        "split_k_attention_kernel<float, 128, 16>",
+        "split_k_attention_kernel<float, 128, 8>",
+        "split_k_attention_kernel<float, 256, 16>",
+        "split_k_attention_kernel<float, 256, 8>",
+        "split_k_attention_kernel<float, 64, 16>",
+        "split_k_attention_kernel<float, 64, 8>",
+        "split_k_attention_kernel<float, 80, 16>",
+    ),
+    "tsan": (
+        "decode_attention_kernel<__half, 64, 16, 1>",
+        "decode_attention_kernel<__half, 80, 16, 2>",
+        "decode_attention_kernel<__nv_bfloat16, 128, 16, 8>",
+        "merge_partials_kernel<__half, 64>",
+        "merge_splits_kernel<__nv_bfloat16, 64>",
+        "merge_splits_kernel<float, 64>",
+        "prefill_attention_kernel<__nv_bfloat16, 128>",
+        "prefill_attention_kernel<__nv_bfloat16, 256>",
+        "prefill_attention_kernel<__nv_bfloat16, 64>",
+        "split_k_attention_kernel<__half, 128, 8>",
+        "split_k_attention_kernel<__half, 80, 8>",
+        "split_k_attention_kernel<__nv_bfloat16, 64, 8>",
+        "split_k_attention_kernel<float, 64, 16>",
+        "split_k_attention_kernel<float, 64, 8>",
+    ),
 }
 
 # The kernel families harness.cpp can instantiate by name (its KVB_SMEM_* macros).
@@ -115,10 +100,10 @@ def is_attention(name: str) -> bool:
 
 def instantiated(flavor: str) -> list[str] | None:
     """The attention kernels ``flavor``'s build holds (sorted), or None for all of them."""
-    files = KERNELS.get(flavor)
-    if files is None:
+    names = KERNELS.get(flavor)
+    if names is None:
         return None
-    return sorted({squeeze(name) for names in files.values() for name in names})
+    return sorted({squeeze(name) for name in names})
 
 
 def entries_header(flavor: str) -> str | None:
