@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+T = TypeVar("T")
 
 SCALE = int(os.environ.get("KVBLOCKS_ORACLE_SCALE", "1"))
 MIN_OPERATIONS = 10_000 * SCALE
@@ -36,6 +40,21 @@ PRIORITIES = [0, 10, 35, 60, 100, -1, 101]
 #: First token of one-off flood prompts: above the vocabulary, one per sequence id, so a
 #: flood prompt shares no block with any other prompt.
 FLOOD_TOKEN = 1000
+
+
+#: ``st.sampled_from(range(n))`` by ``n``, built once (see :func:`pick`).
+_INDICES: dict[int, st.SearchStrategy[int]] = {}
+
+
+def pick(data: Any, items: Sequence[T]) -> T:
+    """One of ``items``, drawn as its index: the same choice ``st.sampled_from(items)``
+    makes (and shrinks the same way, to the first), without building, validating and
+    labelling a new strategy for every draw (the lists change every step)."""
+    n = len(items)
+    index = _INDICES.get(n)
+    if index is None:
+        index = _INDICES[n] = st.sampled_from(range(n))
+    return items[data.draw(index)]
 
 
 def _oracle_settings(

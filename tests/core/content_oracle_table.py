@@ -15,7 +15,7 @@ from hypothesis.stateful import precondition, rule
 
 from oracle.kv_memory import assert_array_equal
 
-from .content_oracle_settings import COVERAGE, TABLE_WIDTH
+from .content_oracle_settings import COVERAGE, TABLE_WIDTH, pick
 
 
 class BlockTableRows:
@@ -35,14 +35,14 @@ class BlockTableRows:
     @rule(data=st.data())
     def move_row(self, data):
         """Move a sequence to another row (a free one, or swap with another sequence)."""
-        sid = data.draw(st.sampled_from(sorted(self.row_of)))
+        sid = pick(data, sorted(self.row_of))
         others = sorted(self.row_of)
         if self.free_rows and data.draw(st.booleans()):
             new = self.free_rows.pop()
             self.free_rows.append(self.row_of[sid])
             self.row_of[sid] = new
         else:
-            other = data.draw(st.sampled_from(others))
+            other = pick(data, others)
             self.row_of[sid], self.row_of[other] = self.row_of[other], self.row_of[sid]
         COVERAGE["ops"] += 1
 
@@ -50,7 +50,7 @@ class BlockTableRows:
     @rule(data=st.data(), steps=st.integers(1, 4))
     def lag(self, data, steps):
         """Leave a sequence out of the next few syncs (an unscheduled sequence)."""
-        self.lagging[data.draw(st.sampled_from(sorted(self.row_of)))] = steps
+        self.lagging[pick(data, sorted(self.row_of))] = steps
 
     def _sync_table(self) -> list[int]:
         """Sync the resident sequences (all but the lagging ones) into their rows; return

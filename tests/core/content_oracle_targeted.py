@@ -16,7 +16,7 @@ from hypothesis.stateful import precondition, rule
 
 from oracle.kv_memory import ContentError, KVMemory
 
-from .content_oracle_settings import COVERAGE, DEFAULT_PRIORITY, FLOOD_TOKEN
+from .content_oracle_settings import COVERAGE, DEFAULT_PRIORITY, FLOOD_TOKEN, pick
 
 
 class TargetedRules:
@@ -45,7 +45,7 @@ class TargetedRules:
         next token there: certain to need a copy-on-write copy (in the op list, with a
         host tier)."""
         cands = [s for s in self._idle() if self.computed[s] % self.bs]
-        self._fork_and_write(data.draw(st.sampled_from(cands)), token)
+        self._fork_and_write(pick(data, cands), token)
 
     def _fork_and_write(self, parent: int, token: int) -> None:
         child = self.next_id
@@ -215,7 +215,7 @@ class TargetedRules:
         """A prompt arrives while its prefix is being computed: a waiting sequence with the
         tokens a pending reservation writes (and one more), probed at once, so blocks in
         flight are reported (and judged by what the memory holds) for certain."""
-        p = data.draw(st.sampled_from(sorted(self._twin_sources())))
+        p = pick(data, sorted(self._twin_sources()))
         tokens = [*self.tokens[p][: self.computed[p] + self.pending[p]], token]
         sid = self.next_id
         self.next_id += 1

@@ -16,7 +16,7 @@ from kvblocks.router import PromptHasher
 from oracle.kv_memory import Attention, KVMemory
 
 from .content_oracle import ContentOracle
-from .content_oracle_settings import COVERAGE
+from .content_oracle_settings import COVERAGE, pick
 
 #: Host-tier effects reached by :class:`TieredContentOracle` (op kinds, hits, evictions).
 TIER_COVERAGE: Counter[str] = Counter()
@@ -149,7 +149,7 @@ class TieredContentOracle(ContentOracle):
         sit in the tier), after a confirmation or not."""
         if confirm:
             self.confirm()
-        tokens = data.draw(st.sampled_from(self.floods[:-1]))
+        tokens = pick(data, self.floods[:-1])
         sid = self.next_id
         self.next_id += 1
         self.m.add_sequence(sid, tokens)
@@ -169,7 +169,7 @@ class TieredContentOracle(ContentOracle):
         """A shared store holds a flood prompt's blocks (as another instance computed them):
         the blocks past the local hit are imported into reserved tier slots and written,
         then confirmed or not (an unconfirmed one must not be loaded by a claim)."""
-        tokens = data.draw(st.sampled_from(self.floods))
+        tokens = pick(data, self.floods)
         hashes = PromptHasher(self.bs).block_hashes(tokens)
         start = self.m.num_cached_prefix_blocks(hashes)
         count = data.draw(st.integers(1, max(1, len(hashes) - start)))

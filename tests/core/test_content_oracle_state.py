@@ -37,7 +37,13 @@ from kvblocks.router import PromptHasher
 from oracle.kv_memory import Attention, ContentError, KVMemory, state_entry, state_writes
 
 from .content_oracle import ContentOracle
-from .content_oracle_settings import COVERAGE, MIN_OPERATIONS, ORACLE_EXAMPLES, _oracle_settings
+from .content_oracle_settings import (
+    COVERAGE,
+    MIN_OPERATIONS,
+    ORACLE_EXAMPLES,
+    _oracle_settings,
+    pick,
+)
 from .content_oracle_tiered import TIER_COVERAGE, TieredContentOracle
 from .test_content_oracle_groups import GROUP, _specs
 
@@ -183,12 +189,11 @@ class _StateSteps:
 
     # -- rules replaced: no lookahead, a step that may not run, whole commits ------------
 
+    @precondition(lambda self: self._can_allocate())
     @rule(data=st.data(), lookahead=st.sampled_from([0, 0, 0, 2]), run=st.booleans())
     def allocate(self, data, lookahead, run):
         candidates = self._allocatable()  # type: ignore[attr-defined]
-        if not candidates:
-            return
-        sid = data.draw(st.sampled_from(candidates))
+        sid = pick(data, candidates)
         left = len(self.tokens[sid]) - self.m.num_computed_tokens(sid)
         new = data.draw(st.integers(0, left))
         if lookahead:
@@ -206,11 +211,10 @@ class _StateSteps:
         if run:
             self._write_reserved({sid: (new, 0)})
 
+    @precondition(lambda self: self._can_allocate())
     @rule(data=st.data(), run=st.booleans())
     def allocate_batch(self, data, run):
         candidates = self._allocatable()  # type: ignore[attr-defined]
-        if not candidates:
-            return
         sids = data.draw(st.lists(st.sampled_from(candidates), min_size=1, unique=True))
         news = [
             data.draw(st.integers(0, len(self.tokens[s]) - self.m.num_computed_tokens(s)))
@@ -240,7 +244,7 @@ class _StateSteps:
     @precondition(lambda self: self.pending)
     @rule(data=st.data(), sample=st.booleans())
     def commit(self, data, sample):
-        sid = data.draw(st.sampled_from(sorted(self.pending)))
+        sid = pick(data, sorted(self.pending))
         k = self._commit_count(sid, data)
         del self.pending[sid]
         new_tokens = [data.draw(st.integers(0, 11))] if sample else []
@@ -370,7 +374,7 @@ class StateTieredContentOracle(_StateSteps, TieredContentOracle):
     def import_from_remote(self, data, confirm):
         """A shared store holds a flood prompt's blocks of one group: a state group's
         block ``j`` is the state after ``(j + 1) * block_size`` tokens."""
-        tokens = data.draw(st.sampled_from(self.floods))
+        tokens = pick(data, self.floods)
         hashes = PromptHasher(self.bs).block_hashes(tokens)
         start = self.m.num_cached_prefix_blocks(hashes)
         count = data.draw(st.integers(1, max(1, len(hashes) - start)))
