@@ -98,7 +98,7 @@ def test_no_kv_cache_groups_keeps_one_group_with_the_same_tokens(tmp_path: Path,
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--model", "/nonexistent/model"], "is not a directory"),
         (["--prompt-ids", "1,999"], r"token ids must be in [0, 256)"),
-        (["--n", "3", "--beam-width", "2"], "must be <= beam_width"),
+        (["--n", "3", "--beam-width", "2"], "must be <= --beam-width"),
     ],
 )
 def test_engine_errors_are_one_line(argv: list[str], message: str, capsys) -> None:
@@ -205,4 +205,4 @@ def test_max_model_len_option(capsys) -> None:
     completion = json.loads(capsys.readouterr().out)["outputs"][0]["completions"][0]
     assert len(completion["token_ids"]) == 2 and completion["finish_reason"] == "length"
     assert _main(["--prompt-ids", "1,2,3", "--max-model-len", "3", "--device", "cpu"]) == 1
-    assert "max_model_len" in capsys.readouterr().err
+    assert "--max-model-len" in capsys.readouterr().err

@@ -126,4 +126,4 @@ def test_bad_new_options_exit_2(argv: list[str], capsys) -> None:
 def test_min_tokens_over_max_tokens_is_one_line(capsys) -> None:
     assert main(["generate", "--max-tokens", "2", "--min-tokens", "5", *BASE]) == 1
     err = capsys.readouterr().err.strip()
-    assert "min_tokens" in err and "\n" not in err
+    assert "--min-tokens" in err and "min_tokens" not in err and "\n" not in err

@@ -255,3 +255,23 @@ def test_timeline_keeps_exact_means_and_peaks_in_a_bounded_series() -> None:
     assert np.all(np.diff(series["a"]) > 0) and series["a"][0] < 130
     with pytest.raises(ValueError, match="even number"):
         Timeline(("a",), max_points=3)
+
+
+def test_a_library_error_names_the_flags_the_user_typed(capsys: pytest.CaptureFixture[str]) -> None:
+    """The workload's own check speaks of its parameters; the user typed flags."""
+    from kvblocks.cli import main
+    from kvblocks.cli.arg_types import name_flags
+
+    assert main(["simulate", "--num-requests", "10", "--max-context-len", "100"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--max-context-len (100) must hold a whole first turn: --system-prompt-len + "
+        "--max-prompt-len + --max-output-len = " in err
+    ), err
+    assert "max_context_len" not in err
+    flags = {"think_time_s": "--think-time", "num_blocks": "--num-blocks"}
+    # Whole names only: a longer or unknown name stays as written.
+    assert (
+        name_flags("think_time_s, num_blocks_total, num_blocks and seed", flags)
+        == "--think-time, num_blocks_total, --num-blocks and seed"
+    )

@@ -100,7 +100,7 @@ def test_capacity_search_lists_its_probes() -> None:
         (["--arrival", "bursty"], "--arrival"),
         (["--max-turns", "0"], "--max-turns"),
         (["--saturation-requests", "x"], "--saturation-requests"),
-        (["--max-context-len", "100"], "max_context_len"),
+        (["--max-context-len", "100"], "--max-context-len (100) must hold"),
     ],
 )
 def test_bad_options_are_one_line_and_exit_2(argv: list[str], message: str) -> None:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from kvblocks.cli.arg_types import name_flags
 from kvblocks.errors import KVBlocksError
 
 __all__ = ["build_parser", "main"]
@@ -76,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except KVBlocksError as exc:
-        print(f"kvblocks {args.command}: error: {exc}", file=sys.stderr)
+        message = name_flags(str(exc), getattr(args, "flags", {}))
+        print(f"kvblocks {args.command}: error: {message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -1,13 +1,16 @@
 """Value types for the subcommands' ``argparse`` options.
 
 Each converts one option string or raises :class:`argparse.ArgumentTypeError`, which
-argparse turns into a one-line usage error naming the option.
+argparse turns into a one-line usage error naming the option. Also the options' flags by
+the library parameter each sets, for errors the library raises later.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,13 +21,38 @@ __all__ = [
     "fraction",
     "layer_mix",
     "length_dist",
+    "name_flags",
     "non_negative_float",
     "non_negative_int",
+    "option_flags",
     "positive_float",
     "positive_int",
     "thread_count",
     "token_ids",
 ]
+
+#: A library parameter's name as messages write it: snake_case with at least one underscore.
+_PARAMETER = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
+
+
+def option_flags(
+    parser: argparse.ArgumentParser, aliases: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """``{destination: its long flag}`` of ``parser``'s options, and ``aliases``: the
+    library parameters an option sets under another name (``think_time_s``)."""
+    flags = {
+        action.dest: max(action.option_strings, key=len)
+        for action in parser._actions
+        if action.option_strings and action.dest != "help"
+    }
+    return {**flags, **(aliases or {})}
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` (a library error's) with each parameter an option sets written as that
+    option's flag: the user typed ``--max-context-len``, not ``max_context_len``."""
+    return _PARAMETER.sub(lambda m: flags.get(m.group(0), m.group(0)), message)
+
 
 MAX_THREADS = 1024
 """Most torch CPU threads ``--threads`` takes: more made libgomp fail to create threads

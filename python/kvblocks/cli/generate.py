@@ -16,7 +16,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from kvblocks.cli.arg_types import non_negative_int, positive_int, thread_count, token_ids
+from kvblocks.cli.arg_types import (
+    non_negative_int,
+    option_flags,
+    positive_int,
+    thread_count,
+    token_ids,
+)
 from kvblocks.errors import InvalidArgumentError
 
 __all__ = ["add_parser", "format_table", "run"]
@@ -185,7 +191,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--no-stream", action="store_true", help="print only the final outputs, not each step"
     )
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, flags=option_flags(p))
     return p
 
 

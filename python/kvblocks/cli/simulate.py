@@ -11,8 +11,10 @@ from kvblocks.cli.arg_types import (
     fraction,
     layer_mix,
     length_dist,
+    name_flags,
     non_negative_float,
     non_negative_int,
+    option_flags,
     positive_float,
     positive_int,
 )
@@ -271,7 +273,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     o.add_argument("--json", action="store_true", help="print a JSON document instead of a table")
     o.add_argument("--plot", metavar="PNG", help="write a timeline plot (matplotlib)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, flags=option_flags(p, {"think_time_s": "--think-time"}))
     return p
 
 
@@ -335,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except InvalidArgumentError as exc:
         # A combination of options no workload satisfies: a usage error, like argparse's.
-        print(f"kvblocks simulate: error: {exc} (see kvblocks simulate --help)", file=sys.stderr)
+        message = name_flags(str(exc), args.flags)
+        print(
+            f"kvblocks simulate: error: {message} (see kvblocks simulate --help)", file=sys.stderr
+        )
         return 2
     if fleet:
         return _run_fleet(args, workload)
