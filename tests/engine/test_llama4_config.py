@@ -192,6 +192,6 @@ def test_generate_cli_loads_the_checkpoint_directory(
         == (dense_greedy_generate(model, [prompt], 6)[0])
     )
     assert main([*argv, "--block-size", "32"]) == 1
-    assert "attention_chunk_size (16) must be a multiple of block_size (32)" in (
+    assert "attention_chunk_size (16) must be a multiple of --block-size (32)" in (
         capsys.readouterr().err
     )
