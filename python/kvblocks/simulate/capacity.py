@@ -73,6 +73,12 @@ class CapacityResult:
     saturated: bool = True
     rejected_share: float = 0.0
 
+    @property
+    def lower_bound(self) -> bool:
+        """An estimate from a saturated run that never queued a request: what it was
+        offered, at least what the server sustains (a search's probes are not bounds)."""
+        return self.mode == "estimate" and not self.saturated
+
 
 def saturated_config(config: SimulationConfig, num_requests: int) -> SimulationConfig:
     """``config`` saturated: ``num_requests`` requests, every conversation starting at

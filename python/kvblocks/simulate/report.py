@@ -46,7 +46,7 @@ def _capacity_rate_text(cap: CapacityResult) -> str:
         return (
             f"{cap.requests_per_s:.2f} req/s (search; saturation {cap.estimate_requests_per_s:.2f})"
         )
-    if not cap.saturated:
+    if cap.lower_bound:
         return (
             f"at least {cap.requests_per_s:.2f} req/s (the saturated run never queued a "
             "request: raise --saturation-requests, or --capacity search)"
@@ -273,10 +273,6 @@ def _comparison(plan: PlanResult) -> list[str]:
         "capacity, req/s",
     ]
     base = plan.servers[0].capacity
-
-    def lower_bound(cap: CapacityResult) -> bool:
-        return cap.mode == "estimate" and not cap.saturated
-
     for server in plan.servers:
         a, sat, cap = server.at_rate, server.saturated, server.capacity
         col = [
@@ -294,14 +290,14 @@ def _comparison(plan: PlanResult) -> list[str]:
                 and base is not None
                 and cap.requests_per_s > 0
                 and not (base.trace_too_short or cap.trace_too_short)
-                and not (lower_bound(base) or lower_bound(cap))
+                and not (base.lower_bound or cap.lower_bound)
                 and not (base.rejected_share or cap.rejected_share)
             ):
                 ratio = f" (paged {base.requests_per_s / cap.requests_per_s:.2f}x)"
             capacity = (
                 "trace too short" if cap.trace_too_short else f"{cap.requests_per_s:.2f}{ratio}"
             )
-            if lower_bound(cap):
+            if cap.lower_bound:
                 capacity = f">= {cap.requests_per_s:.2f} (never queued)"
             if cap.rejected_share >= 1:
                 capacity = "none (all rejected)"
