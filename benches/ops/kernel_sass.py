@@ -93,7 +93,7 @@ def compile_and_disassemble(
     by_lowered = {low: expr for expr, low in program.lowered.items()}
     resources = {
         name: dataclasses.asdict(res)
-        for name, res in nvrtc_build._parse_ptxas(program.log, by_lowered).items()
+        for name, res in nvrtc_build.parse_ptxas_report(program.log, by_lowered).items()
     }
     compiled = Compiled(disassemble(program.binary, tool), resources, program.lowered, options)
     try:

@@ -9,15 +9,30 @@ options (include dirs and arch), the name expressions and the NVRTC version. A w
 needs a program another worker is compiling waits for it (a lock per key) instead of
 compiling it too. A fresh clone compiles every program once; a later run compiles only
 what changed, like the emulator's harness build (``emu_runtime.py``).
+
+:func:`compile_archs` compiles one program for several architectures at the cost of about
+one and a half: NVRTC compiles it for the first (NVVM, then its built-in ptxas), and the
+PTX NVRTC generated on the way is assembled for the others by the standalone ptxas of
+NVRTC's own release (``cuda-toolkit[nvcc]`` beside ``[nvrtc]``, so the same version).
+NVVM is about 55% of a compile, and its PTX for sm_80 and sm_90 differs only in the
+``.target`` line (and the per-compile hash in internal names): checked on the prefill
+program, the ptxas-assembled sm_90 cubin has NVRTC's size and every kernel NVRTC's
+resources. ``test_ops_nvrtc.py`` checks that on a sample in every run. Without a ptxas of
+NVRTC's release every architecture goes through NVRTC, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
+import re
+import subprocess
+import tempfile
 from pathlib import Path
 
 from kvblocks.ops import nvrtc_build
@@ -27,7 +42,7 @@ from kvblocks.ops.cuda_sources import cuda_dir, nvrtc_options
 _FORMAT = 1
 
 
-def _key(source: str, arch: str, names: list[str]) -> str:
+def _key(source: str, arch: str, names: list[str], route: str = "nvrtc") -> str:
     src = cuda_dir()
     material = {
         "format": _FORMAT,
@@ -39,6 +54,7 @@ def _key(source: str, arch: str, names: list[str]) -> str:
         "options": nvrtc_options(arch),
         "names": names,
         "nvrtc": list(nvrtc_build.nvrtc_version()),
+        "route": route,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -69,10 +85,119 @@ def compile_source(
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: compile it
         result = nvrtc_build.compile_source(source, arch, names)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(_to_json(result))
-        tmp.replace(path)
+        _store(path, result)
     return result
+
+
+@functools.cache
+def matching_ptxas() -> tuple[Path, str] | None:
+    """``(path, version)`` of a standalone ptxas of the NVRTC wheel's own release
+    (``13.2.86``), or ``None`` where there is none."""
+    nvrtc = None
+    for dist in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12"):
+        try:
+            nvrtc = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    if nvrtc is None:
+        return None
+    release = ".".join(nvrtc.split(".")[:3])
+    for root in map(Path, nvidia.__path__):
+        for tool in (root / "cu13" / "bin" / "ptxas", root / "cuda_nvcc" / "bin" / "ptxas"):
+            if not tool.is_file():
+                continue
+            out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+            found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
+            major, minor = nvrtc_build.nvrtc_version()
+            if found and found.group(1) == release and release.startswith(f"{major}.{minor}."):
+                return tool, release
+    return None
+
+
+def assemble(ptx: bytes, arch: str, lowered: dict[str, str]) -> nvrtc_build.CompileResult:
+    """The cubin ``matching_ptxas()`` assembles for ``arch`` from NVRTC's PTX of another
+    architecture (its ``.target`` line set to ``arch``), with ptxas' resource report;
+    ``lowered`` maps each name expression to its mangled name."""
+    found = matching_ptxas()
+    if found is None:
+        raise RuntimeError("no standalone ptxas of NVRTC's release")
+    text, targets = re.subn(rb"^\.target sm_\d+$", f".target {arch}".encode(), ptx, flags=re.M)
+    if targets != 1:
+        raise nvrtc_build.NvrtcCompileError(f"PTX with {targets} .target lines")
+    with tempfile.TemporaryDirectory(prefix="kvb-ptxas-") as tmp:
+        src, out = Path(tmp) / "program.ptx", Path(tmp) / "program.cubin"
+        src.write_bytes(text)
+        done = subprocess.run(
+            [found[0], f"-arch={arch}", "-v", str(src), "-o", str(out)],
+            capture_output=True,
+            text=True,
+        )
+        log = done.stdout + done.stderr
+        if done.returncode != 0:
+            raise nvrtc_build.NvrtcCompileError(f"ptxas -arch={arch} failed:\n{log}")
+        size = out.stat().st_size
+    by_lowered = {low: expr for expr, low in lowered.items()}
+    return nvrtc_build.CompileResult(log, size, nvrtc_build.parse_ptxas_report(log, by_lowered))
+
+
+def _store(path: Path, result: nvrtc_build.CompileResult) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(_to_json(result))
+    tmp.replace(path)
+
+
+def compile_archs(
+    directory: Path | None, source: str, archs: list[str], names: list[str]
+) -> dict[str, nvrtc_build.CompileResult]:
+    """``{arch: compile_source(directory, source, arch, names)}``, the first architecture
+    compiled by NVRTC and the others assembled from its PTX by :func:`matching_ptxas`
+    (by NVRTC too where there is none). Kept in ``directory`` like :func:`compile_source`;
+    the first architecture's result is the one :func:`compile_source` keeps."""
+    first, rest = archs[0], archs[1:]
+    found = matching_ptxas()
+    if found is None:
+        return {arch: compile_source(directory, source, arch, names) for arch in archs}
+    route = f"ptxas {found[1]} from {first}"
+    if directory is None:
+        return _compile_archs(source, first, rest, names)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {first: directory / f"{_key(source, first, names)}.json"}
+    paths.update({a: directory / f"{_key(source, a, names, route)}.json" for a in rest})
+    # The first architecture's lock: a compile_source of that program waits for this one.
+    with open(paths[first].with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return {arch: _from_json(path.read_text()) for arch, path in paths.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # one is absent or damaged: compile them all
+        results = _compile_archs(source, first, rest, names)
+        for arch, path in paths.items():
+            _store(path, results[arch])
+    return results
+
+
+def _compile_archs(
+    source: str, first: str, rest: list[str], names: list[str]
+) -> dict[str, nvrtc_build.CompileResult]:
+    options = [*nvrtc_options(first), "--ptxas-options=-v"]
+    program = nvrtc_build.compile_program(source, names, options, keep_ptx=True)
+    assert program.ptx is not None
+    by_lowered = {low: expr for expr, low in program.lowered.items()}
+    results = {
+        first: nvrtc_build.CompileResult(
+            program.log,
+            len(program.binary),
+            nvrtc_build.parse_ptxas_report(program.log, by_lowered),
+        )
+    }
+    for arch in rest:
+        results[arch] = assemble(program.ptx, arch, program.lowered)
+    return results
 
 
 def results_dir(config: object) -> Path | None:

@@ -21,6 +21,7 @@ __all__ = [
     "compile_program",
     "compile_source",
     "nvrtc_version",
+    "parse_ptxas_report",
     "supported_archs",
 ]
 
@@ -77,11 +78,13 @@ def _missing_header_hint(log: str) -> str:
 @dataclass
 class Program:
     """A compiled program: the binary (a cubin for ``sm_XX``, PTX for ``compute_XX``),
-    NVRTC's log, and the lowered (mangled) name of each name expression."""
+    NVRTC's log, the lowered (mangled) name of each name expression, and with
+    ``keep_ptx`` the PTX a cubin was assembled from."""
 
     binary: bytes
     log: str
     lowered: dict[str, str]
+    ptx: bytes | None = None
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -101,11 +104,17 @@ def supported_archs() -> list[int]:
 
 
 def compile_program(
-    source: str, name_expressions: list[str], options: list[str], *, code: str | None = None
+    source: str,
+    name_expressions: list[str],
+    options: list[str],
+    *,
+    code: str | None = None,
+    keep_ptx: bool = False,
 ) -> Program:
     """Compile ``source`` (a file in ``cuda/``, or ``code`` under that name) with ``options``.
 
-    An ``-arch=sm_XX`` option yields a cubin, ``-arch=compute_XX`` PTX. Raises
+    An ``-arch=sm_XX`` option yields a cubin, ``-arch=compute_XX`` PTX; ``keep_ptx`` keeps
+    the PTX of a cubin too (NVRTC generates it on the way). Raises
     :class:`NvrtcCompileError` with the log on any error.
     """
     from cuda.bindings import nvrtc
@@ -137,11 +146,17 @@ def compile_program(
             (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
             binary = bytearray(size)
             _check(nvrtc.nvrtcGetCUBIN(prog, binary), "cubin")
+        kept = None
+        if keep_ptx and not ptx:
+            (size,) = _check(nvrtc.nvrtcGetPTXSize(prog), "PTX size")
+            kept_buf = bytearray(size)
+            _check(nvrtc.nvrtcGetPTX(prog, kept_buf), "PTX")
+            kept = bytes(kept_buf).rstrip(b"\x00")
         lowered = {}
         for expr in name_expressions:
             (name,) = _check(nvrtc.nvrtcGetLoweredName(prog, expr.encode()), f"lower {expr}")
             lowered[expr] = name.decode() if isinstance(name, bytes) else name
-        return Program(bytes(binary), log, lowered)
+        return Program(bytes(binary), log, lowered, kept)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -156,7 +171,9 @@ def compile_source(source: str, arch: str, name_expressions: list[str]) -> Compi
         source, name_expressions, [*nvrtc_options(arch), "--ptxas-options=-v"]
     )
     by_lowered = {low: expr for expr, low in program.lowered.items()}
-    return CompileResult(program.log, len(program.binary), _parse_ptxas(program.log, by_lowered))
+    return CompileResult(
+        program.log, len(program.binary), parse_ptxas_report(program.log, by_lowered)
+    )
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -165,7 +182,9 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def _parse_ptxas(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
+def parse_ptxas_report(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
+    """Each kernel's resources in a ``ptxas -v`` report (NVRTC's log, or ptxas' own
+    output), keyed by ``lowered[mangled name]`` (the mangled name where it is absent)."""
     kernels: dict[str, KernelResources] = {}
     current: KernelResources | None = None
     for line in log.splitlines():
