@@ -3,10 +3,11 @@
 One test builds the sdist and, from the unpacked sdist, the manylinux abi3 wheel
 (``.ci/build-dist``, the recipe behind ``make wheel``), installs the wheel into a fresh
 virtual environment that has nothing but pip (numpy comes from PyPI or pip's cache), and runs
-the README's first example there, outside the source tree. On two cores it takes about 80 s
-from a fresh clone and 30-40 s later (the crates of the unpacked sdist compile each time; the
-crates.io dependencies are reused from ``target/``), so it runs in ``make test``;
-``make test-wheel`` runs it alone. The fresh venv gets numpy from PyPI or pip's cache.
+the README's first example there, outside the source tree. It costs about 30 CPU-s (20-30 s
+on two cores), from a fresh clone too: the two crates of the unpacked sdist compile each time,
+the crates.io dependencies are the ones ``make build`` compiled into ``target/``. It runs in
+``make test``; ``make test-wheel`` runs it alone. The fresh venv gets numpy from PyPI or pip's
+cache.
 """
 
 from __future__ import annotations
