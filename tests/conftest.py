@@ -53,43 +53,44 @@ def _weights_digest_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 #: Seconds each of the slowest test files takes on two cores (``make test`` on a fresh
-#: clone, from ``--durations``), for :func:`pytest_collection_modifyitems`: under
-#: ``--dist loadfile`` each file runs on one worker, and a heavy file handed out last keeps
-#: one worker busy while the other idles, so the files go out heaviest first (files not
-#: listed follow, in collection order). Only the order depends on these numbers: a stale
-#: entry costs balance, never coverage.
+#: clone, per-test wall times summed; measured 2026-11-29), for
+#: :func:`pytest_collection_modifyitems`: under ``--dist loadfile`` each file runs on one
+#: worker, and a heavy file handed out last keeps one worker busy while the other idles, so
+#: the files go out heaviest first (files not listed follow, in collection order). Only the
+#: order depends on these numbers: a stale entry costs balance, never coverage.
 FILE_SECONDS = {
-    "ops/test_ops_nvrtc.py": 340,
-    "ops/test_ops_emulation_scale.py": 315,
-    "ops/test_sanitizers.py": 150,
-    "ops/test_kernel_model.py": 141,
-    "ops/test_ops_emulation.py": 129,
-    "ops/test_prefill_kernel_emulation.py": 114,
-    "distribution/test_wheel.py": 94,
-    "core/test_content_oracle.py": 91,
-    "scheduler/test_content_oracle.py": 91,
-    "scheduler/test_content_oracle_state.py": 86,
-    "cli/test_generate_tiers.py": 85,
-    "engine/test_families.py": 57,
-    "core/test_content_oracle_state.py": 55,
-    "ops/test_ops_kernel_cache.py": 54,
-    "core/test_content_oracle_groups.py": 43,
-    "cli/test_generate.py": 37,
-    "cli/test_simulate.py": 34,
-    "core/test_state_machine.py": 23,
-    "core/test_errors.py": 21,
-    "core/test_content_oracle_host_tier.py": 20,
-    "ops/test_ops_cpu_attention.py": 18,
-    "core/test_stubs.py": 18,
-    "simulate/test_capacity.py": 17,
-    "engine/test_llama4.py": 16,
-    "engine/test_llm.py": 16,
-    "events/test_vllm_recorded_events.py": 15,
-    "engine/test_config_families.py": 15,
-    "engine/test_emulated_cuda.py": 15,
-    "ops/test_ops_emu_runtime.py": 12,
-    "engine/test_llama4_chunked.py": 2,
-    "engine/test_llama4_config.py": 2,
+    "ops/test_ops_nvrtc.py": 186,
+    "ops/test_ops_emulation_scale.py": 186,
+    "ops/test_sanitizers.py": 35,
+    "cli/test_generate_tiers.py": 33,
+    "cli/test_simulate.py": 28,
+    "distribution/test_wheel.py": 26,
+    "scheduler/test_content_oracle.py": 18,
+    "ops/test_prefill_kernel_emulation.py": 16,
+    "ops/test_kernel_model.py": 12,
+    "engine/test_remote_tier_async.py": 11,
+    "ops/test_ops_kernel_cache.py": 11,
+    "engine/test_families.py": 9,
+    "scheduler/test_content_oracle_state.py": 9,
+    "engine/test_emulated_cuda.py": 8,
+    "core/test_content_oracle.py": 8,
+    "simulate/test_cli.py": 7,
+    "core/test_content_oracle_state.py": 7,
+    "engine/test_random_hybrid_workloads.py": 7,
+    "ops/test_decode_kernel_emu.py": 7,
+    "ops/test_ops_emulation.py": 7,
+    "core/test_state_machine.py": 7,
+    "simulate/test_capacity.py": 7,
+    "ops/test_ops_emu_runtime.py": 6,
+    "core/test_content_oracle_groups.py": 6,
+    "cli/test_generate.py": 6,
+    "engine/test_disk_tier_engine.py": 6,
+    "engine/test_attention_groups.py": 5,
+    "simulate/test_fleet_cli.py": 4,
+    "engine/test_llm.py": 4,
+    "events/test_scheduler_events.py": 4,
+    "core/test_content_oracle_host_tier.py": 4,
+    "core/test_stubs.py": 4,
 }
 TESTS_DIR = Path(__file__).resolve().parent
 

@@ -343,7 +343,9 @@ def test_a_request_held_for_its_prefetch_can_be_aborted(
 
     store.get_many = gated_get_many  # type: ignore[method-assign]
     short = TARGET[: BLOCK - 1]  # no full block before its last token: nothing to read
-    llm = _engine(tiny_llama, store, RemoteTierOptions(fetch_wait_s=30.0))
+    # The end of generate() waits close_timeout_s for request "0"'s writes, which the gate
+    # holds too: half a second of that wait (the default's 5 s was most of this test).
+    llm = _engine(tiny_llama, store, RemoteTierOptions(fetch_wait_s=30.0, close_timeout_s=0.5))
     final = {}
     aborted = False
     for out in llm.generate([short, TARGET], [GREEDY, held], stream=True):
