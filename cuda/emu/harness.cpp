@@ -5,9 +5,12 @@
 //
 // KVB_EMU_SHARD (the opt build, tests/ops/emu_runtime.py): the harness as three translation
 // units that g++ compiles in parallel and links into one library. Shards 1 and 2 hold the
-// tensor-core decode instantiations of __half and __nv_bfloat16 (most of the compile time);
-// shard 0 holds every other kernel and the entry points, and looks names up in all three.
-// Without KVB_EMU_SHARD one unit holds everything (the sanitizer builds).
+// tensor-core decode instantiations (most of the compile time), listed in the header
+// KVB_EMU_DECODE_ENTRIES names (tests/ops/emu_decode_shards.py): shard 1 those the tests
+// launch, compiled at -O2, shard 2 the rest, at -O0; shard 0 holds every other kernel and
+// the entry points (linked first: the inline runtime functions every unit has are shard 0's
+// optimized copies), and looks names up in all three. Without KVB_EMU_SHARD one unit holds
+// everything (the sanitizer builds).
 #include "cuda_emu.h"
 
 #include <cstddef>
@@ -100,12 +103,13 @@ using kvb_harness::Entry;
 
 #if defined(KVB_DECODE_SHARD)
 #if KVB_EMU_SHARD == 1
-#define KVB_EMU_SHARD_TABLE kvb_emu_decode_half_table
-const Entry kEntries[] = {KVB_DECODE_ALL(__half)};
+#define KVB_EMU_SHARD_TABLE kvb_emu_decode_hot_table
 #else
-#define KVB_EMU_SHARD_TABLE kvb_emu_decode_bf16_table
-const Entry kEntries[] = {KVB_DECODE_ALL(__nv_bfloat16)};
+#define KVB_EMU_SHARD_TABLE kvb_emu_decode_cold_table
 #endif
+const Entry kEntries[] = {
+#include KVB_EMU_DECODE_ENTRIES
+};
 
 }  // namespace
 
@@ -183,8 +187,8 @@ void log_use(const std::string& name) {
 
 #ifdef KVB_EMU_SHARD
 }  // namespace
-extern "C" const Entry* kvb_emu_decode_half_table(size_t* count);
-extern "C" const Entry* kvb_emu_decode_bf16_table(size_t* count);
+extern "C" const Entry* kvb_emu_decode_hot_table(size_t* count);
+extern "C" const Entry* kvb_emu_decode_cold_table(size_t* count);
 namespace {
 #endif
 
@@ -204,7 +208,7 @@ const Entry* find(const char* name) {
     return e;
   }
 #ifdef KVB_EMU_SHARD
-  for (auto table : {kvb_emu_decode_half_table, kvb_emu_decode_bf16_table}) {
+  for (auto table : {kvb_emu_decode_hot_table, kvb_emu_decode_cold_table}) {
     size_t count = 0;
     const Entry* entries = table(&count);
     if (const Entry* e = find_in(entries, count, want)) return e;

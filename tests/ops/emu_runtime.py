@@ -12,7 +12,9 @@ the host planner's formula, and which ones the other tests launch (110 of 288 at
 kernels when measured, through KVB_EMU_USED_LOG) follows the planner's choices (GQA packing,
 pipeline stages, split-K rows, a faked device's limits, an engine's model config), so a
 list like the sanitizer builds' would fail on every planner change or new test shape, to
-save ~31 of the build's ~61 CPU-s once per source change.
+save ~31 of the build's ~61 CPU-s once per source change. Instead, the decode
+instantiations no test launches are compiled at -O0 (emu_decode_shards.py: a list that,
+stale, costs speed, never a test): 47 -> 32 CPU-s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from emu_decode_shards import shard_headers
 from sanitized_kernels import entries_header
 
 if TYPE_CHECKING:
@@ -72,9 +75,13 @@ def _sources() -> list[Path]:
 
 
 #: Translation units of the full (``opt``) build, compiled in parallel (harness.cpp's
-#: KVB_EMU_SHARD): the fp16 and the bf16 tensor-core decode instantiations, and the rest.
-#: One unit took about a minute of one core while both test workers waited for it.
+#: KVB_EMU_SHARD): every kernel but the tensor-core decode ones, the decode instantiations
+#: the tests launch, and the other decode instantiations (emu_decode_shards.py). One unit
+#: took about a minute of one core while both test workers waited for it.
 SHARDS = 3
+#: Shard 2's optimization level (instead of FLAVOR_FLAGS["opt"]'s -O2): instantiations no
+#: test launches, compiled for the shared-memory checks and any launch (which runs slower).
+COLD_SHARD_FLAGS = ["-O0"]
 
 
 def _compile(args: list[str]) -> subprocess.Popen[str]:
@@ -95,11 +102,18 @@ def _wait(process: subprocess.Popen[str]) -> None:
 
 
 def _compile_shards(flags: list[str], out: Path) -> None:
-    """The harness's :data:`SHARDS` units compiled side by side, linked into ``out``."""
+    """The harness's :data:`SHARDS` units compiled side by side, linked into ``out`` (shard 0
+    first: the linker keeps the first copy of an inline function, its -O2 one)."""
     objects = [out.with_suffix(f".shard{k}.o") for k in range(SHARDS)]
+    hot, cold = shard_headers()
+    per_shard: list[list[str]] = [flags]
+    for k, (header, level) in enumerate([(hot, flags), (cold, COLD_SHARD_FLAGS)], start=1):
+        path = out.with_suffix(f".shard{k}.h")
+        path.write_text(header)
+        per_shard.append([*level, f'-DKVB_EMU_DECODE_ENTRIES="{path}"'])
     units = [
-        _compile([*flags, f"-DKVB_EMU_SHARD={k}", "-c", str(EMU_DIR / "harness.cpp"), "-o", str(o)])
-        for k, o in enumerate(objects)
+        _compile([*f, f"-DKVB_EMU_SHARD={k}", "-c", str(EMU_DIR / "harness.cpp"), "-o", str(o)])
+        for k, (f, o) in enumerate(zip(per_shard, objects, strict=True))
     ]
     try:
         for unit in units:
@@ -112,6 +126,7 @@ def _compile_shards(flags: list[str], out: Path) -> None:
                 unit.wait()
         for o in objects:
             o.unlink(missing_ok=True)
+            o.with_suffix(".h").unlink(missing_ok=True)
 
 
 def build_library(flavor: str) -> Path:
@@ -121,6 +136,8 @@ def build_library(flavor: str) -> Path:
     digest = hashlib.sha256(f"{' '.join(flags)} shards {SHARDS}".encode())
     for path in _sources():
         digest.update(path.name.encode() + path.read_bytes())
+    if header is None:  # the sharded opt build: its decode lists and the cold level too
+        digest.update(" ".join([*COLD_SHARD_FLAGS, *shard_headers()]).encode())
     if header is not None:
         digest.update(header.encode())
         entries = BUILD_DIR / f"entries_{flavor}.h"

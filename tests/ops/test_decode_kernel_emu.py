@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+import emu_decode_shards
 import numpy as np
 import pytest
 import torch
@@ -80,11 +81,30 @@ def test_every_decode_instantiation_is_in_the_harness_with_the_mirrored_smem():
                 assert smem <= MIN_SMEM_OPTIN, f"{name} does not fit an sm_86/sm_89 CTA"
 
 
+# An instantiation the emulator's opt build compiles at -O0 (emu_decode_shards.py: no other
+# test launches it): the unoptimized shard computes what the optimized one does.
+COLD = (96, 8, 1, 1)
+
+
+def test_the_decode_shards_split_every_decode_instantiation():
+    """emu_decode_shards.py mirrors harness.cpp's decode shards: every instantiation of the
+    decode source, once, the launched ones at -O2 and the rest (COLD's among them) at -O0."""
+    every = emu_decode_shards.every_kernel()
+    assert sorted(every) == sorted(kernel_names(DECODE_SOURCE)) and len(set(every)) == len(every)
+    assert set(emu_decode_shards.HOT) < set(every)
+    hot, cold = emu_decode_shards.shard_headers()
+    assert hot.count("\n") + cold.count("\n") == len(every)
+    for ctype in ("__half", "__nv_bfloat16"):
+        head, block, _, group_t = COLD
+        name = f"decode_attention_kernel<{ctype}, {head}, {block}, {group_t}>"
+        assert name in every and name not in emu_decode_shards.HOT
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("head_size", "block_size", "group", "group_t"),
     [(128, 16, 8, 8), (64, 8, 1, 1), (256, 32, 4, 4), (80, 16, 2, 2), (112, 8, 3, 4),
-     (96, 32, 16, 16)],
+     (96, 32, 16, 16), COLD],
 )  # fmt: skip
 def test_single_item_per_sequence_matches_reference(dtype, head_size, block_size, group, group_t):
     # Lengths around tile (32) and block edges, one past a CTA tile (128), and a 0.
