@@ -111,7 +111,10 @@ def matching_ptxas() -> tuple[Path, str] | None:
         for tool in (root / "cu13" / "bin" / "ptxas", root / "cuda_nvcc" / "bin" / "ptxas"):
             if not tool.is_file():
                 continue
-            out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+            try:
+                out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+            except OSError:  # not executable here: NVRTC compiles every architecture
+                continue
             found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
             major, minor = nvrtc_build.nvrtc_version()
             if found and found.group(1) == release and release.startswith(f"{major}.{minor}."):
