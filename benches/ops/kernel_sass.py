@@ -90,10 +90,9 @@ def compile_and_disassemble(
     program = nvrtc_build.compile_program(
         source, list(names), [*options, "-lineinfo", "--ptxas-options=-v"]
     )
-    by_lowered = {low: expr for expr, low in program.lowered.items()}
     resources = {
         name: dataclasses.asdict(res)
-        for name, res in nvrtc_build.parse_ptxas_report(program.log, by_lowered).items()
+        for name, res in nvrtc_build.parse_ptxas_report(program.log, program.lowered).items()
     }
     compiled = Compiled(disassemble(program.binary, tool), resources, program.lowered, options)
     try:

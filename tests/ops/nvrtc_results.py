@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from kvblocks.ops import nvrtc_build
-from kvblocks.ops.cuda_sources import cuda_dir, nvrtc_options
+from kvblocks.ops.cuda_sources import PREFILL_SOURCE, cuda_dir, kernel_names, nvrtc_options
 
 #: Bumped when the stored form changes.
 _FORMAT = 1
@@ -100,13 +100,16 @@ def matching_ptxas() -> tuple[Path, str] | None:
             break
         except importlib.metadata.PackageNotFoundError:
             continue
+    if nvrtc is None:
+        return None
     try:
         import nvidia
     except ImportError:
         return None
-    if nvrtc is None:
-        return None
     release = ".".join(nvrtc.split(".")[:3])
+    major, minor = nvrtc_build.nvrtc_version()
+    if not release.startswith(f"{major}.{minor}."):
+        return None  # the NVRTC loaded is not the wheel's
     for root in map(Path, nvidia.__path__):
         for tool in (root / "cu13" / "bin" / "ptxas", root / "cuda_nvcc" / "bin" / "ptxas"):
             if not tool.is_file():
@@ -116,8 +119,7 @@ def matching_ptxas() -> tuple[Path, str] | None:
             except OSError:  # not executable here: NVRTC compiles every architecture
                 continue
             found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
-            major, minor = nvrtc_build.nvrtc_version()
-            if found and found.group(1) == release and release.startswith(f"{major}.{minor}."):
+            if found and found.group(1) == release:
                 return tool, release
     return None
 
@@ -144,8 +146,7 @@ def assemble(ptx: bytes, arch: str, lowered: dict[str, str]) -> nvrtc_build.Comp
         if done.returncode != 0:
             raise nvrtc_build.NvrtcCompileError(f"ptxas -arch={arch} failed:\n{log}")
         size = out.stat().st_size
-    by_lowered = {low: expr for expr, low in lowered.items()}
-    return nvrtc_build.CompileResult(log, size, nvrtc_build.parse_ptxas_report(log, by_lowered))
+    return nvrtc_build.CompileResult(log, size, nvrtc_build.parse_ptxas_report(log, lowered))
 
 
 def _store(path: Path, result: nvrtc_build.CompileResult) -> None:
@@ -187,20 +188,16 @@ def compile_archs(
 def _compile_archs(
     source: str, first: str, rest: list[str], names: list[str]
 ) -> dict[str, nvrtc_build.CompileResult]:
-    options = [*nvrtc_options(first), "--ptxas-options=-v"]
-    program = nvrtc_build.compile_program(source, names, options, keep_ptx=True)
+    result, program = nvrtc_build.compile_source_program(source, first, names, keep_ptx=True)
     assert program.ptx is not None
-    by_lowered = {low: expr for expr, low in program.lowered.items()}
-    results = {
-        first: nvrtc_build.CompileResult(
-            program.log,
-            len(program.binary),
-            nvrtc_build.parse_ptxas_report(program.log, by_lowered),
-        )
-    }
-    for arch in rest:
-        results[arch] = assemble(program.ptx, arch, program.lowered)
-    return results
+    return {first: result, **{arch: assemble(program.ptx, arch, program.lowered) for arch in rest}}
+
+
+def prefill_head_128_names() -> list[str]:
+    """The head-128 prefill instantiations (fp16, bf16; with and without sinks): what the
+    fast tier compiles for either architecture, and the sample NVRTC's own sm_90 compile
+    checks the matrix's assembled one on (one program, so compiled once per run)."""
+    return [name for name in kernel_names(PREFILL_SOURCE) if ", 128" in name]
 
 
 def results_dir(config: object) -> Path | None:

@@ -15,7 +15,13 @@ import os
 from pathlib import Path
 
 import pytest
-from nvrtc_results import compile_archs, compile_source, matching_ptxas, results_dir
+from nvrtc_results import (
+    compile_archs,
+    compile_source,
+    matching_ptxas,
+    prefill_head_128_names,
+    results_dir,
+)
 
 from kvblocks.ops.cuda_sources import (
     CACHE_OPS_SOURCE,
@@ -121,7 +127,7 @@ def test_sm_90_assembled_from_the_sm_80_ptx_is_what_nvrtc_compiles(request, all_
     by_nvrtc = compile_source(directory, CACHE_OPS_SOURCE, "sm_90", names)
     assert by_nvrtc.cubin_bytes == assembled[CACHE_OPS_SOURCE].cubin_bytes
     assert by_nvrtc.kernels == assembled[CACHE_OPS_SOURCE].kernels
-    head_128 = [name for name in kernel_names(PREFILL_SOURCE) if ", 128" in name]
+    head_128 = prefill_head_128_names()
     by_nvrtc = compile_source(directory, PREFILL_SOURCE, "sm_90", head_128)
     assert len(by_nvrtc.kernels) == 4
     for name in head_128:

@@ -9,7 +9,7 @@ the fast tier, NVRTC for either architecture, which the whole program would cost
 from __future__ import annotations
 
 import pytest
-from nvrtc_results import compile_archs, compile_source, results_dir
+from nvrtc_results import compile_archs, compile_source, prefill_head_128_names, results_dir
 
 from kvblocks.ops.checks import SUPPORTED_HEAD_SIZES
 from kvblocks.ops.cuda_sources import MIN_SMEM_OPTIN, PREFILL_SOURCE, kernel_names
@@ -25,17 +25,13 @@ def _every_name() -> list[str]:
     return kernel_names(PREFILL_SOURCE)
 
 
-def _head_128_names() -> list[str]:
-    return [name for name in kernel_names(PREFILL_SOURCE) if ", 128" in name]
-
-
 @pytest.fixture(
     scope="module",
     params=[
         pytest.param(("sm_80", _every_name), marks=pytest.mark.slow, id="sm_80"),
         pytest.param(("sm_90", _every_name), marks=pytest.mark.slow, id="sm_90"),
-        pytest.param(("sm_80", _head_128_names), id="sm_80-head128"),
-        pytest.param(("sm_90", _head_128_names), id="sm_90-head128"),
+        pytest.param(("sm_80", prefill_head_128_names), id="sm_80-head128"),
+        pytest.param(("sm_90", prefill_head_128_names), id="sm_90-head128"),
     ],
 )
 def compiled(request):

@@ -20,6 +20,7 @@ __all__ = [
     "Program",
     "compile_program",
     "compile_source",
+    "compile_source_program",
     "nvrtc_version",
     "parse_ptxas_report",
     "supported_archs",
@@ -167,13 +168,19 @@ def compile_source(source: str, arch: str, name_expressions: list[str]) -> Compi
     Every name expression is instantiated; raises :class:`NvrtcCompileError` with the
     log on any error.
     """
+    return compile_source_program(source, arch, name_expressions)[0]
+
+
+def compile_source_program(
+    source: str, arch: str, name_expressions: list[str], *, keep_ptx: bool = False
+) -> tuple[CompileResult, Program]:
+    """:func:`compile_source`'s result and the program it read it from (the cubin, the
+    lowered names and, with ``keep_ptx``, the PTX NVRTC generated for the cubin)."""
     program = compile_program(
-        source, name_expressions, [*nvrtc_options(arch), "--ptxas-options=-v"]
+        source, name_expressions, [*nvrtc_options(arch), "--ptxas-options=-v"], keep_ptx=keep_ptx
     )
-    by_lowered = {low: expr for expr, low in program.lowered.items()}
-    return CompileResult(
-        program.log, len(program.binary), parse_ptxas_report(program.log, by_lowered)
-    )
+    report = parse_ptxas_report(program.log, program.lowered)
+    return CompileResult(program.log, len(program.binary), report), program
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -184,13 +191,15 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 def parse_ptxas_report(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
     """Each kernel's resources in a ``ptxas -v`` report (NVRTC's log, or ptxas' own
-    output), keyed by ``lowered[mangled name]`` (the mangled name where it is absent)."""
+    output), keyed by name expression (``lowered``: each one's mangled name, as
+    :attr:`Program.lowered`; a kernel none lowers to keeps its mangled name)."""
+    by_mangled = {mangled: expr for expr, mangled in lowered.items()}
     kernels: dict[str, KernelResources] = {}
     current: KernelResources | None = None
     for line in log.splitlines():
         if m := _ENTRY.search(line):
             mangled = m.group(1)
-            current = KernelResources(lowered.get(mangled, mangled))
+            current = KernelResources(by_mangled.get(mangled, mangled))
             kernels[current.name] = current
         elif current is not None and (m := _PROPS.search(line)):
             current.stack_bytes, current.spill_stores, current.spill_loads = map(int, m.groups())
