@@ -12,6 +12,8 @@ it here if a test comes to launch it often.
 
 from __future__ import annotations
 
+from sanitized_kernels import kernel_entries
+
 #: The decode-shard kernels the suite launches: compiled at -O2.
 HOT: tuple[str, ...] = (
     "decode_attention_kernel<__half, 112, 8, 4>",
@@ -96,12 +98,7 @@ def shard_headers() -> tuple[str, str]:
     if unknown:
         raise ValueError(f"not decode-shard instantiations: {unknown}")
     hot = set(HOT)
-    return _render([n for n in every if n in hot]), _render([n for n in every if n not in hot])
-
-
-def _render(names: list[str]) -> str:
-    lines = []
-    for name in names:
-        family, args = name.split("<", 1)
-        lines.append(f"KVB_KERNEL({family}, {args.rstrip('>')}),\n")
-    return "".join(lines)
+    return (
+        kernel_entries([n for n in every if n in hot]),
+        kernel_entries([n for n in every if n not in hot]),
+    )

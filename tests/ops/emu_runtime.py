@@ -104,11 +104,12 @@ def _wait(process: subprocess.Popen[str]) -> None:
         raise subprocess.CalledProcessError(process.returncode, process.args, output)
 
 
-def _compile_shards(flags: list[str], out: Path) -> None:
+def _compile_shards(flags: list[str], decode: tuple[str, str], out: Path) -> None:
     """The harness's :data:`SHARDS` units compiled side by side, linked into ``out`` (shard 0
-    first: the linker keeps the first copy of an inline function, its -O2 one)."""
+    first: the linker keeps the first copy of an inline function, its -O2 one); ``decode``:
+    the entries of the launched and of the other decode instantiations (shard_headers())."""
     objects = [out.with_suffix(f".shard{k}.o") for k in range(SHARDS)]
-    hot, cold = shard_headers()
+    hot, cold = decode
     per_shard: list[list[str]] = [flags]
     for k, (header, level) in enumerate([(hot, flags), (cold, COLD_SHARD_FLAGS)], start=1):
         path = out.with_suffix(f".shard{k}.h")
@@ -140,8 +141,9 @@ def build_library(flavor: str) -> Path:
     for path in _sources():
         digest.update(path.name.encode() + path.read_bytes())
     if header is None:  # the sharded opt build: its decode lists and the cold level too
-        digest.update(" ".join([*COLD_SHARD_FLAGS, *shard_headers()]).encode())
-    if header is not None:
+        decode = shard_headers()
+        digest.update(" ".join([*COLD_SHARD_FLAGS, *decode]).encode())
+    else:
         digest.update(header.encode())
         entries = BUILD_DIR / f"entries_{flavor}.h"
         flags = [*flags, f'-DKVB_EMU_ENTRIES="{entries}"', f'-DKVB_EMU_SELECTION="{flavor}"']
@@ -156,7 +158,7 @@ def build_library(flavor: str) -> Path:
                 entries.write_text(header)
             tmp = target.with_suffix(f".{os.getpid()}.tmp")
             if header is None:
-                _compile_shards(flags, tmp)
+                _compile_shards(flags, decode, tmp)
             else:
                 _wait(_compile([*flags, "-shared", str(EMU_DIR / "harness.cpp"), "-o", str(tmp)]))
             tmp.rename(target)

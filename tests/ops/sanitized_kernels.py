@@ -11,6 +11,7 @@ its run no longer uses fails run_sanitized, which prints the list to paste in ei
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 #: flavor -> the attention kernels its sanitized run (test_sanitizers.py) looks up, over
 #: all the files it selects from.
@@ -109,11 +110,15 @@ def instantiated(flavor: str) -> list[str] | None:
 def entries_header(flavor: str) -> str | None:
     """The KVB_KERNEL lines harness.cpp includes for ``flavor`` (None: every kernel)."""
     names = instantiated(flavor)
-    if names is None:
-        return None
+    return None if names is None else kernel_entries(names)
+
+
+def kernel_entries(names: Iterable[str]) -> str:
+    """harness.cpp's ``KVB_KERNEL(family, args...),`` line of each attention kernel name
+    (blanks in the name do not matter); raises ValueError for any other name."""
     lines = []
     for name in names:
-        match = _NAME.fullmatch(name)
+        match = _NAME.fullmatch(squeeze(name))
         if match is None or match[1] not in _FAMILIES:
             raise ValueError(f"{name!r} is not an attention kernel harness.cpp can instantiate")
         lines.append(f"KVB_KERNEL({match[1]}, {match[2].replace(',', ', ')}),\n")

@@ -82,7 +82,7 @@ def test_every_decode_instantiation_is_in_the_harness_with_the_mirrored_smem():
 
 
 # An instantiation the emulator's opt build compiles at -O0 (emu_decode_shards.py: no other
-# test launches it): the unoptimized shard computes what the optimized one does.
+# test launches it): the unoptimized shard's kernels match the reference too.
 COLD = (96, 8, 1, 1)
 
 
