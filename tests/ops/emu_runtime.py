@@ -49,8 +49,13 @@ BUILD_DIR = EMU_DIR / "build"
 # ASan at -O0: the build of its kernels took 27 CPU-s at -O1 and takes 11, and the whole
 # ASan test (build and run) 44 -> 30 CPU-s; the instrumentation checks every access at any
 # level, and -O0 removes none of them.
+# opt's hidden visibility (harness.cpp exports its C API by name): the library's
+# thread-locals (the CUDA built-ins, the team and scheduler of the calling OS thread, static
+# __shared__ arrays) bind locally, so g++ reaches them by one __tls_get_addr per function
+# instead of one per access (a dlopen'ed library cannot use the initial-exec model: its
+# __shared__ arrays do not fit the static TLS that is left): the emulation tests ~6% faster.
 FLAVOR_FLAGS = {
-    "opt": ["-O2"],
+    "opt": ["-O2", "-fvisibility=hidden"],
     "asan": [
         "-O0",
         "-g1",

@@ -119,9 +119,16 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* ptr,
   detail::check_pointer(ptr, ldm, sizeof(T), "load_matrix_sync");
   using F = fragment<Use, M, N, K, T, Layout>;
   constexpr bool kRowMajor = std::is_same<Layout, row_major>::value;
-  for (int r = 0; r < F::kRows; ++r) {
+  // Each lane copies the whole tile: a row at a time (row_major), or a stored column at a
+  // time (col_major: contiguous reads), so the copies are wide moves.
+  if (kRowMajor) {
+    for (int r = 0; r < F::kRows; ++r) {
+      std::memcpy(&f.x[r * F::kCols], ptr + static_cast<size_t>(r) * ldm, sizeof(T) * F::kCols);
+    }
+  } else {
     for (int c = 0; c < F::kCols; ++c) {
-      f.x[r * F::kCols + c] = kRowMajor ? ptr[r * ldm + c] : ptr[c * ldm + r];
+      const T* col = ptr + static_cast<size_t>(c) * ldm;
+      for (int r = 0; r < F::kRows; ++r) f.x[r * F::kCols + c] = col[r];
     }
   }
 }
