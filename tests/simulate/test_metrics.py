@@ -48,6 +48,43 @@ def test_paged_run_metrics_by_hand() -> None:
     _check(result.metrics)
 
 
+def _cut_short_config(num_requests: int = 4):
+    """Two usable blocks of 16 slots: a 16-token prompt grows to 33 slots by its 30th
+    token, so each request ends (reason "length") at its 17th token, alone in the pool."""
+    return toy_config(num_requests=num_requests, output_len=30, num_blocks=3)
+
+
+def test_tpot_counts_the_tokens_a_cut_short_request_produced() -> None:
+    result = run_simulation(_cut_short_config())
+    s = result.summary()
+    assert result.num_finished == 4 and result.generated_tokens == 4 * 17
+    assert s["num_cut_short"] == 4
+    # One request at a time, 17 steps each (prefill + 16 decodes): 10 ms between tokens,
+    # not 16 intervals spread over the 29 of its output length.
+    assert result.simulated_time_s == pytest.approx(4 * 17 * STEP_S)
+    assert s["mean_tpot_s"] == pytest.approx(STEP_S)
+    assert run_simulation(toy_config(num_requests=4, output_len=3)).summary()["num_cut_short"] == 0
+
+
+def test_fleet_tpot_counts_the_tokens_a_cut_short_request_produced() -> None:
+    toy = _cut_short_config(num_requests=8)
+    config = FleetConfig(
+        workload=toy.workload,
+        num_instances=2,
+        router="round-robin",
+        scheduler=toy.scheduler,
+        num_blocks=toy.num_blocks,
+        block_size=toy.block_size,
+        num_cpu_blocks=0,
+        cost_model=toy.cost_model,
+    )
+    result = run_fleet(config)
+    s = result.summary()
+    assert result.num_finished == 8 and result.generated_tokens == 8 * 17
+    assert s["num_cut_short"] == 8
+    assert s["mean_tpot_s"] == pytest.approx(STEP_S)
+
+
 @pytest.mark.parametrize("rule", ["max_tokens", "exact"])
 def test_contiguous_run_metrics_by_hand(rule: str) -> None:
     result = run_contiguous(toy_config(num_requests=4, output_len=3), rule)

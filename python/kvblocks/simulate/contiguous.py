@@ -234,7 +234,10 @@ def run_contiguous(config: SimulationConfig, rule: str = "max_tokens") -> Contig
             reserved -= r.reserved
             seqs -= r.sim.n
             metrics.finished(
-                clock - r.sim.arrival_time, clock - r.first_token_time, r.sim.output_len
+                clock - r.sim.arrival_time,
+                clock - r.first_token_time,
+                r.sim.output_len,
+                r.sim.output_len,
             )
             follow = r.sim.next_turn(np.zeros(r.sim.output_len, dtype=np.int64), clock)
             if follow is not None:

@@ -236,6 +236,7 @@ class FleetResult:
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
             "num_rejected": self.num_rejected,
+            "num_cut_short": self.metrics.num_cut_short,
             "simulated_time_s": self.simulated_time_s,
             "prefix_hit_rate": self.prefix_hit_rate,
             "requests_per_s": self.requests_per_s,
@@ -433,11 +434,13 @@ def run_fleet(config: FleetConfig) -> FleetResult:
         outputs = inst.scheduler.update(output, result)
         dt = config.cost_model.step_time(output, bs, config.host_offload == "commit")
         tier.add(output, config.cost_model, bs, dt)
-        if dt == 0.0:
+        if dt == 0.0 and not outputs.finished:
             # Nothing could run (e.g. the pool cannot admit the queue head): wait for a
             # new request to change the picture.
             inst.stuck = True
             return
+        # An empty step can still end requests (a sequence that alone fills the pool ends
+        # with reason "length" when scheduled): it ends at once, and they finish now.
         inst.step_start = now
         inst.step_end = now + dt
         heapq.heappush(ends, (inst.step_end, i))
@@ -478,7 +481,8 @@ def run_fleet(config: FleetConfig) -> FleetResult:
             finished += 1
             generated += sum(len(c.token_ids) for c in out.outputs)
             first = e.first_token_time if e.first_token_time is not None else now
-            metrics.finished(now - e.sim.arrival_time, now - first, e.sim.output_len)
+            tokens = max(len(c.token_ids) for c in out.outputs)
+            metrics.finished(now - e.sim.arrival_time, now - first, tokens, e.sim.output_len)
             follow = e.sim.next_turn(out.outputs[0].token_ids, now)
             if follow is not None:
                 arrivals.push(follow)

@@ -6,8 +6,10 @@ Definitions (all in the cost model's simulated seconds):
   request's tokens;
 - **TTFT** (time to first token): arrival until the end of the step that samples its
   first token;
-- **TPOT** (time per output token): ``(finish - first token) / (output_len - 1)``, for
-  requests with more than one output token;
+- **TPOT** (time per output token): ``(finish - first token) / (tokens - 1)``, for
+  requests with more than one output token, ``tokens`` being what the request produced
+  (its longest sequence's): its output length, or fewer when a sequence that alone fills
+  the pool ended early (reason ``"length"``; counted in ``num_cut_short``);
 - **latency**: arrival until its last sequence finishes.
 
 The stability rule of the capacity search (:meth:`RequestMetrics.is_stable`) compares the
@@ -79,6 +81,8 @@ class RequestMetrics:
         self.latency = Distribution()
         self._quarter_sum = [0.0] * 4
         self._quarter_count = [0] * 4
+        #: Finished requests that produced fewer tokens than their output length.
+        self.num_cut_short = 0
 
     def scheduled(self, conversation: int, turn: int, delay_s: float) -> None:
         """Turn ``turn`` (0: the first) of conversation ``conversation`` (the index in start
@@ -93,11 +97,14 @@ class RequestMetrics:
         """A request sampled its first token ``ttft_s`` after arriving."""
         self.ttft.add(ttft_s)
 
-    def finished(self, latency_s: float, decode_s: float, output_len: int) -> None:
-        """A request finished: end-to-end ``latency_s``; ``decode_s`` after its first token."""
+    def finished(self, latency_s: float, decode_s: float, tokens: int, output_len: int) -> None:
+        """A request finished: end-to-end ``latency_s``; ``decode_s`` after its first token;
+        ``tokens`` produced (its longest sequence's) of the ``output_len`` it asked for."""
         self.latency.add(latency_s)
-        if output_len > 1:
-            self.tpot.add(decode_s / (output_len - 1))
+        if tokens < output_len:
+            self.num_cut_short += 1
+        if tokens > 1:
+            self.tpot.add(decode_s / (tokens - 1))
 
     def quarter_delay(self, quarter: int) -> float:
         """Mean queueing delay of the first turns in start quarter ``quarter`` (0..3)."""

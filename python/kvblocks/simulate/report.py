@@ -17,6 +17,16 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _finished(s: dict[str, Any]) -> str:
+    text = f"{s['num_finished']} / {s['num_rejected']}"
+    if s["num_cut_short"]:
+        text += (
+            f" ({s['num_cut_short']} cut short: a sequence alone filled the pool and ended"
+            " with reason 'length')"
+        )
+    return text
+
+
 def _percentiles(s: dict[str, Any], name: str) -> str:
     return " / ".join(_ms(float(s[f"{name}_p{q}_s"])) for q in PERCENTILES)
 
@@ -91,7 +101,7 @@ def format_table(plan: PlanResult) -> str:
     paged = plan.servers[0]
     rows: list[tuple[str, str]] = [
         *_workload_rows(plan),
-        ("requests finished / rejected", f"{s['num_finished']} / {s['num_rejected']}"),
+        ("requests finished / rejected", _finished(s)),
         ("scheduling steps", f"{s['num_steps']}"),
         (
             "throughput, simulated clock",

@@ -191,6 +191,7 @@ class SimulationResult:
             "num_requests": self.num_requests,
             "num_finished": self.num_finished,
             "num_rejected": self.num_rejected,
+            "num_cut_short": self.metrics.num_cut_short,
             "num_steps": self.num_steps,
             "simulated_time_s": self.simulated_time_s,
             "simulated_requests_per_s": self.num_finished / max(self.simulated_time_s, 1e-12),
@@ -400,7 +401,8 @@ def run_simulation(config: SimulationConfig) -> SimulationResult:
                 awaiting_token.pop(out.request_id, None)
                 sim = entry.sim
                 first = entry.first_token_time if entry.first_token_time is not None else clock
-                metrics.finished(clock - sim.arrival_time, clock - first, sim.output_len)
+                tokens = max(len(c.token_ids) for c in out.outputs)
+                metrics.finished(clock - sim.arrival_time, clock - first, tokens, sim.output_len)
                 follow = sim.next_turn(out.outputs[0].token_ids, clock)
                 if follow is not None:
                     arrivals.push(follow)
