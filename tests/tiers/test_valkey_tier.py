@@ -178,6 +178,52 @@ def test_reconnects_after_the_server_returns(
     assert out is not None and torch.equal(out, random_payload(layout, 0))
 
 
+def test_a_database_the_server_lacks_is_one_warning_not_silence(
+    valkey_server: ServerProcess, layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A url naming database 99 of a 16-database server: every command is refused (the
+    server is reachable, so there is no outage to report). Each refused command is counted;
+    one warning names the server's reason."""
+    tier = ValkeyTier(layout, url=f"valkey://127.0.0.1:{valkey_server.port}/99")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=TIERS_LOGGER):
+        for i in range(3):
+            assert not tier.put(block_hash(i), random_payload(layout, i))
+            assert tier.get_many([block_hash(i)]) == [None]
+            assert tier.contains_many([block_hash(i)]) == [False]
+    warnings = tier_warnings(caplog)
+    assert len(warnings) == 1 and "refused" in warnings[0], warnings
+    assert "DB index is out of range" in warnings[0], warnings
+    stats = tier.stats()
+    assert stats.errors == 9 and stats.dropped_puts == 3 and stats.misses == 3
+    assert tier.is_available()  # reachable: no back-off, the next command asks again
+
+
+def test_refused_puts_warn_once_per_episode(
+    layout: KVLayout, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Out of memory under ``noeviction`` refuses each SET of a pipeline: one warning while
+    it lasts, a note when a put succeeds again, and a warning for the next episode."""
+    with running_server() as server:
+        tier = ValkeyTier(layout, port=server.port)
+        tier.client.config_set("maxmemory-policy", "noeviction")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=TIERS_LOGGER):
+            tier.client.config_set("maxmemory", "1")  # below what the server already uses
+            for i in range(3):
+                assert tier.put_many([block_hash(i)], [random_payload(layout, i)]) == 0
+            assert len(tier_warnings(caplog)) == 1
+            tier.client.config_set("maxmemory", "0")  # no limit
+            assert tier.put(block_hash(10), random_payload(layout, 10))
+            tier.client.config_set("maxmemory", "1")
+            assert not tier.put(block_hash(11), random_payload(layout, 11))
+        warnings = tier_warnings(caplog)
+        assert len(warnings) == 2 and all("maxmemory" in w for w in warnings), warnings
+        assert any("accepts commands again" in r.getMessage() for r in caplog.records)
+        stats = tier.stats()
+        assert stats.puts == 1 and stats.dropped_puts == 4 and stats.errors == 4
+
+
 def test_server_lru_bounds_the_tier(layout: KVLayout) -> None:
     with running_server(maxmemory="2mb") as server:
         tier = ValkeyTier(layout, port=server.port)

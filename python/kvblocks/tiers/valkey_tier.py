@@ -79,7 +79,9 @@ class ValkeyTier:
     Faults: every command runs under ``socket_timeout_s``; when the server is unreachable the
     tier logs one warning (on the ``kvblocks.tiers`` logger), reads return misses and puts
     are dropped (``dropped_puts``) without touching the network for ``retry_interval_s``,
-    after which it reconnects by itself. A
+    after which it reconnects by itself. A server that answers but refuses commands (a
+    database number it does not have, out of memory under ``noeviction``) is one warning
+    too, until a command succeeds again; its reads miss and its puts are dropped. A
     ``client`` passed in keeps its own timeouts and retries (set a socket timeout on it).
     Like the other tiers, one instance is for one thread.
 
@@ -161,6 +163,7 @@ class ValkeyTier:
         self._stats = TierStats()
         self._down_until = 0.0
         self._outage = False
+        self._refusing = False
         self._warned_rejected = False
 
     @property
@@ -196,6 +199,8 @@ class ValkeyTier:
     def _failed(self, exc: Exception) -> None:
         self._stats.errors += 1
         if not isinstance(exc, _UNREACHABLE):
+            self._reachable()
+            self._refused(exc)
             return
         self._down_until = time.monotonic() + self._retry_interval
         if not self._outage:
@@ -205,10 +210,27 @@ class ValkeyTier:
                 f"retrying every {self._retry_interval:g} s"
             )
 
-    def _succeeded(self) -> None:
+    def _refused(self, exc: Exception) -> None:
+        """The server answered but refused a command (a database it does not have, out of
+        memory under ``noeviction``, an ACL): one warning until a command succeeds again,
+        as for an outage, since every read then misses and every put is dropped."""
+        if not self._refusing:
+            self._refusing = True
+            logger.warning(
+                f"Valkey tier: the server refused a command ({exc}); reads miss and puts are "
+                "dropped while it does (stats().errors counts them)"
+            )
+
+    def _reachable(self) -> None:
         if self._outage:
             self._outage = False
             logger.info("Valkey tier reachable again")
+
+    def _succeeded(self) -> None:
+        self._reachable()
+        if self._refusing:
+            self._refusing = False
+            logger.info("Valkey tier: the server accepts commands again")
 
     def put(self, block_hash: bytes, kv: Payload, *, priority: int = 0) -> bool:
         """Store one block; False (and counted as dropped) when the server is unreachable."""
@@ -245,15 +267,21 @@ class ValkeyTier:
             self._failed(exc)
             self._stats.dropped_puts += len(records)
             return 0
-        self._succeeded()
         stored = 0
+        refused = None
         for result in results:
             if isinstance(result, Exception):
                 # e.g. OOM with maxmemory-policy noeviction: the server refused this one.
                 self._stats.errors += 1
                 self._stats.dropped_puts += 1
+                refused = refused or result
             else:
                 stored += 1
+        if refused is None:
+            self._succeeded()
+        else:
+            self._reachable()
+            self._refused(refused)
         self._stats.puts += stored
         self._stats.bytes_in += stored * self.layout.payload_nbytes
         return stored
