@@ -151,3 +151,33 @@ def test_a_failed_import_leaves_no_unwritten_slot_a_hit(link: RemoteTierLink) ->
     # Announced once, by the import that wrote them (none left over from the failed one).
     stored = [e for e in m.take_events() if getattr(e, "medium", None) == "CPU"]
     assert [bytes(h) for e in stored for h in e.block_hashes] == hashes
+
+
+@pytest.mark.parametrize(
+    ("read", "match"),
+    [
+        ({"token_ids": [1.7] * 40}, "integers"),  # cast to int64, these read [1] * 40's blocks
+        ({"token_ids": ["1"] * 40}, "integers"),
+        ({"token_ids": [[1] * 20] * 2}, "1-D"),
+        ({"token_ids": [-1] * 40}, r"\[0, "),
+        ({"token_ids": [2**32] * 40}, r"\[0, "),
+        ({"token_ids": [1] * 40, "retention_priority": 101}, "retention_priority"),
+        ({"token_ids": [1] * 40, "lora_id": -1}, "lora_id"),
+    ],
+)
+def test_a_bad_read_raises_before_anything_is_read(
+    link: RemoteTierLink, read: dict[str, object], match: str
+) -> None:
+    """``prefetch``/``missing`` take a TierRead from the caller: a token list that a cast
+    would change (floats, strings) raised nothing and read another prompt's blocks."""
+    from kvblocks.errors import KVBlocksError
+    from kvblocks.tiers.remote_link import TierRead
+
+    bad = TierRead(**read)  # type: ignore[arg-type]
+    with pytest.raises(KVBlocksError, match=match):
+        link.prefetch(bad)
+    with pytest.raises(KVBlocksError, match=match):
+        link.missing(bad)
+    with pytest.raises(KVBlocksError, match="TierRead"):
+        link.prefetch([1] * 40)  # type: ignore[arg-type]
+    assert link.stats().fetches == 0

@@ -50,12 +50,20 @@ import numpy.typing as npt
 import torch
 
 from kvblocks._core import KVCacheManager
-from kvblocks.errors import InvalidArgumentError
+from kvblocks.errors import InvalidArgumentError, InvalidTypeError
 from kvblocks.tiers.layout import KVLayout
 from kvblocks.tiers.remote_groups import FetchPlan, group_tags, plan_fetch
 from kvblocks.tiers.remote_worker import PendingFetch, Worker
 from kvblocks.tiers.store import TierStore
-from kvblocks.validation import check_bool, check_int, check_number
+from kvblocks.validation import (
+    TOKEN_ID_MAX,
+    check_bool,
+    check_int,
+    check_int_array,
+    check_number,
+    check_optional_int,
+    check_priority,
+)
 
 __all__ = [
     "PendingFetch",
@@ -371,14 +379,28 @@ class RemoteTierLink:
         return [] if plan is None else list(plan.keys)
 
     def _plan(self, read: TierRead) -> FetchPlan | None:
+        if not isinstance(read, TierRead):
+            raise InvalidTypeError(f"read must be a TierRead, got {type(read).__name__}")
+        # Checked, not cast: np.asarray(..., dtype=np.int64) truncates floats and parses
+        # strings, which would read another prompt's blocks.
+        try:
+            tokens = np.asarray(read.token_ids)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError("token_ids must be a 1-D sequence of ints") from exc
+        if tokens.ndim != 1:
+            raise InvalidArgumentError(f"token_ids must be 1-D, got shape {tokens.shape}")
+        check_int_array(tokens, "token_ids", minimum=0, maximum=TOKEN_ID_MAX)
+        if read.retention_priority is not None:
+            check_priority(read.retention_priority, "retention_priority")
+        check_optional_int(read.lora_id, "lora_id", minimum=0)
         block_size = self.manager.block_size
         # A claim never covers the whole prompt: its last token is always computed.
-        limit = (len(read.token_ids) - 1) // block_size
+        limit = (len(tokens) - 1) // block_size
         if limit <= 0:
             return None
         # The manager's own hasher (algorithm, seed, LoRAs), copied now: a LoRA registered
         # since the last prefetch counts.
-        prefix = np.asarray(read.token_ids, dtype=np.int64)[: limit * block_size]
+        prefix = tokens[: limit * block_size].astype(np.int64, copy=False)
         hashes = self.manager.block_hasher().block_hashes(
             prefix, cache_salt=read.cache_salt, lora_id=read.lora_id
         )
