@@ -210,22 +210,44 @@ def test_occupancy():
     assert kernel_model.occupancy(64, 30_000, a100).ctas == 5  # 164 KiB
 
 
+ARCHS = sorted({key[-1] for key in FLOORS})
+#: The fast tier models the sm_90 rows (three NVRTC programs); sm_80's three are `slow`.
+FAST_ARCH = "sm_90"
+
+
+def _by_arch(arch: str):
+    return pytest.param(arch, marks=() if arch == FAST_ARCH else pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
-def modeled():
+def model_of():
+    """``model_of(arch)``: {FLOORS key: ModelRow} of one architecture's rows, compiled on
+    first use (one program per kernel source, the same programs whichever tier runs)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     pytest.importorskip("torch")
     if kernel_model.find_nvdisasm() is None:
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    insts = [kernel_model.Instantiation(*key) for key in FLOORS]
-    return {
-        (r.inst.kind, r.inst.dtype, r.inst.head, r.inst.group, r.inst.block_size, r.inst.arch): r
-        for r in kernel_model.run_model(insts)
-    }
+    done: dict[str, dict[tuple, kernel_model.ModelRow]] = {}
+
+    def rows(arch: str) -> dict[tuple, kernel_model.ModelRow]:
+        if arch not in done:
+            insts = [kernel_model.Instantiation(*key) for key in FLOORS if key[-1] == arch]
+            done[arch] = {
+                (r.inst.kind, r.inst.dtype, r.inst.head, r.inst.group, r.inst.block_size, arch): r
+                for r in kernel_model.run_model(insts)
+            }
+        return done[arch]
+
+    return rows
 
 
-@pytest.mark.parametrize("key", list(FLOORS), ids=lambda k: " ".join(map(str, k)))
-def test_modeled_figure_is_above_its_floor(modeled, key):
-    row = modeled[key]
+@pytest.mark.parametrize(
+    "key",
+    [pytest.param(key, marks=() if key[-1] == FAST_ARCH else pytest.mark.slow) for key in FLOORS],
+    ids=lambda k: " ".join(map(str, k)),
+)
+def test_modeled_figure_is_above_its_floor(model_of, key):
+    row = model_of(key[-1])[key]
     assert row.notes == [], row.notes
     assert row.spill_bytes == 0
     assert row.fraction >= FLOORS[key], f"{row.inst.label}: {row.fraction:.3f} ({row.formula})"
@@ -234,7 +256,7 @@ def test_modeled_figure_is_above_its_floor(modeled, key):
     assert row.binding in (*row.ceilings, "peak")
 
 
-def test_prefill_shared_memory_and_mma_match_a_hand_count(modeled):
+def test_prefill_shared_memory_and_mma_match_a_hand_count(model_of):
     """prefill_attention_kernel, fp16, head 128: 128 query rows (4 warps x 2 row blocks of
     16) x 32 keys per tile. Shared memory per tile: each warp reads its 32 Q rows, the whole
     K tile and the whole V tile once by ldmatrix (3 x 8 KiB; every fragment feeds both row
@@ -242,7 +264,7 @@ def test_prefill_shared_memory_and_mma_match_a_hand_count(modeled):
     of a later tile are stored by a predicated STS that all 4 warps issue (the model cannot
     know the predicate: 4 x 128 B); cp.async writes the K and V tiles (16 KiB). Scores and P
     never touch shared memory. 512 HMMA.16816 (128 x 32 x 128 x 2 multiply-adds / 2048)."""
-    row = modeled[("prefill", "fp16", 128, 8, 16, "sm_90")]
+    row = model_of("sm_90")[("prefill", "fp16", 128, 8, 16, "sm_90")]
     warps, rows_per_warp, tile, head = 4, 32, 32, 128
     ldsm = warps * (rows_per_warp + 2 * tile) * head * 2
     ids = 2 * 128 * 4 + warps * 128
@@ -254,10 +276,11 @@ def test_prefill_shared_memory_and_mma_match_a_hand_count(modeled):
     assert row.hmma == 128 * 32 * 128 * 2 / 2048
 
 
-def test_compiled_kernels_count_every_multiply_add_and_kv_byte(modeled):
+@pytest.mark.parametrize("arch", [_by_arch(a) for a in ARCHS])
+def test_compiled_kernels_count_every_multiply_add_and_kv_byte(model_of, arch):
     """Trip counts and guards of the live kernels: the FFMA/MMA lanes cover the math and the
     global loads cover the tile's K/V (a wrong trip count or guard rule breaks these)."""
-    for row in modeled.values():
+    for row in model_of(arch).values():
         shape = kernel_model.Shape.of(row.inst)
         lanes = row.by_class["fma"] * 32 + row.by_class["tensor"] * 2048  # m16n8k16
         assert lanes >= 2 * shape.rows * shape.tile * shape.head, row.inst.label
@@ -348,13 +371,14 @@ SINK_FLOORS = {
 }
 
 
-def test_attention_sinks_stay_out_of_the_main_loops(modeled):
+@pytest.mark.parametrize("arch", [_by_arch(a) for a in ARCHS])
+def test_attention_sinks_stay_out_of_the_main_loops(model_of, arch):
     """Sinks in the decode kernels are a runtime pointer tested after the tile loop: each
     has instructions on the sink path (the null test, the load, ``kvb::sink_inv``), none in
     the main loop, so its tile costs the same with and without sinks. The prefill kernel
     has none at all without sinks (a template parameter); its SINKS instantiation is
     modeled on its own (the slow test below)."""
-    for row in modeled.values():
+    for row in model_of(arch).values():
         if row.inst.kind == "prefill":
             assert row.sink_instructions == 0, row.inst.label
         else:
@@ -367,7 +391,7 @@ def test_attention_sinks_stay_out_of_the_main_loops(modeled):
 
 
 @pytest.mark.slow
-def test_prefill_with_sinks_is_modeled_above_its_floors(modeled):
+def test_prefill_with_sinks_is_modeled_above_its_floors(model_of):
     """The prefill kernel's SINKS instantiation (compiled here: two more NVRTC programs):
     its sink path outside the main loop, no spills, the modeled figure above a floor."""
     insts = [
