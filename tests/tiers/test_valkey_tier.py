@@ -183,7 +183,7 @@ def test_a_database_the_server_lacks_is_one_warning_not_silence(
 ) -> None:
     """A url naming database 99 of a 16-database server: every command is refused (the
     server is reachable, so there is no outage to report). Each refused command is counted;
-    one warning names the server's reason."""
+    one warning for the reads and one for the writes name the server's reason."""
     tier = ValkeyTier(layout, url=f"valkey://127.0.0.1:{valkey_server.port}/99")
     caplog.clear()
     with caplog.at_level(logging.INFO, logger=TIERS_LOGGER):
@@ -192,8 +192,9 @@ def test_a_database_the_server_lacks_is_one_warning_not_silence(
             assert tier.get_many([block_hash(i)]) == [None]
             assert tier.contains_many([block_hash(i)]) == [False]
     warnings = tier_warnings(caplog)
-    assert len(warnings) == 1 and "refused" in warnings[0], warnings
-    assert "DB index is out of range" in warnings[0], warnings
+    assert len(warnings) == 2, warnings
+    assert "refused a write" in warnings[0] and "refused a read" in warnings[1], warnings
+    assert all("DB index is out of range" in w for w in warnings), warnings
     stats = tier.stats()
     assert stats.errors == 9 and stats.dropped_puts == 3 and stats.misses == 3
     assert tier.is_available()  # reachable: no back-off, the next command asks again
@@ -203,7 +204,8 @@ def test_refused_puts_warn_once_per_episode(
     layout: KVLayout, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Out of memory under ``noeviction`` refuses each SET of a pipeline: one warning while
-    it lasts, a note when a put succeeds again, and a warning for the next episode."""
+    it lasts (reads, which still succeed, do not end it), a note when a put succeeds again,
+    and a warning for the next episode."""
     with running_server() as server:
         tier = ValkeyTier(layout, port=server.port)
         tier.client.config_set("maxmemory-policy", "noeviction")
@@ -212,6 +214,7 @@ def test_refused_puts_warn_once_per_episode(
             tier.client.config_set("maxmemory", "1")  # below what the server already uses
             for i in range(3):
                 assert tier.put_many([block_hash(i)], [random_payload(layout, i)]) == 0
+                assert tier.get_many([block_hash(i)]) == [None]  # GET is allowed
             assert len(tier_warnings(caplog)) == 1
             tier.client.config_set("maxmemory", "0")  # no limit
             assert tier.put(block_hash(10), random_payload(layout, 10))
@@ -219,7 +222,7 @@ def test_refused_puts_warn_once_per_episode(
             assert not tier.put(block_hash(11), random_payload(layout, 11))
         warnings = tier_warnings(caplog)
         assert len(warnings) == 2 and all("maxmemory" in w for w in warnings), warnings
-        assert any("accepts commands again" in r.getMessage() for r in caplog.records)
+        assert any("accepts writes again" in r.getMessage() for r in caplog.records)
         stats = tier.stats()
         assert stats.puts == 1 and stats.dropped_puts == 4 and stats.errors == 4
 

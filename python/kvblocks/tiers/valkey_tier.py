@@ -81,7 +81,8 @@ class ValkeyTier:
     are dropped (``dropped_puts``) without touching the network for ``retry_interval_s``,
     after which it reconnects by itself. A server that answers but refuses commands (a
     database number it does not have, out of memory under ``noeviction``) is one warning
-    too, until a command succeeds again; its reads miss and its puts are dropped. A
+    too, per kind (reads, writes) until one of that kind succeeds again; its reads miss
+    and its puts are dropped. A
     ``client`` passed in keeps its own timeouts and retries (set a socket timeout on it).
     Like the other tiers, one instance is for one thread.
 
@@ -163,7 +164,7 @@ class ValkeyTier:
         self._stats = TierStats()
         self._down_until = 0.0
         self._outage = False
-        self._refusing = False
+        self._refusing: set[str] = set()  # "read", "write": kinds being refused
         self._warned_rejected = False
 
     @property
@@ -191,16 +192,16 @@ class ValkeyTier:
         try:
             count = sum(1 for _ in self._client.scan_iter(match=self._prefix + b"*", count=1000))
         except _FAILURES as exc:
-            self._failed(exc)
+            self._failed(exc, "read")
             return 0
-        self._succeeded()
+        self._succeeded("read")
         return count
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, kind: str) -> None:
         self._stats.errors += 1
         if not isinstance(exc, _UNREACHABLE):
             self._reachable()
-            self._refused(exc)
+            self._refused(exc, kind)
             return
         self._down_until = time.monotonic() + self._retry_interval
         if not self._outage:
@@ -210,15 +211,17 @@ class ValkeyTier:
                 f"retrying every {self._retry_interval:g} s"
             )
 
-    def _refused(self, exc: Exception) -> None:
-        """The server answered but refused a command (a database it does not have, out of
-        memory under ``noeviction``, an ACL): one warning until a command succeeds again,
-        as for an outage, since every read then misses and every put is dropped."""
-        if not self._refusing:
-            self._refusing = True
+    def _refused(self, exc: Exception, kind: str) -> None:
+        """The server answered but refused a ``kind`` ("read" or "write") command (a
+        database it does not have, out of memory under ``noeviction``, an ACL): one warning
+        until a command of that kind succeeds again, as for an outage. Per kind: out of
+        memory refuses writes while reads succeed, and one must not end the other's report."""
+        if kind not in self._refusing:
+            self._refusing.add(kind)
             logger.warning(
-                f"Valkey tier: the server refused a command ({exc}); reads miss and puts are "
-                "dropped while it does (stats().errors counts them)"
+                f"Valkey tier: the server refused a {kind} ({exc}); "
+                + ("reads miss" if kind == "read" else "puts are dropped")
+                + " while it does (stats().errors counts them)"
             )
 
     def _reachable(self) -> None:
@@ -226,11 +229,11 @@ class ValkeyTier:
             self._outage = False
             logger.info("Valkey tier reachable again")
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, kind: str) -> None:
         self._reachable()
-        if self._refusing:
-            self._refusing = False
-            logger.info("Valkey tier: the server accepts commands again")
+        if kind in self._refusing:
+            self._refusing.discard(kind)
+            logger.info(f"Valkey tier: the server accepts {kind}s again")
 
     def put(self, block_hash: bytes, kv: Payload, *, priority: int = 0) -> bool:
         """Store one block; False (and counted as dropped) when the server is unreachable."""
@@ -264,7 +267,7 @@ class ValkeyTier:
                 pipe.set(key, record, ex=self._ttl)
             results = pipe.execute(raise_on_error=False)
         except _FAILURES as exc:
-            self._failed(exc)
+            self._failed(exc, "write")
             self._stats.dropped_puts += len(records)
             return 0
         stored = 0
@@ -278,10 +281,10 @@ class ValkeyTier:
             else:
                 stored += 1
         if refused is None:
-            self._succeeded()
+            self._succeeded("write")
         else:
             self._reachable()
-            self._refused(refused)
+            self._refused(refused, "write")
         self._stats.puts += stored
         self._stats.bytes_in += stored * self.layout.payload_nbytes
         return stored
@@ -303,10 +306,10 @@ class ValkeyTier:
                 pipe.mget(keys[start : start + self._batch])
             chunks = pipe.execute()
         except _FAILURES as exc:
-            self._failed(exc)
+            self._failed(exc, "read")
             self._stats.misses += len(hashes)
             return [None] * len(hashes)
-        self._succeeded()
+        self._succeeded("read")
         values = [value for chunk in chunks for value in chunk]
         return [self._decode(h, value) for h, value in zip(hashes, values, strict=True)]
 
@@ -348,9 +351,9 @@ class ValkeyTier:
                 pipe.exists(key)
             results = pipe.execute()
         except _FAILURES as exc:
-            self._failed(exc)
+            self._failed(exc, "read")
             return [False] * len(keys)
-        self._succeeded()
+        self._succeeded("read")
         return [bool(r) for r in results]
 
     def evict(self, block_hash: bytes) -> bool:
@@ -361,9 +364,9 @@ class ValkeyTier:
         try:
             removed = self._client.delete(key)
         except _FAILURES as exc:
-            self._failed(exc)
+            self._failed(exc, "write")
             return False
-        self._succeeded()
+        self._succeeded("write")
         if removed:
             self._stats.evictions += 1
         return bool(removed)
