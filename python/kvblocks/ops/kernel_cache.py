@@ -16,12 +16,14 @@ falls back to a private temporary one (compiling still works, nothing is shared)
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -200,6 +202,8 @@ def _writable_dir() -> Path:
         pass
     if _fallback_dir is None:
         _fallback_dir = Path(tempfile.mkdtemp(prefix="kvblocks-kernels-"))
+        # This process's alone: removed when it exits (loaded modules keep their code).
+        atexit.register(shutil.rmtree, _fallback_dir, ignore_errors=True)
         # An operational fault, not a mistake in the caller's code: logged, and the
         # kernels still compile (into a directory this process alone uses).
         logger.warning(
