@@ -33,6 +33,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvblocks.ops import nvrtc_build
@@ -69,6 +70,26 @@ def _from_json(text: str) -> nvrtc_build.CompileResult:
     return nvrtc_build.CompileResult(doc["log"], doc["cubin_bytes"], kernels)
 
 
+def _kept(
+    paths: dict[str, Path], compile: Callable[[], dict[str, nvrtc_build.CompileResult]]
+) -> dict[str, nvrtc_build.CompileResult]:
+    """The results stored at ``paths`` (arch -> file), or ``compile()``'s, stored there.
+    Under the lock of the first path, the one :func:`compile_source` of that program and
+    architecture takes: a worker that needs a program another is compiling waits for it."""
+    first = next(iter(paths.values()))
+    first.parent.mkdir(parents=True, exist_ok=True)
+    with open(first.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return {arch: _from_json(path.read_text()) for arch, path in paths.items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # one is absent or damaged: compile them all
+        results = compile()
+        for arch, path in paths.items():
+            _store(path, results[arch])
+    return results
+
+
 def compile_source(
     directory: Path | None, source: str, arch: str, names: list[str]
 ) -> nvrtc_build.CompileResult:
@@ -77,16 +98,8 @@ def compile_source(
     if directory is None:
         return nvrtc_build.compile_source(source, arch, names)
     path = directory / f"{_key(source, arch, names)}.json"
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _from_json(path.read_text())
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # absent or damaged: compile it
-        result = nvrtc_build.compile_source(source, arch, names)
-        _store(path, result)
-    return result
+    kept = _kept({arch: path}, lambda: {arch: nvrtc_build.compile_source(source, arch, names)})
+    return kept[arch]
 
 
 @functools.cache
@@ -169,20 +182,9 @@ def compile_archs(
     route = f"ptxas {found[1]} from {first}"
     if directory is None:
         return _compile_archs(source, first, rest, names)
-    directory.mkdir(parents=True, exist_ok=True)
     paths = {first: directory / f"{_key(source, first, names)}.json"}
     paths.update({a: directory / f"{_key(source, a, names, route)}.json" for a in rest})
-    # The first architecture's lock: a compile_source of that program waits for this one.
-    with open(paths[first].with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return {arch: _from_json(path.read_text()) for arch, path in paths.items()}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # one is absent or damaged: compile them all
-        results = _compile_archs(source, first, rest, names)
-        for arch, path in paths.items():
-            _store(path, results[arch])
-    return results
+    return _kept(paths, lambda: _compile_archs(source, first, rest, names))
 
 
 def _compile_archs(
