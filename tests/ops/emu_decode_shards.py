@@ -75,7 +75,11 @@ _GROUPS = (1, 2, 4, 8)
 def every_kernel() -> list[str]:
     """Every instantiation of harness.cpp's decode shards (its KVB_DECODE_ALL, both dtypes):
     for head sizes up to 128, each block size with GROUP 1-8 and 16; for 256, GROUP 1-8
-    with two K/V buffers and with one (STAGES 1); the merge of each head size."""
+    with two K/V buffers and with one (STAGES 1); the merge of each head size.
+
+    Written out, not ``cuda_sources.kernel_names(DECODE_SOURCE)``: ``make test-fast``
+    builds the emulator while uv is still installing torch, which that module imports
+    (test_decode_kernel_emu.py checks that the two lists agree)."""
     names = []
     for t in _DTYPES:
         for d in (64, 80, 96, 112, 128):
