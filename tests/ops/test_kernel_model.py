@@ -215,8 +215,9 @@ ARCHS = sorted({key[-1] for key in FLOORS})
 FAST_ARCH = "sm_90"
 
 
-def _by_arch(arch: str):
-    return pytest.param(arch, marks=() if arch == FAST_ARCH else pytest.mark.slow)
+def _tiered(value: object, arch: str):
+    """``value`` as a parameter, ``slow`` unless ``arch`` is the fast tier's."""
+    return pytest.param(value, marks=() if arch == FAST_ARCH else pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def model_of():
 
 @pytest.mark.parametrize(
     "key",
-    [pytest.param(key, marks=() if key[-1] == FAST_ARCH else pytest.mark.slow) for key in FLOORS],
+    [_tiered(key, key[-1]) for key in FLOORS],
     ids=lambda k: " ".join(map(str, k)),
 )
 def test_modeled_figure_is_above_its_floor(model_of, key):
@@ -276,7 +277,7 @@ def test_prefill_shared_memory_and_mma_match_a_hand_count(model_of):
     assert row.hmma == 128 * 32 * 128 * 2 / 2048
 
 
-@pytest.mark.parametrize("arch", [_by_arch(a) for a in ARCHS])
+@pytest.mark.parametrize("arch", [_tiered(a, a) for a in ARCHS])
 def test_compiled_kernels_count_every_multiply_add_and_kv_byte(model_of, arch):
     """Trip counts and guards of the live kernels: the FFMA/MMA lanes cover the math and the
     global loads cover the tile's K/V (a wrong trip count or guard rule breaks these)."""
@@ -371,7 +372,7 @@ SINK_FLOORS = {
 }
 
 
-@pytest.mark.parametrize("arch", [_by_arch(a) for a in ARCHS])
+@pytest.mark.parametrize("arch", [_tiered(a, a) for a in ARCHS])
 def test_attention_sinks_stay_out_of_the_main_loops(model_of, arch):
     """Sinks in the decode kernels are a runtime pointer tested after the tile loop: each
     has instructions on the sink path (the null test, the load, ``kvb::sink_inv``), none in
