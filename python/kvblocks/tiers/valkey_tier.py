@@ -200,7 +200,6 @@ class ValkeyTier:
     def _failed(self, exc: Exception, kind: str) -> None:
         self._stats.errors += 1
         if not isinstance(exc, _UNREACHABLE):
-            self._reachable()
             self._refused(exc, kind)
             return
         self._down_until = time.monotonic() + self._retry_interval
@@ -215,7 +214,9 @@ class ValkeyTier:
         """The server answered but refused a ``kind`` ("read" or "write") command (a
         database it does not have, out of memory under ``noeviction``, an ACL): one warning
         until a command of that kind succeeds again, as for an outage. Per kind: out of
-        memory refuses writes while reads succeed, and one must not end the other's report."""
+        memory refuses writes while reads succeed, and one must not end the other's report.
+        The server answered: an outage it was in is over."""
+        self._reachable()
         if kind not in self._refusing:
             self._refusing.add(kind)
             logger.warning(
@@ -283,7 +284,6 @@ class ValkeyTier:
         if refused is None:
             self._succeeded("write")
         else:
-            self._reachable()
             self._refused(refused, "write")
         self._stats.puts += stored
         self._stats.bytes_in += stored * self.layout.payload_nbytes
